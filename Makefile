@@ -1,0 +1,35 @@
+# flowtrain: two commands. `make demo` runs the main job, `make test` runs the tests.
+# Both create or reuse .venv, install from constraints.txt and provision Kafka and Prism.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.flowtrain-installed
+
+.PHONY: install provision test test-slow demo bench clean-venv
+
+install: $(STAMP) provision
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -c constraints.txt -e '.[test,demo]'
+	@touch $(STAMP)
+
+# Kafka broker jars (mvn, Maven Central) and the Prism runner (go install), cached per machine.
+provision: $(STAMP)
+	$(BIN)/python -m flowtrain.provision
+
+test: install
+	$(BIN)/python -m pytest -m "not slow" -v --durations=15
+
+test-slow: install
+	$(BIN)/python -m pytest -m slow -v
+
+demo: install
+	$(BIN)/flowtrain batch --out runs/demo
+
+bench: install
+	$(BIN)/flowtrain bench all
+
+clean-venv:
+	rm -rf $(VENV)

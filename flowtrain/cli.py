@@ -1,0 +1,86 @@
+"""The ``flowtrain`` command line.
+
+Each command's work lives in its own module and is imported only when that command runs, so
+``flowtrain --help`` answers at once instead of importing Beam and torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from flowtrain.kafka_broker import BrokerError, LocalKafka
+
+    broker_kwargs = {"port": args.port}
+    if args.data_dir:
+        broker_kwargs["data_dir"] = Path(args.data_dir)
+    broker = LocalKafka(**broker_kwargs)
+    try:
+        if args.action == "start":
+            broker.start(timeout_s=args.timeout)
+        elif args.action == "stop":
+            broker.stop()
+        else:
+            status = broker.status()
+            if args.json:
+                print(json.dumps(status))
+            elif status["running"]:
+                print(f"kafka: running (pid {status['pid']}) on {status['bootstrap']}, "
+                      f"Kafka {status['version']}, answers metadata: {status['answers_metadata']}\n"
+                      f"  data {status['data_dir']}\n  log  {status['log']}")
+            else:
+                print(f"kafka: not running (data dir {status['data_dir']})")
+                return 3
+    except BrokerError as err:
+        print(f"flowtrain kafka {args.action}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowtrain",
+        description="Train PyTorch models straight from Apache Beam dataflows.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    kafka = sub.add_parser(
+        "kafka", help="start, stop or inspect a local Apache Kafka broker (KRaft, 127.0.0.1)",
+        description="A real single-node Apache Kafka broker on 127.0.0.1. The jars are fetched "
+                    "from Maven Central with mvn on first use into ~/.cache/flowtrain/kafka "
+                    "(or $FLOWTRAIN_CACHE).")
+    kafka.add_argument("action", choices=["start", "stop", "status"],
+                       help="start (no-op if running), stop, or status")
+    kafka.add_argument("--port", type=int, default=9092,
+                       help="client port on 127.0.0.1; the controller uses PORT+1 (default 9092)")
+    kafka.add_argument("--data-dir", default=None,
+                       help="where the broker keeps its log segments, config and broker.log "
+                            "(default ~/.cache/flowtrain/kafka-data)")
+    kafka.add_argument("--timeout", type=float, default=90.0,
+                       help="seconds to wait for the broker to answer a metadata request (default 90)")
+    kafka.add_argument("--json", action="store_true", help="status as one JSON object")
+    kafka.set_defaults(func=_kafka)
+
+    for register in _command_registrars():
+        register(sub)
+    return parser
+
+
+def _command_registrars():
+    """Commands with their own modules; each adds its sub-parser."""
+    from flowtrain.commands import registrars
+
+    return registrars()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Ready Beam pipelines (batch ETL, streaming features) and the feature code they share."""

@@ -1,0 +1,47 @@
+"""Shared fixtures: a real Kafka broker for the whole session, started from the Apache jars.
+
+Infrastructure tests fail (never skip) when the broker or the streaming runner cannot be had:
+a skipped infrastructure test would let CI go green while testing nothing.
+"""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from flowtrain.kafka_broker import LocalKafka, free_port
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory) -> LocalKafka:
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path_factory.mktemp("kafka"))
+    broker.start(timeout_s=120)
+    try:
+        yield broker
+    finally:
+        broker.stop(timeout_s=20)
+
+
+@pytest.fixture(scope="session")
+def bootstrap(kafka_broker) -> str:
+    return kafka_broker.bootstrap
+
+
+@pytest.fixture
+def new_topic(bootstrap):
+    """Create a fresh topic with the given partition count; returns its name."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    created = []
+
+    def make(partitions: int = 3, prefix: str = "t", config: dict | None = None) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
+                                      topic_configs=config or {})])
+        created.append(name)
+        return name
+
+    yield make
+    admin.close()
