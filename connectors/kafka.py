@@ -1,0 +1,581 @@
+"""Pure-Python Kafka I/O for Apache Beam: ``ReadFromKafka`` and ``WriteToKafka``.
+
+The reader follows Java KafkaIO's ``ReadFromKafkaDoFn``: an ``Impulse`` resolves one
+``PartitionRead`` per topic-partition, a ``Reshuffle`` spreads them over workers, and a
+splittable DoFn reads each partition with its own assigned consumer. Its restriction is an
+offset range that grows with the log (``[start, UNBOUNDED)``) or ends at a resolved stop
+offset; it claims every record's offset with ``try_claim``, defers the remainder when caught
+up, and only checkpoints (never splits a partition), so records stay in log order.
+
+Why an SDF and not Beam 2.77's experimental ``unbounded_source``: that wrapper depends on
+bundle finalization for its checkpoint marks, which Prism (the local streaming runner) does
+not support, while an SDF with a commit branch works on Prism, the FnApiRunner, Flink and
+Dataflow alike.
+
+Delivery guarantee: records reach the pipeline exactly as the runner's SDF checkpointing
+allows (exactly-once processing on runners with durable checkpoints). Group offsets are
+committed by a separate branch (max offset per partition and window, after a GroupByKey), so
+a commit happens only after the bundle that read the record has been durably committed by
+the runner. A consumer group that restarts from its committed offsets therefore sees every
+record at least once: records read but not yet committed are read again.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import apache_beam as beam
+from apache_beam.io.iobase import RestrictionProgress
+from apache_beam.io.iobase import RestrictionTracker
+from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
+from apache_beam.transforms import window
+from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
+from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
+
+from connectors import kafka_offsets as offsets
+from connectors.kafka_offsets import UNBOUNDED, PartitionRead
+
+__all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "PartitionRead",
+           "PartitionRange", "close_all_clients"]
+
+_log = logging.getLogger(__name__)
+
+# Every client this module opens, so that clients of DoFns the runner never tears down (a
+# cancelled streaming job's in-process workers) are closed at exit instead of polling forever.
+_LIVE_CLIENTS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _track(client):
+    _LIVE_CLIENTS.add(client)
+    return client
+
+
+def close_all_clients() -> int:
+    """Close every Kafka client the connectors opened in this process; returns how many."""
+    clients = list(_LIVE_CLIENTS)
+    for client in clients:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+    _LIVE_CLIENTS.clear()
+    return len(clients)
+
+
+atexit.register(close_all_clients)
+
+
+class KafkaRecord(NamedTuple):
+    """One Kafka record as it leaves ``ReadFromKafka`` (and as ``WriteToKafka`` takes it)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int  # ms since the epoch (the record's CreateTime or LogAppendTime)
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+class KafkaWriteError(RuntimeError):
+    """A record could not be written; the bundle fails so the runner retries it."""
+
+
+def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None) -> dict:
+    """kafka-python settings shared by our consumers; ``extra`` passes security options through."""
+    cfg = {"bootstrap_servers": bootstrap_servers, "enable_auto_commit": False,
+           "request_timeout_ms": 30_000, "bootstrap_timeout_ms": 15_000}
+    cfg.update(extra or {})
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving partitions and offsets (runs once, on a worker, when the pipeline starts)
+# --------------------------------------------------------------------------------------------
+class _ResolvePartitionsFn(beam.DoFn):
+    """Impulse -> one ``PartitionRead`` per topic-partition, offsets resolved against the broker."""
+
+    def __init__(self, bootstrap_servers, topics, start, stop, group_id, consumer_config):
+        self._cfg = (bootstrap_servers, consumer_config)
+        self._topics, self._start, self._stop, self._group_id = topics, start, stop, group_id
+
+    def process(self, _impulse) -> Iterable[PartitionRead]:
+        from kafka import KafkaConsumer, TopicPartition
+
+        bootstrap, extra = self._cfg
+        consumer = _track(KafkaConsumer(**_client_config(bootstrap, extra), group_id=self._group_id))
+        try:
+            tps = []
+            for topic in self._topics:
+                parts = consumer.partitions_for_topic(topic)
+                if not parts:
+                    raise ValueError(f"ReadFromKafka: topic {topic!r} does not exist on {bootstrap} "
+                                     f"(or has no partitions); create it or fix `topics`")
+                tps += [TopicPartition(topic, p) for p in sorted(parts)]
+            beginning = consumer.beginning_offsets(tps)
+            end = consumer.end_offsets(tps)
+            start_times = stop_times = {}
+            if offsets.is_time(self._start):
+                ms = offsets.to_millis(self._start)
+                start_times = consumer.offsets_for_times({tp: ms for tp in tps})
+            stop_ms = offsets.to_millis(self._stop) if offsets.is_time(self._stop) else None
+            if stop_ms is not None:
+                stop_times = consumer.offsets_for_times({tp: stop_ms for tp in tps})
+            for tp in tps:
+                committed = consumer.committed(tp) if self._start == "committed" else None
+                at_start = start_times.get(tp)
+                first = offsets.start_offset(
+                    self._start, topic=tp.topic, partition=tp.partition, beginning=beginning[tp],
+                    end=end[tp], committed=committed, for_time=at_start.offset if at_start else None)
+                at_stop = stop_times.get(tp)
+                last = offsets.stop_offset(self._stop, start=first, end=end[tp],
+                                           for_time=at_stop.offset if at_stop else None)
+                yield PartitionRead(tp.topic, tp.partition, first, last, stop_ms)
+        finally:
+            consumer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The splittable DoFn
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PartitionRange:
+    """The restriction: offsets ``[start, stop)`` of one partition (``stop`` may be UNBOUNDED)."""
+
+    topic: str
+    partition: int
+    start: int
+    stop: int
+
+
+class _PartitionTracker(RestrictionTracker):
+    """Claims offsets of one partition in order; checkpoints, never splits a partition.
+
+    Claiming ``stop`` (an offset outside the range) marks the range done, which is how the
+    reader ends at a stop time or over trailing gaps, as Java's ``tryClaim(Long.MAX_VALUE)``.
+    """
+
+    def __init__(self, restriction: PartitionRange, end_offsets: "_EndOffsets"):
+        self._range = restriction
+        self._ends = end_offsets
+        self._last_attempt: int | None = None
+        self._checkpointed = False
+
+    def current_restriction(self) -> PartitionRange:
+        return self._range
+
+    def try_claim(self, offset: int) -> bool:
+        if self._last_attempt is not None and offset <= self._last_attempt:
+            raise ValueError(f"offsets must be claimed in increasing order: {offset} after "
+                             f"{self._last_attempt} in {self._range}")
+        self._last_attempt = offset
+        return self._range.start <= offset < self._range.stop
+
+    def try_split(self, fraction_of_remainder):
+        if fraction_of_remainder != 0 or self._checkpointed:
+            return None  # one consumer per partition keeps log order, as Java KafkaIO does
+        split_at = self._range.start if self._last_attempt is None else self._last_attempt + 1
+        if split_at >= self._range.stop:
+            return None
+        self._checkpointed = True
+        primary = replace(self._range, stop=split_at)
+        residual = replace(self._range, start=split_at)
+        self._range = primary
+        return primary, residual
+
+    def check_done(self):
+        if self._range.start < self._range.stop and (
+                self._last_attempt is None or self._last_attempt < self._range.stop - 1):
+            raise ValueError(f"offsets [{self._next_position()}, {self._range.stop}) of "
+                             f"{self._range.topic}-{self._range.partition} were not claimed")
+
+    def _next_position(self) -> int:
+        return self._range.start if self._last_attempt is None else self._last_attempt + 1
+
+    def current_progress(self) -> RestrictionProgress:
+        position = min(self._next_position(), self._range.stop)
+        end = self._ends.get(self._range.topic, self._range.partition, position)
+        remaining = offsets.backlog(position, self._range.stop, max(end, position))
+        return RestrictionProgress(completed=float(position - self._range.start),
+                                   remaining=float(remaining))
+
+    def is_bounded(self) -> bool:
+        return self._range.stop != UNBOUNDED
+
+
+class _EndOffsets:
+    """Cached log-end offsets for backlog estimates (one lazy consumer per worker)."""
+
+    def __init__(self, bootstrap_servers, consumer_config, ttl_s: float = 2.0):
+        self._cfg = (bootstrap_servers, consumer_config)
+        self._ttl = ttl_s
+        self._consumer = None
+        self._cache: dict[tuple[str, int], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"_cfg": self._cfg, "_ttl": self._ttl}
+
+    def __setstate__(self, state):
+        self.__init__(*state["_cfg"], ttl_s=state["_ttl"])
+
+    def get(self, topic: str, partition: int, fallback: int) -> int:
+        key = (topic, partition)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit and now - hit[0] < self._ttl:
+                return hit[1]
+            try:
+                from kafka import KafkaConsumer, TopicPartition
+
+                if self._consumer is None:
+                    self._consumer = _track(KafkaConsumer(**_client_config(*self._cfg)))
+                tp = TopicPartition(topic, partition)
+                end = self._consumer.end_offsets([tp], timeout_ms=5000)[tp]
+            except Exception as err:  # noqa: BLE001 - an estimate must never fail the read
+                _log.debug("end offset of %s-%s unavailable: %s", topic, partition, err)
+                return hit[1] if hit else fallback
+            self._cache[key] = (now, end)
+            return end
+
+    def close(self) -> None:
+        with self._lock:
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+
+
+class _WatermarkProvider(WatermarkEstimatorProvider):
+    def initial_estimator_state(self, element, restriction):
+        return MIN_TIMESTAMP
+
+    def create_watermark_estimator(self, estimator_state):
+        return ManualWatermarkEstimator(estimator_state)
+
+
+class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
+    """Reads one partition's offset range; emits ``KafkaRecord``s stamped with Kafka time.
+
+    The DoFn is its own restriction provider (Beam uses the DoFn when ``RestrictionParam``
+    names none), so the backlog estimates can reach the broker this read was configured for.
+    """
+
+    def __init__(self, bootstrap_servers, consumer_config, *, poll_interval_s: float,
+                 idle_watermark_lag_s: float, max_read_s: float):
+        self._cfg = (bootstrap_servers, consumer_config)
+        self._poll_interval_s = poll_interval_s
+        self._idle_lag_ms = int(idle_watermark_lag_s * 1000)
+        self._max_read_s = max_read_s
+        self._ends = _EndOffsets(bootstrap_servers, consumer_config)
+        self._consumers: dict = {}
+
+    # -- restriction provider ---------------------------------------------------------------
+    def initial_restriction(self, element: PartitionRead) -> PartitionRange:
+        return PartitionRange(element.topic, element.partition, element.start_offset, element.stop_offset)
+
+    def create_tracker(self, restriction: PartitionRange) -> _PartitionTracker:
+        return _PartitionTracker(restriction, self._ends)
+
+    def split(self, element, restriction):
+        yield restriction  # a partition is one unit of parallelism
+
+    def restriction_size(self, element, restriction: PartitionRange) -> float:
+        end = self._ends.get(restriction.topic, restriction.partition, restriction.start)
+        return float(offsets.backlog(restriction.start, restriction.stop, end))
+
+    def truncate(self, element, restriction: PartitionRange):
+        # On drain an unbounded read stops where it stands; a bounded one finishes.
+        return None if restriction.stop == UNBOUNDED else restriction
+
+    # -- reading ------------------------------------------------------------------------------
+    def setup(self):
+        self._consumers = {}
+
+    def teardown(self):
+        for consumer in self._consumers.values():
+            consumer.close()
+        self._consumers = {}
+        self._ends.close()
+
+    def _release(self, topic: str, partition: int) -> None:
+        """A finished partition frees its consumer (bounded reads end with no teardown call)."""
+        consumer = self._consumers.pop((topic, partition), None)
+        if consumer is not None:
+            consumer.close()
+        if not self._consumers:
+            self._ends.close()
+
+    def _consumer_for(self, topic: str, partition: int):
+        from kafka import KafkaConsumer, TopicPartition
+
+        key = (topic, partition)
+        if key not in self._consumers:
+            cfg = _client_config(*self._cfg)
+            cfg.setdefault("fetch_max_wait_ms", 100)
+            cfg.setdefault("max_poll_records", 2000)
+            cfg.setdefault("max_partition_fetch_bytes", 4 * 1024 * 1024)
+            consumer = _track(KafkaConsumer(**cfg, group_id=None))
+            consumer.assign([TopicPartition(topic, partition)])
+            self._consumers[key] = consumer
+        return self._consumers[key]
+
+    def process(self, element: PartitionRead,
+                tracker=beam.DoFn.RestrictionParam(),
+                watermark=beam.DoFn.WatermarkEstimatorParam(_WatermarkProvider())):
+        from kafka import TopicPartition
+
+        tp = TopicPartition(element.topic, element.partition)
+        stop = tracker.current_restriction().stop
+        position = tracker.current_restriction().start
+        if position >= stop:
+            tracker.try_claim(stop)
+            return
+        consumer = self._consumer_for(element.topic, element.partition)
+        if consumer.position(tp) != position:
+            consumer.seek(tp, position)
+        deadline = time.monotonic() + self._max_read_s
+        wm_ms = watermark.current_watermark().micros // 1000
+        while True:
+            batch = consumer.poll(timeout_ms=int(self._poll_interval_s * 1000)).get(tp, [])
+            for rec in batch:
+                if rec.offset < position:
+                    continue  # a stale fetch from before a seek
+                if element.stop_time_ms is not None and rec.timestamp >= element.stop_time_ms:
+                    tracker.try_claim(stop)  # the stop time is reached: the range is done
+                    self._release(element.topic, element.partition)
+                    return
+                if not tracker.try_claim(rec.offset):
+                    if rec.offset >= stop:
+                        self._release(element.topic, element.partition)
+                    return
+                position = rec.offset + 1
+                if rec.timestamp > wm_ms:
+                    wm_ms = rec.timestamp
+                    watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
+                yield window.TimestampedValue(
+                    KafkaRecord(rec.topic, rec.partition, rec.offset, rec.timestamp, rec.key,
+                                rec.value, tuple((k, v) for k, v in (rec.headers or ()))),
+                    Timestamp(micros=rec.timestamp * 1000))
+            if position >= stop:
+                tracker.try_claim(stop)
+                self._release(element.topic, element.partition)
+                return
+            if batch:
+                if time.monotonic() >= deadline:
+                    # Hand the bundle back so its output flows downstream; resume at once.
+                    tracker.defer_remainder(Duration(0))
+                    return
+                continue
+            # Nothing fetched: the partition is caught up or beyond its stop.
+            log_position = consumer.position(tp)
+            if stop != UNBOUNDED and log_position >= stop:
+                tracker.try_claim(stop)  # only gaps (control records) were left
+                self._release(element.topic, element.partition)
+                return
+            end = self._ends.get(element.topic, element.partition, log_position)
+            if log_position >= end:
+                idle = offsets.idle_watermark_ms(wm_ms, int(time.time() * 1000), self._idle_lag_ms)
+                if idle > wm_ms:
+                    wm_ms = idle
+                    watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
+            tracker.defer_remainder(Duration(seconds=self._poll_interval_s))
+            return
+
+
+class _ReadBoundedPartitionFn(_ReadPartitionFn):
+    pass
+
+
+@beam.DoFn.unbounded_per_element()
+class _ReadUnboundedPartitionFn(_ReadPartitionFn):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Committing group offsets after the reading bundle is durable
+# --------------------------------------------------------------------------------------------
+class _CommitOffsetsFn(beam.DoFn):
+    """((topic, partition), max offset) -> commit offset + 1 for the group, never backwards."""
+
+    def __init__(self, bootstrap_servers, group_id, consumer_config):
+        self._cfg = (bootstrap_servers, consumer_config)
+        self._group_id = group_id
+        self._consumer = None
+        self._committed: dict = {}
+
+    def setup(self):
+        from kafka import KafkaConsumer
+
+        self._consumer = _track(KafkaConsumer(**_client_config(*self._cfg), group_id=self._group_id))
+        self._committed = {}
+
+    def teardown(self):
+        if self._consumer is not None:
+            self._consumer.close()
+
+    def process(self, element):
+        from kafka import OffsetAndMetadata, TopicPartition
+
+        (topic, partition), offset = element
+        if self._committed.get((topic, partition), -1) >= offset + 1:
+            return
+        self._consumer.commit({TopicPartition(topic, partition): OffsetAndMetadata(offset + 1, "", -1)})
+        self._committed[(topic, partition)] = offset + 1
+        yield (topic, partition, offset + 1)
+
+
+class ReadFromKafka(beam.PTransform):
+    """Reads Kafka topics as ``KafkaRecord``s, one parallel reader per topic-partition.
+
+    Args:
+      bootstrap_servers: ``"host:port"`` or a list of them.
+      topics: a topic name or a list of names.
+      start: ``"earliest"`` (default), ``"latest"``, ``"committed"`` (the group's offsets;
+        partitions without a commit start at the earliest offset), a ``{(topic, partition):
+        offset}`` dict (partitions not in it start at the earliest offset), or a ``datetime`` /
+        ``Timestamp`` (the first record at or after it).
+      stop: ``None`` (unbounded, a streaming read), ``"end"`` (the end offsets seen when the read
+        starts: a bounded backfill), an ``int`` N (the next N offsets of each partition), or a
+        ``datetime`` / ``Timestamp`` (records before it). Bounded reads finish on batch runners.
+      group_id: consumer group whose offsets ``start="committed"`` reads and, with
+        ``commit_offsets``, that the read commits after its bundles are durable.
+      consumer_config: extra kafka-python consumer settings (SASL/SSL options pass through).
+      commit_offsets: commit the group's offsets (default: when ``group_id`` is given).
+      commit_window_s: event-time window over which the max offset per partition is committed.
+      poll_interval_s: how long a poll waits and how long a caught-up partition defers.
+      idle_watermark_lag_s: a caught-up partition's watermark advances to now minus this lag.
+      max_read_s: longest time one ``process`` call reads before handing its output downstream.
+    """
+
+    def __init__(self, bootstrap_servers: str | Sequence[str], topics: str | Sequence[str], *,
+                 start: offsets.StartSpec = "earliest", stop: offsets.StopSpec = None,
+                 group_id: str | None = None, consumer_config: Mapping[str, Any] | None = None,
+                 commit_offsets: bool | None = None, commit_window_s: float = 5.0,
+                 poll_interval_s: float = 0.2, idle_watermark_lag_s: float = 0.0,
+                 max_read_s: float = 1.0):
+        super().__init__()
+        offsets.validate_start(start)
+        offsets.validate_stop(stop)
+        if start == "committed" and not group_id:
+            raise ValueError("ReadFromKafka(start='committed') needs group_id: the committed offsets "
+                             "belong to a consumer group")
+        self._bootstrap = bootstrap_servers
+        self._topics = [topics] if isinstance(topics, str) else list(topics)
+        self._start, self._stop = start, stop
+        self._group_id = group_id
+        self._consumer_config = dict(consumer_config or {})
+        self._commit = bool(group_id) if commit_offsets is None else commit_offsets
+        if self._commit and not group_id:
+            raise ValueError("ReadFromKafka(commit_offsets=True) needs group_id")
+        self._commit_window_s = commit_window_s
+        self._read_opts = {"poll_interval_s": poll_interval_s,
+                           "idle_watermark_lag_s": idle_watermark_lag_s, "max_read_s": max_read_s}
+
+    def expand(self, pbegin):
+        read_fn = (_ReadBoundedPartitionFn if self._stop is not None else _ReadUnboundedPartitionFn)(
+            self._bootstrap, self._consumer_config, **self._read_opts)
+        records = (
+            pbegin
+            | "Impulse" >> beam.Impulse()
+            | "ResolvePartitions" >> beam.ParDo(_ResolvePartitionsFn(
+                self._bootstrap, self._topics, self._start, self._stop, self._group_id,
+                self._consumer_config))
+            | "SpreadPartitions" >> beam.Reshuffle()
+            | "ReadPartitions" >> beam.ParDo(read_fn).with_input_types(PartitionRead)
+            .with_output_types(KafkaRecord)
+        )
+        if self._commit:
+            _ = (
+                records
+                | "OffsetPerPartition" >> beam.Map(lambda r: ((r.topic, r.partition), r.offset))
+                | "CommitWindow" >> beam.WindowInto(window.FixedWindows(self._commit_window_s))
+                | "MaxOffset" >> beam.CombinePerKey(max)
+                | "CommitOffsets" >> beam.ParDo(_CommitOffsetsFn(self._bootstrap, self._group_id,
+                                                                 self._consumer_config))
+            )
+        return records
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+def _as_message(element) -> tuple:
+    """KafkaRecord or (key, value) -> (key, value, headers, timestamp_ms)."""
+    if isinstance(element, KafkaRecord):
+        return element.key, element.value, list(element.headers) or None, element.timestamp
+    if isinstance(element, tuple) and len(element) == 2:
+        key, value = element
+        return key, value, None, None
+    raise TypeError(f"WriteToKafka takes KafkaRecord or (key, value) elements, got {type(element).__name__}")
+
+
+class _WriteFn(beam.DoFn):
+    def __init__(self, bootstrap_servers, topic, producer_config, flush_timeout_s):
+        self._bootstrap, self._topic = bootstrap_servers, topic
+        self._producer_config = dict(producer_config or {})
+        self._flush_timeout_s = flush_timeout_s
+        self._producer = None
+
+    def setup(self):
+        from kafka import KafkaProducer
+        from kafka.errors import KafkaTimeoutError
+
+        cfg = {"bootstrap_servers": self._bootstrap, "acks": "all", "enable_idempotence": True,
+               "linger_ms": 5, "batch_size": 256 * 1024, "max_block_ms": 15_000,
+               "bootstrap_timeout_ms": 15_000, "retries": 5}
+        cfg.update(self._producer_config)
+        self._producer = _track(KafkaProducer(**cfg))
+        try:
+            # A metadata request for the topic: with auto-creation off, an absent topic times out.
+            self._producer.partitions_for(self._topic)
+        except KafkaTimeoutError as err:
+            self._producer.close(timeout=1)
+            raise KafkaWriteError(
+                f"WriteToKafka: topic {self._topic!r} does not exist on {self._bootstrap} and the broker "
+                f"did not create it (auto.create.topics.enable=false?). Create the topic first "
+                f"(kafka-topics.sh --create or KafkaAdminClient.create_topics).") from err
+
+    def start_bundle(self):
+        self._errors: list[BaseException] = []
+        self._sent = 0
+
+    def process(self, element):
+        key, value, headers, ts = _as_message(element)
+        future = self._producer.send(self._topic, key=key, value=value, headers=headers, timestamp_ms=ts)
+        future.add_errback(self._errors.append)
+        self._sent += 1
+
+    def finish_bundle(self):
+        # Every record of a finished bundle is acknowledged (acks=all), or the bundle fails.
+        self._producer.flush(timeout=self._flush_timeout_s)
+        if self._errors:
+            raise KafkaWriteError(f"WriteToKafka: {len(self._errors)} of {self._sent} records to "
+                                  f"{self._topic!r} failed: {self._errors[0]!r}")
+
+    def teardown(self):
+        if self._producer is not None:
+            self._producer.close(timeout=10)
+
+
+class WriteToKafka(beam.PTransform):
+    """Writes ``KafkaRecord``s or ``(key, value)`` pairs to one topic.
+
+    The producer batches (``linger_ms``), waits for all in-sync replicas (``acks="all"``) and is
+    idempotent, so broker-side retries add no duplicates. Every bundle flushes before it
+    completes: a finished bundle's records are acknowledged, and a send error fails the bundle
+    (which the runner retries) instead of vanishing. ``producer_config`` passes kafka-python
+    producer settings through (SASL/SSL among them).
+    """
+
+    def __init__(self, bootstrap_servers: str | Sequence[str], topic: str, *,
+                 producer_config: Mapping[str, Any] | None = None, flush_timeout_s: float = 60.0):
+        super().__init__()
+        self._fn = _WriteFn(bootstrap_servers, topic, producer_config, flush_timeout_s)
+
+    def expand(self, pcoll):
+        return pcoll | "Produce" >> beam.ParDo(self._fn)
