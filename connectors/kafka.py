@@ -318,8 +318,8 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         if key not in self._consumers:
             cfg = _client_config(*self._cfg)
             cfg.setdefault("fetch_max_wait_ms", 100)
-            cfg.setdefault("max_poll_records", 2000)
-            cfg.setdefault("max_partition_fetch_bytes", 4 * 1024 * 1024)
+            cfg.setdefault("max_poll_records", 10_000)
+            cfg.setdefault("max_partition_fetch_bytes", 8 * 1024 * 1024)
             consumer = _track(KafkaConsumer(**cfg, group_id=None))
             consumer.assign([TopicPartition(topic, partition)])
             self._consumers[key] = consumer
@@ -343,6 +343,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         wm_ms = watermark.current_watermark().micros // 1000
         while True:
             batch = consumer.poll(timeout_ms=int(self._poll_interval_s * 1000)).get(tp, [])
+            batch_max_ms = wm_ms
             for rec in batch:
                 if rec.offset < position:
                     continue  # a stale fetch from before a seek
@@ -355,13 +356,15 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                         self._release(element.topic, element.partition)
                     return
                 position = rec.offset + 1
-                if rec.timestamp > wm_ms:
-                    wm_ms = rec.timestamp
-                    watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
+                if rec.timestamp > batch_max_ms:
+                    batch_max_ms = rec.timestamp
                 yield window.TimestampedValue(
                     KafkaRecord(rec.topic, rec.partition, rec.offset, rec.timestamp, rec.key,
                                 rec.value, tuple((k, v) for k, v in (rec.headers or ()))),
                     Timestamp(micros=rec.timestamp * 1000))
+            if batch_max_ms > wm_ms:  # per partition, monotonic: the max timestamp read so far
+                wm_ms = batch_max_ms
+                watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
             if position >= stop:
                 tracker.try_claim(stop)
                 self._release(element.topic, element.partition)
@@ -450,7 +453,8 @@ class ReadFromKafka(beam.PTransform):
       commit_window_s: event-time window over which the max offset per partition is committed.
       poll_interval_s: how long a poll waits and how long a caught-up partition defers.
       idle_watermark_lag_s: a caught-up partition's watermark advances to now minus this lag.
-      max_read_s: longest time one ``process`` call reads before handing its output downstream.
+      max_read_s: longest time one ``process`` call reads before handing its output downstream
+        (default 1 s for unbounded reads, for latency; 30 s for bounded ones, for throughput).
     """
 
     def __init__(self, bootstrap_servers: str | Sequence[str], topics: str | Sequence[str], *,
@@ -458,7 +462,7 @@ class ReadFromKafka(beam.PTransform):
                  group_id: str | None = None, consumer_config: Mapping[str, Any] | None = None,
                  commit_offsets: bool | None = None, commit_window_s: float = 5.0,
                  poll_interval_s: float = 0.2, idle_watermark_lag_s: float = 0.0,
-                 max_read_s: float = 1.0):
+                 max_read_s: float | None = None):
         super().__init__()
         offsets.validate_start(start)
         offsets.validate_stop(stop)
@@ -475,7 +479,8 @@ class ReadFromKafka(beam.PTransform):
             raise ValueError("ReadFromKafka(commit_offsets=True) needs group_id")
         self._commit_window_s = commit_window_s
         self._read_opts = {"poll_interval_s": poll_interval_s,
-                           "idle_watermark_lag_s": idle_watermark_lag_s, "max_read_s": max_read_s}
+                           "idle_watermark_lag_s": idle_watermark_lag_s,
+                           "max_read_s": max_read_s if max_read_s is not None else (1.0 if stop is None else 30.0)}
 
     def expand(self, pbegin):
         read_fn = (_ReadBoundedPartitionFn if self._stop is not None else _ReadUnboundedPartitionFn)(
