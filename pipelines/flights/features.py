@@ -1,0 +1,120 @@
+"""Flight-delay features, shared unchanged by the batch ETL and the streaming pipeline.
+
+The target is ``arr_delay > 15`` minutes (the FAA's on-time definition): a classification
+that a traveller or an airline acts on, and robust to the long right tail of delays that
+dominates a squared-error regression. Features use only what is known at the scheduled
+departure hour: the schedule, the route, the carrier, the plane (by tail number) and the
+weather observed at the origin airport in that hour. ``dep_delay``, ``dep_time``,
+``arr_time`` and ``air_time`` are outcomes and are never features.
+
+Both pipelines call ``join_reference`` (flights + weather + planes, as Arrow joins) and then
+the generic tabular code with ``FLIGHTS_SPEC`` and ``impossible_values``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipelines.tabular.spec import FeatureSpec
+
+WEATHER_COLUMNS = ["temp", "dewp", "humid", "wind_dir", "wind_speed", "wind_gust", "precip", "pressure", "visib"]
+PLANE_COLUMNS = {"year": "plane_year", "seats": "seats", "engines": "engines", "manufacturer": "manufacturer"}
+#: Columns of a raw flight event / row that the features read.
+RAW_COLUMNS = ["year", "month", "day", "hour", "minute", "sched_dep_time", "sched_arr_time", "carrier",
+               "flight", "tailnum", "origin", "dest", "distance", "time_hour", "arr_delay"]
+
+FLIGHTS_SPEC = FeatureSpec(
+    label="arr_delay",
+    task="classification",
+    positive_above=15.0,
+    numeric=["distance", "sched_dep_minutes", "sched_arr_minutes"],
+    optional_numeric=[*WEATHER_COLUMNS, "plane_year", "seats", "engines"],
+    categorical=["carrier", "origin", "dest", "month_name", "weekday", "dep_hour", "manufacturer"],
+    time_column="time_hour",
+    valid_from="2013-10-01T00:00:00+00:00",
+    test_from="2013-11-01T00:00:00+00:00",
+    min_count=5,
+)
+
+_MONTHS = np.array(["", "jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"])
+_DAYS = np.array(["mon", "tue", "wed", "thu", "fri", "sat", "sun"])
+
+
+def prepare_weather(weather: pa.Table) -> pa.Table:
+    """One row per (origin, time_hour): the file repeats a few hours (daylight-saving changes)."""
+    weather = weather.select(["origin", "time_hour", *WEATHER_COLUMNS])
+    keys = pc.binary_join_element_wise(weather.column("origin"),
+                                       pc.cast(pc.cast(weather.column("time_hour"), pa.int64()), pa.string()), "|")
+    _, first = np.unique(keys.to_numpy(zero_copy_only=False), return_index=True)
+    return weather.take(pa.array(np.sort(first)))
+
+
+def prepare_planes(planes: pa.Table) -> pa.Table:
+    planes = planes.select(["tailnum", *PLANE_COLUMNS]).rename_columns(["tailnum", *PLANE_COLUMNS.values()])
+    return planes.cast(pa.schema([("tailnum", pa.string()), ("plane_year", pa.float64()), ("seats", pa.float64()),
+                                  ("engines", pa.float64()), ("manufacturer", pa.string())]))
+
+
+def join_reference(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes: pa.Table) -> pa.Table:
+    """Left joins: weather at the origin in the scheduled hour, the plane by tail number.
+
+    A flight with no weather hour or no plane record keeps its row with nulls there (the
+    optional numerics become the training mean, the manufacturer the out-of-vocabulary code).
+    """
+    table = pa.Table.from_batches([flights]) if isinstance(flights, pa.RecordBatch) else flights
+    order = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    table = table.append_column("__order", order)
+    joined = table.join(weather, keys=["origin", "time_hour"], join_type="left outer")
+    joined = joined.join(planes, keys="tailnum", join_type="left outer")
+    joined = joined.sort_by("__order").drop_columns(["__order"])
+    return derive(joined)
+
+
+def derive(table: pa.Table) -> pa.Table:
+    """Calendar and schedule columns computed from the raw ones (nulls stay null)."""
+    sched = pc.cast(table.column("sched_dep_time"), pa.float64())
+    arr = pc.cast(table.column("sched_arr_time"), pa.float64())
+    month = pc.fill_null(pc.cast(table.column("month"), pa.int64()), 0).to_numpy(zero_copy_only=False)
+    local_date = pc.strptime(pc.binary_join_element_wise(
+        pc.cast(table.column("year"), pa.string()), pc.cast(table.column("month"), pa.string()),
+        pc.cast(table.column("day"), pa.string()), "-"), format="%Y-%m-%d", unit="s", error_is_null=True)
+    weekday = pc.fill_null(pc.day_of_week(local_date), -1).to_numpy(zero_copy_only=False)
+    columns = {
+        "sched_dep_minutes": _hhmm_to_minutes(sched),
+        "sched_arr_minutes": _hhmm_to_minutes(arr),
+        "month_name": pa.array(np.where((month >= 1) & (month <= 12), _MONTHS[np.clip(month, 0, 12)], None)),
+        "weekday": pa.array(np.where(weekday >= 0, _DAYS[np.clip(weekday, 0, 6)], None)),
+        "dep_hour": pc.cast(pc.cast(pc.floor(pc.divide(sched, 100.0)), pa.int64()), pa.string()),
+    }
+    for name, values in columns.items():
+        table = table.append_column(name, values)
+    return table
+
+
+def _hhmm_to_minutes(hhmm: pa.Array) -> pa.Array:
+    return pc.add(pc.multiply(pc.floor(pc.divide(hhmm, 100.0)), 60.0), _mod(hhmm, 100.0))
+
+
+def _mod(values: pa.Array, m: float) -> pa.Array:
+    return pc.subtract(values, pc.multiply(pc.floor(pc.divide(values, m)), m))
+
+
+def impossible_values(batch: pa.RecordBatch | pa.Table) -> list[tuple[str, np.ndarray]]:
+    """Flight-specific dead-letter checks, applied before the generic ones' reasons."""
+
+    def col(name):
+        return pc.cast(batch.column(name), pa.float64()).to_numpy(zero_copy_only=False)
+
+    delay = col("arr_delay")
+    distance = col("distance")
+    sched = col("sched_dep_time")
+    month = col("month")
+    return [
+        ("cancelled or diverted: no arrival delay", np.isnan(delay)),
+        ("impossible arr_delay (outside -120..1800 minutes)", (delay < -120) | (delay > 1800)),
+        ("impossible distance (not in 1..6000 miles)", ~((distance >= 1) & (distance <= 6000))),
+        ("impossible sched_dep_time (not an HHMM time)",
+         ~((sched >= 0) & (sched <= 2359) & (np.mod(sched, 100) < 60))),
+        ("impossible month (not 1..12)", ~((month >= 1) & (month <= 12))),
+    ]
