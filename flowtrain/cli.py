@@ -78,7 +78,12 @@ def _command_registrars():
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "accepts_beam_args", False):
+        # Options flowtrain does not know are Beam pipeline options (--runner=..., --flink_master=...).
+        return int(args.func(args, unknown) or 0)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)
 
 

