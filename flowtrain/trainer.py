@@ -25,13 +25,13 @@ from flowtrain.model import LinearModel, TabularMLP
 @dataclass
 class TrainConfig:
     epochs: int = 8
-    batch_size: int = 1024
-    lr: float = 2e-3
+    batch_size: int = 2048
+    lr: float = 1e-3
     weight_decay: float = 0.0
     patience: int = 2
     seed: int = 0
-    hidden: tuple[int, ...] = (256, 128)
-    dropout: float = 0.1
+    hidden: tuple[int, ...] = (128, 64)
+    dropout: float = 0.3
     threads: int | None = None
     log_every: int = 50
     progress: bool = True
@@ -59,16 +59,28 @@ def loss_function(task: str) -> nn.Module:
     return nn.BCEWithLogitsLoss() if task == "classification" else nn.MSELoss()
 
 
+def target_scale(data: TabularDataset) -> tuple[float, float]:
+    """Regression trains on a standardized target (mean 0, std 1 over the training split), so
+    learning rates do not depend on the label's units; predictions are scaled back."""
+    if data.spec.task != "regression":
+        return 0.0, 1.0
+    return float(data.stats["label_mean"]), float(data.stats.get("label_std", 1.0))
+
+
 @torch.no_grad()
-def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536) -> torch.Tensor:
+def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
+            scale: tuple[float, float] = (0.0, 1.0)) -> torch.Tensor:
+    """Logits (classification) or predictions in the label's units (regression)."""
     model.eval()
     outs = [model(b.x_num, b.x_cat) for b in iter_batches(split, batch_size=batch_size, seed=0, epoch=0,
                                                          shuffle=False)]
-    return torch.cat(outs) if outs else torch.zeros(0)
+    out = torch.cat(outs) if outs else torch.zeros(0)
+    return out * scale[1] + scale[0]
 
 
-def evaluate(model: nn.Module, split: TabularSplit, task: str) -> dict[str, float]:
-    out = predict(model, split)
+def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0)
+             ) -> dict[str, float]:
+    out = predict(model, split, scale=scale)
     return classification_metrics(out, split.y) if task == "classification" else regression_metrics(out, split.y)
 
 
@@ -93,6 +105,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         torch.set_num_threads(config.threads)
     train, valid = data.split("train"), data.split("valid")
     loss_fn = loss_function(data.spec.task)
+    shift, scale = target_scale(data)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
@@ -116,6 +129,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     elif log and not resume:
         log.path.unlink(missing_ok=True)
 
+    def log_train(step_: int, epoch_: int, loss_sum: float, rows: int, since: float) -> None:
+        log.write({"kind": "train", "model": name, "step": step_, "epoch": epoch_, "loss": loss_sum / rows,
+                   "rows_per_s": rows / max(time.perf_counter() - since, 1e-9)})
+
     t_start = time.perf_counter()
     data_wait = step_time = 0.0
     stopped_early = False
@@ -131,7 +148,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             t1 = time.perf_counter()
             if batch is None:
                 break
-            loss = loss_fn(model(batch.x_num, batch.x_cat), batch.y)
+            loss = loss_fn(model(batch.x_num, batch.x_cat), (batch.y - shift) / scale)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -145,15 +162,15 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", rows_s=f"{len(batch) / max(t2 - t0, 1e-9):,.0f}")
             if log and step % config.log_every == 0:
-                now = time.perf_counter()
-                log.write({"kind": "train", "model": name, "step": step, "epoch": epoch, "loss": running / seen,
-                           "rows_per_s": seen / max(now - t_log, 1e-9)})
-                running, seen, t_log = 0.0, 0, now
+                log_train(step, epoch, running, seen, t_log)
+                running, seen, t_log = 0.0, 0, time.perf_counter()
+        if log and seen:
+            log_train(step, epoch, running, seen, t_log)
         if bar is not None:
             bar.close()
 
         # --- validation, best weights, early stopping --------------------------------------------
-        metrics = evaluate(model, valid, data.spec.task)
+        metrics = evaluate(model, valid, data.spec.task, (shift, scale))
         if metrics["loss"] < best_loss - 1e-6:
             best_loss, best_epoch, bad_epochs, best_valid = metrics["loss"], epoch, 0, metrics
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -61,11 +61,11 @@ def register(sub) -> None:
     g.add_argument("--min-count", type=int, help="categories seen fewer times in training map to out-of-vocabulary")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, help="most epochs (default 8)")
-    t.add_argument("--batch-size", type=int, help="rows per step (default 1024)")
-    t.add_argument("--lr", type=float, help="Adam learning rate (default 0.002)")
+    t.add_argument("--batch-size", type=int, help="rows per step (default 2048)")
+    t.add_argument("--lr", type=float, help="Adam learning rate (default 0.001)")
     t.add_argument("--patience", type=int, help="stop after this many epochs without a better validation loss (2)")
-    t.add_argument("--hidden", help="MLP hidden sizes, comma-separated (default 256,128)")
-    t.add_argument("--dropout", type=float, help="dropout (default 0.1)")
+    t.add_argument("--hidden", help="MLP hidden sizes, comma-separated (default 128,64)")
+    t.add_argument("--dropout", type=float, help="dropout (default 0.3)")
     t.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     t.add_argument("--seed", type=int, help="seed for splits, shuffling and initialization (default 0)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -134,7 +134,8 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     from flowtrain.data import TabularDataset
     from flowtrain.report import plot_curves, write_report, write_summary
     from flowtrain.runners import pipeline_options
-    from flowtrain.trainer import TrainConfig, baseline_metrics, build_model, check_label, evaluate, fit
+    from flowtrain.trainer import (TrainConfig, baseline_metrics, build_model, check_label, evaluate, fit,
+                                   target_scale)
 
     t0 = time.perf_counter()
     run_dir = Path(options.get("out") or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -206,9 +207,9 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
         "dataset": str(dataset_path),
         "rows": data.manifest["rows"],
         "counts": data.manifest["counts"],
-        "test": {"model": evaluate(result.model, test, data.spec.task),
+        "test": {"model": evaluate(result.model, test, data.spec.task, target_scale(data)),
                  "baselines": {majority: baseline_metrics(data, test),
-                               "linear model": evaluate(linear.model, test, data.spec.task)}},
+                               "linear model": evaluate(linear.model, test, data.spec.task, target_scale(data))}},
         "valid_best": result.best_valid,
         "training": {"steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
                      "stopped_early": result.stopped_early, "seconds": result.seconds,

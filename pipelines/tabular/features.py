@@ -207,6 +207,7 @@ class StatsAccumulator:
     values: dict[str, dict] = field(default_factory=dict)
     label_values: dict = field(default_factory=dict)
     label_sum: float = 0.0
+    label_sq: float = 0.0
     rows: int = 0
 
     def add(self, batch: pa.RecordBatch, spec: FeatureSpec) -> "StatsAccumulator":
@@ -224,7 +225,8 @@ class StatsAccumulator:
                 if value is not None:
                     counts[value] = counts.get(value, 0) + n
         labels = label_values(batch.column(spec.label), spec)
-        self.label_sum += float(labels.sum())
+        self.label_sum += float(labels.astype(np.float64).sum())
+        self.label_sq += float(np.square(labels.astype(np.float64)).sum())
         if spec.task == "classification":
             for v, n in zip(*np.unique(labels, return_counts=True)):
                 self.label_values[float(v)] = self.label_values.get(float(v), 0) + int(n)
@@ -236,6 +238,7 @@ class StatsAccumulator:
     def merge(self, other: "StatsAccumulator") -> "StatsAccumulator":
         self.rows += other.rows
         self.label_sum += other.label_sum
+        self.label_sq += other.label_sq
         for name in ("count", "total", "total_sq"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for k, v in theirs.items():
@@ -262,8 +265,10 @@ class StatsAccumulator:
             kept = sorted((v for v, n in counts.items() if n >= spec.min_count),
                           key=lambda v: (-counts[v], v))[: spec.max_vocab]
             vocab[col] = kept  # code = index + 1; 0 is out-of-vocabulary / missing
-        return {"numeric": numeric, "vocab": vocab, "train_rows": self.rows,
-                "label_mean": self.label_sum / self.rows if self.rows else 0.0,
+        label_mean = self.label_sum / self.rows if self.rows else 0.0
+        label_var = self.label_sq / self.rows - label_mean ** 2 if self.rows else 0.0
+        return {"numeric": numeric, "vocab": vocab, "train_rows": self.rows, "label_mean": label_mean,
+                "label_std": math.sqrt(max(label_var, 0.0)) or 1.0,
                 "label_values": sorted(self.label_values)}
 
 
