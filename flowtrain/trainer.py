@@ -160,7 +160,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             seen += len(batch)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.4f}", rows_s=f"{len(batch) / max(t2 - t0, 1e-9):,.0f}")
+                bar.set_postfix(loss=f"{loss.item():.4f}", rows_s=f"{len(batch) / max(t2 - t0, 1e-9):,.0f}",
+                                refresh=False)
             if log and step % config.log_every == 0:
                 log_train(step, epoch, running, seen, t_log)
                 running, seen, t_log = 0.0, 0, time.perf_counter()
