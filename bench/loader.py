@@ -1,0 +1,112 @@
+"""bench loader: flowtrain's columnar loader vs torch DataLoader over the same Parquet files.
+
+One run, same dataset directory (the flights training split), same batch size, shuffled:
+(a) the anchor, a map-style Dataset over rows with DataLoader's default collate (what most
+PyTorch tabular code does); (b) DataLoader over an IterableDataset of Parquet record batches
+(batch_size=None, the fast DataLoader idiom); (c) flowtrain's loader (Arrow -> numpy -> torch
+once, batches by index_select). Goal: (c) >= 2x (a). Also the fraction of training step time
+spent waiting on data in a real ``flowtrain batch`` training epoch (goal < 5%).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from bench.table import report
+from connectors.dataset import shard_paths
+from flowtrain.data import TabularDataset, iter_batches
+from flowtrain.runners import pipeline_options
+from flowtrain.trainer import TrainConfig, build_model, fit
+from pipelines.flights.batch import run_flights_etl
+from pipelines.tabular.spec import CAT_PREFIX, LABEL, NUM_PREFIX
+
+
+class RowDataset(Dataset):
+    """The common pattern: a table in memory, one row per __getitem__."""
+
+    def __init__(self, files, num_cols, cat_cols):
+        table = pq.read_table(files[0]) if len(files) == 1 else __import__("pyarrow").concat_tables(
+            [pq.read_table(f) for f in files])
+        self.num = np.stack([table[c].to_numpy() for c in num_cols], 1).astype(np.float32)
+        self.cat = np.stack([table[c].to_numpy() for c in cat_cols], 1).astype(np.int64)
+        self.y = table[LABEL].to_numpy().astype(np.float32)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(self.num[i]), torch.from_numpy(self.cat[i]), torch.tensor(self.y[i])
+
+
+class BatchStream(IterableDataset):
+    """Record batches of the Parquet files, shuffled within each batch."""
+
+    def __init__(self, files, num_cols, cat_cols, batch_size):
+        self.files, self.num_cols, self.cat_cols, self.batch_size = files, num_cols, cat_cols, batch_size
+
+    def __iter__(self):
+        for f in self.files:
+            for b in pq.ParquetFile(f).iter_batches(batch_size=self.batch_size):
+                num = torch.from_numpy(np.stack([b.column(c).to_numpy() for c in self.num_cols], 1))
+                cat = torch.from_numpy(np.stack([b.column(c).to_numpy() for c in self.cat_cols], 1).astype(np.int64))
+                yield num, cat, torch.from_numpy(b.column(LABEL).to_numpy())
+
+
+def _drain(iterable) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    rows = 0
+    for batch in iterable:
+        rows += len(batch[-1]) if isinstance(batch, (tuple, list)) else len(batch)
+    return rows, time.perf_counter() - t0
+
+
+def run(out_dir: str | None = "bench/results", batch_size: int = 2048) -> str:
+    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-loader-"))
+    try:
+        dataset = work / "dataset"
+        run_flights_etl(dataset_path=str(dataset), dead_letters_path=None, options=pipeline_options("batch"))
+        data = TabularDataset(dataset)
+        files = shard_paths(dataset, "train")
+        num_cols = [NUM_PREFIX + c for c in data.spec.all_numeric]
+        cat_cols = [CAT_PREFIX + c for c in data.spec.categorical]
+
+        t0 = time.perf_counter()
+        rows_ds = RowDataset(files, num_cols, cat_cols)
+        load_a = time.perf_counter() - t0
+        n_a, s_a = _drain(DataLoader(rows_ds, batch_size=batch_size, shuffle=True))
+        n_b, s_b = _drain(DataLoader(BatchStream(files, num_cols, cat_cols, batch_size), batch_size=None))
+        t0 = time.perf_counter()
+        split = TabularDataset(dataset).split("train")
+        load_c = time.perf_counter() - t0
+        n_c, s_c = _drain(iter_batches(split, batch_size=batch_size, seed=0, epoch=0))
+        s_a, s_c = s_a + load_a, s_c + load_c
+
+        config = TrainConfig(epochs=1, batch_size=batch_size, progress=False, patience=5)
+        result = fit(build_model("mlp", data, config), data, config, name="bench")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = [("(a) DataLoader, map-style rows + collate (anchor)", n_a, s_a, n_a / s_a, 1.0),
+            ("(b) DataLoader, IterableDataset of Parquet batches", n_b, s_b, n_b / s_b, (n_b / s_b) / (n_a / s_a)),
+            ("(c) flowtrain columnar loader (shuffled)", n_c, s_c, n_c / s_c, (n_c / s_c) / (n_a / s_a))]
+    return report("loader", ["loader", "rows", "seconds", "rows/s", "vs (a)"], rows,
+                  notes=[f"Training split of the flights dataset, batch {batch_size}, one epoch, load time included.",
+                         f"Waiting on data in a flowtrain training epoch: {100 * result.data_wait_fraction:.2f}% of "
+                         f"step time (goal < 5%)."], out_dir=out_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch-size", type=int, default=2048)
+    run(batch_size=ap.parse_args(argv).batch_size)
+
+
+if __name__ == "__main__":
+    main()
