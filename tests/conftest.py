@@ -21,10 +21,16 @@ def kafka_broker(tmp_path_factory) -> LocalKafka:
     finally:
         # Close clients of streaming DoFns that a cancelled runner never tore down before the
         # broker goes away, so they do not poll a dead broker until the process exits.
+        import logging
+        import time
+
         from connectors.kafka import close_all_clients
 
         close_all_clients()
+        time.sleep(1.5)  # an in-flight bundle of a cancelled streaming job may open one more
+        close_all_clients()
         broker.stop(timeout_s=20)
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
 
 
 @pytest.fixture(scope="session")
