@@ -19,7 +19,9 @@ from torch import nn
 from flowtrain import checkpoint
 from flowtrain.data import Batch, TabularDataset, TabularSplit, iter_batches
 from flowtrain.metrics import MetricsLog, classification_metrics, regression_metrics
+from flowtrain.launch import heartbeat
 from flowtrain.model import LinearModel, TabularMLP
+from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 
 
 @dataclass
@@ -35,6 +37,7 @@ class TrainConfig:
     threads: int | None = None
     log_every: int = 50
     progress: bool = True
+    bucket_mb: float = 1.0
 
 
 @dataclass
@@ -100,15 +103,21 @@ def check_label(data: TabularDataset) -> None:
 
 
 def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir: Path | None = None,
-        resume: bool = False, name: str = "model") -> FitResult:
+        resume: bool = False, name: str = "model", ctx: DistContext | None = None) -> FitResult:
+    """Train ``model``; with a distributed ``ctx`` every replica trains its shard of each global
+    batch and gradients are reduced as sums and counts (``flowtrain.parallel``). Only rank 0
+    writes metrics and checkpoints."""
+    ctx = ctx or DistContext()
     if config.threads:
         torch.set_num_threads(config.threads)
     train, valid = data.split("train"), data.split("valid")
+    reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
     loss_fn = loss_function(data.spec.task)
     shift, scale = target_scale(data)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
+    writer = run_dir is not None and ctx.is_main
+    log = MetricsLog(run_dir / "metrics.jsonl") if writer else None
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
 
     # --- state, fresh or from the last checkpoint ---------------------------------------------
@@ -124,8 +133,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         epoch, step = int(state["epoch"]), int(state["step"])
         best_loss, best_epoch, bad_epochs = float(state["best_loss"]), int(state["best_epoch"]), int(state["bad_epochs"])
         best_state, best_valid = state["best_model"], dict(state["best_valid"])
-        log.truncate_after(step)
-        print(f"{name}: resumed from {path.name} (epoch {epoch}, step {step})", flush=True)
+        if log:
+            log.truncate_after(step)
+        if ctx.is_main:
+            print(f"{name}: resumed from {path.name} (epoch {epoch}, step {step})", flush=True)
     elif log and not resume:
         log.path.unlink(missing_ok=True)
 
@@ -137,9 +148,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     data_wait = step_time = 0.0
     stopped_early = False
     while epoch < config.epochs and bad_epochs < config.patience:
-        # --- one epoch of training ---------------------------------------------------------------
+        # --- one epoch of training: each replica maps its shard, the reducer reduces -------------
         model.train()
-        bar = _progress(steps_per_epoch, f"{name} epoch {epoch + 1}/{config.epochs}", config.progress)
+        torch.manual_seed(config.seed * 1_000_003 + epoch * 1009 + ctx.rank)  # dropout: per epoch, rank
+        bar = _progress(steps_per_epoch, f"{name} epoch {epoch + 1}/{config.epochs}", config.progress and ctx.is_main)
         batches = iter_batches(train, batch_size=config.batch_size, seed=config.seed, epoch=epoch)
         running, seen, t_log = 0.0, 0, time.perf_counter()
         while True:
@@ -148,19 +160,25 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             t1 = time.perf_counter()
             if batch is None:
                 break
-            loss = loss_fn(model(batch.x_num, batch.x_cat), (batch.y - shift) / scale)
+            lo, hi = local_rows(len(batch), ctx)
+            loss_sum = None
+            if hi > lo:
+                out = model(batch.x_num[lo:hi], batch.x_cat[lo:hi])
+                loss_sum = sum_loss(loss_fn, out, (batch.y[lo:hi] - shift) / scale)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            global_n, mean_loss = reducer.backward(loss_sum, hi - lo)
             optimizer.step()
+            reducer.sync_buffers(hi - lo)
             t2 = time.perf_counter()
+            heartbeat()
             data_wait += t1 - t0
             step_time += t2 - t0
             step += 1
-            running += loss.item() * len(batch)
-            seen += len(batch)
+            running += mean_loss * global_n
+            seen += global_n
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.4f}", rows_s=f"{len(batch) / max(t2 - t0, 1e-9):,.0f}",
+                bar.set_postfix(loss=f"{mean_loss:.4f}", rows_s=f"{global_n / max(t2 - t0, 1e-9):,.0f}",
                                 refresh=False)
             if log and step % config.log_every == 0:
                 log_train(step, epoch, running, seen, t_log)
@@ -180,18 +198,21 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         epoch += 1
         if log:
             log.write({"kind": "valid", "model": name, "step": step, "epoch": epoch - 1, **metrics})
-        print(f"{name}: epoch {epoch} valid " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+        if ctx.is_main:
+            print(f"{name}: epoch {epoch} valid " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()),
+                  flush=True)
 
         # --- checkpoint ---------------------------------------------------------------------------
-        if ckpt_dir:
+        if ckpt_dir and writer:
             checkpoint.save(ckpt_dir, step, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
                 "epoch": epoch, "step": step, "best_loss": best_loss, "best_epoch": best_epoch,
                 "bad_epochs": bad_epochs, "best_model": best_state, "best_valid": best_valid,
-                "data_position": {"split": "train", "epoch": epoch, "batch": 0},
+                "data_position": {"split": "train", "epoch": epoch, "batch": 0, "world_size": ctx.world_size},
                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
             })
     stopped_early = bad_epochs >= config.patience and epoch < config.epochs
+    reducer.close()
     model.load_state_dict(best_state)
     return FitResult(model, step, epoch, best_epoch + 1, best_valid, stopped_early,
                      time.perf_counter() - t_start, data_wait, step_time,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, fields
@@ -23,7 +24,7 @@ from pathlib import Path
 
 _SPEC_KEYS = ("label", "task", "numeric", "categorical", "optional_numeric", "positive_above", "time_column",
               "valid_from", "test_from", "seed", "min_count")
-_TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed")
+_TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed", "bucket_mb")
 
 
 def _csv(value: str | list | None) -> list[str]:
@@ -69,6 +70,12 @@ def register(sub) -> None:
     t.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     t.add_argument("--seed", type=int, help="seed for splits, shuffling and initialization (default 0)")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d = p.add_argument_group("data parallelism")
+    d.add_argument("--workers", type=int, help="data-parallel workers on this machine (default 1); each "
+                   "gets a shard of every global batch, gradients are reduced as sums and counts")
+    d.add_argument("--failure-timeout", type=float, help="seconds within which the job ends when a worker "
+                   "dies, fails or stalls (default 60)")
+    d.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB for the reduce (default 1)")
     p.set_defaults(func=run_command, accepts_beam_args=True)
 
 
@@ -94,12 +101,13 @@ def _merged_options(args: argparse.Namespace) -> dict:
 
 
 def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+    from flowtrain.launch import WorkerFailure
     from pipelines.tabular.features import SchemaError
 
     options = _merged_options(args)
     try:
         summary = run_batch(options, beam_args or [])
-    except (SchemaError, ValueError, FileNotFoundError) as err:
+    except (SchemaError, ValueError, FileNotFoundError, WorkerFailure) as err:
         print(f"flowtrain batch: {err}", file=sys.stderr)
         return 2
     print(f"\nreport: {summary['run_dir']}/report.md")
@@ -133,6 +141,8 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     from connectors.dataset import read_manifest
     from flowtrain.data import TabularDataset
     from flowtrain.report import plot_curves, write_report, write_summary
+    from flowtrain.metrics import MetricsLog
+    from flowtrain.parallel import DistContext
     from flowtrain.runners import pipeline_options
     from flowtrain.trainer import (TrainConfig, baseline_metrics, build_model, check_label, evaluate, fit,
                                    target_scale)
@@ -190,8 +200,21 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
         if len(data.split(split)) == 0:
             raise ValueError(f"the {split} split of {dataset_path} is empty; adjust the split "
                              f"(--valid-from/--test-from or the data)")
-    result = fit(build_model("mlp", data, config), data, config, run_dir=run_dir, resume=resume)
-    torch.save(result.model.state_dict(), run_dir / "model.pt")
+    job = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume,
+           "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}}
+    workers = int(options.get("workers") or 1)
+    if workers > 1:
+        from flowtrain.launch import spawn
+
+        print(f"train: {workers} data-parallel workers on 127.0.0.1 (gloo), "
+              f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
+        spawn(workers, "flowtrain.commands.batch:train_worker", job,
+              failure_timeout_s=float(options.get("failure_timeout") or 60), workdir=run_dir / "workers")
+    else:
+        train_worker(DistContext(), job)
+    fitted = json.loads((run_dir / "fit.json").read_text())
+    model = build_model("mlp", data, config)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
 
     # --- 3. baselines on the same data, test metrics, report ------------------------------------------
     test = data.split("test")
@@ -207,19 +230,44 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
         "dataset": str(dataset_path),
         "rows": data.manifest["rows"],
         "counts": data.manifest["counts"],
-        "test": {"model": evaluate(result.model, test, data.spec.task, target_scale(data)),
+        "test": {"model": evaluate(model, test, data.spec.task, target_scale(data)),
                  "baselines": {majority: baseline_metrics(data, test),
                                "linear model": evaluate(linear.model, test, data.spec.task, target_scale(data))}},
-        "valid_best": result.best_valid,
-        "training": {"steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
-                     "stopped_early": result.stopped_early, "seconds": result.seconds,
-                     "data_wait_fraction": result.data_wait_fraction},
+        "valid_best": fitted.pop("best_valid"),
+        "training": {**fitted, "workers": workers},
         "wall_seconds": time.perf_counter() - t0,
     }
-    plot_curves(result.history, run_dir, task=data.spec.task)
+    plot_curves(MetricsLog(run_dir / "metrics.jsonl").read(), run_dir, task=data.spec.task)
     write_summary(run_dir, summary)
     write_report(run_dir, summary)
     key = "auc" if data.spec.task == "classification" else "rmse"
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "
           + ", ".join(f"{n} {m[key]:.4f}" for n, m in summary["test"]["baselines"].items()))
     return summary
+
+
+def train_worker(ctx, job: dict) -> None:
+    """Train on the dataset of ``job``; every data-parallel rank runs this (rank 0 writes).
+
+    The entry point of ``python -m flowtrain.worker flowtrain.commands.batch:train_worker JOB``.
+    """
+    import torch
+
+    from flowtrain.data import TabularDataset
+    from flowtrain.trainer import TrainConfig, build_model, fit
+
+    data = TabularDataset(job["dataset"])
+    cfg = dict(job["config"])
+    cfg["hidden"] = tuple(cfg["hidden"])
+    if ctx.distributed:
+        cfg["threads"] = None  # the launcher (or torchrun's environment) sets threads per worker
+    config = TrainConfig(**cfg)
+    run_dir = Path(job["run_dir"])
+    result = fit(build_model("mlp", data, config), data, config, run_dir=run_dir, resume=bool(job.get("resume")),
+                 ctx=ctx)
+    if ctx.is_main:
+        torch.save(result.model.state_dict(), run_dir / "model.pt")
+        (run_dir / "fit.json").write_text(json.dumps({
+            "steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
+            "stopped_early": result.stopped_early, "seconds": result.seconds,
+            "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}))

@@ -1,0 +1,261 @@
+"""Data parallelism as map/reduce gradient aggregation.
+
+Map: each replica computes the gradient of the *sum* of its examples' losses and counts its
+examples. Reduce: gradients and counts are summed across replicas with ``torch.distributed``
+collectives, the summed gradient is divided by the global count, and every replica applies the
+same optimizer step. Because sums and counts are reduced (not per-replica means, as DDP
+does), the step equals single-device training on the whole global batch for any split of it,
+uneven or empty: a replica with no examples contributes zeros and a count of 0 and takes
+part in every collective, so nobody waits for it forever.
+
+Gradients are reduced in buckets (reverse parameter order, ``bucket_mb`` each) launched
+asynchronously from post-accumulate-grad hooks while backward still runs. Buckets are launched
+strictly in order on every rank (a ready bucket waits for the ones before it), so the
+collectives match across ranks whatever order autograd produces gradients in.
+
+Parameters that get no gradient on any replica in a step keep ``grad = None`` (the optimizer
+skips them, as it would on one device); a parameter with a gradient on some replicas gets the
+sum over those, divided by the global count.
+
+Buffers (e.g. BatchNorm running statistics) follow one rule: after every optimizer step,
+floating-point buffers become the example-weighted average over replicas and integer buffers
+(``num_batches_tracked``) take rank 0's value, so all replicas hold identical state.
+BatchNorm *normalizes* with per-replica batch statistics in training mode, so a model with
+BatchNorm is not exactly equivalent to one device; use ``nn.SyncBatchNorm`` or LayerNorm.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistContext", "init_from_env", "shard_bounds", "sum_loss", "GradientReducer", "LocalReducer",
+           "make_reducer"]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(*, timeout_s: float = 60.0) -> DistContext:
+    """Join the process group described by torchrun's / flowtrain's environment variables.
+
+    ``timeout_s`` bounds every collective: a stalled peer makes the others fail within it.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [lo, hi) of a global batch of ``n`` that ``rank`` gets: contiguous, sizes differ by
+    at most one, every row exactly once (``numpy.array_split``'s rule)."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def sum_loss(loss_fn: nn.Module, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss summed over examples, whatever the user's loss reduces with."""
+    reduction = getattr(loss_fn, "reduction", "mean")
+    loss = loss_fn(output, target)
+    if reduction == "mean":
+        return loss * target.shape[0]
+    if reduction == "sum":
+        return loss
+    raise ValueError(f"loss reduction {reduction!r} is not supported: use 'mean' or 'sum'")
+
+
+class LocalReducer:
+    """One replica: the same interface, no communication."""
+
+    def __init__(self, module: nn.Module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:
+        if loss_sum is None or n_local == 0:
+            return 0, 0.0
+        loss_sum.backward()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(n_local)
+        return n_local, float(loss_sum.detach()) / n_local
+
+    def sync_buffers(self, n_local: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index = index
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.pending = len(params)
+        self.handle = None
+
+
+class GradientReducer:
+    """Bucketed, overlapped all-reduce of gradient sums and example counts (see module doc)."""
+
+    def __init__(self, module: nn.Module, *, bucket_mb: float = 1.0, group=None):
+        self.group = group
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Buckets in reverse parameter order: the last layers' gradients are ready first.
+        cap = max(1, int(bucket_mb * 1024 * 1024))
+        self.buckets: list[_Bucket] = []
+        current, size = [], 0
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
+                self.buckets.append(_Bucket(len(self.buckets), current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(_Bucket(len(self.buckets), current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._had_grad = torch.zeros(len(self.params), dtype=torch.float32)
+        self._next = 0
+        self._active = False
+        self.broadcast_state()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def broadcast_state(self) -> None:
+        """Start from rank 0's parameters and buffers on every replica."""
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(t.data, src=0, group=self.group)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- one step --------------------------------------------------------------------------------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._active:
+            return
+        self._had_grad[self._index[id(p)]] = 1.0
+        bucket = self._bucket_of[id(p)]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket.pending > 0 and not force:
+                return
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                if p.grad is None:
+                    bucket.buffer[offset:offset + n].zero_()
+                else:
+                    bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self._next += 1
+
+    def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:
+        """Backward of this replica's loss sum, then the reduce; returns (global count, mean loss).
+
+        ``loss_sum`` is None (or ``n_local`` 0) on a replica without examples this step.
+        """
+        for b in self.buckets:
+            b.pending, b.handle = len(b.params), None
+        self._had_grad.zero_()
+        self._next = 0
+        totals = torch.tensor([float(n_local), float(loss_sum.detach()) if loss_sum is not None and n_local else 0.0],
+                              dtype=torch.float64)
+        count_handle = dist.all_reduce(totals, group=self.group, async_op=True)
+        self._active = True
+        try:
+            if loss_sum is not None and n_local:
+                loss_sum.backward()
+        finally:
+            self._active = False
+        self._launch_ready(force=True)  # buckets whose parameters got no gradient here
+        had_grad_handle = dist.all_reduce(self._had_grad, group=self.group, async_op=True)
+        count_handle.wait()
+        global_n = int(totals[0].item())
+        for b in self.buckets:
+            b.handle.wait()
+        had_grad_handle.wait()
+        scale = 1.0 / global_n if global_n else 0.0
+        with torch.no_grad():
+            for b in self.buckets:
+                b.buffer.mul_(scale)
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    if self._had_grad[self._index[id(p)]] > 0:
+                        view = b.buffer[offset:offset + n].view_as(p)
+                        if p.grad is None:
+                            p.grad = view.clone()
+                        else:
+                            p.grad.copy_(view)
+                    else:
+                        p.grad = None
+                    offset += n
+        return global_n, (float(totals[1]) / global_n if global_n else 0.0)
+
+    def sync_buffers(self, n_local: int) -> None:
+        """The buffer rule: example-weighted mean for floats, rank 0's value for integers."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        weight = torch.tensor([float(n_local)], dtype=torch.float64)
+        dist.all_reduce(weight, group=self.group)
+        total = float(weight.item())
+        with torch.no_grad():
+            for buf in buffers:
+                if buf.is_floating_point() and total > 0:
+                    buf.mul_(n_local / total)
+                    dist.all_reduce(buf, group=self.group)
+                else:
+                    dist.broadcast(buf, src=0, group=self.group)
+
+
+def make_reducer(module: nn.Module, ctx: DistContext, *, bucket_mb: float = 1.0, group=None):
+    if ctx.distributed:
+        return GradientReducer(module, bucket_mb=bucket_mb, group=group)
+    return LocalReducer(module)
+
+
+def local_rows(n: int, ctx: DistContext, sizes: Sequence[int] | None = None) -> tuple[int, int]:
+    """This rank's rows of a global batch: ``shard_bounds``, or explicit per-rank ``sizes``."""
+    if sizes is None:
+        return shard_bounds(n, ctx.rank, ctx.world_size)
+    lo = sum(sizes[: ctx.rank])
+    return lo, lo + sizes[ctx.rank]
