@@ -80,7 +80,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
         for rank in range(n_workers):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n_workers), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(n_workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS=str(threads), FLOWTRAIN_THREADS=str(threads),
+                       OMP_NUM_THREADS=str(threads), FLOWTRAIN_THREADS=str(threads), PYTHONFAULTHANDLER="1",
                        **{HEARTBEAT_ENV: str(beats)}, **(extra_env or {}))
             log = workdir / f"rank-{rank}.log"
             logs.append(log)
@@ -96,16 +96,44 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
         _kill_all(procs)
 
 
+def record_failure(error: BaseException) -> None:
+    """Called by a failing worker: when and why, so the launcher can name the first to fail
+    (its peers fail a moment later with "connection closed" errors)."""
+    directory = os.environ.get(HEARTBEAT_ENV)
+    if directory:
+        path = Path(directory) / f"rank-{os.environ.get('RANK', '0')}.failed"
+        path.write_text(json.dumps({"time": time.time(), "error": repr(error)[:2000]}))
+
+
+def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
+    """Among the failed workers, the one that failed first: a killed one (an outside cause),
+    else the earliest recorded failure."""
+    time.sleep(0.5)  # let the peers of the first failure finish failing
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+    killed = [(rank, rc) for rank, rc in failed if rc < 0]
+
+    def when(rank: int) -> float:
+        try:
+            return json.loads((beats / f"rank-{rank}.failed").read_text())["time"]
+        except (OSError, ValueError, KeyError):
+            return float("inf")
+
+    rank, rc = killed[0] if killed else min(failed, key=lambda f: when(f[0]))
+    others = [r for r, _ in failed if r != rank]
+    note = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    return WorkerFailure(rank, _cause(rc) + note, _tail(logs[rank]))
+
+
 def _watch(procs, logs, beats: Path, timeout_s: float) -> None:
     started = time.monotonic()
     while True:
         alive = 0
-        for rank, proc in enumerate(procs):
+        for proc in procs:
             rc = proc.poll()
             if rc is None:
                 alive += 1
             elif rc != 0:
-                raise WorkerFailure(rank, _cause(rc), _tail(logs[rank]))
+                raise _root_cause(procs, logs, beats)
         if alive == 0:
             return
         now = time.time()

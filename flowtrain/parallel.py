@@ -211,7 +211,9 @@ class GradientReducer:
         global_n = int(totals[0].item())
         for b in self.buckets:
             b.handle.wait()
+            b.handle = None  # no Work object outlives its step (or the process group)
         had_grad_handle.wait()
+        del count_handle, had_grad_handle
         scale = 1.0 / global_n if global_n else 0.0
         with torch.no_grad():
             for b in self.buckets:

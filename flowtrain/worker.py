@@ -21,6 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from flowtrain.launch import record_failure
 from flowtrain.parallel import init_from_env
 
 
@@ -45,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)))
         module, name = target.split(":")
         getattr(importlib.import_module(module), name)(ctx, job)
+        if ctx.distributed:
+            dist.barrier()  # nobody tears the group down while a peer still talks to it
     except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
+        record_failure(err)
         print(f"flowtrain worker rank {rank} failed: {err!r}", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
