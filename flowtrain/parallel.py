@@ -113,39 +113,50 @@ class LocalReducer:
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter]):
+    def __init__(self, index: int, params: list[nn.Parameter], extra: int = 0):
         self.index = index
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
+        # ``extra`` trailing slots carry the step's metadata in the last bucket.
+        self.buffer = torch.zeros(self.numel + extra, dtype=torch.float32, device=params[0].device)
         self.pending = len(params)
         self.handle = None
 
 
 class GradientReducer:
-    """Bucketed, overlapped all-reduce of gradient sums and example counts (see module doc)."""
+    """Bucketed, overlapped all-reduce of gradient sums and example counts (see module doc).
+
+    The last bucket launched in a step also carries the replica's example count, loss sum and
+    one "got a gradient" flag per parameter, so a step costs one collective per bucket, as
+    DDP's does: a model under ``bucket_mb`` is one all-reduce per step.
+    """
 
     def __init__(self, module: nn.Module, *, bucket_mb: float = 1.0, group=None):
         self.group = group
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise TypeError("GradientReducer reduces float32 parameters; cast the model with .float()")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Buckets in reverse parameter order: the last layers' gradients are ready first.
         cap = max(1, int(bucket_mb * 1024 * 1024))
-        self.buckets: list[_Bucket] = []
+        groups: list[list[nn.Parameter]] = []
         current, size = [], 0
         for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(len(self.buckets), current))
+            if current and size + nbytes > cap:
+                groups.append(current)
                 current, size = [], 0
             current.append(p)
             size += nbytes
         if current:
-            self.buckets.append(_Bucket(len(self.buckets), current))
+            groups.append(current)
+        self._meta = 2 + len(self.params)  # count, loss sum, flags
+        self.buckets = [_Bucket(i, g, self._meta if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._had_grad = torch.zeros(len(self.params), dtype=torch.float32)
+        self._n_local, self._loss_local = 0.0, 0.0
         self._next = 0
         self._active = False
         self.broadcast_state()
@@ -167,24 +178,30 @@ class GradientReducer:
         if not self._active:
             return
         self._had_grad[self._index[id(p)]] = 1.0
-        bucket = self._bucket_of[id(p)]
-        bucket.pending -= 1
+        self._bucket_of[id(p)].pending -= 1
         self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
+        """Launch buckets strictly in order; ``force`` launches the rest (backward is over)."""
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
             if bucket.pending > 0 and not force:
                 return
+            buf = bucket.buffer
             offset = 0
             for p in bucket.params:
                 n = p.numel()
                 if p.grad is None:
-                    bucket.buffer[offset:offset + n].zero_()
+                    buf[offset:offset + n].zero_()
                 else:
-                    bucket.buffer[offset:offset + n].copy_(p.grad.reshape(-1))
+                    buf[offset:offset + n].copy_(p.grad.reshape(-1))
                 offset += n
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if self._next == len(self.buckets) - 1:
+                # Every earlier bucket is launched, so every gradient flag is final now.
+                buf[offset] = self._n_local
+                buf[offset + 1] = self._loss_local
+                buf[offset + 2:].copy_(self._had_grad)
+            bucket.handle = dist.all_reduce(buf, group=self.group, async_op=True)
             self._next += 1
 
     def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:
@@ -196,33 +213,34 @@ class GradientReducer:
             b.pending, b.handle = len(b.params), None
         self._had_grad.zero_()
         self._next = 0
-        totals = torch.tensor([float(n_local), float(loss_sum.detach()) if loss_sum is not None and n_local else 0.0],
-                              dtype=torch.float64)
-        count_handle = dist.all_reduce(totals, group=self.group, async_op=True)
+        has_work = loss_sum is not None and n_local > 0
+        self._n_local = float(n_local)
+        self._loss_local = float(loss_sum.detach()) if has_work else 0.0
         self._active = True
         try:
-            if loss_sum is not None and n_local:
+            if has_work:
                 loss_sum.backward()
         finally:
             self._active = False
         self._launch_ready(force=True)  # buckets whose parameters got no gradient here
-        had_grad_handle = dist.all_reduce(self._had_grad, group=self.group, async_op=True)
-        count_handle.wait()
-        global_n = int(totals[0].item())
         for b in self.buckets:
             b.handle.wait()
             b.handle = None  # no Work object outlives its step (or the process group)
-        had_grad_handle.wait()
-        del count_handle, had_grad_handle
+        last = self.buckets[-1]
+        meta = last.buffer[last.numel:]
+        global_n = int(round(float(meta[0])))
+        mean_loss = float(meta[1]) / global_n if global_n else 0.0
+        got_grad = meta[2:] > 0
         scale = 1.0 / global_n if global_n else 0.0
         with torch.no_grad():
             for b in self.buckets:
-                b.buffer.mul_(scale)
+                grads = b.buffer[:b.numel]
+                grads.mul_(scale)
                 offset = 0
                 for p in b.params:
                     n = p.numel()
-                    if self._had_grad[self._index[id(p)]] > 0:
-                        view = b.buffer[offset:offset + n].view_as(p)
+                    if got_grad[self._index[id(p)]]:
+                        view = grads[offset:offset + n].view_as(p)
                         if p.grad is None:
                             p.grad = view.clone()
                         else:
@@ -230,7 +248,7 @@ class GradientReducer:
                     else:
                         p.grad = None
                     offset += n
-        return global_n, (float(totals[1]) / global_n if global_n else 0.0)
+        return global_n, mean_loss
 
     def sync_buffers(self, n_local: int) -> None:
         """The buffer rule: example-weighted mean for floats, rank 0's value for integers."""

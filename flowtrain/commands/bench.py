@@ -9,6 +9,7 @@ BENCHMARKS = {
     "kafka": ("bench.kafka", "ReadFromKafka vs a raw kafka-python consumer loop"),
     "etl": ("bench.etl", "flights ETL on Beam vs the same steps as a plain pyarrow script"),
     "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
+    "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
 }
 
 

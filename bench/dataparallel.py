@@ -1,0 +1,160 @@
+"""bench dataparallel: flowtrain's map/reduce reducer vs DistributedDataParallel (the anchor).
+
+One run, 2 workers on 127.0.0.1, gloo on CPU, 1 thread each, the same global batch and
+optimizer (Adam) for both, on two models: the flights model (embeddings + MLP) and an MLP of
+~1M parameters. Also: one process with 2 threads on the same global batches (what data
+parallelism buys on this machine), and an uneven case where rank 1 runs dry after 60% of the
+steps (a Kafka partition with no more data): flowtrain keeps going with a count of 0 there;
+DDP needs ``torch.distributed.algorithms.Join``. Goal: flowtrain >= 0.95x DDP.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.table import report
+from flowtrain.launch import spawn
+from flowtrain.model import TabularMLP
+from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
+
+# Cardinalities of the flights dataset's categoricals (carrier, origin, dest, weekday, hour, maker).
+FLIGHTS_CARDS = [17, 4, 102, 8, 21, 30]
+FLIGHTS_NUMERIC = 15
+
+
+def build(name: str) -> tuple[nn.Module, callable]:
+    torch.manual_seed(0)
+    if name == "flights":
+        model = TabularMLP(FLIGHTS_NUMERIC, FLIGHTS_CARDS, hidden=(128, 64), dropout=0.0)
+
+        def batch(n, gen):
+            x_num = torch.randn(n, FLIGHTS_NUMERIC, generator=gen)
+            x_cat = torch.stack([torch.randint(0, c, (n,), generator=gen) for c in FLIGHTS_CARDS], 1)
+            return (x_num, x_cat), torch.randint(0, 2, (n,), generator=gen).float()
+        return model, batch
+    model = nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 768), nn.ReLU(),
+                          nn.Linear(768, 128), nn.ReLU(), nn.Linear(128, 1), nn.Flatten(0))
+
+    def batch(n, gen):
+        x = torch.randn(n, 128, generator=gen)
+        return (x,), torch.randint(0, 2, (n,), generator=gen).float()
+    return model, batch
+
+
+def _batches(job, world: int, rank: int):
+    """This rank's inputs for every step (made up front: the benchmark times training only)."""
+    _, make = build(job["model"])
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(job["steps"]):
+        inputs, y = make(job["global_batch"], gen)
+        lo, hi = shard_bounds(job["global_batch"], rank, world)
+        if job.get("uneven") and rank == 1 and step >= int(0.6 * job["steps"]):
+            lo = hi  # this rank has run dry
+        out.append(([t[lo:hi] for t in inputs], y[lo:hi]))
+    return out
+
+
+def worker(ctx: DistContext, job: dict) -> None:
+    model, _ = build(job["model"])
+    loss_fn = nn.BCEWithLogitsLoss()
+    data = _batches(job, ctx.world_size, ctx.rank)
+    if job["engine"] == "ddp":
+        from torch.distributed.algorithms.join import Join
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+        # DDP cannot take a step with no examples: a dry rank leaves the loop, Join shadows it.
+        mine = [b for b in data if len(b[1])]
+        dist.barrier()
+        t0 = time.perf_counter()
+        with Join([ddp]):
+            for inputs, y in mine:
+                opt.zero_grad(set_to_none=True)
+                loss_fn(ddp(*inputs), y).backward()
+                opt.step()
+        dist.barrier()
+    else:
+        reducer = make_reducer(model, ctx, bucket_mb=job.get("bucket_mb", 1.0))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for inputs, y in data:
+            loss_sum = sum_loss(loss_fn, model(*inputs), y) if len(y) else None
+            opt.zero_grad(set_to_none=True)
+            reducer.backward(loss_sum, len(y))
+            opt.step()
+        dist.barrier()
+    seconds = time.perf_counter() - t0
+    samples = torch.tensor([float(sum(len(y) for _, y in data))])
+    dist.all_reduce(samples)
+    if ctx.is_main:
+        Path(job["out"]).write_text(json.dumps({"seconds": seconds, "samples": int(samples.item())}))
+
+
+def single_process(model_name: str, steps: int, global_batch: int, threads: int = 2) -> float:
+    torch.set_num_threads(threads)
+    model, _ = build(model_name)
+    data = _batches({"model": model_name, "steps": steps, "global_batch": global_batch}, 1, 0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.BCEWithLogitsLoss()
+    t0 = time.perf_counter()
+    for inputs, y in data:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(*inputs), y).backward()
+        opt.step()
+    return steps * global_batch / (time.perf_counter() - t0)
+
+
+def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: int = 1024, repeats: int = 2) -> str:
+    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-dp-"))
+    rows = []
+    for model_name in ("flights", "mlp1m"):
+        n_params = sum(p.numel() for p in build(model_name)[0].parameters())
+        rates: dict[str, float] = {}
+        for case in ("even", "uneven"):
+            for engine in ("flowtrain", "ddp"):  # interleaved repeats, best of each
+                best = 0.0
+                for r in range(repeats):
+                    out = work / f"{model_name}-{case}-{engine}-{r}.json"
+                    job = {"model": model_name, "engine": engine, "steps": steps, "global_batch": global_batch,
+                           "uneven": case == "uneven", "out": str(out)}
+                    spawn(2, "bench.dataparallel:worker", job, threads_per_worker=1, workdir=work / "w")
+                    res = json.loads(out.read_text())
+                    best = max(best, res["samples"] / res["seconds"])
+                rates[f"{case}-{engine}"] = best
+        single = single_process(model_name, steps, global_batch)
+        label = f"{model_name} ({n_params / 1e6:.2f}M params)"
+        rows += [
+            (label, "even shards", "flowtrain map/reduce, 2 workers", rates["even-flowtrain"],
+             rates["even-flowtrain"] / rates["even-ddp"]),
+            (label, "even shards", "DDP, 2 workers (anchor)", rates["even-ddp"], 1.0),
+            (label, "even shards", "one process, 2 threads", single, single / rates["even-ddp"]),
+            (label, "rank 1 dry after 60%", "flowtrain map/reduce (count 0 on rank 1)", rates["uneven-flowtrain"],
+             rates["uneven-flowtrain"] / rates["uneven-ddp"]),
+            (label, "rank 1 dry after 60%", "DDP + Join (anchor)", rates["uneven-ddp"], 1.0),
+        ]
+    return report("dataparallel", ["model", "case", "engine", "samples/s", "vs anchor"], rows,
+                  notes=[f"gloo on CPU, 1 thread per worker, global batch {global_batch}, Adam, {steps} timed steps, "
+                         f"best of {repeats}; goal flowtrain >= 0.95x DDP."], out_dir=out_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--global-batch", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    run(steps=a.steps, global_batch=a.global_batch, repeats=a.repeats)
+
+
+if __name__ == "__main__":
+    main()
