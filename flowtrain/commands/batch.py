@@ -76,6 +76,8 @@ def register(sub) -> None:
     d.add_argument("--failure-timeout", type=float, help="seconds within which the job ends when a worker "
                    "dies, fails or stalls (default 60)")
     d.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB for the reduce (default 1)")
+    d.add_argument("--job-only", action="store_true", help="run the ETL, write <out>/job.json for torchrun "
+                   "across machines, print the torchrun command and stop")
     p.set_defaults(func=run_command, accepts_beam_args=True)
 
 
@@ -110,7 +112,8 @@ def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) ->
     except (SchemaError, ValueError, FileNotFoundError, WorkerFailure) as err:
         print(f"flowtrain batch: {err}", file=sys.stderr)
         return 2
-    print(f"\nreport: {summary['run_dir']}/report.md")
+    if "job" not in summary:
+        print(f"\nreport: {summary['run_dir']}/report.md")
     return 0
 
 
@@ -203,6 +206,14 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     job = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume,
            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}}
     workers = int(options.get("workers") or 1)
+    if options.get("job_only"):
+        job_path = run_dir / "job.json"
+        job_path.write_text(json.dumps({**job, "failure_timeout_s": float(options.get("failure_timeout") or 60)}))
+        print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
+              f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
+              f"--master-port=29500 -m flowtrain.worker flowtrain.commands.batch:train_worker {job_path}\n"
+              f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume", flush=True)
+        return {"run_dir": str(run_dir), "job": str(job_path)}
     if workers > 1:
         from flowtrain.launch import spawn
 
