@@ -28,7 +28,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 from connectors.files import ReadFromFiles
 
 __all__ = ["MANIFEST", "DatasetError", "WriteDataset", "ReadDataset", "read_manifest", "shard_paths",
-           "finalize_dataset"]
+           "finalize_dataset", "fsync_dir"]
 
 MANIFEST = "_manifest.json"
 FORMAT = "flowtrain.dataset/1"
@@ -58,7 +58,8 @@ def shard_paths(path: str | os.PathLike, split: str) -> list[str]:
     return [str(Path(path) / shard["file"]) for shard in manifest["splits"][split]]
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (fsync of the directory itself)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,7 +94,7 @@ def finalize_dataset(tmp_dir: str, final_dir: str, shards: list[dict], metadata:
         fh.write(body)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():
         if not overwrite:
@@ -101,7 +102,7 @@ def finalize_dataset(tmp_dir: str, final_dir: str, shards: list[dict], metadata:
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return manifest

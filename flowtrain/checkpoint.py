@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from connectors.dataset import fsync_dir
+
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 
 
@@ -24,14 +26,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3) -> Path:
@@ -50,7 +44,7 @@ def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int =
     side_tmp = side.with_suffix(".sha256.tmp")
     side_tmp.write_text(json.dumps({"file": final.name, "sha256": digest, "step": step}))
     os.replace(side_tmp, side)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for old in sorted(all_checkpoints(directory))[:-keep] if keep else []:
         old.unlink(missing_ok=True)
         old.with_suffix(".sha256").unlink(missing_ok=True)

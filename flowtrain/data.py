@@ -32,15 +32,8 @@ class Batch:
 
 
 @dataclass
-class TabularSplit:
+class TabularSplit(Batch):
     """One split of a dataset held as tensors."""
-
-    x_num: torch.Tensor
-    x_cat: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
 
     def take(self, index: torch.Tensor) -> Batch:
         return Batch(self.x_num.index_select(0, index), self.x_cat.index_select(0, index),
