@@ -90,6 +90,14 @@ def sum_loss(loss_fn: nn.Module, output: torch.Tensor, target: torch.Tensor) -> 
     raise ValueError(f"loss reduction {reduction!r} is not supported: use 'mean' or 'sum'")
 
 
+def _broadcast_from_first(tensor: torch.Tensor, group) -> None:
+    """Broadcast from the group's first member (rank 0 of the world when ``group`` is None)."""
+    if group is None:
+        dist.broadcast(tensor, src=0)
+    else:
+        dist.broadcast(tensor, group=group, group_src=0)
+
+
 class LocalReducer:
     """One replica: the same interface, no communication."""
 
@@ -104,6 +112,12 @@ class LocalReducer:
             if p.grad is not None:
                 p.grad.div_(n_local)
         return n_local, float(loss_sum.detach()) / n_local
+
+    def reduce_accumulated(self, n_local: int, loss_local: float = 0.0) -> tuple[int, float]:
+        for p in self.params:
+            if p.grad is not None and n_local:
+                p.grad.div_(n_local)
+        return n_local, loss_local / n_local if n_local else 0.0
 
     def sync_buffers(self, n_local: int) -> None:
         pass
@@ -166,7 +180,7 @@ class GradientReducer:
         """Start from rank 0's parameters and buffers on every replica."""
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(t.data, src=0, group=self.group)
+                _broadcast_from_first(t.data, self.group)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -204,24 +218,37 @@ class GradientReducer:
             bucket.handle = dist.all_reduce(buf, group=self.group, async_op=True)
             self._next += 1
 
+    def _begin(self, n_local: int, loss_local: float) -> None:
+        for b in self.buckets:
+            b.pending, b.handle = len(b.params), None
+        self._had_grad.zero_()
+        self._next = 0
+        self._n_local, self._loss_local = float(n_local), loss_local
+
     def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:
         """Backward of this replica's loss sum, then the reduce; returns (global count, mean loss).
 
         ``loss_sum`` is None (or ``n_local`` 0) on a replica without examples this step.
         """
-        for b in self.buckets:
-            b.pending, b.handle = len(b.params), None
-        self._had_grad.zero_()
-        self._next = 0
         has_work = loss_sum is not None and n_local > 0
-        self._n_local = float(n_local)
-        self._loss_local = float(loss_sum.detach()) if has_work else 0.0
+        self._begin(n_local, float(loss_sum.detach()) if has_work else 0.0)
         self._active = True
         try:
             if has_work:
                 loss_sum.backward()
         finally:
             self._active = False
+        return self._finish()
+
+    def reduce_accumulated(self, n_local: int, loss_local: float = 0.0) -> tuple[int, float]:
+        """Reduce gradient sums already accumulated (e.g. over a pipeline's micro-batches)."""
+        self._begin(n_local, loss_local)
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self._had_grad[i] = 1.0
+        return self._finish()
+
+    def _finish(self) -> tuple[int, float]:
         self._launch_ready(force=True)  # buckets whose parameters got no gradient here
         for b in self.buckets:
             b.handle.wait()
@@ -264,7 +291,7 @@ class GradientReducer:
                     buf.mul_(n_local / total)
                     dist.all_reduce(buf, group=self.group)
                 else:
-                    dist.broadcast(buf, src=0, group=self.group)
+                    _broadcast_from_first(buf, self.group)
 
 
 def make_reducer(module: nn.Module, ctx: DistContext, *, bucket_mb: float = 1.0, group=None):
