@@ -12,24 +12,53 @@ def embedding_dim(cardinality: int) -> int:
     return int(min(32, max(2, round(1.6 * cardinality ** 0.56))))
 
 
-class TabularMLP(nn.Module):
-    """Categoricals embedded, numerics concatenated, then an MLP to one output (logit or value)."""
+def pack(x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
+    """One float tensor [numerics | category codes] so a model can be an ``nn.Sequential`` (and be
+    cut into pipeline stages); codes stay exact as floats up to 2**24."""
+    return torch.cat([x_num, x_cat.to(x_num.dtype)], dim=1)
+
+
+class TabularInput(nn.Module):
+    """Packed [numerics | codes] -> [numerics | embeddings of each categorical]."""
+
+    def __init__(self, n_numeric: int, cardinalities: Sequence[int]):
+        super().__init__()
+        self.n_numeric = n_numeric
+        self.embeddings = nn.ModuleList(nn.Embedding(c, embedding_dim(c)) for c in cardinalities)
+
+    @property
+    def out_features(self) -> int:
+        return self.n_numeric + sum(e.embedding_dim for e in self.embeddings)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        codes = x[:, self.n_numeric:].long()
+        parts = [x[:, :self.n_numeric]] + [emb(codes[:, i]) for i, emb in enumerate(self.embeddings)]
+        return torch.cat(parts, dim=1)
+
+
+class TabularMLP(nn.Sequential):
+    """Categoricals embedded, numerics concatenated, then an MLP to one output (logit or value).
+
+    An ``nn.Sequential`` (input layer, Linear/ReLU/Dropout blocks, output) so that pipeline
+    parallelism can cut it into stages; ``model(x_num, x_cat)`` or ``model(packed)``.
+    """
 
     def __init__(self, n_numeric: int, cardinalities: Sequence[int], *, hidden: Sequence[int] = (256, 128),
                  dropout: float = 0.1):
-        super().__init__()
-        self.embeddings = nn.ModuleList(nn.Embedding(c, embedding_dim(c)) for c in cardinalities)
-        width = n_numeric + sum(e.embedding_dim for e in self.embeddings)
-        layers: list[nn.Module] = []
+        inp = TabularInput(n_numeric, cardinalities)
+        layers: list[nn.Module] = [inp]
+        width = inp.out_features
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(dropout)]
             width = h
-        layers.append(nn.Linear(width, 1))
-        self.mlp = nn.Sequential(*layers)
+        layers += [nn.Linear(width, 1), nn.Flatten(0)]
+        super().__init__(*layers)
 
-    def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
-        parts = [x_num] + [emb(x_cat[:, i]) for i, emb in enumerate(self.embeddings)]
-        return self.mlp(torch.cat(parts, dim=1)).squeeze(1)
+    def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor | None = None) -> torch.Tensor:
+        x = x_num if x_cat is None else pack(x_num, x_cat)
+        for layer in self:
+            x = layer(x)
+        return x
 
 
 class LinearModel(nn.Module):

@@ -9,12 +9,14 @@ pace. Slices of an ``nn.Sequential`` keep the original child names, so each stag
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["StagePlan", "layer_costs", "partition", "plan_stages", "stage_module", "merge_stage_states"]
+__all__ = ["StagePlan", "layer_costs", "partition", "plan_stages", "plan_with_bounds", "stage_module",
+           "merge_stage_states"]
 
 
 @dataclass
@@ -37,7 +39,7 @@ class StagePlan:
         for s, ((a, b), params, cost) in enumerate(zip(self.bounds, self.params, self.stage_costs())):
             names = f"{a}-{b - 1}" if b - a > 1 else f"{a}"
             if model is not None:
-                kinds = ", ".join(type(model[i]).__name__ for i in range(a, b))
+                kinds = ", ".join(type(layer).__name__ for layer in list(model)[a:b])
                 names = f"{names} ({kinds})"
             unit = f"{cost:.3f} ms" if self.cost_unit == "ms" else f"{cost:,.0f} params"
             rows.append(f"| {s} | {names} | {params:,} | {unit} |")
@@ -48,7 +50,7 @@ def layer_costs(model: nn.Sequential, sample: torch.Tensor, *, repeats: int = 5)
     """Forward + backward milliseconds of each layer on ``sample`` (median of ``repeats``)."""
     costs = []
     x = sample
-    for layer in model:
+    for layer in list(model):
         inp = x.detach()
         if inp.is_floating_point():
             inp.requires_grad_(True)
@@ -99,26 +101,36 @@ def plan_stages(model: nn.Sequential, stages: int, sample: torch.Tensor | None =
     ``measure=False``: timings differ between processes, so workers that each plan for
     themselves must cut by parameters, or receive the plan). ``sample`` also gives the
     per-example shapes that cross each stage boundary."""
-    params = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    params = [sum(p.numel() for p in layer.parameters()) for layer in list(model)]
     if sample is not None and measure:
         costs, unit = layer_costs(model, sample), "ms"
     else:
         costs, unit = [float(p) for p in params], "params"
     bounds = partition(costs, stages) if stages > 1 else [(0, len(costs))]
+    return plan_with_bounds(model, bounds, sample, costs=costs, cost_unit=unit)
+
+
+def plan_with_bounds(model: nn.Sequential, bounds: list[tuple[int, int]], sample: torch.Tensor | None = None, *,
+                     costs: list[float] | None = None, cost_unit: str = "params") -> StagePlan:
+    """A plan for a given cut (e.g. the one rank 0 measured and broadcast)."""
+    layers = list(model)
+    params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     out_shapes: list[tuple[int, ...]] = []
     if sample is not None:
         with torch.no_grad():
             x = sample
             for a, b in bounds:
                 for i in range(a, b):
-                    x = model[i](x)
+                    x = layers[i](x)
                 out_shapes.append(tuple(x.shape[1:]))
-    return StagePlan(bounds, costs, unit, [sum(params[a:b]) for a, b in bounds], out_shapes)
+    return StagePlan([tuple(b) for b in bounds], costs if costs is not None else [float(p) for p in params],
+                     cost_unit, [sum(params[a:b]) for a, b in bounds], out_shapes)
 
 
 def stage_module(model: nn.Sequential, plan: StagePlan, stage: int) -> nn.Sequential:
+    """The stage's layers as a plain ``nn.Sequential`` that keeps the model's child names."""
     a, b = plan.bounds[stage]
-    return model[a:b]
+    return nn.Sequential(OrderedDict(list(model._modules.items())[a:b]))
 
 
 def merge_stage_states(states: list[dict]) -> dict:

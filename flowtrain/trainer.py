@@ -20,7 +20,7 @@ from flowtrain import checkpoint
 from flowtrain.data import Batch, TabularDataset, TabularSplit, iter_batches
 from flowtrain.metrics import MetricsLog, classification_metrics, regression_metrics
 from flowtrain.launch import heartbeat
-from flowtrain.model import LinearModel, TabularMLP
+from flowtrain.model import LinearModel, TabularMLP, pack
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 
 
@@ -38,6 +38,9 @@ class TrainConfig:
     log_every: int = 50
     progress: bool = True
     bucket_mb: float = 1.0
+    stages: int = 1  # pipeline stages (workers = replicas x stages)
+    microbatches: int = 4
+    schedule: str = "1f1b"  # or "gpipe"
 
 
 @dataclass
@@ -111,10 +114,13 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if config.threads:
         torch.set_num_threads(config.threads)
     train, valid = data.split("train"), data.split("valid")
-    reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
     loss_fn = loss_function(data.spec.task)
     shift, scale = target_scale(data)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    if config.stages > 1:
+        sample = pack(train.x_num[:256], train.x_cat[:256])
+        engine = PipelineEngine(model, ctx, config, loss_fn, sample)
+    else:
+        engine = DataParallelEngine(model, ctx, config, loss_fn)
     steps_per_epoch = math.ceil(len(train) / config.batch_size)
     writer = run_dir is not None and ctx.is_main
     log = MetricsLog(run_dir / "metrics.jsonl") if writer else None
@@ -127,8 +133,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     torch.manual_seed(config.seed)
     if resume and ckpt_dir and (path := checkpoint.latest(ckpt_dir)) is not None:
         state = checkpoint.load(path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        engine.load(state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"])
         epoch, step = int(state["epoch"]), int(state["step"])
         best_loss, best_epoch, bad_epochs = float(state["best_loss"]), int(state["best_epoch"]), int(state["bad_epochs"])
@@ -160,15 +165,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             t1 = time.perf_counter()
             if batch is None:
                 break
-            lo, hi = local_rows(len(batch), ctx)
-            loss_sum = None
-            if hi > lo:
-                out = model(batch.x_num[lo:hi], batch.x_cat[lo:hi])
-                loss_sum = sum_loss(loss_fn, out, (batch.y[lo:hi] - shift) / scale)
-            optimizer.zero_grad(set_to_none=True)
-            global_n, mean_loss = reducer.backward(loss_sum, hi - lo)
-            optimizer.step()
-            reducer.sync_buffers(hi - lo)
+            global_n, mean_loss = engine.train_step(batch, (batch.y - shift) / scale)
             t2 = time.perf_counter()
             heartbeat()
             data_wait += t1 - t0
@@ -189,6 +186,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             bar.close()
 
         # --- validation, best weights, early stopping --------------------------------------------
+        engine.sync_model()  # pipeline stages: every rank gets the whole current model
         metrics = evaluate(model, valid, data.spec.task, (shift, scale))
         if metrics["loss"] < best_loss - 1e-6:
             best_loss, best_epoch, bad_epochs, best_valid = metrics["loss"], epoch, 0, metrics
@@ -203,20 +201,139 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                   flush=True)
 
         # --- checkpoint ---------------------------------------------------------------------------
+        optimizer_state = engine.optimizer_state()  # a collective under pipeline parallelism
         if ckpt_dir and writer:
             checkpoint.save(ckpt_dir, step, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                "model": model.state_dict(), "stages": engine.stage_states(),
+                "optimizer": optimizer_state, "rng": torch.get_rng_state(),
                 "epoch": epoch, "step": step, "best_loss": best_loss, "best_epoch": best_epoch,
                 "bad_epochs": bad_epochs, "best_model": best_state, "best_valid": best_valid,
-                "data_position": {"split": "train", "epoch": epoch, "batch": 0, "world_size": ctx.world_size},
+                "data_position": {"split": "train", "epoch": epoch, "batch": 0, "world_size": ctx.world_size,
+                                  "stages": config.stages},
                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
             })
     stopped_early = bad_epochs >= config.patience and epoch < config.epochs
-    reducer.close()
+    engine.close()
     model.load_state_dict(best_state)
     return FitResult(model, step, epoch, best_epoch + 1, best_valid, stopped_early,
                      time.perf_counter() - t_start, data_wait, step_time,
                      history=log.read() if log else [])
+
+
+class DataParallelEngine:
+    """Every replica holds the whole model and trains its shard of each global batch."""
+
+    def __init__(self, model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module):
+        self.model, self.ctx, self.loss_fn = model, ctx, loss_fn
+        self.reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def train_step(self, batch: Batch, target: torch.Tensor) -> tuple[int, float]:
+        lo, hi = local_rows(len(batch), self.ctx)
+        loss_sum = None
+        if hi > lo:
+            loss_sum = sum_loss(self.loss_fn, self.model(batch.x_num[lo:hi], batch.x_cat[lo:hi]), target[lo:hi])
+        self.optimizer.zero_grad(set_to_none=True)
+        global_n, mean_loss = self.reducer.backward(loss_sum, hi - lo)
+        self.optimizer.step()
+        self.reducer.sync_buffers(hi - lo)
+        return global_n, mean_loss
+
+    def sync_model(self) -> None:
+        """The whole model is already here."""
+
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def stage_states(self) -> list[dict]:
+        return [self.model.state_dict()]
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        self.model.load_state_dict(model_state)
+        if "stages" in optimizer_state:
+            raise ValueError("this checkpoint was written by a pipeline-parallel run: resume it with the same --stages")
+        self.optimizer.load_state_dict(optimizer_state)
+
+    def close(self) -> None:
+        self.reducer.close()
+
+
+class PipelineEngine:
+    """Each rank holds one stage of the model (``--stages``), replicas of a stage reduce together."""
+
+    def __init__(self, model: nn.Sequential, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module,
+                 sample: torch.Tensor):
+        import torch.distributed as dist
+
+        from flowtrain.pipelining import StageWorker, grid_position
+        from flowtrain.schedules import SCHEDULES
+        from flowtrain.stages import plan_stages, plan_with_bounds, stage_module
+
+        self.ctx, self.model, self.stages = ctx, model, config.stages
+        self.pos, group = grid_position(ctx, config.stages)
+        # Rank 0 measures the layers and decides the cut; every rank uses the same cut.
+        plan = plan_stages(model, config.stages, sample) if ctx.is_main else None
+        shared = [plan.bounds if plan else None]
+        dist.broadcast_object_list(shared, src=0)
+        if plan is None:
+            plan = plan_with_bounds(model, shared[0], sample)
+        self.plan = plan
+        if ctx.is_main:
+            print(f"pipeline: {config.stages} stages x {self.pos.replicas} replicas, {config.microbatches} "
+                  f"micro-batches, {config.schedule}\n{plan.table(model)}", flush=True)
+        self.module = stage_module(model, plan, self.pos.stage)
+        in_shape = plan.out_shapes[self.pos.stage - 1] if self.pos.stage else tuple(sample.shape[1:])
+        self.worker = StageWorker(self.module, self.pos, group, SCHEDULES[config.schedule](config.stages,
+                                  config.microbatches), config.microbatches, in_shape, loss_fn,
+                                  bucket_mb=config.bucket_mb)
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def train_step(self, batch: Batch, target: torch.Tensor) -> tuple[int, float]:
+        import torch.distributed as dist
+
+        from flowtrain.pipelining import replica_rows
+
+        pos = self.pos
+        lo, hi = replica_rows(len(batch), pos)
+        x = pack(batch.x_num[lo:hi], batch.x_cat[lo:hi]) if pos.is_first else None
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.worker.step(x, target[lo:hi] if pos.is_last else None, hi - lo)
+        self.optimizer.step()
+        totals = torch.tensor([stats.loss_sum, float(hi - lo)] if pos.is_last else [0.0, 0.0], dtype=torch.float64)
+        dist.all_reduce(totals)  # the loss reaches rank 0 (and everyone)
+        n = int(totals[1])
+        return n, float(totals[0]) / n if n else 0.0
+
+    def _gather(self, obj) -> list:
+        import torch.distributed as dist
+
+        out = [None] * self.ctx.world_size
+        dist.all_gather_object(out, obj)
+        return out[: self.stages]  # replica 0's stages: ranks 0..S-1
+
+    def sync_model(self) -> None:
+        """Bring every stage's current weights into this rank's full model (for evaluation)."""
+        from flowtrain.stages import merge_stage_states
+
+        self._states = self._gather(self.module.state_dict())
+        self.model.load_state_dict(merge_stage_states(self._states))
+
+    def stage_states(self) -> list[dict]:
+        return self._states
+
+    def optimizer_state(self) -> dict:
+        return {"stages": self._gather(self.optimizer.state_dict())}
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        self.model.load_state_dict(model_state)
+        stages = optimizer_state.get("stages")
+        if stages is None or len(stages) != self.stages:
+            raise ValueError(f"this checkpoint was written with {len(stages) if stages else 1} stage(s): "
+                             f"resume it with --stages {len(stages) if stages else 1}")
+        self.optimizer.load_state_dict(stages[self.pos.stage])
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def baseline_metrics(data: TabularDataset, split: TabularSplit) -> dict[str, float]:

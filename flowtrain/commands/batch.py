@@ -24,7 +24,8 @@ from pathlib import Path
 
 _SPEC_KEYS = ("label", "task", "numeric", "categorical", "optional_numeric", "positive_above", "time_column",
               "valid_from", "test_from", "seed", "min_count")
-_TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed", "bucket_mb")
+_TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed", "bucket_mb",
+               "stages", "microbatches", "schedule")
 
 
 def _csv(value: str | list | None) -> list[str]:
@@ -76,6 +77,10 @@ def register(sub) -> None:
     d.add_argument("--failure-timeout", type=float, help="seconds within which the job ends when a worker "
                    "dies, fails or stalls (default 60)")
     d.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB for the reduce (default 1)")
+    d.add_argument("--stages", type=int, help="pipeline parallelism: cut the model into this many stages, "
+                   "each in its own worker (with --workers D: a D x S grid of D*S workers)")
+    d.add_argument("--microbatches", type=int, help="micro-batches per global batch in the pipeline (default 4)")
+    d.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
     d.add_argument("--job-only", action="store_true", help="run the ETL, write <out>/job.json for torchrun "
                    "across machines, print the torchrun command and stop")
     p.set_defaults(func=run_command, accepts_beam_args=True)
@@ -205,7 +210,7 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
                              f"(--valid-from/--test-from or the data)")
     job = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume,
            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}}
-    workers = int(options.get("workers") or 1)
+    workers = int(options.get("workers") or 1) * config.stages  # replicas x stages
     if options.get("job_only"):
         job_path = run_dir / "job.json"
         job_path.write_text(json.dumps({**job, "failure_timeout_s": float(options.get("failure_timeout") or 60)}))
@@ -217,8 +222,10 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     if workers > 1:
         from flowtrain.launch import spawn
 
-        print(f"train: {workers} data-parallel workers on 127.0.0.1 (gloo), "
-              f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
+        layout = (f"{workers // config.stages} replica(s) x {config.stages} pipeline stages"
+                  if config.stages > 1 else f"{workers} data-parallel workers")
+        print(f"train: {layout} on 127.0.0.1 (gloo), {max(1, (os.cpu_count() or 1) // workers)} threads each",
+              flush=True)
         spawn(workers, "flowtrain.commands.batch:train_worker", job,
               failure_timeout_s=float(options.get("failure_timeout") or 60), workdir=run_dir / "workers")
     else:
