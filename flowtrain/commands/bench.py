@@ -10,6 +10,7 @@ BENCHMARKS = {
     "etl": ("bench.etl", "flights ETL on Beam vs the same steps as a plain pyarrow script"),
     "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
     "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
+    "pipeline": ("bench.pipeline", "GPipe/1F1B stages vs torch.distributed.pipelining, bubbles, memory"),
 }
 
 

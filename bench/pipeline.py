@@ -1,0 +1,152 @@
+"""bench pipeline: flowtrain's GPipe and 1F1B vs torch.distributed.pipelining (the anchors).
+
+One run, 2 stages (2 workers, gloo on CPU, 1 thread each), the same MLP cut the same way, the
+same global batch and number of micro-batches M, SGD: samples/s of flowtrain GPipe / 1F1B
+against ``ScheduleGPipe`` / ``Schedule1F1B`` (goal >= 1.0x). Then flowtrain's measured bubble
+fraction per stage (idle time / step time) next to the theory (S-1)/(M+S-1) for M = 4, 8, 16,
+and the peak activation memory a stage holds under 1F1B vs GPipe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.table import report
+from flowtrain.launch import spawn
+from flowtrain.parallel import DistContext
+from flowtrain.pipelining import StageWorker, grid_position
+from flowtrain.schedules import SCHEDULES, bubble_fraction
+from flowtrain.stages import plan_with_bounds, stage_module
+
+WIDTH, DEPTH, IN = 512, 8, 64
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(IN, WIDTH), nn.ReLU()]
+    for _ in range(DEPTH - 2):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    layers += [nn.Linear(WIDTH, 1), nn.Flatten(0)]
+    return nn.Sequential(*layers)
+
+
+def _data(steps: int, batch: int):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(batch, IN, generator=gen), torch.randn(batch, generator=gen)) for _ in range(steps)]
+
+
+def worker(ctx: DistContext, job: dict) -> None:
+    model = build()
+    stages, micro = ctx.world_size, job["microbatches"]
+    n = len(list(model))
+    bounds = [(0, n // 2), (n // 2, n)]  # the same cut for both engines
+    plan = plan_with_bounds(model, bounds, torch.zeros(2, IN))
+    module = stage_module(model, plan, ctx.rank)
+    data = _data(job["steps"] + 3, job["batch"])
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    stats = []
+    if job["engine"] == "torch":
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        mb = job["batch"] // micro
+        example = torch.zeros(mb, IN) if ctx.rank == 0 else torch.zeros(mb, *plan.out_shapes[0])
+        stage = PipelineStage(module, ctx.rank, stages, torch.device("cpu"), input_args=(example,))
+        cls = ScheduleGPipe if job["schedule"] == "gpipe" else Schedule1F1B
+        schedule = cls(stage, n_microbatches=micro, loss_fn=loss_fn)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            if ctx.rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=[])
+            opt.step()
+    else:
+        pos, group = grid_position(ctx, stages)
+        runner = StageWorker(module, pos, group, SCHEDULES[job["schedule"]](stages, micro), micro,
+                             plan.out_shapes[0] if ctx.rank else (IN,), loss_fn)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            stats.append(runner.step(x if ctx.rank == 0 else None, y if ctx.rank == stages - 1 else None, len(y)))
+            opt.step()
+    for x, y in data[:3]:  # warm-up
+        step(x, y)
+    stats.clear()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for x, y in data[3:]:
+        step(x, y)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    mine = {"idle": sum(s.total_s - s.busy_s for s in stats) / max(sum(s.total_s for s in stats), 1e-9),
+            "peak_bytes": max((s.peak_activation_bytes for s in stats), default=0)} if stats else {}
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.is_main:
+        Path(job["out"]).write_text(json.dumps({"samples_per_s": job["steps"] * job["batch"] / seconds,
+                                                "stages": everyone}))
+
+
+def _run(work: Path, **job) -> dict:
+    out = work / f"{job['engine']}-{job['schedule']}-{job['microbatches']}-{time.monotonic_ns()}.json"
+    spawn(2, "bench.pipeline:worker", {**job, "out": str(out)}, threads_per_worker=1, workdir=work / "w")
+    return json.loads(out.read_text())
+
+
+def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512, repeats: int = 2) -> str:
+    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-pp-"))
+    rows = []
+    best: dict = {}
+    for _ in range(repeats):  # interleaved repeats, best of each
+        for schedule in ("gpipe", "1f1b"):
+            for engine in ("flowtrain", "torch"):
+                res = _run(work, engine=engine, schedule=schedule, microbatches=8, steps=steps, batch=batch)
+                key = (engine, schedule)
+                if key not in best or res["samples_per_s"] > best[key]["samples_per_s"]:
+                    best[key] = res
+    names = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+    for schedule in ("gpipe", "1f1b"):
+        ours, theirs = best[("flowtrain", schedule)]["samples_per_s"], best[("torch", schedule)]["samples_per_s"]
+        rows.append((f"flowtrain {schedule.upper()}", "M=8", ours, ours / theirs))
+        rows.append((f"torch.distributed.pipelining {names[schedule]} (anchor)", "M=8", theirs, 1.0))
+    bubble_rows = []
+    for micro in (4, 8, 16):
+        for schedule in ("gpipe", "1f1b"):
+            res = _run(work, engine="flowtrain", schedule=schedule, microbatches=micro, steps=steps // 2, batch=batch)
+            idle = [s["idle"] for s in res["stages"]]
+            bubble_rows.append((schedule, micro, " / ".join(f"{i:.3f}" for i in idle), bubble_fraction(2, micro),
+                                " / ".join(f"{s['peak_bytes'] / 1024:,.0f}" for s in res["stages"])))
+    text = report("pipeline", ["engine", "micro-batches", "samples/s", "vs anchor"], rows,
+                  notes=[f"2 stages of an MLP ({IN}-{WIDTH}x{DEPTH - 1}-1, "
+                         f"{sum(p.numel() for p in build().parameters()) / 1e6:.2f}M params), global batch {batch}, "
+                         f"SGD, gloo on CPU, 1 thread per stage, {steps} timed steps, best of {repeats}."],
+                  out_dir=None)
+    text += "\n\n" + report("pipeline-bubble", ["schedule", "M", "measured idle fraction (stage 0 / 1)",
+                                                "theory (S-1)/(M+S-1)", "peak activations KiB (stage 0 / 1)"],
+                            bubble_rows, out_dir=None)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "pipeline.md").write_text(text + "\n")
+    return text
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    run(steps=a.steps, batch=a.batch, repeats=a.repeats)
+
+
+if __name__ == "__main__":
+    main()
