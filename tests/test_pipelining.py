@@ -104,3 +104,43 @@ def test_a_failing_stage_ends_the_job_with_the_schedule_marked(tmp_path):
     text = str(err.value)
     assert "worker rank 1" in text and "stage 1 (replica 0) failed at action F0" in text
     assert "stage 1: rF0 >>F0<< B0 sB0" in text
+
+
+@pytest.mark.timeout(240)
+def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    from flowtrain.data import TabularDataset
+    from flowtrain.model import TabularMLP
+
+    from pipelines.flights.batch import export_tables, run_flights_etl
+    from flowtrain.runners import pipeline_options
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = export_tables()
+    flights = pq.read_table(tables["flights"])
+    pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 40))), tmp_path / "flights.parquet")
+    run_flights_etl(dataset_path=str(tmp_path / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
+                    tables={**tables, "flights": str(tmp_path / "flights.parquet")})
+    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress", "--dataset",
+                           str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--stages", "2", "--epochs", "2",
+                           "--microbatches", "3", "--batch-size", "256"], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| stage | layers | parameters | cost |" in proc.stdout
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("ckpt-*.pt"))[-1]
+    state = torch.load(ckpt, weights_only=True)
+    assert len(state["stages"]) == 2 and len(state["optimizer"]["stages"]) == 2
+    merged = merge_stage_states(state["stages"])
+    assert set(merged) == set(state["model"])
+    data = TabularDataset(tmp_path / "ds")
+    model = TabularMLP(data.n_numeric, data.cardinalities, hidden=(128, 64), dropout=0.3)
+    model.load_state_dict(merged)
+    model.eval()
+    whole = TabularMLP(data.n_numeric, data.cardinalities, hidden=(128, 64), dropout=0.3)
+    whole.load_state_dict(state["model"])
+    whole.eval()
+    test = data.split("test")
+    assert torch.equal(model(test.x_num, test.x_cat), whole(test.x_num, test.x_cat))
