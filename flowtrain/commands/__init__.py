@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-_MODULES = ("batch", "bench")
+_MODULES = ("batch", "bench", "stream")
 
 
 def registrars():

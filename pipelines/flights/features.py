@@ -127,13 +127,14 @@ def impossible_values(batch: pa.RecordBatch | pa.Table) -> list[tuple[str, np.nd
 
 
 def featurize_raw(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes: pa.Table, stats: dict,
-                  spec: FeatureSpec = FLIGHTS_SPEC):
+                  spec: FeatureSpec = FLIGHTS_SPEC, *, passthrough: tuple[str, ...] = ()):
     """Raw flight rows -> (feature batch, dead letters): the one call the streaming pipeline makes.
 
     The batch ETL runs exactly these steps as Beam transforms (``JoinReference``,
     ``ValidateRows`` with ``impossible_values``, ``FeaturizeSplits``); a test holds the two
     paths equal. ``weather``/``planes`` are the prepared reference tables, ``stats`` the
-    dataset manifest's statistics.
+    dataset manifest's statistics. ``passthrough`` columns of the kept rows are appended
+    to the features (the stream's source partition and offset).
     """
     from pipelines.tabular.features import featurize, split_valid
 
@@ -142,4 +143,7 @@ def featurize_raw(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes:
     if batch is None:
         return None, []
     good, letters = split_valid(batch, spec, impossible_values(batch))
-    return featurize(good, spec, stats), letters
+    features = featurize(good, spec, stats)
+    for name in passthrough:
+        features = features.append_column(name, good.column(name))
+    return features, letters
