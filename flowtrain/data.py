@@ -70,8 +70,11 @@ def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
     x_num = stack([NUM_PREFIX + c for c in spec.all_numeric], np.float32)
     x_cat = stack([CAT_PREFIX + c for c in spec.categorical], np.int64)
     y = table.column(LABEL).to_numpy().astype(np.float32, copy=False)
-    return TabularSplit(torch.from_numpy(np.ascontiguousarray(x_num)), torch.from_numpy(np.ascontiguousarray(x_cat)),
-                        torch.from_numpy(np.ascontiguousarray(y)))
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+    return TabularSplit(tensor(x_num), tensor(x_cat), tensor(y))
 
 
 class TabularDataset:

@@ -77,6 +77,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
     ckpt_dir = run_dir / "checkpoints"
     data = TabularDataset(cfg.dataset)
     spec = data.spec
+    torch.manual_seed(cfg.seed)  # the same initial weights in every run (and on every replica)
     model = TabularMLP(data.n_numeric, data.cardinalities, hidden=cfg.hidden, dropout=cfg.dropout)
     if cfg.init_weights:
         model.load_state_dict(torch.load(cfg.init_weights, weights_only=True))
