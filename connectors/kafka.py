@@ -41,7 +41,7 @@ from connectors import kafka_offsets as offsets
 from connectors.kafka_offsets import UNBOUNDED, PartitionRead
 
 __all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "PartitionRead",
-           "PartitionRange", "close_all_clients"]
+           "PartitionRange", "close_all_clients", "ensure_topic"]
 
 _log = logging.getLogger(__name__)
 
@@ -505,6 +505,23 @@ class ReadFromKafka(beam.PTransform):
                                                                  self._consumer_config))
             )
         return records
+
+def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitions: int = 1,
+                 client_config: Mapping[str, Any] | None = None) -> None:
+    """Create ``topic`` unless it exists (producers do not create topics and would block)."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, **dict(client_config or {}))
+    try:
+        if topic not in admin.list_topics():
+            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    except TopicAlreadyExistsError:
+        pass
+    finally:
+        admin.close()
+
 
 # --------------------------------------------------------------------------------------------
 # Writing

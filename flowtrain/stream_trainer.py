@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from connectors.arrow import decode_batch
+from connectors.kafka import ensure_topic
 from flowtrain import checkpoint
 from flowtrain.data import TabularDataset, table_to_split
 from flowtrain.metrics import MetricsLog, auc
@@ -126,7 +127,10 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
     log = MetricsLog(run_dir / "metrics.jsonl")
     if ctx.is_main and log.path.exists():
         log.truncate_after(step)
-    producer = KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", **cfg.kafka_config) if ctx.is_main else None
+    producer = None
+    if ctx.is_main:
+        ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config)
+        producer = KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", **cfg.kafka_config)
 
     stop = {"now": False}
 
@@ -139,7 +143,8 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
     pending_ledger: list[tuple[int, int]] = []
     window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (scores, labels) since the last log
     rows_trained = dropped = 0
-    last_ckpt_t, last_data_t = time.monotonic(), time.monotonic()
+    last_ckpt_t = last_data_t = last_status_t = time.monotonic()
+    last_loss = None
     steps_since_ckpt = 0
 
     def save(reason: str) -> None:
@@ -208,7 +213,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
                     if cfg.ledger:
                         pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
                 optimizer.zero_grad(set_to_none=True)
-                global_n, _ = reducer.backward(loss_sum, n_local)
+                global_n, last_loss = reducer.backward(loss_sum, n_local)
                 if global_n:
                     optimizer.step()
                     step += 1
@@ -219,6 +224,10 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
                     (cfg.idle_exit_s is not None and idle >= cfg.idle_exit_s and not anyone_has_data):
                 save("final")
                 break
+            if ctx.is_main and time.monotonic() - last_status_t >= 1.0:
+                last_status_t = time.monotonic()
+                _status(run_dir, {"step": step, "version": version, "rows": rows_trained,
+                                  "dropped_duplicates": dropped, "loss": last_loss, "positions": positions})
             if steps_since_ckpt and (steps_since_ckpt >= cfg.checkpoint_every_steps
                                      or time.monotonic() - last_ckpt_t >= cfg.checkpoint_every_s):
                 save("periodic")

@@ -82,29 +82,16 @@ def register(sub) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def _ensure_topic(bootstrap: str, topic: str, partitions: int, cfg: dict) -> None:
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **cfg)
-    try:
-        if topic not in admin.list_topics():
-            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        admin.close()
-
-
 def _replay(args: argparse.Namespace) -> int:
     from kafka import KafkaProducer
+
+    from connectors.kafka import ensure_topic
 
     from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
     from pipelines.flights.nycflights import load_table
 
     cfg = _kafka_config(args.kafka_config)
-    _ensure_topic(args.bootstrap, args.topic, args.partitions, cfg)
+    ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg)
     producer = KafkaProducer(bootstrap_servers=args.bootstrap, acks="all", linger_ms=10, **cfg)
     rng = random.Random(args.seed)
     counts = {"events": 0, **{k: 0 for k in MALFORMED_KINDS}}
@@ -148,6 +135,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     import apache_beam as beam
 
     from connectors.dataset import read_manifest
+    from connectors.kafka import ensure_topic
     from flowtrain.runners import pipeline_options
     from pipelines.flights.batch import export_tables
     from pipelines.flights.streaming import StreamConfig, build_stream_pipeline
@@ -159,7 +147,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     tables = export_tables()
     raw_parts = _partitions(args.bootstrap, args.raw_topic, cfg)
     for topic in (args.features_topic, args.dead_letter_topic):
-        _ensure_topic(args.bootstrap, topic, raw_parts, cfg)
+        ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg)
     scfg = StreamConfig(bootstrap=args.bootstrap, raw_topic=args.raw_topic, features_topic=args.features_topic,
                         dead_letter_topic=args.dead_letter_topic, group_id=args.group_id,
                         batch_size=args.batch_size, max_delay_s=args.max_delay, stats=read_manifest(dataset)["stats"],
@@ -179,7 +167,10 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
             print(f"stream pipeline: ended in state {state}", file=sys.stderr)
             return 1 if "FAILED" in state else 0
         time.sleep(0.5)
-    result.cancel()
+    try:
+        result.cancel()
+    except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
+        print(f"stream pipeline: the runner was already gone ({type(err).__name__})", flush=True)
     from connectors.kafka import close_all_clients
 
     close_all_clients()
@@ -265,7 +256,7 @@ def _run_both(args, beam_args: list[str]) -> int:
     finally:
         for proc in (trainer, pipeline):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
+                os.kill(proc.pid, signal.SIGINT)  # the process itself stops its runner / writes its checkpoint
         for proc in (trainer, pipeline):
             try:
                 proc.wait(timeout=60)
