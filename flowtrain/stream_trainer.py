@@ -144,6 +144,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
     window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (scores, labels) since the last log
     rows_trained = dropped = 0
     last_ckpt_t = last_data_t = last_status_t = time.monotonic()
+    first_data_t = None
     last_loss = None
     steps_since_ckpt = 0
 
@@ -184,6 +185,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
             local = None
             if msg is not None:
                 last_data_t = time.monotonic()
+                first_data_t = first_data_t or last_data_t
                 positions[msg.partition] = msg.offset + 1
                 batch = decode_batch(msg.value)
                 split, src_p, src_o = _split_of(batch, spec)
@@ -236,7 +238,9 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
         if producer is not None:
             producer.close(timeout=10)
         reducer.close()
-    return {"step": step, "version": version, "rows": rows_trained, "dropped_duplicates": dropped}
+    busy = (last_data_t - first_data_t) if first_data_t else 0.0
+    return {"step": step, "version": version, "rows": rows_trained, "dropped_duplicates": dropped,
+            "rows_per_s": rows_trained / busy if busy > 0 else 0.0}
 
 
 def _prequential(window: list[tuple[np.ndarray, np.ndarray]]) -> dict:

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
     "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
     "pipeline": ("bench.pipeline", "GPipe/1F1B stages vs torch.distributed.pipelining, bubbles, memory"),
+    "stream": ("bench.stream", "streaming job throughput, produce-to-model latency, trainer consume rate"),
 }
 
 

@@ -210,7 +210,8 @@ def _run_trainer(args) -> int:
         return 0
     summary = run_stream_trainer(cfg)
     print(f"stream train: stopped at step {summary['step']} (model version {summary['version']}), "
-          f"{summary['rows']:,} rows trained, {summary['dropped_duplicates']:,} duplicate rows dropped", flush=True)
+          f"{summary['rows']:,} rows trained ({summary['rows_per_s']:,.0f} rows/s from first to last message), "
+          f"{summary['dropped_duplicates']:,} duplicate rows dropped", flush=True)
     return 0
 
 
