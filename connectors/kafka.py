@@ -41,7 +41,7 @@ from connectors import kafka_offsets as offsets
 from connectors.kafka_offsets import UNBOUNDED, PartitionRead
 
 __all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "PartitionRead",
-           "PartitionRange", "close_all_clients", "ensure_topic"]
+           "PartitionRange", "close_all_clients", "ensure_topic", "retry_kafka"]
 
 _log = logging.getLogger(__name__)
 
@@ -88,8 +88,10 @@ class KafkaWriteError(RuntimeError):
 
 def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None) -> dict:
     """kafka-python settings shared by our consumers; ``extra`` passes security options through."""
+    # A generous bootstrap timeout: a client created while the broker restarts waits for it
+    # instead of failing the bundle (Prism fails the whole job on a DoFn error).
     cfg = {"bootstrap_servers": bootstrap_servers, "enable_auto_commit": False,
-           "request_timeout_ms": 30_000, "bootstrap_timeout_ms": 15_000}
+           "request_timeout_ms": 30_000, "bootstrap_timeout_ms": 120_000}
     cfg.update(extra or {})
     return cfg
 
@@ -200,9 +202,11 @@ class _PartitionTracker(RestrictionTracker):
     def current_progress(self) -> RestrictionProgress:
         position = min(self._next_position(), self._range.stop)
         end = self._ends.get(self._range.topic, self._range.partition, position)
-        remaining = offsets.backlog(position, self._range.stop, max(end, position))
-        return RestrictionProgress(completed=float(position - self._range.start),
-                                   remaining=float(remaining))
+        completed = float(position - self._range.start)
+        remaining = float(offsets.backlog(position, self._range.stop, max(end, position)))
+        if completed + remaining == 0:  # never 0/0 (the runner divides): done, or waiting for more
+            completed, remaining = (1.0, 0.0) if self.is_bounded() else (0.0, 1.0)
+        return RestrictionProgress(completed=completed, remaining=remaining)
 
     def is_bounded(self) -> bool:
         return self._range.stop != UNBOUNDED
@@ -505,6 +509,24 @@ class ReadFromKafka(beam.PTransform):
                                                                  self._consumer_config))
             )
         return records
+
+def retry_kafka(action, what: str, *, deadline_s: float = 120.0, pause_s: float = 1.0):
+    """Run ``action()`` again while Kafka answers with a retriable error (the broker restarts,
+    the group coordinator moves), for up to ``deadline_s``; then let the error out."""
+    from kafka.errors import KafkaError
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return action()
+        except KafkaError as err:
+            retriable = getattr(err, "retriable", False) or type(err).__name__ in (
+                "KafkaTimeoutError", "KafkaConnectionError", "NoBrokersAvailable", "NodeNotReadyError")
+            if not retriable or time.monotonic() >= deadline:
+                raise
+            _log.warning("%s: %s; retrying", what, err)
+            time.sleep(pause_s)
+
 
 def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitions: int = 1,
                  client_config: Mapping[str, Any] | None = None) -> None:

@@ -221,3 +221,49 @@ def test_pipeline_kill9_and_replayed_output_are_not_trained_twice(bootstrap, dat
     counts = _ledger(run)
     assert set(counts) == set(sources) and set(counts.values()) == {1}
     assert f"{len(sources) - len(set(sources)):,} duplicate rows dropped" in out.decode()
+
+
+def test_broker_stopped_and_restarted_mid_stream_loses_nothing(dataset, tmp_path):
+    from flowtrain.kafka_broker import LocalKafka, free_port
+
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "kafka")
+    broker.start(timeout_s=120, quiet=True)
+    bootstrap = broker.bootstrap
+    names = _names()
+    run = tmp_path / "run"
+    procs = []
+    try:
+        _replay(bootstrap, names["raw"], 1500, partitions=2)
+        procs.append(_start_pipeline(bootstrap, names, dataset, tmp_path / "p"))
+        procs.append(subprocess.Popen(
+            CLI + ["stream", "train", *_stream_args(bootstrap, names, dataset, run), "--ledger",
+                   "--checkpoint-seconds", "1"],
+            stdout=open(tmp_path / "trainer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _status_step(run) < 2:
+            time.sleep(0.2)
+        broker.stop(quiet=True)  # mid-stream
+        time.sleep(5)
+        broker.start(timeout_s=120, quiet=True)
+        _replay(bootstrap, names["raw"], 1500, partitions=2, skip=1500)
+        deadline = time.monotonic() + 240
+        valid = set()
+        while time.monotonic() < deadline:
+            done, end = _committed(bootstrap, names["raw"], names["group"])
+            if end == 3000 and done == end:
+                valid = {(int(p), int(o)) for m in _read_topic(bootstrap, names["features"])
+                         for p, o in zip(decode_batch(m.value)["src_partition"].to_pylist(),
+                                         decode_batch(m.value)["src_offset"].to_pylist())}
+                if (run / "ledger.jsonl").exists() and set(_ledger(run)) == valid:
+                    break
+            assert all(p.poll() is None for p in procs), (tmp_path / "trainer.log").read_text()[-2000:]
+            time.sleep(1)
+        counts = _ledger(run)
+        assert len(valid) > 2500 and set(counts) == valid and set(counts.values()) == {1}
+    finally:
+        for p in procs:
+            _stop(p)
+        from connectors.kafka import close_all_clients
+
+        close_all_clients()
+        broker.stop(quiet=True)

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from connectors.arrow import encode_batch
 from connectors.deadletter import DeadLetter
-from connectors.kafka import KafkaRecord, ReadFromKafka, _track
+from connectors.kafka import KafkaRecord, ReadFromKafka, _track, retry_kafka
 from pipelines.flights import features as FF
 from pipelines.flights.events import events_table, parse_event
 
@@ -78,9 +78,11 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
         self.weather = FF.prepare_weather(pq.read_table(cfg.weather_path))
         self.planes = FF.prepare_planes(pq.read_table(cfg.planes_path))
         self.producer = _track(KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True,
-                                             linger_ms=5, max_request_size=16 * 1024 * 1024, **cfg.kafka_config))
+                                             linger_ms=5, max_request_size=16 * 1024 * 1024,
+                                             bootstrap_timeout_ms=120_000, **cfg.kafka_config))
         self.committer = _track(KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=cfg.group_id,
-                                              enable_auto_commit=False, **cfg.kafka_config))
+                                              enable_auto_commit=False, bootstrap_timeout_ms=120_000,
+                                              **cfg.kafka_config))
         self.totals = {"events": 0, "rows": 0, "dead_letters": 0, "batches": 0}
 
     def teardown(self):
@@ -133,7 +135,8 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
                 letter.payload, default=str).encode()
             self.producer.send(self.cfg.dead_letter_topic, key=letter.source.encode(), value=payload,
                                headers=[("source", letter.source.encode()), ("reason", letter.reason.encode())])
-        self.producer.flush(timeout=60)  # raises if a record was not acknowledged: nothing is committed
+        # Every record acknowledged before the commit; a broker restart is waited out.
+        retry_kafka(lambda: self.producer.flush(timeout=60), "flush of a micro-batch")
         self._commit(topic, partition, items[-1].offset + 1)
         self.totals["events"] += len(items)
         self.totals["rows"] += rows
@@ -145,7 +148,8 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
     def _commit(self, topic: str, partition: int, next_offset: int) -> None:
         from kafka import OffsetAndMetadata, TopicPartition
 
-        self.committer.commit({TopicPartition(topic, partition): OffsetAndMetadata(next_offset, "", -1)})
+        offsets = {TopicPartition(topic, partition): OffsetAndMetadata(next_offset, "", -1)}
+        retry_kafka(lambda: self.committer.commit(offsets), "offset commit")
 
     def _write_status(self) -> None:
         if self.cfg.status_path:  # one file per DoFn instance: instances run in parallel threads
