@@ -341,7 +341,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
             tracker.try_claim(stop)
             return
         consumer = self._consumer_for(element.topic, element.partition)
-        if consumer.position(tp) != position:
+        if retry_kafka(lambda: consumer.position(tp), "consumer position") != position:
             consumer.seek(tp, position)
         deadline = time.monotonic() + self._max_read_s
         wm_ms = watermark.current_watermark().micros // 1000
@@ -380,7 +380,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                     return
                 continue
             # Nothing fetched: the partition is caught up or beyond its stop.
-            log_position = consumer.position(tp)
+            log_position = retry_kafka(lambda: consumer.position(tp), "consumer position")
             if stop != UNBOUNDED and log_position >= stop:
                 tracker.try_claim(stop)  # only gaps (control records) were left
                 self._release(element.topic, element.partition)

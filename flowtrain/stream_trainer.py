@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from connectors.arrow import decode_batch
-from connectors.kafka import ensure_topic
+from connectors.kafka import ensure_topic, retry_kafka
 from flowtrain import checkpoint
 from flowtrain.data import TabularDataset, table_to_split
 from flowtrain.metrics import MetricsLog, auc
@@ -169,7 +169,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
             record = {"version": version, "step": step, "checkpoint": str(path), "positions": all_positions,
                       "metrics": preq, "reason": reason, "time": time.time()}
             producer.send(cfg.updates_topic, key=str(version).encode(), value=json.dumps(record).encode())
-            producer.flush(timeout=30)
+            retry_kafka(lambda: producer.flush(timeout=30), "publishing a model version")
             _plot(log, run_dir)
             _status(run_dir, {"step": step, "version": version, "rows": rows_trained, "dropped_duplicates": dropped,
                               "loss": preq.get("loss"), "positions": all_positions})

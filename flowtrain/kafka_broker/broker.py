@@ -80,12 +80,29 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, with the next one free too (controller)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+def free_port(below_ephemeral: bool = False) -> int:
+    """A TCP port on 127.0.0.1 that is free now, with the next one free too (controller).
+
+    ``below_ephemeral`` picks from 20000-30000, under Linux's ephemeral range (32768+), for a
+    broker that restarts on the same port: while it is down, its clients' reconnecting sockets
+    take ephemeral ports and could take its own.
+    """
+    import random
+
+    for _ in range(200):
+        if below_ephemeral:
+            port = random.randrange(20000, 30000)
+            if _port_open("127.0.0.1", port, 0.1):
+                continue
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         if port < 65535 and not _port_open("127.0.0.1", port + 1, 0.1):
             return port
     raise BrokerError("no free pair of TCP ports found on 127.0.0.1")
