@@ -256,28 +256,28 @@ def _prequential(window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     return out
 
 
-def _gather_dict(ctx: DistContext, mine: dict) -> dict:
+def _gather(ctx: DistContext, mine) -> list:
+    """Every replica's ``mine`` (just ours without a process group)."""
     if not ctx.distributed:
-        return dict(mine)
+        return [mine]
     import torch.distributed as dist
 
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, dict(mine))
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _gather_dict(ctx: DistContext, mine: dict) -> dict:
+    """Positions / seen offsets of all replicas: each key's highest value."""
     merged: dict = {}
-    for d in everyone:
+    for d in _gather(ctx, dict(mine)):
         for k, v in d.items():
             merged[k] = max(v, merged.get(k, v))
     return merged
 
 
 def _gather_list(ctx: DistContext, mine: list) -> list:
-    if not ctx.distributed:
-        return list(mine)
-    import torch.distributed as dist
-
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, list(mine))
-    return [x for part in everyone for x in part]
+    return [x for part in _gather(ctx, list(mine)) for x in part]
 
 
 def _plot(log: MetricsLog, run_dir: Path) -> None:

@@ -56,3 +56,4 @@ def new_topic(bootstrap):
 
     yield make
     admin.close()
+

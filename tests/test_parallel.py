@@ -15,6 +15,7 @@ import torch
 from flowtrain.kafka_broker import free_port
 from flowtrain.launch import WorkerFailure, spawn
 from flowtrain.parallel import shard_bounds
+from tests.flights_data import make_flights_dataset
 from tests.dp_jobs import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,21 +106,7 @@ def _worker_pids(job_path: str) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory) -> str:
-    from tests.test_batch_job import flights_slice as _unused  # noqa: F401 - document the shape only
-    from pipelines.flights.batch import export_tables, run_flights_etl
-    from flowtrain.runners import pipeline_options
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    base = tmp_path_factory.mktemp("dpdata")
-    tables = export_tables()
-    flights = pq.read_table(tables["flights"])
-    pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 20))), base / "flights.parquet")
-    tables = {**tables, "flights": str(base / "flights.parquet")}
-    run_flights_etl(dataset_path=str(base / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                    tables=tables)
-    return str(base / "ds")
+    return make_flights_dataset(tmp_path_factory.mktemp("dpdata"), every=20)
 
 
 def _batch_cli(*args):

@@ -114,17 +114,9 @@ def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
     from flowtrain.data import TabularDataset
     from flowtrain.model import TabularMLP
 
-    from pipelines.flights.batch import export_tables, run_flights_etl
-    from flowtrain.runners import pipeline_options
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from tests.flights_data import make_flights_dataset
 
-    tables = export_tables()
-    flights = pq.read_table(tables["flights"])
-    pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 40))), tmp_path / "flights.parquet")
-    run_flights_etl(dataset_path=str(tmp_path / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                    tables={**tables, "flights": str(tmp_path / "flights.parquet")})
+    make_flights_dataset(tmp_path, every=40)
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress", "--dataset",
                            str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--stages", "2", "--epochs", "2",
                            "--microbatches", "3", "--batch-size", "256"], capture_output=True, text=True, timeout=200)

@@ -11,14 +11,11 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import torch
 from kafka import KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
+from tests.flights_data import make_flights_dataset
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(420)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -26,16 +23,7 @@ CLI = [sys.executable, "-m", "flowtrain.cli"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from flowtrain.runners import pipeline_options
-    from pipelines.flights.batch import export_tables, run_flights_etl
-
-    base = tmp_path_factory.mktemp("streamds")
-    tables = export_tables()
-    flights = pq.read_table(tables["flights"])
-    pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 30))), base / "flights.parquet")
-    run_flights_etl(dataset_path=str(base / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                    tables={**tables, "flights": str(base / "flights.parquet")})
-    return str(base / "ds")
+    return make_flights_dataset(tmp_path_factory.mktemp("streamds"), every=30)
 
 
 def _names():
