@@ -189,7 +189,7 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
                 positions[msg.partition] = msg.offset + 1
                 batch = decode_batch(msg.value)
                 split, src_p, src_o = _split_of(batch, spec)
-                fresh = np.array([o > seen.get(int(p), -1) for p, o in zip(src_p, src_o)], dtype=bool)
+                fresh = _unseen(src_p, src_o, seen)
                 dropped += int((~fresh).sum())
                 if fresh.any():
                     idx = torch.from_numpy(np.flatnonzero(fresh))
@@ -210,8 +210,8 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -
                     model.train()
                     torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + ctx.rank)
                     loss_sum, n_local = sum_loss(loss_fn, model(b.x_num, b.x_cat), b.y), len(b)
-                    for p, o in zip(bp, bo):
-                        seen[int(p)] = max(seen.get(int(p), -1), int(o))
+                    for p in np.unique(bp):  # a column at a time: one max per raw partition
+                        seen[int(p)] = max(seen.get(int(p), -1), int(bo[bp == p].max()))
                     if cfg.ledger:
                         pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
                 optimizer.zero_grad(set_to_none=True)
@@ -254,6 +254,15 @@ def _prequential(window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     if not math.isnan(value):
         out["auc"] = value
     return out
+
+
+def _unseen(partitions: np.ndarray, offsets: np.ndarray, seen: dict[int, int]) -> np.ndarray:
+    """Rows whose source is past the highest offset already trained for its raw partition."""
+    fresh = np.ones(len(offsets), dtype=bool)
+    for p in np.unique(partitions):
+        rows = partitions == p
+        fresh[rows] = offsets[rows] > seen.get(int(p), -1)
+    return fresh
 
 
 def _gather(ctx: DistContext, mine) -> list:
