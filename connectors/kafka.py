@@ -364,7 +364,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                     batch_max_ms = rec.timestamp
                 yield window.TimestampedValue(
                     KafkaRecord(rec.topic, rec.partition, rec.offset, rec.timestamp, rec.key,
-                                rec.value, tuple((k, v) for k, v in (rec.headers or ()))),
+                                rec.value, tuple(rec.headers) if rec.headers else ()),
                     Timestamp(micros=rec.timestamp * 1000))
             if batch_max_ms > wm_ms:  # per partition, monotonic: the max timestamp read so far
                 wm_ms = batch_max_ms
