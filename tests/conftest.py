@@ -13,9 +13,23 @@ from flowtrain.kafka_broker import LocalKafka, free_port
 
 
 @pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory) -> LocalKafka:
+def say(request):
+    """Write a line to the test log itself (not captured): what infrastructure really ran."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def write(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(line, flush=True)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory, say) -> LocalKafka:
     broker = LocalKafka(port=free_port(), data_dir=tmp_path_factory.mktemp("kafka"))
-    broker.start(timeout_s=120)
+    status = broker.start(timeout_s=120, quiet=True)
+    say(f"\nkafka: broker {broker.version} started from jars on {broker.bootstrap} in "
+        f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {broker.log_path})")
     try:
         yield broker
     finally:

@@ -58,7 +58,7 @@ class _RecordWindows(beam.DoFn):
 
 @pytest.mark.streaming
 @pytest.mark.timeout(180)
-def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped():
+def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped(say):
     _RecordWindows.fired = []
     options = pipeline_options("streaming")
     assert "prism" in options.get_all_options()["prism_location"]
@@ -75,6 +75,8 @@ def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped():
     state_while_running = str(result.state)
     result.cancel()
     assert len(_RecordWindows.fired) >= 2, "no two windows fired within 120 s on the streaming runner"
+    say(f"\nprism: unbounded PeriodicImpulse pipeline fired {len(_RecordWindows.fired)} windows on "
+        f"{options.get_all_options()['prism_location']} while running, then was cancelled")
     assert "RUNNING" in state_while_running
     assert all(count >= 1 for _, (_, count) in _RecordWindows.fired)
 
