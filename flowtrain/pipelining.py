@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flowtrain.parallel import DistContext, GradientReducer, LocalReducer, shard_bounds, sum_loss
-from flowtrain.schedules import Action, Schedule, ScheduleError, add_communication, format_schedule, microbatch_sizes
+from flowtrain.schedules import Schedule, ScheduleError, add_communication, format_schedule, microbatch_sizes
 
 __all__ = ["GridPosition", "grid_position", "StageWorker", "StepStats", "PipelineStepError"]
 

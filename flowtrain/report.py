@@ -65,7 +65,7 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         f"- rows in: {counts['in']:,}; rows out: {counts['out']:,}; dead letters: {counts['dead_letters']:,} "
         f"(`dead_letters.jsonl`)",
         *[f"  - {reason}: {n:,}" for reason, n in counts.get("dead_letters_by_reason", {}).items()],
-        f"- splits: " + ", ".join(f"{k} {v:,}" for k, v in summary["rows"].items()),
+        "- splits: " + ", ".join(f"{k} {v:,}" for k, v in summary["rows"].items()),
         f"- dataset: `{summary['dataset']}`",
         "",
         "## Training",

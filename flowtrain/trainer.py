@@ -11,7 +11,6 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -355,5 +354,3 @@ def _progress(total: int, desc: str, enabled: bool):
 
     return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, mininterval=0.5)
 
-
-ModelFactory = Callable[[TabularDataset, TrainConfig], nn.Module]

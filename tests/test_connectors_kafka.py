@@ -9,7 +9,7 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms import window
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from connectors.kafka import KafkaRecord, ReadFromKafka, WriteToKafka
 from flowtrain.runners import pipeline_options

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowtrain.launch import WorkerFailure, spawn
-from flowtrain.schedules import (Action, ScheduleError, add_communication, format_schedule, gpipe, one_f_one_b,
+from flowtrain.schedules import (ScheduleError, add_communication, format_schedule, gpipe, one_f_one_b,
                                  parse_schedule, peak_in_flight, validate)
 from flowtrain.stages import merge_stage_states, partition, plan_stages
 from tests.pp_jobs import build_model, reference

@@ -22,8 +22,6 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-_SPEC_KEYS = ("label", "task", "numeric", "categorical", "optional_numeric", "positive_above", "time_column",
-              "valid_from", "test_from", "seed", "min_count")
 _TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed", "bucket_mb",
                "stages", "microbatches", "schedule")
 

@@ -13,7 +13,6 @@ import math
 import random
 from typing import Iterator
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -101,7 +100,3 @@ def events_table(events: list[dict], sources: list[tuple[str, int, int]]) -> pa.
     hours = pc.assume_timezone(hours, "UTC") if hasattr(pc, "assume_timezone") else hours
     return table.set_column(table.schema.get_field_index("time_hour"), "time_hour", pc.cast(hours, HOUR_TYPE))
 
-
-def source_columns(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-    return (table.column("src_partition").to_numpy(zero_copy_only=False),
-            table.column("src_offset").to_numpy(zero_copy_only=False))

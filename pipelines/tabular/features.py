@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -310,14 +309,3 @@ def featurize(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict) -> pa.Recor
     arrays.append(source_strings(batch).cast(pa.string()))
     names.append(SOURCE)
     return pa.RecordBatch.from_arrays(arrays, names=names)
-
-
-def feature_schema(spec: FeatureSpec) -> pa.Schema:
-    return pa.schema([*(pa.field(NUM_PREFIX + c, pa.float32(), nullable=False) for c in spec.all_numeric),
-                      *(pa.field(CAT_PREFIX + c, pa.int32(), nullable=False) for c in spec.categorical),
-                      pa.field(LABEL, pa.float32(), nullable=False), pa.field(SOURCE, pa.string())])
-
-
-def concat(batches: Iterable[pa.RecordBatch]) -> pa.Table:
-    batches = list(batches)
-    return pa.Table.from_batches(batches) if batches else pa.table({})

@@ -11,8 +11,6 @@ Counts reconcile and go into the manifest: rows in = rows out (all splits) + dea
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 from typing import Callable, Sequence
 
 import apache_beam as beam
