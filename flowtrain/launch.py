@@ -72,7 +72,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps({**job, "failure_timeout_s": failure_timeout_s}, default=str))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
-    port = free_port()
+    port = free_port(below_ephemeral=True)  # a rendezvous port no client socket can be holding
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     t0 = time.monotonic()

@@ -56,20 +56,33 @@ def test_torchrun_two_nodes_equals_spawned_run(tmp_path):
     spawn(2, "tests.dp_jobs:equivalence_job", {**job, "out": str(spawned)}, workdir=tmp_path / "w", extra_env=ENV)
     job_path = tmp_path / "job.json"
     job_path.write_text(json.dumps({**job, "out": str(tmp_path / "torchrun.pt")}))
-    port = free_port()
-    env = dict(os.environ, **ENV, FLOWTRAIN_THREADS="1")
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-         "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "flowtrain.worker",
-         "tests.dp_jobs:equivalence_job", str(job_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert all(p.returncode == 0 for p in nodes), outs
+    # Loopback only: the agents' store and gloo's sockets on 127.0.0.1, a port below the
+    # ephemeral range (no client socket can hold it). A rendezvous that does not complete in
+    # 90 s is tried once more on a new port (seen once in a full CI run: torchrun hung with no
+    # output); the equality below is asserted either way.
+    env = dict(os.environ, **ENV, FLOWTRAIN_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    failures = []
+    for _attempt in range(2):
+        port = free_port(below_ephemeral=True)
+        nodes = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+             f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
+             "-m", "flowtrain.worker", "tests.dp_jobs:equivalence_job", str(job_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) for rank in range(2)]
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and any(p.poll() is None for p in nodes):
+                time.sleep(0.2)
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        outs = [p.communicate(timeout=30)[0].decode(errors="replace") for p in nodes]
+        if all(p.returncode == 0 for p in nodes):
+            break
+        failures.append(outs)
+    else:
+        raise AssertionError(f"torchrun failed twice: {failures}")
     a = torch.load(spawned, weights_only=True)
     b = torch.load(tmp_path / "torchrun.pt", weights_only=True)
     assert _max_diff(a, b) <= 1e-6
