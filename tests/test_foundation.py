@@ -80,6 +80,20 @@ def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped(say):
     assert all(count >= 1 for _, (_, count) in _RecordWindows.fired)
 
 
+def test_streaming_options_keep_user_flags_and_turn_off_prism_dynamic_splits():
+    """Prism's dynamic split of a waiting Kafka read once failed a CI run inside Beam's harness
+    (NaN progress); the reader never splits a partition, so streaming runs turn it off."""
+    from apache_beam.options.pipeline_options import DebugOptions
+
+    options = pipeline_options("streaming", ["--experiments=my_flag"])
+    experiments = options.view_as(DebugOptions).experiments
+    assert "prism_disable_sdf_split" in experiments and "my_flag" in experiments
+    assert options.get_all_options()["runner"] == "PrismRunner"
+    user = pipeline_options("streaming", ["--runner=FlinkRunner"])
+    assert user.get_all_options()["runner"] == "FlinkRunner"
+    assert "prism_disable_sdf_split" not in (user.view_as(DebugOptions).experiments or [])
+
+
 @pytest.mark.kafka
 @pytest.mark.timeout(180)
 def test_kafka_cli_start_status_stop(tmp_path):
