@@ -2,8 +2,9 @@
 
 One run: produce N records (~100-byte values) across 3 partitions to a real broker, then read
 them all back (a) with a plain kafka-python consumer loop, (b) with ``ReadFromKafka(stop="end")``
-on the local batch runner, (c) as Arrow-batched messages (1000 rows each) decoded to record
-batches. Prints records/s, MB/s and the ratio (b)/(a) (goal >= 0.7).
+on the local batch runner (and (b0), the same pipeline over an empty topic: its start-up), (c) as
+Arrow-batched messages (1000 rows each) decoded to record batches. Prints records/s, MB/s and the
+ratio (b)/(a) (goal >= 0.7), best of interleaved repeats after an untimed warm-up pipeline.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def beam_read(bootstrap: str, topic: str, *, arrow: bool = False) -> tuple[int, 
     return sum(c.committed for c in counters), seconds
 
 
-def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | None = "bench/results") -> str:
+def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | None = "bench/results",
+        repeats: int = 3) -> str:
     from flowtrain.kafka_broker import LocalKafka, free_port
     import tempfile
 
@@ -115,26 +117,41 @@ def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | Non
     try:
         topic, nbytes = produce_records(bootstrap, records)
         atopic, abytes = produce_arrow(bootstrap, records)
-        raw_n, raw_s = raw_consumer(bootstrap, topic)
-        beam_n, beam_s = beam_read(bootstrap, topic)
-        arrow_n, arrow_s = beam_read(bootstrap, atopic, arrow=True)
+        empty, _ = produce_records(bootstrap, 0)
+        # Warm-up, untimed: the first pipeline of a process pays Beam's one-time imports.
+        beam_read(bootstrap, empty)
+        best: dict[str, tuple[int, float]] = {}
+        for _ in range(repeats):  # interleaved, best of each: the machine is noisy
+            for name, measure in (("raw", lambda: raw_consumer(bootstrap, topic)),
+                                  ("beam", lambda: beam_read(bootstrap, topic)),
+                                  ("empty", lambda: beam_read(bootstrap, empty)),
+                                  ("arrow", lambda: beam_read(bootstrap, atopic, arrow=True))):
+                n, s = measure()
+                if name not in best or s < best[name][1]:
+                    best[name] = (n, s)
     finally:
         if broker is not None:
             from connectors.kafka import close_all_clients
 
             close_all_clients()
             broker.stop(quiet=True)
-    assert raw_n == beam_n == arrow_n == records, (raw_n, beam_n, arrow_n)
+    (raw_n, raw_s), (beam_n, beam_s), (arrow_n, arrow_s) = best["raw"], best["beam"], best["arrow"]
+    empty_s = best["empty"][1]
+    assert raw_n == beam_n == arrow_n == records and best["empty"][0] == 0, best
     raw_rate = raw_n / raw_s
     rows = [
         ("(a) kafka-python consumer loop (anchor)", raw_n, raw_s, raw_rate, nbytes / raw_s / 1e6, 1.0),
         ("(b) ReadFromKafka stop='end', FnApiRunner", beam_n, beam_s, beam_n / beam_s, nbytes / beam_s / 1e6,
          (beam_n / beam_s) / raw_rate),
+        ("(b0) the same pipeline on an empty topic", 0, empty_s, "-", "-", "-"),
         ("(c) Arrow messages (1000 rows) + DecodeArrow", arrow_n, arrow_s, arrow_n / arrow_s,
          abytes / arrow_s / 1e6, (arrow_n / arrow_s) / raw_rate),
     ]
+    steady = raw_s / (beam_s - empty_s) if beam_s > empty_s else float("nan")
     return report("kafka", ["reader", "records", "seconds", "records/s", "MB/s", "vs (a)"], rows,
-                  notes=[f"{records} records of ~{nbytes // records} bytes over 3 partitions; goal (b)/(a) >= 0.7."],
+                  notes=[f"{records} records of ~{nbytes // records} bytes over 3 partitions, best of {repeats} "
+                         f"interleaved runs after an untimed warm-up pipeline; goal (b)/(a) >= 0.7.",
+                         f"(b) without its start-up (b0): {steady:.2f} of (a)."],
                   out_dir=out_dir)
 
 
@@ -142,8 +159,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
     ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    run(args.bootstrap, args.records)
+    run(args.bootstrap, args.records, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import weakref
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
@@ -46,25 +45,38 @@ __all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "P
 
 _log = logging.getLogger(__name__)
 
-# Every client this module opens, so that clients of DoFns the runner never tears down (a
-# cancelled streaming job's in-process workers) are closed at exit instead of polling forever.
-_LIVE_CLIENTS: "weakref.WeakSet" = weakref.WeakSet()
+# Every client this module opened and has not closed, held strongly: kafka-python 3 runs all
+# clients' sockets on one shared IO thread, so a client dropped without ``close()`` (a DoFn the
+# runner discards without teardown, a cancelled streaming job's in-process workers) would keep
+# its connections and metadata refreshes alive for the life of the process. These are closed
+# by ``close_all_clients`` and at exit.
+_LIVE_CLIENTS: set = set()
+_LIVE_LOCK = threading.Lock()
 
 
 def _track(client):
-    _LIVE_CLIENTS.add(client)
+    with _LIVE_LOCK:
+        _LIVE_CLIENTS.add(client)
     return client
+
+
+def _close_client(client, **close_kwargs) -> None:
+    with _LIVE_LOCK:
+        _LIVE_CLIENTS.discard(client)
+    client.close(**close_kwargs)
 
 
 def close_all_clients() -> int:
     """Close every Kafka client the connectors opened in this process; returns how many."""
-    clients = list(_LIVE_CLIENTS)
+    with _LIVE_LOCK:
+        clients = list(_LIVE_CLIENTS)
+        _LIVE_CLIENTS.clear()
+        _SHARED_END_OFFSETS.clear()
     for client in clients:
         try:
             client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
-    _LIVE_CLIENTS.clear()
     return len(clients)
 
 
@@ -163,7 +175,7 @@ class _ResolvePartitionsFn(beam.DoFn):
                                            for_time=at_stop.offset if at_stop else None)
                 yield PartitionRead(tp.topic, tp.partition, first, last, stop_ms)
         finally:
-            consumer.close()
+            _close_client(consumer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,13 +248,32 @@ class _PartitionTracker(RestrictionTracker):
         return self._range.stop != UNBOUNDED
 
 
+# One end-offsets consumer per process and (bootstrap, config), shared by every reader
+# instance: Beam sizes restrictions in DoFn instances it may drop without teardown, and a
+# consumer per instance would pile up. Guarded by its lock (kafka-python clients are not
+# thread-safe); closed by close_all_clients.
+_SHARED_END_OFFSETS: dict[str, tuple[Any, threading.Lock]] = {}
+
+
+def _end_offsets_consumer(bootstrap_servers, consumer_config) -> tuple[Any, threading.Lock]:
+    key = repr((bootstrap_servers, sorted((consumer_config or {}).items())))
+    with _LIVE_LOCK:
+        shared = _SHARED_END_OFFSETS.get(key)
+    if shared is None:
+        consumer = _new_consumer(bootstrap_servers, consumer_config)
+        with _LIVE_LOCK:
+            shared = _SHARED_END_OFFSETS.setdefault(key, (consumer, threading.Lock()))
+        if shared[0] is not consumer:
+            _close_client(consumer)
+    return shared
+
+
 class _EndOffsets:
-    """Cached log-end offsets for backlog estimates (one lazy consumer per worker)."""
+    """Cached log-end offsets for backlog estimates (a few seconds old at most)."""
 
     def __init__(self, bootstrap_servers, consumer_config, ttl_s: float = 2.0):
         self._cfg = (bootstrap_servers, consumer_config)
         self._ttl = ttl_s
-        self._consumer = None
         self._cache: dict[tuple[str, int], tuple[float, int]] = {}
         self._lock = threading.Lock()
 
@@ -259,24 +290,19 @@ class _EndOffsets:
             hit = self._cache.get(key)
             if hit and now - hit[0] < self._ttl:
                 return hit[1]
-            try:
-                from kafka import TopicPartition
+        try:
+            from kafka import TopicPartition
 
-                if self._consumer is None:
-                    self._consumer = _new_consumer(*self._cfg)
-                tp = TopicPartition(topic, partition)
-                end = self._consumer.end_offsets([tp], timeout_ms=5000)[tp]
-            except Exception as err:  # noqa: BLE001 - an estimate must never fail the read
-                _log.debug("end offset of %s-%s unavailable: %s", topic, partition, err)
-                return hit[1] if hit else fallback
-            self._cache[key] = (now, end)
-            return end
-
-    def close(self) -> None:
+            consumer, lock = _end_offsets_consumer(*self._cfg)
+            tp = TopicPartition(topic, partition)
+            with lock:
+                end = consumer.end_offsets([tp], timeout_ms=5000)[tp]
+        except Exception as err:  # noqa: BLE001 - an estimate must never fail the read
+            _log.debug("end offset of %s-%s unavailable: %s", topic, partition, err)
+            return hit[1] if hit else fallback
         with self._lock:
-            if self._consumer is not None:
-                self._consumer.close()
-                self._consumer = None
+            self._cache[key] = (now, end)
+        return end
 
 
 # The reader is a root transform (Impulse -> Reshuffle -> the SDF), so its input and output
@@ -333,17 +359,14 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
 
     def teardown(self):
         for consumer in self._consumers.values():
-            consumer.close()
+            _close_client(consumer)
         self._consumers = {}
-        self._ends.close()
 
     def _release(self, topic: str, partition: int) -> None:
         """A finished partition frees its consumer (bounded reads end with no teardown call)."""
         consumer = self._consumers.pop((topic, partition), None)
         if consumer is not None:
-            consumer.close()
-        if not self._consumers:
-            self._ends.close()
+            _close_client(consumer)
 
     def _consumer_at(self, topic: str, partition: int, position: int):
         """This worker's consumer of the partition, positioned at ``position``.
@@ -465,7 +488,8 @@ class _CommitOffsetsFn(beam.DoFn):
 
     def teardown(self):
         if self._consumer is not None:
-            self._consumer.close()
+            _close_client(self._consumer)
+            self._consumer = None
 
     def process(self, element):
         from kafka import OffsetAndMetadata, TopicPartition
@@ -620,7 +644,8 @@ class _WriteFn(beam.DoFn):
             # A metadata request for the topic: with auto-creation off, an absent topic times out.
             self._producer.partitions_for(self._topic)
         except KafkaTimeoutError as err:
-            self._producer.close(timeout=1)
+            _close_client(self._producer, timeout=1)
+            self._producer = None
             raise KafkaWriteError(
                 f"WriteToKafka: topic {self._topic!r} does not exist on {self._bootstrap} and the broker "
                 f"did not create it (auto.create.topics.enable=false?). Create the topic first "
@@ -645,7 +670,8 @@ class _WriteFn(beam.DoFn):
 
     def teardown(self):
         if self._producer is not None:
-            self._producer.close(timeout=10)
+            _close_client(self._producer, timeout=10)
+            self._producer = None
 
 
 class WriteToKafka(beam.PTransform):

@@ -40,6 +40,40 @@ def test_bounded_read_returns_exactly_the_records(bootstrap, new_topic):
         assert_that(stamps | beam.Filter(lambda pair: pair[0] != pair[1]), equal_to([]), label="stamps")
 
 
+def _open_sockets() -> int:
+    import os
+
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return count
+
+
+def test_repeated_bounded_reads_do_not_leak_connections(bootstrap, new_topic):
+    """Beam may drop the DoFn instances of a finished read without teardown; their Kafka
+    clients must not stay connected on kafka-python's shared IO thread."""
+    from connectors.kafka import close_all_clients
+
+    topic = new_topic(partitions=3)
+    sent = _produce(bootstrap, topic, 30)
+
+    def read_once():
+        with TestPipeline(options=pipeline_options("batch")) as p:
+            assert_that(p | ReadFromKafka(bootstrap, topic, stop="end"), equal_to(sent))
+
+    read_once()  # the process-wide end-offsets consumer is opened here
+    time.sleep(0.5)
+    after_one = _open_sockets()
+    for _ in range(4):
+        read_once()
+    time.sleep(0.5)
+    assert _open_sockets() <= after_one, "bounded reads left Kafka connections open"
+    assert close_all_clients() >= 1  # the shared end-offsets consumer, closed on request
+
+
 def test_start_committed_returns_only_newer_records(bootstrap, new_topic):
     topic = new_topic(partitions=3)
     group = f"g-{uuid.uuid4().hex[:6]}"

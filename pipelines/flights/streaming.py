@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from connectors.arrow import encode_batch
 from connectors.deadletter import DeadLetter
-from connectors.kafka import KafkaRecord, ReadFromKafka, _track, retry_kafka
+from connectors.kafka import KafkaRecord, ReadFromKafka, _close_client, _track, retry_kafka
 from pipelines.flights import features as FF
 from pipelines.flights.events import events_table, parse_event
 
@@ -88,7 +88,8 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
     def teardown(self):
         for client in ("producer", "committer"):
             if getattr(self, client, None) is not None:
-                getattr(self, client).close()
+                _close_client(getattr(self, client))
+                setattr(self, client, None)
 
     def start_bundle(self):
         self.buffers: dict[tuple[str, int], list] = {}
