@@ -124,8 +124,9 @@ def _new_consumer(bootstrap_servers: str | Sequence[str], extra: Mapping[str, An
 
 def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None) -> dict:
     """kafka-python settings shared by our consumers; ``extra`` passes security options through."""
-    # A generous bootstrap timeout: a client created while the broker restarts waits for it
-    # instead of failing the bundle (Prism fails the whole job on a DoFn error).
+    # A generous bootstrap timeout: a client that probes the broker while it restarts waits for
+    # it instead of failing the bundle (Prism fails the whole job on a DoFn error). Clients made
+    # with a cached API version do not probe; their calls go through retry_kafka instead.
     cfg = {"bootstrap_servers": bootstrap_servers, "enable_auto_commit": False,
            "request_timeout_ms": 30_000, "bootstrap_timeout_ms": 120_000}
     cfg.update(extra or {})

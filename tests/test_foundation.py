@@ -80,6 +80,19 @@ def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped(say):
     assert all(count >= 1 for _, (_, count) in _RecordWindows.fired)
 
 
+def test_cluster_ids_never_start_with_a_dash():
+    """StorageTool reads ``-t -xyz`` as a missing argument; 1 random id in 64 starts with '-'
+    and once failed the session broker's start."""
+    import base64
+
+    from flowtrain.kafka_broker.broker import new_cluster_id
+
+    ids = [new_cluster_id() for _ in range(2000)]
+    assert not [i for i in ids if i.startswith("-")]
+    assert all(len(base64.urlsafe_b64decode(i + "==")) == 16 for i in ids)
+    assert len(set(ids)) == len(ids)
+
+
 def test_streaming_options_keep_user_flags_and_turn_off_prism_dynamic_splits():
     """Prism's dynamic split of a waiting Kafka read once failed a CI run inside Beam's harness
     (NaN progress); the reader never splits a partition, so streaming runs turn it off."""

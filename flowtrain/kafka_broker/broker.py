@@ -25,6 +25,18 @@ KAFKA_VERSION = "4.3.1"
 _HERE = Path(__file__).resolve().parent
 
 
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64, never starting with '-'.
+
+    Kafka's ``Uuid.randomUuid()`` skips ids that start with '-' because the command line
+    would read ``-t -xyz...`` as an option; ``StorageTool format`` then fails (1 id in 64).
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 class BrokerError(RuntimeError):
     """The broker could not be provisioned, started or stopped; the message says what to do."""
 
@@ -232,7 +244,7 @@ class LocalKafka:
                     f"{self.data_dir} holds a broker formatted for port {formatted_for.read_text().strip()}, "
                     f"not {self.port}; pass that --port or a new --data-dir")
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         proc = subprocess.run(
             [java, "-cp", classpath, "kafka.tools.StorageTool", "format", "--standalone",
              "-t", cluster_id, "-c", str(self.data_dir / "server.properties")],

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from connectors.arrow import encode_batch
 from connectors.deadletter import DeadLetter
-from connectors.kafka import KafkaRecord, ReadFromKafka, _close_client, _track, retry_kafka
+from connectors.kafka import KafkaRecord, ReadFromKafka, _close_client, _new_consumer, _track, retry_kafka
 from pipelines.flights import features as FF
 from pipelines.flights.events import events_table, parse_event
 
@@ -72,7 +72,7 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
         self.cfg = cfg
 
     def setup(self):
-        from kafka import KafkaConsumer, KafkaProducer
+        from kafka import KafkaProducer
 
         cfg = self.cfg
         self.weather = FF.prepare_weather(pq.read_table(cfg.weather_path))
@@ -80,9 +80,7 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
         self.producer = _track(KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True,
                                              linger_ms=5, max_request_size=16 * 1024 * 1024,
                                              bootstrap_timeout_ms=120_000, **cfg.kafka_config))
-        self.committer = _track(KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=cfg.group_id,
-                                              enable_auto_commit=False, bootstrap_timeout_ms=120_000,
-                                              **cfg.kafka_config))
+        self.committer = _new_consumer(cfg.bootstrap, cfg.kafka_config, group_id=cfg.group_id)
         self.totals = {"events": 0, "rows": 0, "dead_letters": 0, "batches": 0}
 
     def teardown(self):
