@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Kafka broker jars (mvn, Maven Central) and the Prism runner (go install), cached per machine.
 provision: $(STAMP)
-	$(BIN)/python -m flowtrain.provision
+	$(BIN)/python -m flowtrain.local.provision
 
 test: install
 	$(BIN)/python -m pytest -m "not slow" -v --durations=15

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.table import report
-from flowtrain.launch import spawn
-from flowtrain.model import TabularMLP
+from flowtrain.parallel.launch import spawn
+from flowtrain.train.model import TabularMLP
 from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
 
 # Cardinalities of the flights dataset's categoricals (carrier, origin, dest, weekday, hour, maker).

@@ -17,11 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.table import report
-from flowtrain.runners import pipeline_options
+from flowtrain.local.runners import pipeline_options
 from pipelines.flights import features as FF
+from flowtrain.local.paths import demo_tables_dir
 from pipelines.flights.batch import export_tables, run_flights_etl
 from pipelines.tabular import features as F
-from pipelines.tabular.spec import SPLITS
+from connectors.dataset_spec import SPLITS
 
 
 def pyarrow_etl(tables: dict[str, str], out: Path) -> int:
@@ -44,7 +45,7 @@ def pyarrow_etl(tables: dict[str, str], out: Path) -> int:
 
 
 def run(out_dir: str | None = "bench/results", repeats: int = 2) -> str:
-    tables = export_tables()
+    tables = export_tables(demo_tables_dir())
     n = pq.read_metadata(tables["flights"]).num_rows
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-etl-"))
     beam_s, arrow_s = [], []

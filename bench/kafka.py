@@ -21,7 +21,7 @@ from kafka.admin import NewTopic
 from bench.table import report
 from connectors.arrow import DecodeArrow, encode_batch
 from connectors.kafka import ReadFromKafka
-from flowtrain.runners import pipeline_options
+from flowtrain.local.runners import pipeline_options
 
 
 def _topic(bootstrap: str, partitions: int) -> str:
@@ -106,7 +106,7 @@ def beam_read(bootstrap: str, topic: str, *, arrow: bool = False) -> tuple[int, 
 
 def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | None = "bench/results",
         repeats: int = 3) -> str:
-    from flowtrain.kafka_broker import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka, free_port
     import tempfile
 
     broker = None

@@ -22,11 +22,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from bench.table import report
 from connectors.dataset import shard_paths
-from flowtrain.data import TabularDataset, iter_batches
-from flowtrain.runners import pipeline_options
-from flowtrain.trainer import TrainConfig, build_model, fit
-from pipelines.flights.batch import run_flights_etl
-from pipelines.tabular.spec import CAT_PREFIX, LABEL, NUM_PREFIX
+from flowtrain.train.loader import TabularDataset, iter_batches
+from flowtrain.local.runners import pipeline_options
+from flowtrain.train.loop import TrainConfig, build_model, fit
+from flowtrain.local.paths import demo_tables_dir
+from pipelines.flights.batch import export_tables, run_flights_etl
+from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
 
 
 class RowDataset(Dataset):
@@ -72,7 +73,8 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048) -> str:
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-loader-"))
     try:
         dataset = work / "dataset"
-        run_flights_etl(dataset_path=str(dataset), dead_letters_path=None, options=pipeline_options("batch"))
+        run_flights_etl(dataset_path=str(dataset), dead_letters_path=None, options=pipeline_options("batch"),
+                        tables=export_tables(demo_tables_dir()))
         data = TabularDataset(dataset)
         files = shard_paths(dataset, "train")
         num_cols = [NUM_PREFIX + c for c in data.spec.all_numeric]

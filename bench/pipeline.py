@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.table import report
-from flowtrain.launch import spawn
+from flowtrain.parallel.launch import spawn
 from flowtrain.parallel import DistContext
-from flowtrain.pipelining import StageWorker, grid_position
-from flowtrain.schedules import SCHEDULES, bubble_fraction
-from flowtrain.stages import plan_with_bounds, stage_module
+from flowtrain.parallel.pipeline import StageWorker, grid_position
+from flowtrain.parallel.schedules import SCHEDULES, bubble_fraction
+from flowtrain.parallel.stages import plan_with_bounds, stage_module
 
 WIDTH, DEPTH, IN = 512, 8, 64
 

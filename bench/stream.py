@@ -25,16 +25,18 @@ import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 
 from bench.table import report
-from flowtrain.kafka_broker import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka, free_port
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 
 
 def _dataset(work: Path) -> str:
-    from flowtrain.runners import pipeline_options
-    from pipelines.flights.batch import run_flights_etl
+    from flowtrain.local.runners import pipeline_options
+    from flowtrain.local.paths import demo_tables_dir
+    from pipelines.flights.batch import export_tables, run_flights_etl
 
-    run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"))
+    run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
+                    tables=export_tables(demo_tables_dir()))
     return str(work / "ds")
 
 

@@ -54,13 +54,15 @@ _LIVE_CLIENTS: set = set()
 _LIVE_LOCK = threading.Lock()
 
 
-def _track(client):
+def track_client(client):
+    """Register a Kafka client so that close_all_clients() closes it; returns the client."""
     with _LIVE_LOCK:
         _LIVE_CLIENTS.add(client)
     return client
 
 
-def _close_client(client, **close_kwargs) -> None:
+def close_client(client, **close_kwargs) -> None:
+    """Close a client registered with track_client() and forget it."""
     with _LIVE_LOCK:
         _LIVE_CLIENTS.discard(client)
     client.close(**close_kwargs)
@@ -106,7 +108,7 @@ class KafkaWriteError(RuntimeError):
 _API_VERSIONS: dict[str, tuple] = {}
 
 
-def _new_consumer(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None,
+def new_consumer(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None,
                   **overrides):
     """A tracked kafka-python consumer with our shared settings and the cached API version."""
     from kafka import KafkaConsumer
@@ -119,7 +121,7 @@ def _new_consumer(bootstrap_servers: str | Sequence[str], extra: Mapping[str, An
     consumer = KafkaConsumer(**cfg)
     if consumer.config.get("api_version"):
         _API_VERSIONS.setdefault(key, consumer.config["api_version"])
-    return _track(consumer)
+    return track_client(consumer)
 
 
 def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any] | None) -> dict:
@@ -147,7 +149,7 @@ class _ResolvePartitionsFn(beam.DoFn):
         from kafka import TopicPartition
 
         bootstrap, extra = self._cfg
-        consumer = _new_consumer(bootstrap, extra, group_id=self._group_id)
+        consumer = new_consumer(bootstrap, extra, group_id=self._group_id)
         try:
             tps = []
             for topic in self._topics:
@@ -176,7 +178,7 @@ class _ResolvePartitionsFn(beam.DoFn):
                                            for_time=at_stop.offset if at_stop else None)
                 yield PartitionRead(tp.topic, tp.partition, first, last, stop_ms)
         finally:
-            _close_client(consumer)
+            close_client(consumer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,11 +263,11 @@ def _end_offsets_consumer(bootstrap_servers, consumer_config) -> tuple[Any, thre
     with _LIVE_LOCK:
         shared = _SHARED_END_OFFSETS.get(key)
     if shared is None:
-        consumer = _new_consumer(bootstrap_servers, consumer_config)
+        consumer = new_consumer(bootstrap_servers, consumer_config)
         with _LIVE_LOCK:
             shared = _SHARED_END_OFFSETS.setdefault(key, (consumer, threading.Lock()))
         if shared[0] is not consumer:
-            _close_client(consumer)
+            close_client(consumer)
     return shared
 
 
@@ -360,14 +362,14 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
 
     def teardown(self):
         for consumer in self._consumers.values():
-            _close_client(consumer)
+            close_client(consumer)
         self._consumers = {}
 
     def _release(self, topic: str, partition: int) -> None:
         """A finished partition frees its consumer (bounded reads end with no teardown call)."""
         consumer = self._consumers.pop((topic, partition), None)
         if consumer is not None:
-            _close_client(consumer)
+            close_client(consumer)
 
     def _consumer_at(self, topic: str, partition: int, position: int):
         """This worker's consumer of the partition, positioned at ``position``.
@@ -383,7 +385,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
             bootstrap, extra = self._cfg
             extra = {"fetch_max_wait_ms": 100, "max_poll_records": 10_000,
                      "max_partition_fetch_bytes": 8 * 1024 * 1024, **(extra or {})}
-            consumer = self._consumers[key] = _new_consumer(bootstrap, extra, group_id=None)
+            consumer = self._consumers[key] = new_consumer(bootstrap, extra, group_id=None)
             consumer.assign([tp])
             consumer.seek(tp, position)
             # The leader's metadata now, not on the first poll: a first poll without it finds
@@ -484,12 +486,12 @@ class _CommitOffsetsFn(beam.DoFn):
         self._committed: dict = {}
 
     def setup(self):
-        self._consumer = _new_consumer(*self._cfg, group_id=self._group_id)
+        self._consumer = new_consumer(*self._cfg, group_id=self._group_id)
         self._committed = {}
 
     def teardown(self):
         if self._consumer is not None:
-            _close_client(self._consumer)
+            close_client(self._consumer)
             self._consumer = None
 
     def process(self, element):
@@ -640,12 +642,12 @@ class _WriteFn(beam.DoFn):
                "linger_ms": 5, "batch_size": 256 * 1024, "max_block_ms": 15_000,
                "bootstrap_timeout_ms": 15_000, "retries": 5}
         cfg.update(self._producer_config)
-        self._producer = _track(KafkaProducer(**cfg))
+        self._producer = track_client(KafkaProducer(**cfg))
         try:
             # A metadata request for the topic: with auto-creation off, an absent topic times out.
             self._producer.partitions_for(self._topic)
         except KafkaTimeoutError as err:
-            _close_client(self._producer, timeout=1)
+            close_client(self._producer, timeout=1)
             self._producer = None
             raise KafkaWriteError(
                 f"WriteToKafka: topic {self._topic!r} does not exist on {self._bootstrap} and the broker "
@@ -671,7 +673,7 @@ class _WriteFn(beam.DoFn):
 
     def teardown(self):
         if self._producer is not None:
-            _close_client(self._producer, timeout=10)
+            close_client(self._producer, timeout=10)
             self._producer = None
 
 

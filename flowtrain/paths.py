@@ -1,17 +1,6 @@
-"""Where flowtrain keeps what it downloads or builds: outside the repository's tracked files.
+"""Old import path, kept working: this module is ``flowtrain.local.paths``."""
+import sys
 
-One cache root (``$FLOWTRAIN_CACHE``, default ``~/.cache/flowtrain``) holds the Kafka broker
-jars, the Prism binary and the default broker data directory, so a second clone on the same
-machine reuses them instead of fetching them again.
-"""
-from __future__ import annotations
+from flowtrain.local import paths as _module
 
-import os
-from pathlib import Path
-
-
-def cache_root() -> Path:
-    root = os.environ.get("FLOWTRAIN_CACHE") or os.path.join(Path.home(), ".cache", "flowtrain")
-    path = Path(root).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+sys.modules[__name__] = _module

@@ -1,29 +1,7 @@
-"""Provision the real components that are not pip packages: Kafka jars and the Prism runner.
-
-Run by ``make install``; each step is skipped when its cache is already complete.
-"""
-from __future__ import annotations
-
+"""Old entry point, kept working: ``python -m flowtrain.provision`` runs ``flowtrain.local.provision``."""
 import sys
-import time
 
-from flowtrain.kafka_broker import BrokerError, ensure_jars
-from flowtrain.runners import RunnerError, ensure_prism
-
-
-def main() -> int:
-    try:
-        t0 = time.monotonic()
-        libs = ensure_jars()
-        print(f"provision: Kafka jars ready in {libs} ({time.monotonic() - t0:.1f} s)")
-        t0 = time.monotonic()
-        prism = ensure_prism()
-        print(f"provision: Prism runner ready at {prism} ({time.monotonic() - t0:.1f} s)")
-    except (BrokerError, RunnerError) as err:
-        print(f"provision: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+from flowtrain.local.provision import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,67 +1,7 @@
-"""The one worker entry point: ``python -m flowtrain.worker MODULE:FUNCTION JOB.json``.
-
-``flowtrain batch --workers N`` spawns it N times on 127.0.0.1; across machines the same
-command runs under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT::
-
-    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=<0|1> \\
-        --master-addr=<node 0's address> --master-port=29500 \\
-        -m flowtrain.worker flowtrain.commands.batch:train_worker /shared/run/job.json
-
-The function is called as ``FUNCTION(ctx: DistContext, job: dict)`` after the process group
-is up; it runs with ``FLOWTRAIN_THREADS`` (default: cores / local world size) torch threads.
-"""
-from __future__ import annotations
-
-import importlib
-import json
-import os
+"""Old entry point, kept working: ``python -m flowtrain.worker`` runs ``flowtrain.parallel.worker``."""
 import sys
-import traceback
 
-import torch
-import torch.distributed as dist
-
-from flowtrain.launch import record_failure
-from flowtrain.parallel import init_from_env
-
-
-def _threads() -> int:
-    if os.environ.get("FLOWTRAIN_THREADS"):
-        return int(os.environ["FLOWTRAIN_THREADS"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local_world)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or ":" not in argv[0]:
-        print("usage: python -m flowtrain.worker MODULE:FUNCTION JOB.json", file=sys.stderr)
-        return 2
-    target, job_path = argv
-    with open(job_path) as fh:
-        job = json.load(fh)
-    rank = os.environ.get("RANK", "0")
-    try:
-        torch.set_num_threads(_threads())
-        ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)))
-        module, name = target.split(":")
-        getattr(importlib.import_module(module), name)(ctx, job)
-        if ctx.distributed:
-            dist.barrier()  # nobody tears the group down while a peer still talks to it
-    except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
-        record_failure(err)
-        print(f"flowtrain worker rank {rank} failed: {err!r}", file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)  # do not wait on peers in a destroyed group
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-    return 0
-
+from flowtrain.parallel.worker import main
 
 if __name__ == "__main__":
     sys.exit(main())

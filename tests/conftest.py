@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from flowtrain.kafka_broker import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka, free_port
 
 
 @pytest.fixture(scope="session")

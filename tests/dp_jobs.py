@@ -1,4 +1,4 @@
-"""Worker functions the data-parallel tests run through the real entry point (flowtrain.worker).
+"""Worker functions the data-parallel tests run through the real entry point (flowtrain.parallel.worker).
 
 They train a small model on synthetic global batches with explicit, uneven per-rank shard
 sizes (some zero) and save rank 0's final parameters.

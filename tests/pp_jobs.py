@@ -1,4 +1,4 @@
-"""Worker functions for the pipeline-parallel tests, run through flowtrain.worker."""
+"""Worker functions for the pipeline-parallel tests, run through flowtrain.parallel.worker."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext
-from flowtrain.pipelining import StageWorker, grid_position, replica_rows
-from flowtrain.schedules import SCHEDULES
-from flowtrain.stages import plan_stages, stage_module
+from flowtrain.parallel.pipeline import StageWorker, grid_position, replica_rows
+from flowtrain.parallel.schedules import SCHEDULES
+from flowtrain.parallel.stages import plan_stages, stage_module
 
 GLOBAL_BATCH = 24
 

@@ -17,8 +17,9 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from connectors.dataset import read_manifest
 from connectors.files import ReadFromFiles
-from flowtrain.runners import pipeline_options
+from flowtrain.local.runners import pipeline_options
 from pipelines.flights import features as FF
+from flowtrain.local.paths import demo_tables_dir
 from pipelines.flights.batch import JoinReference, export_tables, run_flights_etl
 from pipelines.flights.nycflights import load_table
 from pipelines.tabular.pipeline import build_etl
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 def flights_slice(tmp_path_factory) -> dict[str, str]:
     """Every 40th flight of 2013 (8.4k rows, all months) plus the full weather and planes."""
     base = tmp_path_factory.mktemp("flights")
-    tables = export_tables()
+    tables = export_tables(demo_tables_dir())
     flights = pq.read_table(tables["flights"])
     sliced = flights.take(pa.array(np.arange(0, flights.num_rows, 40)))
     pq.write_table(sliced, base / "flights.parquet", row_group_size=2000)
@@ -128,7 +129,7 @@ def _options(dataset, out, **kw):
 
 
 def test_short_training_lowers_loss_and_beats_mean_baseline(slice_dataset, tmp_path):
-    from flowtrain.commands.batch import run_batch
+    from flowtrain.cli.batch import run_batch
 
     summary = run_batch(_options(slice_dataset, tmp_path / "run", epochs=6, lr=0.003), [])
     train_losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
@@ -145,7 +146,7 @@ def test_short_training_lowers_loss_and_beats_mean_baseline(slice_dataset, tmp_p
 
 
 def test_resume_continues_the_same_run(slice_dataset, tmp_path):
-    from flowtrain.commands.batch import run_batch
+    from flowtrain.cli.batch import run_batch
 
     full = run_batch(_options(slice_dataset, tmp_path / "full", epochs=4), [])
     run_batch(_options(slice_dataset, tmp_path / "part", epochs=2), [])

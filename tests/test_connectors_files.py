@@ -20,7 +20,7 @@ from connectors.arrow import DecodeArrow, EncodeArrow, SchemaMismatch, decode_ba
 from connectors.dataset import MANIFEST, DatasetError, ReadDataset, WriteDataset, read_manifest
 from connectors.deadletter import DeadLetter, WriteDeadLettersToJsonl
 from connectors.files import ReadFromFiles
-from flowtrain.runners import pipeline_options
+from flowtrain.local.runners import pipeline_options
 
 SCHEMA = pa.schema([("x", pa.float32()), ("c", pa.string())])
 
@@ -114,7 +114,7 @@ def test_killed_dataset_write_leaves_no_manifest(tmp_path):
     script = textwrap.dedent(f"""
         import time, apache_beam as beam, pyarrow as pa
         from connectors.dataset import WriteDataset
-        from flowtrain.runners import pipeline_options
+        from flowtrain.local.runners import pipeline_options
 
         def slow(i):
             time.sleep(0.5 if i else 0)

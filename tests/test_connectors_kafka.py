@@ -12,7 +12,7 @@ from apache_beam.transforms import window
 from kafka import KafkaProducer
 
 from connectors.kafka import KafkaRecord, ReadFromKafka, WriteToKafka
-from flowtrain.runners import pipeline_options
+from flowtrain.local.runners import pipeline_options
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
 
@@ -113,7 +113,7 @@ def test_write_then_read_round_trip(bootstrap, new_topic):
 
 
 def test_write_to_missing_topic_without_autocreate_fails_clearly(tmp_path):
-    from flowtrain.kafka_broker import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka, free_port
 
     broker = LocalKafka(port=free_port(), data_dir=tmp_path / "k",
                         extra_config={"auto.create.topics.enable": "false"})

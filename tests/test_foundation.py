@@ -13,8 +13,8 @@ from apache_beam.transforms import window
 from apache_beam.transforms.periodicsequence import PeriodicImpulse
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from flowtrain.kafka_broker import free_port
-from flowtrain.runners import pipeline_options
+from flowtrain.local.kafka import free_port
+from flowtrain.local.runners import pipeline_options
 
 
 @pytest.mark.kafka
@@ -85,7 +85,7 @@ def test_cluster_ids_never_start_with_a_dash():
     and once failed the session broker's start."""
     import base64
 
-    from flowtrain.kafka_broker.broker import new_cluster_id
+    from flowtrain.local.kafka.broker import new_cluster_id
 
     ids = [new_cluster_id() for _ in range(2000)]
     assert not [i for i in ids if i.startswith("-")]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowtrain.kafka_broker import free_port
-from flowtrain.launch import WorkerFailure, spawn
+from flowtrain.local.kafka import free_port
+from flowtrain.parallel.launch import WorkerFailure, spawn
 from flowtrain.parallel import shard_bounds
 from tests.flights_data import make_flights_dataset
 from tests.dp_jobs import reference
@@ -67,7 +67,7 @@ def test_torchrun_two_nodes_equals_spawned_run(tmp_path):
         nodes = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
              f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
-             "-m", "flowtrain.worker", "tests.dp_jobs:equivalence_job", str(job_path)],
+             "-m", "flowtrain.parallel.worker", "tests.dp_jobs:equivalence_job", str(job_path)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) for rank in range(2)]
         try:
             deadline = time.monotonic() + 90
@@ -110,7 +110,7 @@ def _worker_pids(job_path: str) -> dict[int, int]:
             env = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"flowtrain.worker" in cmd and job_path.encode() in cmd:
+        if b"flowtrain.parallel.worker" in cmd and job_path.encode() in cmd:
             rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
             if rank is not None:
                 pids[rank] = int(proc.name)

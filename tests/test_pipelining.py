@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowtrain.launch import WorkerFailure, spawn
-from flowtrain.schedules import (ScheduleError, add_communication, format_schedule, gpipe, one_f_one_b,
+from flowtrain.parallel.launch import WorkerFailure, spawn
+from flowtrain.parallel.schedules import (ScheduleError, add_communication, format_schedule, gpipe, one_f_one_b,
                                  parse_schedule, peak_in_flight, validate)
-from flowtrain.stages import merge_stage_states, partition, plan_stages
+from flowtrain.parallel.stages import merge_stage_states, partition, plan_stages
 from tests.pp_jobs import build_model, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,8 +111,8 @@ def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
     import subprocess
     import sys
 
-    from flowtrain.data import TabularDataset
-    from flowtrain.model import TabularMLP
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.model import TabularMLP
 
     from tests.flights_data import make_flights_dataset
 

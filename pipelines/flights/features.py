@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.tabular.spec import FeatureSpec
+from connectors.dataset_spec import FeatureSpec
 
 #: The join key's type on both sides (Parquet stores seconds as milliseconds; events as strings).
 HOUR_TYPE = pa.timestamp("s", tz="UTC")

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from connectors.arrow import encode_batch
 from connectors.deadletter import DeadLetter
-from connectors.kafka import KafkaRecord, ReadFromKafka, _close_client, _new_consumer, _track, retry_kafka
+from connectors.kafka import KafkaRecord, ReadFromKafka, close_client, new_consumer, retry_kafka, track_client
 from pipelines.flights import features as FF
 from pipelines.flights.events import events_table, parse_event
 
@@ -77,16 +77,16 @@ class _MicroBatchFeaturizeFn(beam.DoFn):
         cfg = self.cfg
         self.weather = FF.prepare_weather(pq.read_table(cfg.weather_path))
         self.planes = FF.prepare_planes(pq.read_table(cfg.planes_path))
-        self.producer = _track(KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True,
+        self.producer = track_client(KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True,
                                              linger_ms=5, max_request_size=16 * 1024 * 1024,
                                              bootstrap_timeout_ms=120_000, **cfg.kafka_config))
-        self.committer = _new_consumer(cfg.bootstrap, cfg.kafka_config, group_id=cfg.group_id)
+        self.committer = new_consumer(cfg.bootstrap, cfg.kafka_config, group_id=cfg.group_id)
         self.totals = {"events": 0, "rows": 0, "dead_letters": 0, "batches": 0}
 
     def teardown(self):
         for client in ("producer", "committer"):
             if getattr(self, client, None) is not None:
-                _close_client(getattr(self, client))
+                close_client(getattr(self, client))
                 setattr(self, client, None)
 
     def start_bundle(self):

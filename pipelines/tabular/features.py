@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 
 from connectors.deadletter import DeadLetter
 from connectors.files import SOURCE_FILE, SOURCE_ROW
-from pipelines.tabular.spec import CAT_PREFIX, LABEL, NUM_PREFIX, SOURCE, FeatureSpec
+from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, SOURCE, FeatureSpec
 
 
 class SchemaError(ValueError):

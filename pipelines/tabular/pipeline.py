@@ -25,7 +25,7 @@ from connectors.dataset import WriteDataset
 from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
 from connectors.files import CSV_NULLS, ReadFromFiles, file_format
 from pipelines.tabular import features as F
-from pipelines.tabular.spec import SPLITS, FeatureSpec
+from connectors.dataset_spec import SPLITS, FeatureSpec
 
 ExtraChecks = Callable[[pa.RecordBatch], list]
 

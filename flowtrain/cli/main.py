@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from flowtrain.kafka_broker import BrokerError, LocalKafka
+    from flowtrain.local.kafka import BrokerError, LocalKafka
 
     broker_kwargs = {"port": args.port}
     if args.data_dir:
@@ -70,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command_registrars():
-    """Commands with their own modules; each adds its sub-parser."""
-    from flowtrain.commands import registrars
+    """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
+    from flowtrain.cli import batch, bench, stream
 
-    return registrars()
+    return [batch.register, bench.register, stream.register]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""The dataset contract: the label, its task, the feature columns and how rows split.
+
+Both sides read it: the Beam pipelines write datasets by it (into the manifest), the training
+engine and the streaming pipeline read it back, so all agree on the columns. A plain dataclass,
+read from CLI flags or YAML.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Task = Literal["classification", "regression"]
+
+#: Feature columns in a dataset: numerics are standardized float32, categoricals int32 codes.
+NUM_PREFIX = "num__"
+CAT_PREFIX = "cat__"
+LABEL = "label"
+SOURCE = "source"
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class FeatureSpec:
+    label: str
+    task: Task = "regression"
+    numeric: list[str] = field(default_factory=list)
+    categorical: list[str] = field(default_factory=list)
+    #: Numeric columns that may be missing: a null becomes the training mean (0 once
+    #: standardized) instead of sending the row to dead letters.
+    optional_numeric: list[str] = field(default_factory=list)
+    #: For classification: a label above this threshold is the positive class (None: the label
+    #: is already 0/1 or boolean).
+    positive_above: float | None = None
+    #: Split by this time column (no leakage: train < valid_from <= valid < test_from <= test);
+    #: None splits at random by ``seed``.
+    time_column: str | None = None
+    valid_from: str | None = None
+    test_from: str | None = None
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    seed: int = 0
+    #: Categories seen fewer times than this in the training split map to the OOV code 0.
+    min_count: int = 1
+    max_vocab: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.task not in ("classification", "regression"):
+            raise ValueError(f"task must be 'classification' or 'regression', not {self.task!r}")
+        if not self.numeric and not self.categorical and not self.optional_numeric:
+            raise ValueError("declare at least one feature column (--numeric or --categorical)")
+        cols = [self.label, *self.numeric, *self.optional_numeric, *self.categorical]
+        dup = {c for c in cols if cols.count(c) > 1}
+        if dup:
+            raise ValueError(f"columns declared twice (label/numeric/categorical): {sorted(dup)}")
+        if abs(sum(self.fractions) - 1.0) > 1e-6 or len(self.fractions) != 3:
+            raise ValueError(f"fractions must be three numbers summing to 1, got {self.fractions}")
+        self.fractions = tuple(float(f) for f in self.fractions)
+
+    @property
+    def all_numeric(self) -> list[str]:
+        return [*self.numeric, *self.optional_numeric]
+
+    @property
+    def input_columns(self) -> list[str]:
+        cols = [self.label, *self.all_numeric, *self.categorical]
+        if self.time_column and self.time_column not in cols:
+            cols.append(self.time_column)
+        return cols
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FeatureSpec":
+        data = dict(data)
+        if "fractions" in data:
+            data["fractions"] = tuple(data["fractions"])
+        return cls(**data)

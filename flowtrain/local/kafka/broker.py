@@ -1,0 +1,337 @@
+"""A real single-node Apache Kafka (KRaft) broker on 127.0.0.1, from the Apache jars.
+
+The jars come from Maven Central through ``mvn dependency:copy-dependencies`` on the
+``pom.xml`` beside this file, into ``<cache>/kafka/<version>/libs``. The broker runs as a
+detached ``java`` process (so ``flowtrain kafka start`` can return) and leaves a
+``broker.json`` in its data directory that ``status`` and ``stop`` read.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flowtrain.local.paths import cache_root
+
+KAFKA_VERSION = "4.3.1"
+_HERE = Path(__file__).resolve().parent
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64, never starting with '-'.
+
+    Kafka's ``Uuid.randomUuid()`` skips ids that start with '-' because the command line
+    would read ``-t -xyz...`` as an option; ``StorageTool format`` then fails (1 id in 64).
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+class BrokerError(RuntimeError):
+    """The broker could not be provisioned, started or stopped; the message says what to do."""
+
+
+def _require_tool(name: str, purpose: str, install_hint: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise BrokerError(f"`{name}` was not found on PATH; flowtrain needs it {purpose}. {install_hint}")
+    return path
+
+
+def _java_major(java: str) -> int:
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+    # e.g. 'openjdk version "17.0.15" 2025-04-15'
+    for token in out.split():
+        token = token.strip('"')
+        if token[:1].isdigit():
+            head = token.split(".")[0]
+            return int(head) if head != "1" else int(token.split(".")[1])
+    return 0
+
+
+def ensure_jars(version: str = KAFKA_VERSION, *, quiet: bool = False) -> Path:
+    """Resolve the broker jars once per machine; return the directory that holds them."""
+    libs = cache_root() / "kafka" / version / "libs"
+    marker = libs / ".complete"
+    if marker.exists():
+        return libs
+    mvn = _require_tool("mvn", "to fetch the Kafka broker jars from Maven Central",
+                        "Install Apache Maven 3.8+ (Debian: `apt-get install maven`).")
+    tmp = libs.with_name("libs.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [mvn, "-B", "-q", "-f", str(_HERE / "pom.xml"), f"-Dkafka.version={version}",
+           "dependency:copy-dependencies", f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"]
+    if not quiet:
+        print(f"kafka: resolving org.apache.kafka:kafka_2.13:{version} from Maven Central into {libs}",
+              flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise BrokerError(f"mvn could not resolve the Kafka {version} jars:\n{proc.stdout[-2000:]}"
+                          f"{proc.stderr[-2000:]}")
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    marker.write_text(version)
+    return libs
+
+
+def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(below_ephemeral: bool = False) -> int:
+    """A TCP port on 127.0.0.1 that is free now, with the next one free too (controller).
+
+    ``below_ephemeral`` picks from 20000-30000, under Linux's ephemeral range (32768+), for a
+    broker that restarts on the same port: while it is down, its clients' reconnecting sockets
+    take ephemeral ports and could take its own.
+    """
+    import random
+
+    for _ in range(200):
+        if below_ephemeral:
+            port = random.randrange(20000, 30000)
+            if _port_open("127.0.0.1", port, 0.1):
+                continue
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        if port < 65535 and not _port_open("127.0.0.1", port + 1, 0.1):
+            return port
+    raise BrokerError("no free pair of TCP ports found on 127.0.0.1")
+
+
+def answers_metadata(bootstrap: str, timeout_s: float = 5.0) -> bool:
+    """True when the broker answers a metadata request (not just an open socket)."""
+    from kafka import KafkaAdminClient  # local import: kafka-python is slow to import
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
+                                 bootstrap_timeout_ms=int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001 - any failure means "not ready yet"
+        return False
+    try:
+        admin.describe_cluster()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+    finally:
+        admin.close()
+
+
+@dataclass
+class LocalKafka:
+    """One KRaft broker+controller on 127.0.0.1 with its data in ``data_dir``."""
+
+    port: int = 9092
+    data_dir: Path = field(default_factory=lambda: cache_root() / "kafka-data")
+    version: str = KAFKA_VERSION
+    heap: str = "768m"
+    extra_config: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().resolve()
+
+    @property
+    def controller_port(self) -> int:
+        return self.port + 1
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "broker.log"
+
+    @property
+    def _state_path(self) -> Path:
+        return self.data_dir / "broker.json"
+
+    # -- state -------------------------------------------------------------------------
+    def _read_state(self) -> dict | None:
+        try:
+            return json.loads(self._state_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie child counts as dead.
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().split()[2] != "Z"
+        except OSError:
+            return True
+
+    def running_pid(self) -> int | None:
+        state = self._read_state()
+        if state and self._alive(int(state["pid"])):
+            return int(state["pid"])
+        return None
+
+    def status(self) -> dict:
+        state = self._read_state() or {}
+        pid = self.running_pid()
+        return {
+            "running": pid is not None,
+            "pid": pid,
+            "bootstrap": state.get("bootstrap", self.bootstrap),
+            "data_dir": str(self.data_dir),
+            "log": str(self.log_path),
+            "version": state.get("version", self.version),
+            "answers_metadata": bool(pid) and answers_metadata(state.get("bootstrap", self.bootstrap), 3.0),
+        }
+
+    # -- config ------------------------------------------------------------------------
+    def _properties(self) -> str:
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
+            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "controller.listener.names": "CONTROLLER",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "log.dirs": str(self.data_dir / "logs"),
+            "num.partitions": "1",
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "3",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "3",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "true",
+            "log.retention.hours": "168",
+        }
+        props.update(self.extra_config)
+        return "".join(f"{k}={v}\n" for k, v in props.items())
+
+    def _format_if_needed(self, java: str, classpath: str) -> None:
+        meta = self.data_dir / "logs" / "meta.properties"
+        formatted_for = self.data_dir / "formatted_port"
+        if meta.exists():
+            if formatted_for.exists() and formatted_for.read_text().strip() != str(self.port):
+                raise BrokerError(
+                    f"{self.data_dir} holds a broker formatted for port {formatted_for.read_text().strip()}, "
+                    f"not {self.port}; pass that --port or a new --data-dir")
+            return
+        cluster_id = new_cluster_id()
+        proc = subprocess.run(
+            [java, "-cp", classpath, "kafka.tools.StorageTool", "format", "--standalone",
+             "-t", cluster_id, "-c", str(self.data_dir / "server.properties")],
+            capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise BrokerError(f"formatting KRaft storage in {self.data_dir} failed:\n{proc.stdout}{proc.stderr}")
+        formatted_for.write_text(str(self.port))
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, *, timeout_s: float = 90.0, quiet: bool = False) -> dict:
+        """Start the broker unless it runs already; return its status. Idempotent."""
+        pid = self.running_pid()
+        if pid is not None:
+            if not quiet:
+                print(f"kafka: already running (pid {pid}) on {self.bootstrap}; log {self.log_path}")
+            return self.status()
+        java = _require_tool("java", "to run the Kafka broker",
+                             "Install a Java 17+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).")
+        if _java_major(java) < 17:
+            raise BrokerError("Kafka 4.x needs Java 17 or newer; `java -version` reports an older one. "
+                              "Install Java 17+ and put it first on PATH (or set JAVA_HOME).")
+        for port in (self.port, self.controller_port):
+            if _port_open("127.0.0.1", port):
+                raise BrokerError(f"port {port} on 127.0.0.1 is taken by another process; "
+                                  f"choose another with --port")
+        t0 = time.monotonic()
+        libs = ensure_jars(self.version, quiet=quiet)
+        classpath = str(libs / "*")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "server.properties").write_text(self._properties())
+        self._format_if_needed(java, classpath)
+        log = open(self.log_path, "ab")
+        cmd = [java, f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+               f"-Dlog4j2.configurationFile={_HERE / 'log4j2.properties'}",
+               "-cp", classpath, "kafka.Kafka", str(self.data_dir / "server.properties")]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=self.data_dir)
+        log.close()
+        self._state_path.write_text(json.dumps({
+            "pid": proc.pid, "bootstrap": self.bootstrap, "port": self.port, "version": self.version,
+            "jars": str(libs), "log": str(self.log_path), "started_at": time.time()}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise BrokerError(f"the Kafka broker exited with code {proc.returncode} during start; "
+                                  f"see {self.log_path}:\n{self._log_tail()}")
+            if _port_open("127.0.0.1", self.port) and answers_metadata(self.bootstrap, 3.0):
+                took = time.monotonic() - t0
+                if not quiet:
+                    print(f"kafka: broker {self.version} started from jars in {libs} on {self.bootstrap} "
+                          f"(pid {proc.pid}, {took:.1f} s); data {self.data_dir}; log {self.log_path}",
+                          flush=True)
+                return self.status() | {"start_seconds": took}
+            time.sleep(0.3)
+        self.stop(quiet=True)
+        raise BrokerError(f"the Kafka broker did not answer a metadata request within {timeout_s:.0f} s; "
+                          f"see {self.log_path}:\n{self._log_tail()}")
+
+    def stop(self, *, timeout_s: float = 30.0, quiet: bool = False) -> bool:
+        """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran."""
+        pid = self.running_pid()
+        if pid is None:
+            if not quiet:
+                print(f"kafka: no broker running for {self.data_dir}")
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._alive(pid):
+            self._reap(pid)
+            time.sleep(0.2)
+        if self._alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+        self._reap(pid)
+        if not quiet:
+            print(f"kafka: stopped broker pid {pid} on {self.bootstrap}")
+        return True
+
+    @staticmethod
+    def _reap(pid: int) -> None:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

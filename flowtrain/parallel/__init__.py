@@ -1,0 +1,11 @@
+"""Parallel training: data parallelism as map/reduce (``mapreduce``), pipeline parallelism as a
+staged operator graph (``schedules`` plain data, ``stages`` planning, ``pipeline`` executor), and
+the processes that run them (``launch`` spawns, ``worker`` is the one entry point).
+
+The map/reduce names stay importable from ``flowtrain.parallel`` as before.
+"""
+from flowtrain.parallel.mapreduce import (DistContext, GradientReducer, LocalReducer, init_from_env, local_rows,
+                                          make_reducer, shard_bounds, sum_loss)
+
+__all__ = ["DistContext", "GradientReducer", "LocalReducer", "init_from_env", "local_rows", "make_reducer",
+           "shard_bounds", "sum_loss"]

@@ -1,0 +1,168 @@
+"""Spawning data-parallel workers on 127.0.0.1, and ending the job when one of them fails.
+
+Every worker is ``python -m flowtrain.parallel.worker TARGET JOB.json``, the same entry point torchrun
+runs across machines. The launcher gives each its rank in the environment variables torchrun
+sets, one rendezvous port, and ``cores / N`` threads. It ends the whole job, within a bound,
+when a worker exits non-zero, is killed, or stops making progress (no heartbeat for
+``failure_timeout_s``); collectives themselves time out after the same bound inside the
+workers. No worker process is left behind: all run in their own process group, killed on exit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flowtrain.local.kafka import free_port
+
+HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
+_last_beat = 0.0
+
+
+class WorkerFailure(RuntimeError):
+    """A worker failed; the message names its rank and the cause."""
+
+    def __init__(self, rank: int, cause: str, log_tail: str = ""):
+        self.rank, self.cause = rank, cause
+        super().__init__(f"worker rank {rank} {cause}" + (f"\n--- rank {rank} log ---\n{log_tail}" if log_tail else ""))
+
+
+def heartbeat(every_s: float = 1.0) -> None:
+    """Called by workers each step: touches ``<dir>/rank-<r>.beat`` at most once per ``every_s``."""
+    global _last_beat
+    directory = os.environ.get(HEARTBEAT_ENV)
+    now = time.monotonic()
+    if not directory or now - _last_beat < every_s:
+        return
+    _last_beat = now
+    path = Path(directory) / f"rank-{os.environ.get('RANK', '0')}.beat"
+    path.touch()
+
+
+def _cause(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 60.0,
+          threads_per_worker: int | None = None, workdir: str | Path | None = None,
+          extra_env: dict[str, str] | None = None) -> float:
+    """Run ``target(ctx, job)`` in ``n_workers`` processes; returns wall seconds or raises
+    ``WorkerFailure`` (after every worker is gone)."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="flowtrain-workers-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    beats = workdir / "heartbeats"
+    beats.mkdir(exist_ok=True)
+    job_path = workdir / "job.json"
+    job_path.write_text(json.dumps({**job, "failure_timeout_s": failure_timeout_s}, default=str))
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
+    port = free_port(below_ephemeral=True)  # a rendezvous port no client socket can be holding
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    t0 = time.monotonic()
+    try:
+        for rank in range(n_workers):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n_workers), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(n_workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS=str(threads), FLOWTRAIN_THREADS=str(threads), PYTHONFAULTHANDLER="1",
+                       **{HEARTBEAT_ENV: str(beats)}, **(extra_env or {}))
+            log = workdir / f"rank-{rank}.log"
+            logs.append(log)
+            # rank 0 shows its output (progress, epochs); the others only to their logs
+            out = None if rank == 0 else open(log, "wb")
+            err = open(log, "ab") if rank == 0 else subprocess.STDOUT
+            procs.append(subprocess.Popen([sys.executable, "-m", "flowtrain.parallel.worker", target, str(job_path)],
+                                          env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                          start_new_session=True))
+        _watch(procs, logs, beats, failure_timeout_s)
+        return time.monotonic() - t0
+    finally:
+        _kill_all(procs)
+
+
+def record_failure(error: BaseException) -> None:
+    """Called by a failing worker: when and why, so the launcher can name the first to fail
+    (its peers fail a moment later with "connection closed" errors)."""
+    directory = os.environ.get(HEARTBEAT_ENV)
+    if directory:
+        path = Path(directory) / f"rank-{os.environ.get('RANK', '0')}.failed"
+        path.write_text(json.dumps({"time": time.time(), "error": repr(error)[:2000]}))
+
+
+def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
+    """Among the failed workers, the one that failed first: a killed one (an outside cause),
+    else the earliest recorded failure."""
+    time.sleep(0.5)  # let the peers of the first failure finish failing
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+    killed = [(rank, rc) for rank, rc in failed if rc < 0]
+
+    def when(rank: int) -> float:
+        try:
+            return json.loads((beats / f"rank-{rank}.failed").read_text())["time"]
+        except (OSError, ValueError, KeyError):
+            return float("inf")
+
+    rank, rc = killed[0] if killed else min(failed, key=lambda f: when(f[0]))
+    others = [r for r, _ in failed if r != rank]
+    note = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    return WorkerFailure(rank, _cause(rc) + note, _tail(logs[rank]))
+
+
+def _watch(procs, logs, beats: Path, timeout_s: float) -> None:
+    started = time.monotonic()
+    while True:
+        alive = 0
+        for proc in procs:
+            rc = proc.poll()
+            if rc is None:
+                alive += 1
+            elif rc != 0:
+                raise _root_cause(procs, logs, beats)
+        if alive == 0:
+            return
+        now = time.time()
+        for rank, proc in enumerate(procs):
+            if proc.poll() is not None:
+                continue
+            beat = beats / f"rank-{rank}.beat"
+            last = beat.stat().st_mtime if beat.exists() else None
+            since = now - last if last else time.monotonic() - started
+            if since > timeout_s:
+                raise WorkerFailure(rank, f"made no progress for {since:.0f} s (bound {timeout_s:.0f} s; "
+                                          f"a stalled collective or a hang)", _tail(logs[rank]))
+        time.sleep(0.1)
+
+
+def _kill_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)

@@ -1,0 +1,199 @@
+"""Pipeline parallelism as a staged operator graph, and the hybrid D x S grid.
+
+Stages are operators, each in its own worker; micro-batches are the records on the edges
+between them; a schedule (``flowtrain.parallel.schedules``) says which operator runs which micro-batch
+when. Activations travel forward and their gradients backward with ``torch.distributed``
+point-to-point ops (``isend``, blocking ``recv``; shapes come from the stage plan and the
+micro-batch sizes every stage computes the same way, never guessed). The last stage computes
+the loss *sum* of each micro-batch; gradients accumulate over all micro-batches and every
+stage steps once per global batch, after dividing by the global example count, so no stage
+computes with stale parameters and a step equals single-device training on the global batch.
+
+Hybrid: ranks form a grid, ``rank = replica * S + stage``. The replicas of one stage share a
+process group, and after the micro-batches they reduce their accumulated gradient sums and
+counts with the data-parallel engine (``GradientReducer.reduce_accumulated``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flowtrain.parallel import DistContext, GradientReducer, LocalReducer, shard_bounds, sum_loss
+from flowtrain.parallel.schedules import Schedule, ScheduleError, add_communication, format_schedule, microbatch_sizes
+
+__all__ = ["GridPosition", "grid_position", "StageWorker", "StepStats", "PipelineStepError"]
+
+
+class PipelineStepError(RuntimeError):
+    """An action of the schedule failed; the message shows the schedule with it marked."""
+
+
+@dataclass(frozen=True)
+class GridPosition:
+    stage: int
+    stages: int
+    replica: int
+    replicas: int
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.stages + stage
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def grid_position(ctx: DistContext, stages: int) -> tuple[GridPosition, object]:
+    """This rank's place in the D x S grid and its stage's data-parallel group (None if D = 1).
+
+    Every rank creates every stage group, in the same order, as ``new_group`` requires.
+    """
+    if ctx.world_size % stages:
+        raise ValueError(f"{ctx.world_size} workers cannot form a grid with {stages} stages; "
+                         f"use a multiple of {stages}")
+    replicas = ctx.world_size // stages
+    pos = GridPosition(ctx.rank % stages, stages, ctx.rank // stages, replicas)
+    group = None
+    if replicas > 1:
+        for s in range(stages):
+            g = dist.new_group([r * stages + s for r in range(replicas)])
+            if s == pos.stage:
+                group = g
+    return pos, group
+
+
+@dataclass
+class StepStats:
+    loss_sum: float = 0.0
+    examples: int = 0
+    busy_s: float = 0.0
+    total_s: float = 0.0
+    peak_activation_bytes: int = 0
+    timeline: list = field(default_factory=list)
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy_s / self.total_s if self.total_s else 0.0
+
+
+def _tag(kind: str, microbatch: int) -> int:
+    return microbatch * 2 + (0 if kind == "F" else 1)
+
+
+class StageWorker:
+    """Runs one stage's share of a schedule for each global batch.
+
+    Args:
+      module: this stage's layers (a slice of the model's ``nn.Sequential``).
+      pos: the grid position; ``group``: the stage's data-parallel group (None: no replicas).
+      schedule: compute actions for every stage (GPipe or 1F1B); transfers are added here.
+      in_shape: per-example input shape of this stage (not used on stage 0).
+      loss_fn: the ordinary loss (mean or sum reduction), used on the last stage.
+    """
+
+    def __init__(self, module: nn.Module, pos: GridPosition, group, schedule: Schedule, microbatches: int,
+                 in_shape: Sequence[int], loss_fn: nn.Module, *, bucket_mb: float = 1.0):
+        self.module, self.pos, self.group = module, pos, group
+        self.program = add_communication(schedule)
+        self.actions = self.program[pos.stage]
+        self.microbatches = microbatches
+        self.in_shape = tuple(in_shape)
+        self.loss_fn = loss_fn
+        self.reducer = GradientReducer(module, bucket_mb=bucket_mb, group=group) if group is not None \
+            else LocalReducer(module)
+
+    def _fail(self, index: int, err: BaseException) -> PipelineStepError:
+        return PipelineStepError(
+            f"stage {self.pos.stage} (replica {self.pos.replica}) failed at action {self.actions[index]} "
+            f"({type(err).__name__}: {err})\n" + format_schedule(self.program, mark=(self.pos.stage, index)))
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, n_local: int, *,
+             record_timeline: bool = False) -> StepStats:
+        """Forward and backward of this replica's rows of a global batch; gradients end up as
+        the mean over the *global* batch (sums reduced, divided by the global count)."""
+        pos = self.pos
+        sizes = microbatch_sizes(n_local, self.microbatches)
+        starts = [sum(sizes[:m]) for m in range(self.microbatches)]
+        stats = StepStats(examples=n_local)
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
+        received: dict[tuple[str, int], torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}
+        sends: list = []
+        held_bytes = 0
+        t_step = time.perf_counter()
+        for index, action in enumerate(self.actions):
+            m = action.microbatch
+            if sizes[m] == 0:
+                continue  # every stage skips an empty micro-batch the same way
+            try:
+                t0 = time.perf_counter()
+                if action.comm == "r":
+                    if action.kind == "F":
+                        buf = torch.empty((sizes[m], *self.in_shape))
+                        dist.recv(buf, src=pos.rank_of(pos.stage - 1), tag=_tag("F", m))
+                    else:
+                        buf = torch.empty_like(held[m][1])
+                        dist.recv(buf, src=pos.rank_of(pos.stage + 1), tag=_tag("B", m))
+                    received[(action.kind, m)] = buf
+                elif action.comm == "s":
+                    if action.kind == "F":
+                        payload, dst = held[m][1].detach().contiguous(), pos.rank_of(pos.stage + 1)
+                    else:
+                        payload, dst = held.pop(m)[0].grad.contiguous(), pos.rank_of(pos.stage - 1)
+                    sends.append((dist.isend(payload, dst=dst, tag=_tag(action.kind, m)), payload))
+                elif action.kind == "F":
+                    if pos.is_first:
+                        x = inputs[starts[m]: starts[m] + sizes[m]]
+                    else:
+                        x = received.pop(("F", m)).requires_grad_(True)
+                    out = self.module(x)
+                    held[m] = (x, out)
+                    held_bytes += out.numel() * out.element_size() + (x.numel() * x.element_size() if not pos.is_first else 0)
+                    stats.peak_activation_bytes = max(stats.peak_activation_bytes, held_bytes)
+                    if pos.is_last:
+                        losses[m] = sum_loss(self.loss_fn, out, targets[starts[m]: starts[m] + sizes[m]])
+                else:
+                    x, out = held[m]
+                    if pos.is_last:
+                        loss = losses.pop(m)
+                        stats.loss_sum += float(loss.detach())
+                        loss.backward()
+                    else:
+                        out.backward(received.pop(("B", m)))
+                    held_bytes -= out.numel() * out.element_size() + (x.numel() * x.element_size() if not pos.is_first else 0)
+                    if pos.is_first:
+                        held.pop(m)
+                    else:
+                        held[m] = (x, out.detach())  # the input's gradient is sent next (sB)
+                if action.is_compute:
+                    t1 = time.perf_counter()
+                    stats.busy_s += t1 - t0
+                    if record_timeline:
+                        stats.timeline.append((str(action), t0 - t_step, t1 - t_step))
+            except (ScheduleError, PipelineStepError):
+                raise
+            except Exception as err:  # noqa: BLE001 - re-raised with the schedule marked
+                raise self._fail(index, err) from err
+        for handle, _payload in sends:
+            handle.wait()
+        self.reducer.reduce_accumulated(n_local)
+        self.reducer.sync_buffers(n_local)
+        stats.total_s = time.perf_counter() - t_step
+        return stats
+
+    def close(self) -> None:
+        self.reducer.close()
+
+
+def replica_rows(n: int, pos: GridPosition) -> tuple[int, int]:
+    """This replica's rows of an n-row global batch."""
+    return shard_bounds(n, pos.replica, pos.replicas)

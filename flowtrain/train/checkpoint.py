@@ -1,0 +1,82 @@
+"""Checkpoints: temp file, fsync, rename, with a SHA-256 beside it.
+
+A checkpoint is a dict of tensors and plain Python values, so ``torch.load(path,
+weights_only=True)`` opens it without running any pickled code. ``latest`` finds the newest
+one whose checksum matches: a torn or corrupted file is skipped, never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from connectors.dataset import fsync_dir
+
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3) -> Path:
+    """Write ``ckpt-<step>.pt`` and its ``.sha256`` atomically; keep the newest ``keep``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"ckpt-{step:09d}.pt"
+    tmp = final.with_suffix(".pt.tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    digest = _sha256(tmp)
+    os.replace(tmp, final)
+    side = final.with_suffix(".sha256")
+    side_tmp = side.with_suffix(".sha256.tmp")
+    side_tmp.write_text(json.dumps({"file": final.name, "sha256": digest, "step": step}))
+    os.replace(side_tmp, side)
+    fsync_dir(directory)
+    for old in sorted(all_checkpoints(directory))[:-keep] if keep else []:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".sha256").unlink(missing_ok=True)
+    return final
+
+
+def all_checkpoints(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def verify(path: Path) -> bool:
+    side = path.with_suffix(".sha256")
+    try:
+        return json.loads(side.read_text())["sha256"] == _sha256(path)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest checkpoint whose checksum matches, or None."""
+    for path in reversed(all_checkpoints(directory)):
+        if verify(path):
+            return path
+    return None
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not verify(path):
+        raise ValueError(f"checkpoint {path} does not match its checksum ({path.with_suffix('.sha256').name}); "
+                         f"it is torn or corrupted")
+    return torch.load(path, weights_only=True, map_location="cpu")
