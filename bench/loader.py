@@ -4,7 +4,8 @@ One run, same dataset directory (the flights training split), same batch size, s
 (a) the anchor, a map-style Dataset over rows with DataLoader's default collate (what most
 PyTorch tabular code does); (b) DataLoader over an IterableDataset of Parquet record batches
 (batch_size=None, the fast DataLoader idiom); (c) flowtrain's loader (Arrow -> numpy -> torch
-once, batches by index_select). Goal: (c) >= 2x (a). Also the fraction of training step time
+once, batches by index_select); (d) flowtrain's streamed split (shards through a shuffle buffer,
+for data over the memory budget). Goal: (c) >= 2x (a). Also the fraction of training step time
 spent waiting on data in a real ``flowtrain batch`` training epoch (goal < 5%).
 """
 from __future__ import annotations
@@ -21,13 +22,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from bench.table import report
+from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from connectors.dataset import shard_paths
 from flowtrain.train.loader import TabularDataset, iter_batches
+from flowtrain.train.shards import StreamedSplit, open_split
 from flowtrain.local.runners import pipeline_options
 from flowtrain.train.loop import TrainConfig, build_model, fit
 from flowtrain.local.paths import demo_tables_dir
 from pipelines.flights.batch import export_tables, run_flights_etl
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
+
+
+#: A budget below the training split's size: (d) streams it (the split needs ~80 MiB to load).
+STREAM_BUDGET = "32MB"
 
 
 class RowDataset(Dataset):
@@ -69,7 +76,8 @@ def _drain(iterable) -> tuple[int, float]:
     return rows, time.perf_counter() - t0
 
 
-def run(out_dir: str | None = "bench/results", batch_size: int = 2048) -> str:
+def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: int = MIN_REPEATS) -> str:
+    check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-loader-"))
     try:
         dataset = work / "dataset"
@@ -80,34 +88,59 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048) -> str:
         num_cols = [NUM_PREFIX + c for c in data.spec.all_numeric]
         cat_cols = [CAT_PREFIX + c for c in data.spec.categorical]
 
-        t0 = time.perf_counter()
-        rows_ds = RowDataset(files, num_cols, cat_cols)
-        load_a = time.perf_counter() - t0
-        n_a, s_a = _drain(DataLoader(rows_ds, batch_size=batch_size, shuffle=True))
-        n_b, s_b = _drain(DataLoader(BatchStream(files, num_cols, cat_cols, batch_size), batch_size=None))
-        t0 = time.perf_counter()
-        split = TabularDataset(dataset).split("train")
-        load_c = time.perf_counter() - t0
-        n_c, s_c = _drain(iter_batches(split, batch_size=batch_size, seed=0, epoch=0))
-        s_a, s_c = s_a + load_a, s_c + load_c
+        def rows_dataloader():  # (a): load time included
+            t0 = time.perf_counter()
+            rows_ds = RowDataset(files, num_cols, cat_cols)
+            n, _ = _drain(DataLoader(rows_ds, batch_size=batch_size, shuffle=True))
+            return n, time.perf_counter() - t0
 
-        config = TrainConfig(epochs=1, batch_size=batch_size, progress=False, patience=5)
-        result = fit(build_model("mlp", data, config), data, config, name="bench")
+        def columnar():  # (c): load time included
+            t0 = time.perf_counter()
+            split = TabularDataset(dataset).split("train")
+            n, _ = _drain(iter_batches(split, batch_size=batch_size, seed=0, epoch=0))
+            return n, time.perf_counter() - t0
+
+        def streamed():  # (d): shards through the shuffle buffer (a budget below the split's size)
+            t0 = time.perf_counter()
+            split = open_split(TabularDataset(dataset), "train", memory_budget=STREAM_BUDGET)
+            assert isinstance(split, StreamedSplit)
+            n, _ = _drain(iter_batches(split, batch_size=batch_size, seed=0, epoch=0))
+            return n, time.perf_counter() - t0
+
+        def training_epoch():
+            config = TrainConfig(epochs=1, batch_size=batch_size, progress=False, patience=5)
+            result = fit(build_model("mlp", data, config), data, config, name="bench")
+            return result.data_wait_fraction
+
+        runs = interleaved({"a": rows_dataloader,
+                            "b": lambda: _drain(DataLoader(BatchStream(files, num_cols, cat_cols, batch_size),
+                                                           batch_size=None)),
+                            "c": columnar, "d": streamed, "fit": training_epoch}, repeats=repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows = [("(a) DataLoader, map-style rows + collate (anchor)", n_a, s_a, n_a / s_a, 1.0),
-            ("(b) DataLoader, IterableDataset of Parquet batches", n_b, s_b, n_b / s_b, (n_b / s_b) / (n_a / s_a)),
-            ("(c) flowtrain columnar loader (shuffled)", n_c, s_c, n_c / s_c, (n_c / s_c) / (n_a / s_a))]
-    return report("loader", ["loader", "rows", "seconds", "rows/s", "vs (a)"], rows,
-                  notes=[f"Training split of the flights dataset, batch {batch_size}, one epoch, load time included.",
-                         f"Waiting on data in a flowtrain training epoch: {100 * result.data_wait_fraction:.2f}% of "
-                         f"step time (goal < 5%)."], out_dir=out_dir)
+    n = {k: runs[k][0][0] for k in "abcd"}
+    sec = {k: median(runs[k], key=lambda r: r[1]) for k in "abcd"}
+    rate_a = n["a"] / sec["a"]
+    labels = {"a": "(a) DataLoader, map-style rows + collate (anchor)",
+              "b": "(b) DataLoader, IterableDataset of Parquet batches",
+              "c": "(c) flowtrain columnar loader (shuffled)",
+              "d": f"(d) flowtrain streamed shards, shuffle buffer (--memory-budget {STREAM_BUDGET})"}
+    rows = [(labels[k], n[k], sec[k], best(runs[k], key=lambda r: r[1]), n[k] / sec[k], (n[k] / sec[k]) / rate_a)
+            for k in "abcd"]
+    wait = median(runs["fit"])
+    return report("loader", ["loader", "rows", "seconds", "best s", "rows/s", "vs (a)"], rows,
+                  notes=[f"Training split of the flights dataset, batch {batch_size}, one epoch, load time included; "
+                         f"{repeats_note(repeats)}.",
+                         f"Waiting on data in a flowtrain training epoch: {100 * wait:.2f}% of step time (median; "
+                         f"goal < 5%)."], out_dir=out_dir)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch-size", type=int, default=2048)
-    run(batch_size=ap.parse_args(argv).batch_size)
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
+    a = ap.parse_args(argv)
+    run(batch_size=a.batch_size, repeats=a.repeats)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.table import report
+from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from flowtrain.parallel.launch import spawn
 from flowtrain.parallel import DistContext
 from flowtrain.parallel.pipeline import StageWorker, grid_position
@@ -102,33 +103,38 @@ def _run(work: Path, **job) -> dict:
     return json.loads(out.read_text())
 
 
-def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512, repeats: int = 2) -> str:
+def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512, repeats: int = MIN_REPEATS) -> str:
+    check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-pp-"))
     rows = []
-    best: dict = {}
-    for _ in range(repeats):  # interleaved repeats, best of each
-        for schedule in ("gpipe", "1f1b"):
-            for engine in ("flowtrain", "torch"):
-                res = _run(work, engine=engine, schedule=schedule, microbatches=8, steps=steps, batch=batch)
-                key = (engine, schedule)
-                if key not in best or res["samples_per_s"] > best[key]["samples_per_s"]:
-                    best[key] = res
+    cases = {(engine, schedule): (lambda e=engine, s=schedule: _run(work, engine=e, schedule=s, microbatches=8,
+                                                                   steps=steps, batch=batch))
+             for schedule in ("gpipe", "1f1b") for engine in ("flowtrain", "torch")}
+    runs = interleaved(cases, repeats=repeats)
+    rate = {key: median(r, key=lambda res: res["samples_per_s"]) for key, r in runs.items()}
+    top = {key: best(r, key=lambda res: res["samples_per_s"], higher_is_better=True) for key, r in runs.items()}
     names = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
     for schedule in ("gpipe", "1f1b"):
-        ours, theirs = best[("flowtrain", schedule)]["samples_per_s"], best[("torch", schedule)]["samples_per_s"]
-        rows.append((f"flowtrain {schedule.upper()}", "M=8", ours, ours / theirs))
-        rows.append((f"torch.distributed.pipelining {names[schedule]} (anchor)", "M=8", theirs, 1.0))
+        ours, theirs = rate[("flowtrain", schedule)], rate[("torch", schedule)]
+        rows.append((f"flowtrain {schedule.upper()}", "M=8", ours, top[("flowtrain", schedule)], ours / theirs))
+        rows.append((f"torch.distributed.pipelining {names[schedule]} (anchor)", "M=8", theirs,
+                     top[("torch", schedule)], 1.0))
+    bubble_cases = {(micro, schedule): (lambda m=micro, s=schedule: _run(
+        work, engine="flowtrain", schedule=s, microbatches=m, steps=steps // 2, batch=batch))
+        for micro in (4, 8, 16) for schedule in ("gpipe", "1f1b")}
+    bubble_runs = interleaved(bubble_cases, repeats=repeats)
     bubble_rows = []
-    for micro in (4, 8, 16):
-        for schedule in ("gpipe", "1f1b"):
-            res = _run(work, engine="flowtrain", schedule=schedule, microbatches=micro, steps=steps // 2, batch=batch)
-            idle = [s["idle"] for s in res["stages"]]
-            bubble_rows.append((schedule, micro, " / ".join(f"{i:.3f}" for i in idle), bubble_fraction(2, micro),
-                                " / ".join(f"{s['peak_bytes'] / 1024:,.0f}" for s in res["stages"])))
-    text = report("pipeline", ["engine", "micro-batches", "samples/s", "vs anchor"], rows,
+    for (micro, schedule), results in bubble_runs.items():
+        stages = range(len(results[0]["stages"]))
+        idle = [median(results, key=lambda res, i=i: res["stages"][i]["idle"]) for i in stages]
+        peak = [median(results, key=lambda res, i=i: res["stages"][i]["peak_bytes"]) for i in stages]
+        bubble_rows.append((schedule, micro, " / ".join(f"{i:.3f}" for i in idle), bubble_fraction(2, micro),
+                            " / ".join(f"{p / 1024:,.0f}" for p in peak)))
+    text = report("pipeline", ["engine", "micro-batches", "samples/s", "best samples/s", "vs anchor"], rows,
                   notes=[f"2 stages of an MLP ({IN}-{WIDTH}x{DEPTH - 1}-1, "
                          f"{sum(p.numel() for p in build().parameters()) / 1e6:.2f}M params), global batch {batch}, "
-                         f"SGD, gloo on CPU, 1 thread per stage, {steps} timed steps, best of {repeats}."],
+                         f"SGD, gloo on CPU, 1 thread per stage, {steps} timed steps; samples/s, ratios, idle "
+                         f"fractions and peaks are the {repeats_note(repeats)}."],
                   out_dir=None)
     text += "\n\n" + report("pipeline-bubble", ["schedule", "M", "measured idle fraction (stage 0 / 1)",
                                                 "theory (S-1)/(M+S-1)", "peak activations KiB (stage 0 / 1)"],
@@ -143,7 +149,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
     a = ap.parse_args(argv)
     run(steps=a.steps, batch=a.batch, repeats=a.repeats)
 

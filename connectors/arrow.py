@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from connectors.deadletter import ERRS, DeadLetter
 
-__all__ = ["SchemaMismatch", "encode_batch", "decode_batch", "EncodeArrow", "DecodeArrow"]
+__all__ = ["SchemaMismatch", "encode_batch", "encode_batches", "decode_batch", "EncodeArrow", "DecodeArrow"]
 
 
 class SchemaMismatch(ValueError):
@@ -30,6 +30,33 @@ def encode_batch(batch: pa.RecordBatch | pa.Table) -> bytes:
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
     return sink.getvalue().to_pybytes()
+
+
+def encode_batches(batch: pa.RecordBatch | pa.Table, max_bytes: int | None = None) -> list[bytes]:
+    """``batch`` as one or more messages of at most ``max_bytes`` each, rows in order.
+
+    Each message is a complete IPC stream (``decode_batch`` reads it alone); concatenating the
+    decoded batches gives ``batch`` back. Without ``max_bytes`` this is ``[encode_batch(batch)]``.
+    A single row larger than ``max_bytes`` cannot be split: ``ValueError`` says so.
+    """
+    if isinstance(batch, pa.Table):
+        batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
+            pa.RecordBatch.from_pylist([], schema=batch.schema)
+    whole = encode_batch(batch)
+    if max_bytes is None or len(whole) <= max_bytes:
+        return [whole]
+    overhead = len(encode_batch(pa.RecordBatch.from_pylist([], schema=batch.schema)))  # schema, framing
+    if batch.num_rows <= 1 or overhead >= max_bytes:
+        raise ValueError(f"an Arrow message of {batch.num_rows} row(s) encodes to {len(whole):,} bytes "
+                         f"(schema {overhead:,} bytes), more than the {max_bytes:,} bytes a message may have")
+    per_row = max(1.0, (len(whole) - overhead) / batch.num_rows)
+    rows = max(1, min(batch.num_rows // 2, int((max_bytes - overhead) / per_row * 0.95)))
+    out: list[bytes] = []
+    for start in range(0, batch.num_rows, rows):
+        piece = batch.slice(start, rows)
+        encoded = encode_batch(piece)
+        out += [encoded] if len(encoded) <= max_bytes else encode_batches(piece, max_bytes)
+    return out
 
 
 def _check_schema(got: pa.Schema, expected: pa.Schema | None) -> None:
@@ -51,17 +78,24 @@ def decode_batch(payload: bytes, expected_schema: pa.Schema | None = None) -> pa
 
 
 class EncodeArrow(beam.PTransform):
-    """RecordBatch -> IPC bytes, or with ``key_fn`` a ``(key, bytes)`` pair for ``WriteToKafka``."""
+    """RecordBatch -> IPC bytes, or with ``key_fn`` a ``(key, bytes)`` pair for ``WriteToKafka``.
 
-    def __init__(self, *, key_fn=None):
+    With ``max_message_bytes`` (e.g. the topic's ``max.message.bytes`` less the record's
+    overhead: ``connectors.kafka.value_budget``) a batch too large for one message becomes
+    several, rows in order, each a complete IPC stream.
+    """
+
+    def __init__(self, *, key_fn=None, max_message_bytes: int | None = None):
         super().__init__()
         self._key_fn = key_fn
+        self._max = max_message_bytes
 
     def expand(self, batches):
-        key_fn = self._key_fn
+        key_fn, max_bytes = self._key_fn, self._max
         if key_fn is None:
-            return batches | "Encode" >> beam.Map(encode_batch)
-        return batches | "Encode" >> beam.Map(lambda b: (key_fn(b), encode_batch(b)))
+            return batches | "Encode" >> beam.FlatMap(lambda b: encode_batches(b, max_bytes))
+        return batches | "Encode" >> beam.FlatMap(
+            lambda b: [(key_fn(b), m) for m in encode_batches(b, max_bytes)])
 
 
 class _DecodeArrowFn(beam.DoFn):

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Task = Literal["classification", "regression"]
+#: ``time_format`` values for numeric times: seconds (the default for numbers) or finer units.
+EPOCH_FORMATS = {"epoch": 1.0, "epoch_s": 1.0, "epoch_ms": 1e3, "epoch_us": 1e6, "epoch_ns": 1e9}
 
 #: Feature columns in a dataset: numerics are standardized float32, categoricals int32 codes.
 NUM_PREFIX = "num__"
@@ -22,20 +24,26 @@ SPLITS = ("train", "valid", "test")
 @dataclass
 class FeatureSpec:
     label: str
-    task: Task = "regression"
+    #: None: decided from the label's type before the ETL runs (a string or boolean label is a
+    #: classification, a float label a regression; see ``pipelines.tabular.pipeline.infer_task``).
+    task: Task | None = "regression"
     numeric: list[str] = field(default_factory=list)
     categorical: list[str] = field(default_factory=list)
     #: Numeric columns that may be missing: a null becomes the training mean (0 once
     #: standardized) instead of sending the row to dead letters.
     optional_numeric: list[str] = field(default_factory=list)
-    #: For classification: a label above this threshold is the positive class (None: the label
-    #: is already 0/1 or boolean).
+    #: For classification: a label above this threshold is the positive class (None: the classes
+    #: are the label's distinct values in the training split, stored in the manifest).
     positive_above: float | None = None
     #: Split by this time column (no leakage: train < valid_from <= valid < test_from <= test);
     #: None splits at random by ``seed``.
     time_column: str | None = None
     valid_from: str | None = None
     test_from: str | None = None
+    #: How the time column (and the cutoffs) are written when it is text: a ``strptime`` format
+    #: (e.g. ``%d.%m.%Y``), or ``epoch``/``epoch_ms``/``epoch_us``/``epoch_ns`` for numbers; None
+    #: reads ISO dates and timestamps, ``YYYY/MM/DD`` and epoch seconds.
+    time_format: str | None = None
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
     seed: int = 0
     #: Categories seen fewer times than this in the training split map to the OOV code 0.
@@ -43,7 +51,7 @@ class FeatureSpec:
     max_vocab: int = 10_000
 
     def __post_init__(self) -> None:
-        if self.task not in ("classification", "regression"):
+        if self.task not in ("classification", "regression", None):
             raise ValueError(f"task must be 'classification' or 'regression', not {self.task!r}")
         if not self.numeric and not self.categorical and not self.optional_numeric:
             raise ValueError("declare at least one feature column (--numeric or --categorical)")

@@ -4,21 +4,40 @@
 group) is one element after a ``Reshuffle``, so a runner reads them in parallel. Elements are
 ``pyarrow.RecordBatch``es, never rows: on the FnApiRunner a row costs ~3 µs per step, a batch
 of thousands of rows about 50 µs.
+
+Text files and bad input. With ``column_types`` (declared types, e.g. ``{"x": pa.float64()}``)
+CSV and JSON-lines files are read in blocks (``block_bytes``) and every declared column is
+converted to its type in Arrow, a column at a time: a value that does not fit (a word in a
+numeric column on line 3,000,000) rejects its row, not the file. Rows that cannot be read at
+all (a CSV record with the wrong number of fields, a malformed JSON line) are rejected too.
+With ``with_errors=True`` rejected rows are ``DeadLetter``s on the ``errs`` output, their
+source ``file:line``; without it the read stops with a ``FileReadError`` naming the file and
+line. CSV values may hold quoted newlines (lines are still counted right). A header that
+repeats a column name is a ``FileReadError`` naming the file and the names.
+
+``_source_row`` (``with_source=True``) is the row's line number in its file (1-based, the
+line where the record starts) for CSV and JSON-lines, and its row index (0-based) for Parquet.
 """
 from __future__ import annotations
 
+import csv
 import io
-from typing import Iterator, NamedTuple, Sequence
+import json
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import apache_beam as beam
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-__all__ = ["ReadFromFiles", "FileUnit", "file_format", "list_units", "read_unit", "SOURCE_FILE",
-           "SOURCE_ROW", "CSV_NULLS"]
+from connectors.deadletter import ERRS, DeadLetter
+
+__all__ = ["ReadFromFiles", "FileUnit", "FileReadError", "file_format", "list_units", "read_unit", "iter_unit",
+           "csv_header", "parse_numbers", "SOURCE_FILE", "SOURCE_ROW", "CSV_NULLS"]
 
 #: Columns added by ``with_source=True``: where each row came from (for dead letters).
 SOURCE_FILE = "_source_file"
@@ -28,6 +47,11 @@ CSV_NULLS = ["", "NA", "N/A", "null", "NULL", "NaN", "nan"]
 
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
             ".ndjson": "jsonl", ".json": "jsonl"}
+_NUMBER = r"^[-+]?(\d+\.?\d*([eE][-+]?\d+)?|\.\d+([eE][-+]?\d+)?|(?i:inf|infinity|nan))$"
+
+
+class FileReadError(ValueError):
+    """A file (or a row of it) cannot be read; the message names the file and line."""
 
 
 class FileUnit(NamedTuple):
@@ -66,43 +90,387 @@ def list_units(path: str, fmt: str) -> list[FileUnit]:
     return units
 
 
-def _with_source(batch: pa.RecordBatch, path: str, first_row: int) -> pa.RecordBatch:
-    import numpy as np
-
-    rows = pa.array(np.arange(first_row, first_row + batch.num_rows, dtype=np.int64))
+def _with_source(batch: pa.RecordBatch, path: str, rows: np.ndarray) -> pa.RecordBatch:
     files = pa.DictionaryArray.from_arrays(pa.array(np.zeros(batch.num_rows, dtype=np.int32)),
                                            pa.array([path]))
-    return batch.append_column(SOURCE_FILE, files.cast(pa.string())).append_column(SOURCE_ROW, rows)
+    return (batch.append_column(SOURCE_FILE, files.cast(pa.string()))
+            .append_column(SOURCE_ROW, pa.array(np.asarray(rows, dtype=np.int64))))
 
 
-def read_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_rows: int = 65_536,
-              with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None
-              ) -> Iterator[pa.RecordBatch]:
-    """Record batches of one unit, at most ``batch_rows`` rows each."""
-    first = unit.first_row
+# ---------------------------------------------------------------------------------------------
+# Declared types: a column at a time, rows whose value does not fit are flagged
+# ---------------------------------------------------------------------------------------------
+def parse_numbers(col: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """Strings -> float64 and a mask of the non-null values that are not numbers (-> null)."""
+    col = pc.utf8_trim_whitespace(col.cast(pa.string()))
+    ok = pc.match_substring_regex(col, _NUMBER)
+    values = pc.cast(pc.if_else(ok, col, pa.scalar(None, pa.string())), pa.float64())
+    bad = np.asarray(pc.and_(pc.is_valid(col), pc.invert(pc.fill_null(ok, False))).to_numpy(zero_copy_only=False),
+                     dtype=bool)
+    return values, bad
+
+
+def _conform(col: pa.Array, target: pa.DataType, name: str) -> tuple[pa.Array, np.ndarray | None, str]:
+    """``col`` as ``target``; (array, rows whose value does not fit or None, reason)."""
+    t = col.type
+    if pa.types.is_dictionary(t):
+        col, t = col.cast(t.value_type), t.value_type
+    if pa.types.is_null(t):
+        return pa.nulls(len(col), target), None, ""
+    if pa.types.is_floating(target) or pa.types.is_integer(target):
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            values, bad = parse_numbers(col)
+            return values.cast(target, safe=False), bad, f"column {name!r} holds a value that is not a number"
+        if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t):
+            return pc.cast(col, target, safe=False), None, ""
+    elif pa.types.is_string(target) or pa.types.is_large_string(target):
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t) or \
+                pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t) or \
+                pa.types.is_temporal(t):
+            return pc.cast(col, target), None, ""
+    elif t == target:
+        return col, None, ""
+    raise FileReadError(f"column {name!r} has type {t}, which cannot be read as the declared {target}")
+
+
+def _conform_batch(batch: pa.RecordBatch, types: Mapping[str, pa.DataType], where: str
+                   ) -> tuple[pa.RecordBatch, np.ndarray, list[str]]:
+    """Declared columns converted (missing ones null); (batch, rejected mask, reason per row)."""
+    bad = np.zeros(batch.num_rows, dtype=bool)
+    reasons = [""] * batch.num_rows
+    names = batch.schema.names
+    for name, target in types.items():
+        if target is None:
+            continue
+        if name not in names:
+            batch = batch.append_column(name, pa.nulls(batch.num_rows, target))
+            names = batch.schema.names
+            continue
+        try:
+            values, fails, reason = _conform(batch.column(name), target, name)
+        except FileReadError as err:
+            raise FileReadError(f"{where}: {err}") from None
+        if fails is not None and fails.any():
+            for i in np.flatnonzero(fails & ~bad):
+                reasons[i] = reason
+            bad |= fails
+        batch = batch.set_column(names.index(name), name, values)
+    return batch, bad, reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV
+# ---------------------------------------------------------------------------------------------
+def csv_header(path: str) -> list[str]:
+    """The header's column names; a name given twice is a ``FileReadError``."""
+    with FileSystems.open(path) as fh:
+        head = fh.read(1 << 20)
+    text = head.decode("utf-8-sig", errors="replace")
+    names = next(csv.reader(io.StringIO(text)), [])
+    seen: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        seen.setdefault(n, []).append(i + 1)
+    dup = {n: pos for n, pos in seen.items() if len(pos) > 1}
+    if dup:
+        said = "; ".join(f"{n!r} (columns {', '.join(map(str, pos))})" for n, pos in dup.items())
+        raise FileReadError(f"{path}: the header repeats column names: {said}. Give every column its own "
+                            f"name in line 1 of the file")
+    return names
+
+
+class _CsvLines:
+    """Line numbers of CSV records: pyarrow reports the record number of a rejected row (header
+    = record 1); values with quoted newlines make a record span several lines."""
+
+    def __init__(self):
+        self.next_record, self.extra = 2, 0
+        self.invalid: dict[int, str] = {}
+        self.unnumbered: list[str] = []
+
+    def reject(self, row) -> str:
+        if row.number is None:
+            self.unnumbered.append(row.text)
+        else:
+            self.invalid[int(row.number)] = row.text
+        return "skip"
+
+    def assign(self, newlines: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
+        """Lines of the next ``len(newlines)`` accepted records, and the rejected ones among them."""
+        k = len(newlines)
+        pending = sorted(n for n in self.invalid if n >= self.next_record)
+        m = 0
+        while m < len(pending) and pending[m] < self.next_record + k + m:
+            m += 1
+        records = np.arange(self.next_record, self.next_record + k + m, dtype=np.int64)
+        is_bad = np.isin(records, np.asarray(pending[:m], dtype=np.int64))
+        per_record = np.zeros(k + m, dtype=np.int64)
+        per_record[~is_bad] = newlines
+        per_record[is_bad] = [self.invalid[int(r)].count("\n") for r in records[is_bad]]
+        lines = records + self.extra + np.cumsum(per_record) - per_record
+        self.extra += int(per_record.sum())
+        self.next_record += k + m
+        rejected = [(int(lines[i]), self.invalid.pop(int(records[i]))) for i in np.flatnonzero(is_bad)]
+        return lines[~is_bad], rejected
+
+    def rest(self) -> list[tuple[int | None, str]]:
+        out: list[tuple[int | None, str]] = []
+        for number in sorted(self.invalid):
+            out.append((number + self.extra, self.invalid[number]))
+            self.extra += self.invalid[number].count("\n")
+        self.invalid = {}
+        out += [(None, text) for text in self.unnumbered]
+        self.unnumbered = []
+        return out
+
+
+def _newlines(batch: pa.RecordBatch) -> np.ndarray:
+    total = np.zeros(batch.num_rows, dtype=np.int64)
+    for col in batch.columns:
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            total += pc.fill_null(pc.count_substring(col, "\n"), 0).to_numpy(zero_copy_only=False)
+    return total
+
+
+def _csv_items(fh, path: str, types: Mapping[str, pa.DataType] | None, convert: pacsv.ConvertOptions | None,
+               batch_rows: int, block_bytes: int) -> Iterator[tuple]:
+    """("rows", batch, lines) and ("bad", line, payload, reason) items of one CSV file."""
+    names = csv_header(path)
+    lines = _CsvLines()
+    parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lines.reject)
+    n_fields = len(names)
+    try:
+        if types is not None:
+            # Declared types: every column read as text, in blocks, converted by ``_conform_batch``:
+            # nothing is inferred from the first block, so a late odd value cannot fail the read.
+            opts = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=CSV_NULLS,
+                                        strings_can_be_null=True, quoted_strings_can_be_null=True)
+            reader = pacsv.open_csv(fh, read_options=pacsv.ReadOptions(block_size=block_bytes, use_threads=False),
+                                    parse_options=parse, convert_options=opts)
+            batches = iter(reader)
+        else:
+            # No declared types: a whole-file read infers each column's type from all of it (a
+            # streaming reader decides on the first block and fails on a later "NA").
+            opts = convert or pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
+            table = pacsv.read_csv(fh, read_options=pacsv.ReadOptions(use_threads=False), parse_options=parse,
+                                   convert_options=opts)
+            batches = iter(table.to_batches(max_chunksize=batch_rows))
+        for batch in batches:
+            for start in range(0, batch.num_rows, batch_rows):
+                part = batch.slice(start, batch_rows)
+                line_numbers, rejected = lines.assign(_newlines(part))
+                for line, text in rejected:
+                    yield ("bad", line, text, _field_count_reason(text, n_fields))
+                if part.num_rows:
+                    yield ("rows", part, line_numbers)
+    except pa.ArrowInvalid as err:
+        raise FileReadError(f"{path}: cannot be read as CSV after line {lines.next_record + lines.extra - 1}: "
+                            f"{err}") from None
+    for line, text in lines.rest():
+        yield ("bad", line, text, _field_count_reason(text, n_fields))
+
+
+def _field_count_reason(text: str, expected: int) -> str:
+    try:
+        found = len(next(csv.reader(io.StringIO(text))))
+    except (csv.Error, StopIteration):
+        found = "another number of"
+    return f"CSV row has {found} fields, the header has {expected}"
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON lines
+# ---------------------------------------------------------------------------------------------
+def _json_value(value, target: pa.DataType | None):
+    """One JSON value as ``target`` (Python), or raise ValueError saying why it does not fit."""
+    if value is None or target is None:
+        return value
+    if pa.types.is_floating(target) or pa.types.is_integer(target):
+        if isinstance(value, bool):
+            return float(value)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            parsed, bad = parse_numbers(pa.array([value]))
+            if not bad[0]:
+                return parsed[0].as_py()
+        raise ValueError("holds a value that is not a number")
+    if pa.types.is_string(target) or pa.types.is_large_string(target):
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, (int, float, str)):
+            return pc.cast(pa.array([value]), pa.string())[0].as_py() if not isinstance(value, str) else value
+        raise ValueError("holds an object or array, not a value")
+    return value
+
+
+def _json_rows_slow(lines: list[bytes], line_numbers: list[int], columns: Sequence[str] | None,
+                    types: Mapping[str, pa.DataType] | None):
+    """Line by line with ``json``: the rows that parse, and (line, text, reason) for the rest."""
+    rows, kept, bad = [], [], []
+    wanted = list(columns) if columns else None
+    for raw, line in zip(lines, line_numbers):
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            obj = json.loads(raw)
+        except Exception as err:  # noqa: BLE001 - JSON, encoding, recursion depth: all the row's fault
+            bad.append((line, text, f"malformed JSON line: {type(err).__name__}: {str(err)[:200]}"))
+            continue
+        if not isinstance(obj, dict):
+            bad.append((line, text, f"JSON line is a {type(obj).__name__}, not an object"))
+            continue
+        row = {}
+        try:
+            for key in (wanted or obj.keys()):
+                target = (types or {}).get(key)
+                try:
+                    row[key] = _json_value(obj.get(key), target)
+                except ValueError as err:
+                    raise ValueError(f"column {key!r} {err}") from None
+        except ValueError as err:
+            bad.append((line, text, str(err)))
+            continue
+        rows.append(row)
+        kept.append(line)
+    return rows, kept, bad
+
+
+def _json_table(rows: list[dict], types: Mapping[str, pa.DataType] | None, columns, path: str) -> pa.Table:
+    names = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
+    arrays = []
+    for name in names:
+        values = [r.get(name) for r in rows]
+        target = (types or {}).get(name)
+        try:
+            arrays.append(pa.array(values, type=target) if target is not None else pa.array(values))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
+            raise FileReadError(f"{path}: column {name!r} mixes types that cannot form one column ({err}); "
+                                f"declare its type") from None
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _json_items(fh, path: str, columns: Sequence[str] | None, types: Mapping[str, pa.DataType] | None,
+                batch_rows: int, block_bytes: int) -> Iterator[tuple]:
+    rest, first_line = b"", 1
+    while True:
+        chunk = fh.read(block_bytes)
+        data = rest + chunk
+        if not chunk:
+            block, rest = data, b""
+        else:
+            cut = data.rfind(b"\n") + 1
+            block, rest = (data[:cut], data[cut:]) if cut else (b"", data)
+            if not block:
+                continue
+        if block:
+            lines = block.split(b"\n")
+            if lines and lines[-1] == b"":
+                lines.pop()
+            numbers = [first_line + i for i, raw in enumerate(lines) if raw.strip()]
+            texts = [raw for raw in lines if raw.strip()]
+            first_line += len(lines)
+            if texts:
+                yield from _json_block(texts, numbers, path, columns, types, batch_rows)
+        if not chunk:
+            return
+
+
+def _json_block(texts: list[bytes], numbers: list[int], path: str, columns, types, batch_rows: int):
+    table = None
+    try:
+        table = pajson.read_json(io.BytesIO(b"\n".join(texts) + b"\n"),
+                                 read_options=pajson.ReadOptions(use_threads=False,
+                                                                 block_size=sum(map(len, texts)) + len(texts) + 64))
+        if table.num_rows != len(texts):
+            table = None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        table = None
+    if table is None:
+        rows, kept, bad = _json_rows_slow(texts, numbers, columns, types)
+        for line, text, reason in bad:
+            yield ("bad", line, text, reason)
+        if not rows:
+            return
+        table, line_numbers = _json_table(rows, types, columns, path), np.asarray(kept, dtype=np.int64)
+    else:
+        line_numbers = np.asarray(numbers, dtype=np.int64)
+        if columns:
+            present = set(table.schema.names)
+            table = pa.Table.from_arrays(
+                [table.column(c) if c in present else pa.nulls(table.num_rows) for c in columns], names=list(columns))
+    for start in range(0, table.num_rows, batch_rows):
+        part = table.slice(start, batch_rows).combine_chunks()
+        batch = part.to_batches()[0] if part.num_rows else None
+        if batch is not None:
+            yield ("rows", batch, line_numbers[start: start + batch.num_rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# One unit of work
+# ---------------------------------------------------------------------------------------------
+def iter_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_rows: int = 65_536,
+              with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
+              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = 4 << 20
+              ) -> Iterator[pa.RecordBatch | DeadLetter]:
+    """Record batches of one unit (at most ``batch_rows`` rows each) and a ``DeadLetter`` for each
+    row that cannot be read or does not fit its declared type."""
+    types = dict(column_types) if column_types else None
+    where = unit.path
     with FileSystems.open(unit.path) as fh:
         if unit.fmt == "parquet":
             pf = pq.ParquetFile(fh)
-            batches = pf.iter_batches(batch_size=batch_rows, row_groups=[unit.row_group],
-                                      columns=list(columns) if columns else None)
-        elif unit.fmt == "csv":
-            convert = csv_convert or pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
-            if columns:
-                convert.include_columns = list(columns)
-            # A whole-file read infers each column's type from all of it (a streaming reader
-            # decides on the first block and fails on a later "NA").
-            table = pacsv.read_csv(io.BytesIO(fh.read()), convert_options=convert)
-            batches = table.to_batches(max_chunksize=batch_rows)
-        else:
-            table = pajson.read_json(io.BytesIO(fh.read()))
-            if columns:
-                table = table.select(list(columns))
-            batches = table.to_batches(max_chunksize=batch_rows)
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            yield _with_source(batch, unit.path, first) if with_source else batch
-            first += batch.num_rows
+            first = unit.first_row
+            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[unit.row_group],
+                                         columns=list(columns) if columns else None):
+                if batch.num_rows == 0:
+                    continue
+                rows = np.arange(first, first + batch.num_rows)
+                first += batch.num_rows
+                yield from _finish(batch, rows, types, columns, with_source, where)
+            return
+        items = (_csv_items(fh, unit.path, types, csv_convert, batch_rows, block_bytes) if unit.fmt == "csv"
+                 else _json_items(fh, unit.path, columns, types, batch_rows, block_bytes))
+        for item in items:
+            if item[0] == "bad":
+                _, line, text, reason = item
+                yield DeadLetter(text, f"{unit.path}:{line if line is not None else '?'}", reason)
+            else:
+                _, batch, lines = item
+                yield from _finish(batch, lines, types, columns, with_source, where)
+
+
+def _finish(batch: pa.RecordBatch, rows: np.ndarray, types, columns, with_source: bool, where: str):
+    """Declared types applied, columns selected, source added; rejected rows as dead letters."""
+    if types:
+        original = batch
+        batch, bad, reasons = _conform_batch(batch, types, where)
+        if bad.any():
+            idx = np.flatnonzero(bad)
+            payloads = original.take(pa.array(idx)).to_pylist()
+            for i, payload in zip(idx, payloads):
+                yield DeadLetter(payload, f"{where}:{int(rows[i])}", reasons[i])
+            keep = pa.array(~bad)
+            batch, rows = batch.filter(keep), rows[~bad]
+    if columns:
+        missing = [c for c in columns if c not in batch.schema.names]
+        if missing:
+            raise FileReadError(f"{where}: has no column(s) {', '.join(missing)}; it has "
+                                f"{', '.join(batch.schema.names)}")
+        batch = batch.select(list(columns))
+    if batch.num_rows:
+        yield _with_source(batch, where, rows) if with_source else batch
+
+
+def read_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_rows: int = 65_536,
+              with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
+              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = 4 << 20
+              ) -> Iterator[pa.RecordBatch]:
+    """Record batches of one unit; a row that cannot be read is a ``FileReadError`` naming file and line
+    (use ``ReadFromFiles(..., with_errors=True)`` to get such rows as dead letters instead)."""
+    for item in iter_unit(unit, columns=columns, batch_rows=batch_rows, with_source=with_source,
+                          csv_convert=csv_convert, column_types=column_types, block_bytes=block_bytes):
+        if isinstance(item, DeadLetter):
+            raise FileReadError(f"{item.source}: {item.reason}: {str(item.payload)[:200]}")
+        yield item
 
 
 class _ListUnitsFn(beam.DoFn):
@@ -118,11 +486,15 @@ class _ListUnitsFn(beam.DoFn):
 
 
 class _ReadUnitFn(beam.DoFn):
-    def __init__(self, **read_kwargs):
-        self._kwargs = read_kwargs
+    def __init__(self, with_errors: bool, **read_kwargs):
+        self._errors, self._kwargs = with_errors, read_kwargs
 
     def process(self, unit: FileUnit) -> Iterator[pa.RecordBatch]:
-        yield from read_unit(unit, **self._kwargs)
+        if not self._errors:
+            yield from read_unit(unit, **self._kwargs)
+            return
+        for item in iter_unit(unit, **self._kwargs):
+            yield beam.pvalue.TaggedOutput(ERRS, item) if isinstance(item, DeadLetter) else item
 
 
 class ReadFromFiles(beam.PTransform):
@@ -133,22 +505,33 @@ class ReadFromFiles(beam.PTransform):
       file_format: ``"parquet"``, ``"csv"`` or ``"jsonl"``; by default from each file's suffix.
       columns: read only these columns.
       batch_rows: the most rows in one batch.
-      with_source: add ``_source_file`` and ``_source_row`` columns (the row's file and its row
-        number in that file), so later steps can name a bad row's source.
+      with_source: add ``_source_file`` and ``_source_row`` columns (the row's file and its line
+        in a text file, or its row index in a Parquet file), so later steps can name a bad row's source.
+      column_types: declared Arrow types of columns (None for a column: keep what is read); text
+        files are then read in blocks of ``block_bytes`` and a value that does not fit rejects its row.
+      with_errors: return ``(batches, errs)``, ``errs`` holding a ``DeadLetter`` (source
+        ``file:line``) per rejected row; without it a rejected row fails the read, naming file and line.
     """
 
     def __init__(self, file_patterns: str | Sequence[str], *, file_format: str | None = None,
                  columns: Sequence[str] | None = None, batch_rows: int = 65_536,
-                 with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None):
+                 with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
+                 column_types: Mapping[str, pa.DataType] | None = None, with_errors: bool = False,
+                 block_bytes: int = 4 << 20):
         super().__init__()
         self._patterns = [file_patterns] if isinstance(file_patterns, str) else list(file_patterns)
         self._format = file_format
+        self._errors = with_errors
         self._read = {"columns": columns, "batch_rows": batch_rows, "with_source": with_source,
-                      "csv_convert": csv_convert}
+                      "csv_convert": csv_convert, "column_types": dict(column_types) if column_types else None,
+                      "block_bytes": block_bytes}
 
     def expand(self, pbegin):
-        return (pbegin
-                | "Patterns" >> beam.Create(self._patterns)
-                | "ListUnits" >> beam.ParDo(_ListUnitsFn(self._format))
-                | "SpreadUnits" >> beam.Reshuffle()
-                | "ReadUnits" >> beam.ParDo(_ReadUnitFn(**self._read)))
+        units = (pbegin
+                 | "Patterns" >> beam.Create(self._patterns)
+                 | "ListUnits" >> beam.ParDo(_ListUnitsFn(self._format))
+                 | "SpreadUnits" >> beam.Reshuffle())
+        read = beam.ParDo(_ReadUnitFn(self._errors, **self._read))
+        if self._errors:
+            return units | "ReadUnits" >> read.with_outputs(ERRS, main="rows")
+        return units | "ReadUnits" >> read

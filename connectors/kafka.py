@@ -25,6 +25,7 @@ import atexit
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -40,8 +41,11 @@ from apache_beam.utils.windowed_value import WindowedValue
 from connectors import kafka_offsets as offsets
 from connectors.kafka_offsets import UNBOUNDED, PartitionRead
 
-__all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "PartitionRead",
-           "PartitionRange", "close_all_clients", "ensure_topic", "retry_kafka"]
+__all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "KafkaUnavailable",
+           "KafkaDelivery", "PartitionRead", "PartitionRange", "close_all_clients", "ensure_topic",
+           "retry_kafka", "check_brokers", "topic_max_message_bytes", "record_size", "value_budget",
+           "new_producer", "new_consumer", "track_client", "close_client", "DEFAULT_CONNECT_TIMEOUT_S",
+           "PRODUCER_DEFAULTS", "unavailable_message"]
 
 _log = logging.getLogger(__name__)
 
@@ -65,7 +69,10 @@ def close_client(client, **close_kwargs) -> None:
     """Close a client registered with track_client() and forget it."""
     with _LIVE_LOCK:
         _LIVE_CLIENTS.discard(client)
-    client.close(**close_kwargs)
+    try:
+        client.close(**close_kwargs)
+    except Exception as err:  # noqa: BLE001 - a producer's close flushes; its records were confirmed or given up
+        _log.debug("closing %s: %s", type(client).__name__, err)
 
 
 def close_all_clients() -> int:
@@ -98,7 +105,119 @@ class KafkaRecord(NamedTuple):
 
 
 class KafkaWriteError(RuntimeError):
-    """A record could not be written; the bundle fails so the runner retries it."""
+    """Kafka did not accept a record; the message names the Kafka error, the topic and the size."""
+
+
+class KafkaUnavailable(ConnectionError):
+    """No broker answered at the bootstrap servers within the bound; the message says what to check."""
+
+
+#: How long a command or a read waits for a first answer from the brokers before it gives up.
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def _quiet_kafka_logs():
+    """kafka-python logs a warning per failed connection attempt; a probe reports once instead."""
+    kafka_log = logging.getLogger("kafka")
+    before = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        kafka_log.setLevel(before)
+
+
+def _servers(bootstrap_servers: str | Sequence[str]) -> str:
+    return bootstrap_servers if isinstance(bootstrap_servers, str) else ",".join(bootstrap_servers)
+
+
+def unavailable_message(bootstrap_servers: str | Sequence[str], timeout_s: float, detail: str = "") -> str:
+    """The one line a user sees when no broker answers."""
+    return (f"no Kafka broker answered at {_servers(bootstrap_servers)} within {timeout_s:g} s"
+            f"{f' ({detail})' if detail else ''}: check that the broker runs (`flowtrain kafka status`, "
+            f"or `flowtrain kafka start`), that the bootstrap servers are its host:port, and that the "
+            f"client security settings (--kafka-config) match its listener")
+
+
+# Brokers that answered a check in this process, and when: a pipeline that builds several reads
+# of the same cluster checks it once a minute, not once per read.
+_ANSWERED: dict[str, tuple[float, int]] = {}
+_ANSWER_TTL_S = 60.0
+
+
+def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                  client_config: Mapping[str, Any] | None = None) -> int:
+    """Fail within ``timeout_s`` with ``KafkaUnavailable`` (one line) unless a broker answers.
+
+    Returns the number of brokers in the cluster. Meant to run before any work starts, so that
+    a wrong address or a stopped broker is a clear error instead of a client retrying for minutes.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    key = repr((_servers(bootstrap_servers), sorted(dict(client_config or {}).items(), key=str)))
+    with _LIVE_LOCK:
+        answered = _ANSWERED.get(key)
+    if answered and time.monotonic() - answered[0] < _ANSWER_TTL_S:
+        return answered[1]
+    cfg = {k: v for k, v in dict(client_config or {}).items()
+           if k in KafkaAdminClient.DEFAULT_CONFIG}
+    cfg.update(bootstrap_servers=bootstrap_servers, bootstrap_timeout_ms=int(timeout_s * 1000),
+               request_timeout_ms=max(1000, int(timeout_s * 1000)))
+    with _quiet_kafka_logs():
+        try:
+            admin = KafkaAdminClient(**cfg)
+        except KafkaError as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, type(err).__name__)) from None
+        except (OSError, ValueError) as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, str(err))) from None
+        try:
+            brokers = max(1, len(admin.describe_cluster().get("brokers") or ()))
+            with _LIVE_LOCK:
+                _ANSWERED[key] = (time.monotonic(), brokers)
+            return brokers
+        except KafkaError as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, type(err).__name__)) from None
+        finally:
+            admin.close()
+
+
+def record_size(key: bytes | None, value: bytes | None, headers=None) -> int:
+    """Upper bound of one record's size on the wire, as a record batch of its own (what the
+    producer checks against ``max_request_size`` and the broker against ``max.message.bytes``)."""
+    from kafka.record.default_records import DefaultRecordBatchBuilder
+
+    return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
+
+
+def value_budget(max_bytes: int, key: bytes | None = None, headers=None) -> int:
+    """How many bytes a value may have so that its record fits ``max_bytes``."""
+    return max_bytes - record_size(key, b"", headers) - 4  # the value's length varint grows to 5 bytes
+
+
+def topic_max_message_bytes(bootstrap_servers: str | Sequence[str], topic: str, *,
+                            client_config: Mapping[str, Any] | None = None) -> int | None:
+    """The topic's ``max.message.bytes`` as the broker applies it (its own or the broker default);
+    None when the topic does not exist or the broker does not say."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    cfg = {k: v for k, v in dict(client_config or {}).items() if k in KafkaAdminClient.DEFAULT_CONFIG}
+    admin = track_client(KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg))
+    try:
+        found = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})], config_filter="all")
+    except Exception as err:  # noqa: BLE001 - an absent topic or an old broker: no limit known
+        _log.debug("max.message.bytes of %s unavailable: %s", topic, err)
+        return None
+    finally:
+        close_client(admin)
+    entry = (found.get("topic", {}).get(topic) or {}).get("max.message.bytes") or {}
+    try:
+        return int(entry.get("value"))
+    except (TypeError, ValueError):
+        return None
 
 
 # Broker API versions already probed in this process, per bootstrap list. kafka-python probes
@@ -141,15 +260,27 @@ def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, A
 class _ResolvePartitionsFn(beam.DoFn):
     """Impulse -> one ``PartitionRead`` per topic-partition, offsets resolved against the broker."""
 
-    def __init__(self, bootstrap_servers, topics, start, stop, group_id, consumer_config):
+    def __init__(self, bootstrap_servers, topics, start, stop, group_id, consumer_config,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         self._cfg = (bootstrap_servers, consumer_config)
         self._topics, self._start, self._stop, self._group_id = topics, start, stop, group_id
+        self._connect_timeout_s = connect_timeout_s
 
     def process(self, _impulse) -> Iterable[PartitionRead]:
+        from kafka.errors import KafkaTimeoutError
+
+        bootstrap, _ = self._cfg
+        try:
+            yield from self._resolve()
+        except KafkaTimeoutError as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap, self._connect_timeout_s, str(err))) from None
+
+    def _resolve(self) -> Iterable[PartitionRead]:
         from kafka import TopicPartition
 
         bootstrap, extra = self._cfg
-        consumer = new_consumer(bootstrap, extra, group_id=self._group_id)
+        timeout_ms = int(self._connect_timeout_s * 1000)
+        consumer = new_consumer(bootstrap, extra, group_id=self._group_id, bootstrap_timeout_ms=timeout_ms)
         try:
             tps = []
             for topic in self._topics:
@@ -528,6 +659,11 @@ class ReadFromKafka(beam.PTransform):
       idle_watermark_lag_s: a caught-up partition's watermark advances to now minus this lag.
       max_read_s: longest time one ``process`` call reads before handing its output downstream
         (default 1 s for unbounded reads, for latency; 30 s for bounded ones, for throughput).
+      connect_timeout_s: with no broker answering, the read fails within this bound with
+        ``KafkaUnavailable`` naming the bootstrap servers (default 30 s). The pipeline's
+        construction checks the brokers once within the same bound, unless
+        ``check_brokers_at_build=False`` (for a launcher that cannot reach the brokers its
+        workers reach).
     """
 
     def __init__(self, bootstrap_servers: str | Sequence[str], topics: str | Sequence[str], *,
@@ -535,8 +671,13 @@ class ReadFromKafka(beam.PTransform):
                  group_id: str | None = None, consumer_config: Mapping[str, Any] | None = None,
                  commit_offsets: bool | None = None, commit_window_s: float = 5.0,
                  poll_interval_s: float = 0.2, idle_watermark_lag_s: float = 0.0,
-                 max_read_s: float | None = None):
+                 max_read_s: float | None = None, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 check_brokers_at_build: bool = True):
         super().__init__()
+        if not connect_timeout_s or connect_timeout_s <= 0:
+            raise ValueError(f"ReadFromKafka(connect_timeout_s={connect_timeout_s!r}): must be > 0 seconds")
+        self._connect_timeout_s = connect_timeout_s
+        self._check_at_build = check_brokers_at_build
         offsets.validate_start(start)
         offsets.validate_stop(stop)
         if start == "committed" and not group_id:
@@ -556,6 +697,8 @@ class ReadFromKafka(beam.PTransform):
                            "max_read_s": max_read_s if max_read_s is not None else (1.0 if stop is None else 30.0)}
 
     def expand(self, pbegin):
+        if self._check_at_build:
+            check_brokers(self._bootstrap, timeout_s=self._connect_timeout_s, client_config=self._consumer_config)
         read_fn = (_ReadBoundedPartitionFn if self._stop is not None else _ReadUnboundedPartitionFn)(
             self._bootstrap, self._consumer_config, **self._read_opts)
         records = (
@@ -563,7 +706,7 @@ class ReadFromKafka(beam.PTransform):
             | "Impulse" >> beam.Impulse()
             | "ResolvePartitions" >> beam.ParDo(_ResolvePartitionsFn(
                 self._bootstrap, self._topics, self._start, self._stop, self._group_id,
-                self._consumer_config))
+                self._consumer_config, self._connect_timeout_s))
             | "SpreadPartitions" >> beam.Reshuffle()
             | "ReadPartitions" >> beam.ParDo(read_fn).with_input_types(PartitionRead)
             .with_output_types(KafkaRecord)
@@ -598,16 +741,35 @@ def retry_kafka(action, what: str, *, deadline_s: float = 120.0, pause_s: float 
 
 
 def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitions: int = 1,
+                 replication_factor: int | None = None, config: Mapping[str, str] | None = None,
                  client_config: Mapping[str, Any] | None = None) -> None:
-    """Create ``topic`` unless it exists (producers do not create topics and would block)."""
+    """Create ``topic`` unless it exists (producers do not create topics and would block).
+
+    ``replication_factor`` defaults to min(3, number of brokers): 1 on a local broker, 3 on a
+    real cluster. ``config`` sets topic configs (e.g. ``{"max.message.bytes": "4194304"}``) of a
+    topic this call creates; an existing topic is left as it is.
+    """
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
+    from kafka.errors import InvalidReplicationFactorError, TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, **dict(client_config or {}))
+    if replication_factor is not None and (isinstance(replication_factor, bool) or replication_factor < 1):
+        raise ValueError(f"ensure_topic(replication_factor={replication_factor!r}): must be >= 1 "
+                         f"(or None for min(3, number of brokers))")
+    cfg = {k: v for k, v in dict(client_config or {}).items() if k in KafkaAdminClient.DEFAULT_CONFIG}
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg)
     try:
-        if topic not in admin.list_topics():
-            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+        if topic in admin.list_topics():
+            return
+        brokers = len(admin.describe_cluster().get("brokers") or ()) or 1
+        factor = min(3, brokers) if replication_factor is None else replication_factor
+        try:
+            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=factor,
+                                          topic_configs=dict(config or {}))])
+        except InvalidReplicationFactorError:
+            raise ValueError(f"topic {topic!r}: replication factor {factor} cannot be reached, the cluster at "
+                             f"{_servers(bootstrap_servers)} has {brokers} broker(s); pass a replication "
+                             f"factor <= {brokers} (--replication-factor)") from None
     except TopicAlreadyExistsError:
         pass
     finally:
@@ -627,22 +789,181 @@ def _as_message(element) -> tuple:
     raise TypeError(f"WriteToKafka takes KafkaRecord or (key, value) elements, got {type(element).__name__}")
 
 
+#: Producer settings of every producer the connectors make (a user's ``producer_config`` wins).
+PRODUCER_DEFAULTS = {"acks": "all", "enable_idempotence": True, "linger_ms": 5, "batch_size": 256 * 1024,
+                     "max_request_size": 16 * 1024 * 1024, "max_block_ms": 15_000}
+
+
+def new_producer(bootstrap_servers: str | Sequence[str], producer_config: Mapping[str, Any] | None = None, *,
+                 max_message_bytes: int | None = None, bootstrap_timeout_s: float = 120.0):
+    """A tracked, idempotent ``acks=all`` producer.
+
+    With ``max_message_bytes`` (the smallest ``max.message.bytes`` of the topics it writes),
+    the producer never puts more than that into one record batch: several small records sent
+    together would otherwise make a batch the broker rejects although each record fits.
+    """
+    from kafka import KafkaProducer
+
+    cfg = {"bootstrap_servers": bootstrap_servers, **PRODUCER_DEFAULTS,
+           "bootstrap_timeout_ms": int(bootstrap_timeout_s * 1000)}
+    cfg.update(producer_config or {})
+    if max_message_bytes:
+        cfg["batch_size"] = max(1024, min(cfg["batch_size"], max_message_bytes - 1024))
+    return track_client(KafkaProducer(**cfg))
+
+
+def _is_retriable(err: BaseException) -> bool:
+    return bool(getattr(err, "retriable", False)) or type(err).__name__ in (
+        "KafkaTimeoutError", "KafkaConnectionError", "NoBrokersAvailable", "NodeNotReadyError")
+
+
+def _describe_error(err: BaseException) -> str:
+    text = str(err)
+    description = getattr(err, "description", "") or ""
+    if text in ("", "None") or text.endswith(": None"):
+        text = description
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+@dataclass
+class _Sent:
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: list | None
+    timestamp_ms: int | None
+    partition: int | None
+    size: int
+    future: Any = None
+    error: BaseException | None = None  # raised by send() itself
+
+
+class KafkaDelivery:
+    """Sends records and confirms every one of them: the check no caller can forget.
+
+    ``send`` queues a record (and fails at once, naming the topic and both sizes, when it
+    cannot fit the topic's ``max.message.bytes`` given in ``max_message_bytes``); ``confirm``
+    flushes and then inspects the result of *every* send since the last confirm. A retriable
+    failure (a broker restart, a leader move, a timeout) is sent again until ``retry_s`` has
+    passed; any other failure raises ``KafkaWriteError`` with the Kafka error, the topic and
+    the record's size. Only after ``confirm`` returns may a caller treat the records as
+    delivered (commit offsets, count them). Records resent after a retriable failure may land
+    after later records of the same partition: a caller that needs log order confirms one
+    record at a time.
+    """
+
+    def __init__(self, producer, *, what: str = "WriteToKafka", max_message_bytes: Mapping[str, int] | None = None,
+                 retry_s: float = 120.0, flush_timeout_s: float = 60.0):
+        self._producer = producer
+        self._what = what
+        self._limits = dict(max_message_bytes or {})
+        self._retry_s, self._flush_timeout_s = retry_s, flush_timeout_s
+        self._pending: list[_Sent] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def limit(self, topic: str) -> int | None:
+        return self._limits.get(topic)
+
+    def send(self, topic: str, value: bytes | None, *, key: bytes | None = None, headers=None,
+             timestamp_ms: int | None = None, partition: int | None = None) -> None:
+        headers = list(headers) if headers else None
+        size = record_size(key, value, headers)
+        limit = self._limits.get(topic)
+        if limit is not None and size > limit:
+            raise KafkaWriteError(
+                f"{self._what + ': ' if self._what else ''}a record of {size:,} bytes does not fit topic {topic!r} "
+                f"(max.message.bytes {limit:,}); split the value (EncodeArrow(max_message_bytes=...)), "
+                f"truncate it, or raise the topic's max.message.bytes")
+        entry = _Sent(topic, key, value, headers, timestamp_ms, partition, size)
+        self._submit(entry)
+        self._pending.append(entry)
+
+    def _submit(self, entry: _Sent) -> None:
+        from kafka.errors import KafkaError
+
+        entry.future, entry.error = None, None
+        try:
+            entry.future = self._producer.send(entry.topic, key=entry.key, value=entry.value, headers=entry.headers,
+                                               timestamp_ms=entry.timestamp_ms, partition=entry.partition)
+        except KafkaError as err:  # metadata timeout, a record over max_request_size
+            entry.error = err
+
+    @staticmethod
+    def _failure(entry: _Sent) -> BaseException | None:
+        if entry.error is not None:
+            return entry.error
+        future = entry.future
+        return future.exception if future.is_done and future.failed() else None
+
+    def confirm(self) -> int:
+        """Block until every record sent since the last confirm is acknowledged; returns how many."""
+        from kafka.errors import KafkaError, KafkaTimeoutError
+
+        deadline = time.monotonic() + self._retry_s
+        while True:
+            live = [e for e in self._pending if e.error is None]
+            if live:
+                try:
+                    self._producer.flush(timeout=max(0.1, min(self._flush_timeout_s,
+                                                              deadline - time.monotonic())))
+                except KafkaError:
+                    pass  # each record's own future says what happened (flush trips over split batches)
+                for e in live:
+                    if not e.future.is_done:
+                        try:
+                            e.future.get(timeout=max(0.1, min(self._flush_timeout_s, deadline - time.monotonic())))
+                        except Exception:  # noqa: BLE001 - inspected below
+                            pass
+            failed = [(e, err) for e in self._pending if (err := self._failure(e)) is not None]
+            waiting = [e for e in self._pending if e.error is None and not e.future.is_done]
+            if not failed and not waiting:
+                done = len(self._pending)
+                self._pending = []
+                return done
+            out_of_time = time.monotonic() >= deadline
+            fatal = [(e, err) for e, err in failed if not _is_retriable(err)]
+            if fatal or out_of_time:
+                bad = fatal or failed or [(waiting[0], KafkaTimeoutError(
+                    f"not acknowledged within {self._retry_s:g} s"))]
+                entry, err = bad[0]
+                total, bad = len(self._pending), len(fatal) if fatal else len(failed) + len(waiting)
+                self._pending = []
+                raise KafkaWriteError(
+                    f"{self._what + ': ' if self._what else ''}Kafka did not accept a record of {entry.size:,} "
+                    f"bytes for topic {entry.topic!r} ({bad} of {total} records not delivered): "
+                    f"{_describe_error(err)}"
+                    + (f" (the topic's max.message.bytes was {self._limits[entry.topic]:,} when this producer "
+                       f"started)" if entry.topic in self._limits else ""))
+            if failed:
+                _log.warning("%s: %d record(s) for %r failed with %s; sending them again", self._what,
+                             len(failed), failed[0][0].topic, _describe_error(failed[0][1]))
+                time.sleep(0.5)
+                for entry, _ in failed:
+                    self._submit(entry)
+
+    def discard(self) -> None:
+        """Forget unconfirmed records (after a failure the caller gives up on them)."""
+        self._pending = []
+
+
 class _WriteFn(beam.DoFn):
-    def __init__(self, bootstrap_servers, topic, producer_config, flush_timeout_s):
+    def __init__(self, bootstrap_servers, topic, producer_config, flush_timeout_s, retry_s=120.0):
         self._bootstrap, self._topic = bootstrap_servers, topic
         self._producer_config = dict(producer_config or {})
         self._flush_timeout_s = flush_timeout_s
+        self._retry_s = retry_s
         self._producer = None
 
     def setup(self):
-        from kafka import KafkaProducer
         from kafka.errors import KafkaTimeoutError
 
-        cfg = {"bootstrap_servers": self._bootstrap, "acks": "all", "enable_idempotence": True,
-               "linger_ms": 5, "batch_size": 256 * 1024, "max_block_ms": 15_000,
-               "bootstrap_timeout_ms": 15_000, "retries": 5}
-        cfg.update(self._producer_config)
-        self._producer = track_client(KafkaProducer(**cfg))
+        security = {k: v for k, v in self._producer_config.items() if k.startswith(("security_", "ssl_", "sasl_"))}
+        limit = topic_max_message_bytes(self._bootstrap, self._topic, client_config=security)
+        self._producer = new_producer(self._bootstrap, self._producer_config, max_message_bytes=limit,
+                                      bootstrap_timeout_s=15.0)
         try:
             # A metadata request for the topic: with auto-creation off, an absent topic times out.
             self._producer.partitions_for(self._topic)
@@ -653,23 +974,20 @@ class _WriteFn(beam.DoFn):
                 f"WriteToKafka: topic {self._topic!r} does not exist on {self._bootstrap} and the broker "
                 f"did not create it (auto.create.topics.enable=false?). Create the topic first "
                 f"(kafka-topics.sh --create or KafkaAdminClient.create_topics).") from err
+        limits = {self._topic: limit} if limit else {}
+        self._delivery = KafkaDelivery(self._producer, what="WriteToKafka", max_message_bytes=limits,
+                                       retry_s=self._retry_s, flush_timeout_s=self._flush_timeout_s)
 
     def start_bundle(self):
-        self._errors: list[BaseException] = []
-        self._sent = 0
+        self._delivery.discard()
 
     def process(self, element):
         key, value, headers, ts = _as_message(element)
-        future = self._producer.send(self._topic, key=key, value=value, headers=headers, timestamp_ms=ts)
-        future.add_errback(self._errors.append)
-        self._sent += 1
+        self._delivery.send(self._topic, value, key=key, headers=headers, timestamp_ms=ts)
 
     def finish_bundle(self):
         # Every record of a finished bundle is acknowledged (acks=all), or the bundle fails.
-        self._producer.flush(timeout=self._flush_timeout_s)
-        if self._errors:
-            raise KafkaWriteError(f"WriteToKafka: {len(self._errors)} of {self._sent} records to "
-                                  f"{self._topic!r} failed: {self._errors[0]!r}")
+        self._delivery.confirm()
 
     def teardown(self):
         if self._producer is not None:
@@ -681,16 +999,20 @@ class WriteToKafka(beam.PTransform):
     """Writes ``KafkaRecord``s or ``(key, value)`` pairs to one topic.
 
     The producer batches (``linger_ms``), waits for all in-sync replicas (``acks="all"``) and is
-    idempotent, so broker-side retries add no duplicates. Every bundle flushes before it
-    completes: a finished bundle's records are acknowledged, and a send error fails the bundle
-    (which the runner retries) instead of vanishing. ``producer_config`` passes kafka-python
-    producer settings through (SASL/SSL among them).
+    idempotent, so broker-side retries add no duplicates. Every bundle confirms each of its
+    sends (``KafkaDelivery``) before it completes: a finished bundle's records are
+    acknowledged; a retriable failure is sent again for up to ``retry_s``; any other failure
+    fails the bundle with the Kafka error, the topic and the record's size instead of
+    vanishing. A record that cannot fit the topic's ``max.message.bytes`` (read from the
+    broker) fails at once, and the producer's batches never exceed it. ``producer_config``
+    passes kafka-python producer settings through (SASL/SSL among them).
     """
 
     def __init__(self, bootstrap_servers: str | Sequence[str], topic: str, *,
-                 producer_config: Mapping[str, Any] | None = None, flush_timeout_s: float = 60.0):
+                 producer_config: Mapping[str, Any] | None = None, flush_timeout_s: float = 60.0,
+                 retry_s: float = 120.0):
         super().__init__()
-        self._fn = _WriteFn(bootstrap_servers, topic, producer_config, flush_timeout_s)
+        self._fn = _WriteFn(bootstrap_servers, topic, producer_config, flush_timeout_s, retry_s)
 
     def expand(self, pcoll):
         return pcoll | "Produce" >> beam.ParDo(self._fn)

@@ -4,9 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flowtrain.parallel import DistContext
+from flowtrain.parallel.grid import Grid, build_groups
 from flowtrain.parallel.pipeline import StageWorker, grid_position, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import plan_stages, stage_module
@@ -34,14 +36,21 @@ def optimizer(params):
 
 
 def pp_job(ctx: DistContext, job: dict) -> None:
+    """``p2p_groups``: activations and gradients on the grid's per-direction pipeline groups
+    (else the default group, through the older ``grid_position``)."""
     stages, micro = job["stages"], job["microbatches"]
     model = build_model()
-    pos, group = grid_position(ctx, stages)
+    groups = None
+    if job.get("p2p_groups"):
+        groups = build_groups(Grid.from_world(ctx.world_size, stages=stages), ctx.rank)
+        pos, group, p2p = groups.pos, groups.data, (groups.forward, groups.backward)
+    else:
+        (pos, group), p2p = grid_position(ctx, stages), (None, None)
     plan = plan_stages(model, stages, torch.zeros(2, 8), measure=False)
     module = stage_module(model, plan, pos.stage)
     in_shape = plan.out_shapes[pos.stage - 1] if pos.stage else (8,)
     worker = StageWorker(module, pos, group, SCHEDULES[job["schedule"]](stages, micro), micro, in_shape,
-                         nn.MSELoss())
+                         nn.MSELoss(), p2p_groups=p2p)
     opt = optimizer(module.parameters())
     for step, (x, y) in enumerate(batches(job["steps"])):
         if job.get("fail") == [pos.stage, step]:
@@ -52,6 +61,10 @@ def pp_job(ctx: DistContext, job: dict) -> None:
         opt.step()
     if pos.replica == 0:
         torch.save(module.state_dict(), Path(job["out"]) / f"stage-{pos.stage}.pt")
+    worker.close()
+    if groups is not None:
+        dist.barrier()
+        groups.close()
 
 
 def reference(steps: int) -> nn.Sequential:

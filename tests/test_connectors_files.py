@@ -18,7 +18,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from connectors.arrow import DecodeArrow, EncodeArrow, SchemaMismatch, decode_batch, encode_batch
 from connectors.dataset import MANIFEST, DatasetError, ReadDataset, WriteDataset, read_manifest
-from connectors.deadletter import DeadLetter, WriteDeadLettersToJsonl
+from connectors.deadletter import WriteDeadLettersToJsonl
 from connectors.files import ReadFromFiles
 from flowtrain.local.runners import pipeline_options
 
@@ -139,6 +139,102 @@ def test_killed_dataset_write_leaves_no_manifest(tmp_path):
         read_manifest(out)
 
 
-def test_dead_letter_type():
-    d = DeadLetter(b"x", "t/0/1", "why")
-    assert d.source == "t/0/1" and d.reason == "why"
+# --- bad input while reading (issue #16, item 5): named by file and line, dead letters, no temporaries ---
+def _read_all(path, **kw):
+    """(rows, dead letters) of one file as ``ReadFromFiles(..., with_errors=True)`` reads it (its units' reader)."""
+    from connectors.deadletter import DeadLetter
+    from connectors.files import file_format, iter_unit, list_units
+
+    rows, dead = [], []
+    for unit in list_units(str(path), file_format(str(path))):
+        for item in iter_unit(unit, with_source=True, **kw):
+            (dead.append(item) if isinstance(item, DeadLetter) else rows.extend(item.to_pylist()))
+    return rows, dead
+
+
+def test_a_late_bad_value_past_the_first_blocks_is_a_dead_letter_naming_file_and_line(tmp_path):
+    from pipelines.tabular.pipeline import run_tabular_etl
+    from connectors.dataset_spec import FeatureSpec
+
+    n, bad_at = 260_000, 250_000  # ~4.8 MB: the bad value lies past the first 4 MB pre-flight reads
+    lines = [f"{i * 0.123456789:.8f},{'ab'[i % 2]},{i % 7}" for i in range(n)]
+    lines[bad_at] = "abc,a,1"
+    path = tmp_path / "big.csv"
+    path.write_text("x,c,y\n" + "\n".join(lines) + "\n")
+    assert path.stat().st_size > 4 << 20
+    spec = FeatureSpec(label="y", task="regression", numeric=["x"], categorical=["c"])
+    m = run_tabular_etl([str(path)], spec, dataset_path=str(tmp_path / "ds"),
+                        dead_letters_path=str(tmp_path / "dead.jsonl"), options=pipeline_options("batch"))
+    assert m["counts"]["in"] == n and m["counts"]["out"] == n - 1
+    dead = [json.loads(line) for line in open(tmp_path / "dead.jsonl")]
+    assert [(d["source"], d["reason"]) for d in dead] == [
+        (f"{path}:{bad_at + 2}", "column 'x' holds a value that is not a number")]
+    assert dead[0]["payload"]["json"]["x"] == "abc"
+    assert not list(tmp_path.glob("beam-temp-*")) and not list(tmp_path.glob("ds.tmp-*"))
+
+
+def test_a_malformed_json_line_is_a_dead_letter_naming_file_and_line(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"x": 1.0, "c": "a"}\n\n{"x": 2.0, "c": \n{"x": "two", "c": "b"}\n[1, 2]\n{"x": 4.0, "c": "d"}\n')
+    rows, dead = _read_all(path, column_types={"x": pa.float64(), "c": pa.string()}, columns=["x", "c"])
+    assert sorted((r["x"], r["_source_row"]) for r in rows) == [(1.0, 1), (4.0, 6)]
+    by_line = {d.source: d.reason for d in dead}
+    assert set(by_line) == {f"{path}:3", f"{path}:4", f"{path}:5"}
+    assert by_line[f"{path}:3"].startswith("malformed JSON line")
+    assert by_line[f"{path}:4"] == "column 'x' holds a value that is not a number"
+    assert by_line[f"{path}:5"] == "JSON line is a list, not an object"
+    with TestPipeline(options=pipeline_options("batch")) as p:  # the same through Beam: rows + errs = lines
+        batches, errs = p | ReadFromFiles(str(path), with_source=True, with_errors=True, columns=["x", "c"],
+                                          column_types={"x": pa.float64(), "c": pa.string()})
+        assert_that(batches | "rows" >> beam.FlatMap(lambda b: b.column("_source_row").to_pylist()),
+                    equal_to([1, 6]), label="rows")
+        assert_that(errs | "errs" >> beam.Map(lambda d: d.source), equal_to([f"{path}:{i}" for i in (3, 4, 5)]),
+                    label="errs")
+
+
+def test_quoted_newlines_in_a_large_csv_are_read_and_lines_counted(tmp_path):
+    n = 60_000  # ~3 MB: pyarrow's parallel reader splits blocks at newlines inside quotes
+    body = [f'{i},"note {i}\nsecond line, with a comma",{i % 3}' for i in range(n)]
+    body[n - 10] = f'{n - 10},"short row"'  # a record with too few fields, after 49,990 two-line records
+    path = tmp_path / "notes.csv"
+    path.write_text("id,note,k\n" + "\n".join(body) + "\n")
+    rows, dead = _read_all(path, column_types={"id": pa.float64(), "note": pa.string(), "k": pa.string()})
+    assert len(rows) == n - 1 and rows[0]["note"].endswith("with a comma")
+    lines = {r["id"]: r["_source_row"] for r in rows}
+    assert lines[0.0] == 2 and lines[float(n - 1)] == 2 + 2 * (n - 1) - 1  # the short row has one line
+    assert [(d.source, d.reason) for d in dead] == [(f"{path}:{2 + 2 * (n - 10)}",
+                                                     "CSV row has 2 fields, the header has 3")]
+    # without declared types (whole-file inference) the same file reads too
+    with TestPipeline(options=pipeline_options("batch")) as p:
+        plain, _ = p | "plain" >> ReadFromFiles(str(path), with_errors=True)
+        counts = plain | beam.Map(lambda b: b.num_rows) | beam.CombineGlobally(sum)
+        assert_that(counts, equal_to([n - 1]))
+
+
+def test_duplicate_header_names_are_an_error_naming_the_file(tmp_path):
+    from connectors.files import FileReadError, csv_header
+    from pipelines.tabular.pipeline import preflight
+    from connectors.dataset_spec import FeatureSpec
+
+    path = tmp_path / "dup.csv"
+    path.write_text("x,y,x\n1,2,3\n")
+    with pytest.raises(FileReadError, match=r"dup.csv: the header repeats column names: 'x' \(columns 1, 3\)"):
+        csv_header(str(path))
+    with pytest.raises(FileReadError, match="repeats column names"):
+        preflight([str(path)], FeatureSpec(label="y", numeric=["x"]))
+
+
+def test_a_file_that_fails_the_pipeline_names_itself_and_leaves_no_temporaries(tmp_path):
+    from pipelines.tabular.pipeline import run_tabular_etl
+    from connectors.dataset_spec import FeatureSpec
+
+    path = tmp_path / "latin1.csv"  # valid UTF-8 for the first 4 MB pre-flight reads, then a Latin-1 byte
+    path.write_bytes(b"x,c,y\n" + b"".join(b"%d,abcdefghij,%d\n" % (i, i % 5) for i in range(250_000))
+                     + b"5,caf\xe9,1\n")
+    assert path.stat().st_size > 4 << 20
+    spec = FeatureSpec(label="y", task="regression", numeric=["x"], categorical=["c"])
+    with pytest.raises(Exception) as err:
+        run_tabular_etl([str(path)], spec, dataset_path=str(tmp_path / "ds"),
+                        dead_letters_path=str(tmp_path / "dead.jsonl"), options=pipeline_options("batch"))
+    assert f"{path}: cannot be read as CSV" in str(err.value)
+    assert not list(tmp_path.glob("beam-temp-*")) and not list(tmp_path.glob("ds*"))

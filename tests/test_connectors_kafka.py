@@ -91,9 +91,8 @@ def test_stop_count_reads_n_per_partition(bootstrap, new_topic):
     topic = new_topic(partitions=2)
     sent = _produce(bootstrap, topic, 20, partitions=2)
     with TestPipeline(options=pipeline_options("batch")) as p:
-        got = p | ReadFromKafka(bootstrap, topic, stop=3) | beam.Map(lambda r: (r.partition, r.offset))
-        assert_that(got, equal_to([(p_, o) for p_ in range(2) for o in range(3)]))
-    assert len(sent) == 20
+        got = p | ReadFromKafka(bootstrap, topic, stop=3)
+        assert_that(got, equal_to([r for r in sent if r.offset < 3]))  # the first 3 records of each partition
 
 
 def test_write_then_read_round_trip(bootstrap, new_topic):
@@ -165,3 +164,112 @@ def test_unbounded_read_on_prism_sees_new_records_and_fires_windows(bootstrap, n
     windows = {w for w, _ in _Collect.seen}
     assert len(windows) >= 2, f"windows fired: {_Collect.seen}"
     assert sum(c for _, (_, c) in _Collect.seen) >= 60
+
+
+# --- time-based reads, confirmed writes, dead letters, topics, no broker (issues 11 and 16) ------
+def test_time_based_start_and_stop_read_exactly_the_records_in_between(bootstrap, new_topic):
+    import datetime as dt
+
+    topic = new_topic(partitions=3)
+    sent = _produce(bootstrap, topic, 60)  # timestamps 1_700_000_000_000 + i ms
+    at = lambda i: dt.datetime.fromtimestamp((1_700_000_000_000 + i) / 1000, tz=dt.timezone.utc)  # noqa: E731
+    with TestPipeline(options=pipeline_options("batch")) as p:
+        got = p | ReadFromKafka(bootstrap, topic, start=at(10), stop=at(40))
+        assert_that(got, equal_to(sent[10:40]))
+    with TestPipeline(options=pipeline_options("batch")) as p:  # a start after every record: nothing
+        assert_that(p | ReadFromKafka(bootstrap, topic, start=at(100), stop="end"), equal_to([]))
+
+
+def test_write_dead_letters_to_kafka_one_wire_format_and_oversized_payloads_truncated(bootstrap, new_topic):
+    import hashlib
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    from connectors.deadletter import DeadLetter, WriteDeadLettersToKafka, dead_letter_from_record
+
+    topic = new_topic(partitions=1, config={"max.message.bytes": "200000"})
+    huge = b"{" + b"z" * 2_000_000  # a 2 MB event: larger than the topic allows
+    letters = [DeadLetter(b"\x00raw", "raw/0/1", "broken JSON"), DeadLetter("text", "raw/0/2", "wrong type"),
+               DeadLetter({"distance": -5.0}, "raw/0/3", "impossible distance"),
+               DeadLetter(huge, "raw/0/4", "event too large")]
+    with TestPipeline(options=pipeline_options("batch")) as p:
+        _ = p | beam.Create(letters) | WriteDeadLettersToKafka(bootstrap, topic)
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
+    c.assign([TopicPartition(topic, 0)])
+    c.seek_to_beginning()
+    back = {}
+    for m in c:
+        letter, info = dead_letter_from_record(m.value, m.headers)
+        assert m.key == letter.source.encode()
+        back[letter.source] = (letter, info, m.value)
+    c.close()
+    assert set(back) == {d.source for d in letters}
+    for d in letters[:3]:
+        assert back[d.source][:2] == (d, {})
+    letter, info, value = back["raw/0/4"]
+    assert letter.reason == "event too large" and huge.startswith(value) and 150_000 < len(value) < 200_000
+    assert info == {"truncated": True, "size": len(huge), "sha256": hashlib.sha256(huge).hexdigest()}
+
+
+def test_delivery_confirms_every_send_and_names_error_topic_and_size(bootstrap, new_topic):
+    from connectors.kafka import KafkaDelivery, KafkaWriteError, close_client, new_producer
+
+    topic = new_topic(partitions=1, config={"max.message.bytes": "20000"})
+    producer = new_producer(bootstrap)
+    try:
+        delivery = KafkaDelivery(producer, what="test")  # not told the topic's limit: the broker rejects
+        delivery.send(topic, b"ok", key=b"k")
+        assert delivery.confirm() == 1
+        for i in range(3):
+            delivery.send(topic, b"x" * 50_000 if i == 1 else b"small", key=b"k")
+        with pytest.raises(KafkaWriteError, match=rf"50,0\d\d bytes for topic '{topic}'.*MessageSizeTooLargeError"):
+            delivery.confirm()
+        told = KafkaDelivery(producer, what="test", max_message_bytes={topic: 20_000})
+        with pytest.raises(KafkaWriteError, match=rf"does not fit topic '{topic}' \(max.message.bytes 20,000\)"):
+            told.send(topic, b"x" * 50_000)
+    finally:
+        close_client(producer)
+
+
+def test_write_to_kafka_fails_the_bundle_on_a_record_the_topic_cannot_take(bootstrap, new_topic):
+    topic = new_topic(partitions=1, config={"max.message.bytes": "20000"})
+    with pytest.raises(Exception, match=rf"50,0\d\d bytes does not fit topic '{topic}'"):
+        with TestPipeline(options=pipeline_options("batch")) as p:
+            _ = p | beam.Create([(b"k", b"small"), (b"k", b"x" * 50_000)]) | WriteToKafka(bootstrap, topic)
+
+
+def test_ensure_topic_replication_factor_defaults_to_the_brokers_and_is_an_option(bootstrap):
+    from kafka import KafkaAdminClient
+
+    from connectors.kafka import ensure_topic
+
+    name = f"rf-{uuid.uuid4().hex[:8]}"
+    ensure_topic(bootstrap, name, partitions=2, config={"max.message.bytes": "300000"})  # min(3, 1 broker) = 1
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        (info,) = admin.describe_topics([name])
+        assert len(info["partitions"]) == 2 and {len(p["replica_nodes"]) for p in info["partitions"]} == {1}
+    finally:
+        admin.close()
+    with pytest.raises(ValueError, match=r"replication factor 3 cannot be reached.*1 broker.*--replication-factor"):
+        ensure_topic(bootstrap, f"rf-{uuid.uuid4().hex[:8]}", replication_factor=3)
+    with pytest.raises(ValueError, match="replication_factor=0"):
+        ensure_topic(bootstrap, name, replication_factor=0)
+
+
+def test_read_from_kafka_without_a_broker_fails_fast_naming_the_servers():
+    from flowtrain.local.kafka import free_port
+
+    from connectors.kafka import KafkaUnavailable
+
+    nobody = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(KafkaUnavailable, match=rf"no Kafka broker answered at {nobody} within 2 s.*check"):
+        with TestPipeline(options=pipeline_options("batch")) as p:
+            _ = p | ReadFromKafka(nobody, "t", stop="end", connect_timeout_s=2)
+    assert time.monotonic() - t0 < 20
+    t0 = time.monotonic()  # a launcher that does not check: the read itself fails within its bound
+    with pytest.raises(Exception, match=rf"no Kafka broker answered at {nobody} within 2 s"):
+        with TestPipeline(options=pipeline_options("batch")) as p:
+            _ = p | ReadFromKafka(nobody, "t", stop="end", connect_timeout_s=2, check_brokers_at_build=False)
+    assert time.monotonic() - t0 < 30

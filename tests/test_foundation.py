@@ -143,8 +143,32 @@ def test_kafka_cli_missing_java_says_what_to_install(tmp_path):
     assert "`java` was not found" in proc.stderr and "Java 17" in proc.stderr
 
 
-def test_cli_help_lists_commands():
+def test_cli_help_describes_every_command_and_option_with_the_config_defaults(monkeypatch):
+    """`flowtrain --help` lists every command; every option of every command has a help text, and
+    an option whose default lives in a config dataclass shows that dataclass's value."""
+    import argparse
+
+    from flowtrain.cli.main import build_parser
+    from flowtrain.cli.options import ConfigDefault, format_value
+    from flowtrain.parallel.launch import LaunchConfig
+
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0
-    assert "kafka" in proc.stdout
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"kafka", "batch", "replay", "stream", "bench"} <= set(commands)
+    for name in commands:
+        assert f"    {name} " in proc.stdout or f"    {name}\n" in proc.stdout, f"{name} missing from --help"
+    undocumented = [f"{name} {a.option_strings[-1]}" for name, sub in commands.items() for a in sub._actions
+                    if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
+    assert not undocumented, f"options without a help text: {undocumented}"
+    monkeypatch.setenv("COLUMNS", "2000")  # no wrapping inside a default such as flights-dead-letters
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())
+        for a in sub._actions:
+            if isinstance(a.default, ConfigDefault):
+                assert "default" in a.help, f"{name} {a.option_strings[-1]} does not say its default"
+                if "%(default)s" in a.help:
+                    assert f"default {format_value(a.default.value())}" in text, (name, a.option_strings)
+    batch_help = " ".join(commands["batch"].format_help().split())
+    assert f"on this machine, >= 1 (default {LaunchConfig().workers})" in batch_help

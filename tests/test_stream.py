@@ -263,3 +263,211 @@ def _tail(path: Path, n: int = 40) -> str:
     lines = [l for l in Path(path).read_text(errors="replace").splitlines()
              if "kafka.cluster" not in l and "kafka.net" not in l and "kafka.consumer.fetcher" not in l]
     return "\n".join(lines[-n:])
+
+
+# --- nothing lost: sizes, poison events, undeliverable sends, no broker (issue 16) -------------
+def _events(n: int, skip: int = 0) -> list[bytes]:
+    """The first ``n`` flights after ``skip`` as JSON events, as `flowtrain replay` makes them."""
+    import itertools
+
+    import pyarrow.parquet as pq
+
+    from flowtrain.local.paths import demo_tables_dir
+    from pipelines.flights.batch import export_tables
+    from pipelines.flights.events import events_from_table
+
+    flights = pq.read_table(export_tables(demo_tables_dir())["flights"]).slice(0, skip + n + 2000)
+    return [json.dumps(e).encode() for e in itertools.islice(events_from_table(flights), skip, skip + n)]
+
+
+def _produce(bootstrap, topic, values, *, partitions):
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, max_request_size=16 << 20)
+    futures = [producer.send(topic, value=v, partition=i % partitions) for i, v in enumerate(values)]
+    producer.flush()
+    for f in futures:
+        f.get(timeout=30)
+    producer.close()
+
+
+def _delivered(bootstrap, names) -> tuple[list, dict]:
+    """Feature rows' (partition, offset) sources, and dead letters by (partition, offset)."""
+    from connectors.deadletter import dead_letter_from_record
+
+    rows = [(int(p), int(o)) for m in _read_topic(bootstrap, names["features"])
+            for p, o in zip(decode_batch(m.value)["src_partition"].to_pylist(),
+                            decode_batch(m.value)["src_offset"].to_pylist())]
+    dead = {}
+    for m in _read_topic(bootstrap, names["dead"]):
+        letter, info = dead_letter_from_record(m.value, m.headers)
+        _, p, o = letter.source.rsplit("/", 2)
+        dead[(int(p), int(o))] = (letter, info, m.value)
+    return rows, dead
+
+
+def _topics(new_topic, names, *, raw_partitions, features_max=None, dead_max=None):
+    names["raw"] = new_topic(raw_partitions, "raw", {"max.message.bytes": str(8 << 20)})
+    names["features"] = new_topic(raw_partitions, "feat", {"max.message.bytes": str(features_max)} if features_max else None)
+    names["dead"] = new_topic(raw_partitions, "dead", {"max.message.bytes": str(dead_max)} if dead_max else None)
+
+
+def test_large_micro_batches_and_poison_events_every_event_is_a_row_or_a_dead_letter(
+        bootstrap, dataset, tmp_path, new_topic):
+    """--batch-size 10000 against a features topic that takes ~60 KB per message (a batch is far
+    larger: the old pipeline lost it and committed), and poison events next to valid ones."""
+    import hashlib
+
+    names = _names()
+    _topics(new_topic, names, raw_partitions=2, features_max=60_000, dead_max=300_000)
+    valid = _events(6000)
+    broken_2mb = b'{"carrier": "' + b"x" * 2_000_000  # broken JSON, larger than the dead-letter topic takes
+    event = json.loads(valid[0])
+    poison = {
+        "broken_2mb": broken_2mb,
+        "deep": ('{"a":' * 100_000 + "1" + "}" * 100_000).encode(),  # RecursionError in the old pipeline
+        "overflow": json.dumps({**event, "year": 10 ** 30}).encode(),  # OverflowError in the old pipeline
+        "not_utf8": valid[1].replace(b'"carrier": "', b'"carrier": "\xff\xfe'),
+        "string_5mb": json.dumps({**event, "carrier": "x" * 5_000_000}).encode(),
+    }
+    _produce(bootstrap, names["raw"], valid[:3000] + list(poison.values()) + valid[3000:], partitions=2)
+    total = len(valid) + len(poison)
+    proc = _start_pipeline(bootstrap, names, dataset, tmp_path,
+                           ["--batch-size", "10000", "--max-delay", "30", "--max-event-bytes", str(4 << 20)])
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and _committed(bootstrap, names["raw"], names["group"]) != (total, total):
+            assert proc.poll() is None, _tail(tmp_path / "pipeline-test.log")
+            time.sleep(1)
+    finally:
+        _stop(proc)
+    log = (tmp_path / "pipeline-test.log").read_text(errors="replace")
+    assert _committed(bootstrap, names["raw"], names["group"]) == (total, total), _tail(tmp_path / "pipeline-test.log")
+    rows, dead = _delivered(bootstrap, names)
+    everything = {(i % 2, i // 2) for i in range(total)}  # produced round-robin over 2 partitions
+    assert len(rows) == len(set(rows)) and not set(rows) & set(dead)
+    assert set(rows) | set(dead) == everything  # each raw event: one feature row or one dead letter
+    assert len(rows) > 5000
+    positions = {name: ((3000 + i) % 2, (3000 + i) // 2) for i, name in enumerate(poison)}
+    reasons = {name: dead[pos][0].reason for name, pos in positions.items()}
+    assert reasons["broken_2mb"].startswith("broken JSON")
+    assert reasons["deep"].startswith("too deeply nested JSON")
+    assert reasons["overflow"].startswith("number out of range: field 'year'")
+    assert reasons["not_utf8"].startswith("broken JSON: not UTF-8")
+    assert reasons["string_5mb"].startswith("event too large")
+    for name in ("broken_2mb", "string_5mb", "deep"):  # too large for the topic: truncated, size and hash kept
+        letter, info, value = dead[positions[name]]
+        assert info == {"truncated": True, "size": len(poison[name]),
+                        "sha256": hashlib.sha256(poison[name]).hexdigest()} and poison[name].startswith(value)
+    for name in ("overflow", "not_utf8"):  # the raw bytes, as they came
+        assert dead[positions[name]][1] == {} and dead[positions[name]][0].payload == poison[name]
+    # the pipeline's own count is what Kafka acknowledged
+    assert f"{total:,} raw events -> {len(rows):,} feature rows + {len(dead):,} dead letters" in log
+
+
+def test_undeliverable_features_stop_the_pipeline_and_a_restart_delivers_the_rest(
+        bootstrap, dataset, tmp_path, new_topic):
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    names = _names()
+    _topics(new_topic, names, raw_partitions=1)
+    values = _events(2000)
+    _produce(bootstrap, names["raw"], values[:500], partitions=1)
+    proc = _start_pipeline(bootstrap, names, dataset, tmp_path / "a", ["--batch-size", "2000", "--max-delay", "30"])
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _committed(bootstrap, names["raw"], names["group"]) != (500, 500):
+            assert proc.poll() is None, _tail(tmp_path / "a" / "pipeline-test.log")
+            time.sleep(0.5)
+        # The features topic now takes less than any micro-batch: Kafka refuses the next sends.
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, names["features"], {"max.message.bytes": "1000"})])
+        _produce(bootstrap, names["raw"], values[500:], partitions=1)
+        try:
+            proc.wait(timeout=120)  # the pipeline stops on its own
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the pipeline kept running although Kafka refused its features") from None
+        log = (tmp_path / "a" / "pipeline-test.log").read_text(errors="replace")
+        assert proc.returncode != 0
+        assert f"bytes for topic '{names['features']}'" in log and "MessageSizeTooLargeError" in log, _tail(
+            tmp_path / "a" / "pipeline-test.log")
+        committed, end = _committed(bootstrap, names["raw"], names["group"])
+        rows, dead = _delivered(bootstrap, names)
+        assert 500 <= committed < end == 2000
+        assert {(0, o) for o in range(committed)} <= set(rows) | set(dead)  # commits never pass a lost event
+        # The cause fixed, a restart delivers the rest.
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, names["features"],
+                                            {"max.message.bytes": str(1 << 20)})])
+        _run_pipeline_until_caught_up(bootstrap, names, dataset, tmp_path / "b", timeout=180)
+        rows, dead = _delivered(bootstrap, names)
+        assert set(rows) | set(dead) == {(0, o) for o in range(2000)} and not set(rows) & set(dead)
+    finally:
+        _stop(proc)
+        admin.close()
+
+
+def test_no_broker_every_streaming_command_fails_fast_with_one_line(dataset, tmp_path):
+    from flowtrain.local.kafka import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    commands = {
+        "replay": ["replay", "--bootstrap", nobody, "--limit", "5"],
+        "stream pipeline": ["stream", "pipeline", "--bootstrap", nobody, "--dataset", dataset, "--out", str(tmp_path)],
+        "stream": ["stream", "--bootstrap", nobody, "--dataset", dataset, "--out", str(tmp_path)],
+    }
+    t0 = time.monotonic()
+    procs = {name: subprocess.Popen(CLI + args + ["--connect-timeout", "3"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for name, args in commands.items()}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=90)
+            lines = [l for l in err.splitlines() if l.strip() and "apitools" not in l]  # Beam's import warning
+            assert proc.returncode not in (0, None), (name, err)
+            assert len(lines) == 1 and "Traceback" not in err, (name, err)
+            assert lines[0].startswith(f"flowtrain {name}: no Kafka broker answered at {nobody} within 3 s"), lines
+            assert "flowtrain kafka status" in lines[0]
+    finally:
+        for proc in procs.values():
+            _stop(proc, signal.SIGKILL)
+    assert time.monotonic() - t0 < 90
+
+
+def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, dataset, new_topic):
+    """read -> ParseFlightEvents -> MicroBatchEvents -> FeaturizeFlightBatches -> EncodeArrow ->
+    WriteToKafka (+ errs -> WriteDeadLettersToKafka), as a bounded backfill on the batch runner."""
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    from connectors.dataset import read_manifest
+    from connectors.kafka import ReadFromKafka
+    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.batch import export_tables
+    from pipelines.flights.streaming import FlightFeaturizer, StreamConfig, build_flight_features, parse_records
+
+    names = _names()
+    _topics(new_topic, names, raw_partitions=2)
+    values = _events(400)
+    values[7], values[8] = b'{"broken', json.dumps({**json.loads(values[8]), "distance": 1e40}).encode()
+    _produce(bootstrap, names["raw"], values, partitions=2)
+    tables = export_tables(demo_tables_dir())
+    cfg = StreamConfig(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
+                       dead_letter_topic=names["dead"], group_id=names["group"], batch_size=150,
+                       stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
+                       planes_path=tables["planes"])
+    with TestPipeline(options=pipeline_options("batch")) as p:
+        records = p | ReadFromKafka(bootstrap, names["raw"], start="committed", stop="end", group_id=names["group"])
+        build_flight_features(records, cfg, max_message_bytes=8_000)
+    messages = _read_topic(bootstrap, names["features"])
+    assert len(messages) > 4 and max(len(m.value) for m in messages) <= 8_000  # split to fit
+    rows, dead = _delivered(bootstrap, names)
+    expected_events, expected_letters = parse_records(_read_topic(bootstrap, names["raw"]))
+    features, bad = FlightFeaturizer.load(cfg.stats, cfg.weather_path, cfg.planes_path).featurize(expected_events)
+    expected_letters += bad
+    assert sorted(rows) == sorted(zip(features["src_partition"].to_pylist(), features["src_offset"].to_pylist()))
+    assert {k: v[0].reason for k, v in dead.items()} == {
+        tuple(int(x) for x in d.source.rsplit("/", 2)[1:]): d.reason for d in expected_letters}
+    assert len(rows) + len(dead) == 400 and dead[(1, 3)][0].reason.startswith("broken JSON")
+    assert dead[(0, 4)][0].reason.startswith("number out of range")
+    assert _committed(bootstrap, names["raw"], names["group"]) == (400, 400)  # the read's own commit branch

@@ -7,11 +7,17 @@ import importlib
 #: benchmark name -> (module under bench/, one-line description)
 BENCHMARKS = {
     "kafka": ("bench.kafka", "ReadFromKafka vs a raw kafka-python consumer loop"),
-    "etl": ("bench.etl", "flights ETL on Beam vs the same steps as a plain pyarrow script"),
+    "etl": ("bench.etl", "flights ETL on Beam vs a plain pyarrow script at 1x/10x (--scales 1,10,30): rows/s, peak RSS"),
     "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
+    "train-scale": ("bench.train_scale", "one epoch at 1x/10x data: streamed shards vs in memory, rows/s, RSS"),
     "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
     "pipeline": ("bench.pipeline", "GPipe/1F1B stages vs torch.distributed.pipelining, bubbles, memory"),
+    "tensor": ("bench.tensor", "column/row-parallel MLP (T = 2) vs DTensor parallelize_module, bytes, memory"),
     "stream": ("bench.stream", "streaming job throughput, produce-to-model latency, trainer consume rate"),
+    "flink": ("bench.flink", "flights ETL on Flink (1 and 2 TaskManagers) vs FnApiRunner vs pyarrow, 1x/10x rows"),
+    "serve": ("bench.serve", "scoring pipeline (RunInference) vs a PyTorch loop, produce-to-prediction latency, "
+                             "model freshness"),
+    "tabular": ("bench.tabular", "flowtrain batch on public tables vs scikit-learn linear models and HGB"),
 }
 
 

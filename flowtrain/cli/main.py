@@ -71,20 +71,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_registrars():
     """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
-    from flowtrain.cli import batch, bench, stream
+    from flowtrain.cli import batch, bench, flink, stream
 
-    return [batch.register, bench.register, stream.register]
+    return [batch.register, bench.register, flink.register, stream.register]
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
+    """The command line as the command will see it: ``(args, beam_args)``, where ``beam_args`` is
+    None for commands that take no Beam options. ``args.options`` holds what --config or the
+    command line set. A bad option exits with status 2 and a message naming it."""
+    from flowtrain.cli import options
+
+    ours, passthrough = options.split_passthrough(argv)  # after `--`: Beam's, unchecked
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(ours, namespace=options.Options())
+    sub = getattr(args, "options_parser", None) or parser
+    try:
+        if getattr(args, "options_parser", None) is not None:
+            # --config YAML under the command line; args then holds every option's value
+            args.options = options.resolve(parser, args, ours)
+        if getattr(args, "accepts_beam_args", False):
+            # Options flowtrain does not know must be Beam pipeline options (--runner=..., --flink_master=...).
+            options.check_beam_args(unknown, [s for a in sub._actions for s in a.option_strings])
+            return args, unknown + passthrough
+    except options.OptionError as err:
+        sub.error(str(err))
+    if unknown or passthrough:
+        sub.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
+    return args, None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "accepts_beam_args", False):
-        # Options flowtrain does not know are Beam pipeline options (--runner=..., --flink_master=...).
-        return int(args.func(args, unknown) or 0)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return int(args.func(args) or 0)
+    args, beam_args = parse(list(sys.argv[1:] if argv is None else argv))
+    if beam_args is None:
+        return int(args.func(args) or 0)
+    return int(args.func(args, beam_args) or 0)
 
 
 if __name__ == "__main__":

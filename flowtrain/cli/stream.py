@@ -12,32 +12,43 @@ import sys
 import time
 from pathlib import Path
 
+from flowtrain.cli.options import (above, at_least, config_default, fraction, kafka_config, kafka_pair, sizes,
+                                   usable_dir)
 
-def _kafka_config(pairs: list[str] | None) -> dict:
-    """``--kafka-config security_protocol=SASL_SSL`` etc. -> kafka-python keyword arguments."""
-    cfg = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--kafka-config {pair!r}: expected KEY=VALUE (kafka-python option names)")
-        cfg[key.strip().replace(".", "_")] = int(value) if value.isdigit() else value
-    return cfg
+_SC = "pipelines.flights.streaming:StreamConfig."  # where the pipeline half's defaults live
+_TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
+_LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
+
+
+def _kafka_config(pairs: list[str] | dict | None) -> dict:
+    """``--kafka-config security_protocol=SASL_SSL`` etc. -> typed kafka-python keyword arguments
+    (checked when the command line is parsed; see flowtrain.cli.options.kafka_config)."""
+    return kafka_config(pairs)
 
 
 def _add_kafka(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers (default 127.0.0.1:9092)")
-    p.add_argument("--kafka-config", action="append", metavar="KEY=VALUE",
+    p.add_argument("--kafka-config", action="append", metavar="KEY=VALUE", type=kafka_pair,
                    help="kafka-python client option for every client, e.g. security_protocol=SASL_SSL, "
-                        "sasl_mechanism=PLAIN, sasl_plain_username=..., ssl_cafile=... (repeat)")
+                        "sasl_mechanism=PLAIN, sasl_plain_username=..., ssl_cafile=..., ssl_check_hostname=false "
+                        "(repeat); values are typed like the option's default: true/false, whole numbers, "
+                        "numbers, else text")
+    p.add_argument("--connect-timeout", type=above(0), default=config_default(_SC + "connect_timeout_s"),
+                   help="seconds to wait for a first answer from the brokers; without one the command stops "
+                        "with a one-line error naming --bootstrap (default %(default)s)")
+    p.add_argument("--replication-factor", type=at_least(1), default=None,
+                   help="replication factor of the topics this command creates (default: min(3, brokers))")
 
 
 def _add_topics(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--raw-topic", default="flights-raw", help="raw JSON events (default flights-raw)")
-    p.add_argument("--features-topic", default="flights-features", help="feature batches (default flights-features)")
-    p.add_argument("--dead-letter-topic", default="flights-dead-letters",
-                   help="rejected events with their reason (default flights-dead-letters)")
-    p.add_argument("--updates-topic", default="flights-model-updates",
-                   help="published model versions (default flights-model-updates)")
+    p.add_argument("--raw-topic", default=config_default(_SC + "raw_topic"),
+                   help="raw JSON events (default %(default)s)")
+    p.add_argument("--features-topic", default=config_default(_SC + "features_topic"),
+                   help="feature batches (default %(default)s)")
+    p.add_argument("--dead-letter-topic", default=config_default(_SC + "dead_letter_topic"),
+                   help="rejected events with their reason (default %(default)s)")
+    p.add_argument("--updates-topic", default=config_default(_TC + "updates_topic"),
+                   help="published model versions (default %(default)s)")
 
 
 def register(sub) -> None:
@@ -45,54 +56,95 @@ def register(sub) -> None:
                        description="Produces flights in event-time order (scheduled departure) as JSON events, "
                                    "keyed by tail number, at --rate events/s or as fast as possible.")
     _add_kafka(r)
-    r.add_argument("--topic", default="flights-raw", help="topic to produce to (default flights-raw)")
-    r.add_argument("--partitions", type=int, default=3, help="partitions if the topic is created (default 3)")
-    r.add_argument("--rate", type=float, default=0.0, help="events per second (default 0: as fast as possible)")
-    r.add_argument("--limit", type=int, default=None, help="produce at most this many events")
-    r.add_argument("--skip", type=int, default=0, help="start after this many events")
-    r.add_argument("--malformed", type=float, default=0.0,
+    r.add_argument("--topic", default=config_default(_SC + "raw_topic"),
+                   help="topic to produce to (default %(default)s)")
+    r.add_argument("--partitions", type=at_least(1), default=3, help="partitions if the topic is created (default 3)")
+    r.add_argument("--rate", type=at_least(0, float), default=0.0,
+                   help="events per second (default 0: as fast as possible)")
+    r.add_argument("--limit", type=at_least(0), default=None, help="produce at most this many events")
+    r.add_argument("--skip", type=at_least(0), default=0, help="start after this many events")
+    r.add_argument("--malformed", type=fraction(inclusive_high=True), default=0.0,
                    help="fraction of events replaced by bad ones (broken JSON, missing field, wrong type, NaN, "
                         "impossible value), for demos and tests")
-    r.add_argument("--seed", type=int, default=0)
-    r.set_defaults(func=_replay)
+    r.add_argument("--seed", type=int, default=0, help="seed of which events --malformed replaces (default 0)")
+    r.set_defaults(func=_replay, options_parser=r)
 
     s = sub.add_parser("stream", help="streaming job: Beam features from Kafka -> online trainer, exactly once",
                        description="Runs the streaming feature pipeline (Beam on Prism, or any runner) and the "
                                    "online trainer together; `stream pipeline` and `stream train` run one half.")
-    s.add_argument("half", nargs="?", choices=["pipeline", "train"], help="run only this half")
+    s.add_argument("half", nargs="?", choices=["pipeline", "train", "score"],
+                   help="run only this half (score: the scoring pipeline, see --score)")
     _add_kafka(s)
     _add_topics(s)
+    s.add_argument("--config", default=None, help="YAML file with any of these options (keys as below, '-' or '_'; "
+                                                  "the command line wins where it gives an option)")
     s.add_argument("--local-kafka", action="store_true", help="start the project's broker on --bootstrap's port")
     s.add_argument("--dataset", default=None,
                    help="the batch dataset whose statistics and vocabularies the features use "
                         "(default runs/demo/dataset; make it with `flowtrain batch`)")
     s.add_argument("--out", default="runs/stream", help="run directory (default runs/stream)")
-    s.add_argument("--group-id", default="flowtrain-features", help="the pipeline's consumer group")
-    s.add_argument("--batch-size", type=int, default=500, help="events per micro-batch (closed by size ...)")
-    s.add_argument("--max-delay", type=float, default=1.0, help="... or by this many seconds after its first event")
-    s.add_argument("--workers", type=int, default=1, help="data-parallel trainer replicas (partitions split)")
-    s.add_argument("--init-weights", default=None, help="start the trainer from a batch run's model.pt")
-    s.add_argument("--lr", type=float, default=1e-3)
-    s.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint every K steps (default 50) ...")
-    s.add_argument("--checkpoint-seconds", type=float, default=10.0, help="... or every T seconds (default 10)")
-    s.add_argument("--idle-exit", type=float, default=None, help="trainer: stop after this many idle seconds")
+    s.add_argument("--group-id", default=config_default(_SC + "group_id"),
+                   help="the pipeline's consumer group (default %(default)s)")
+    s.add_argument("--batch-size", type=at_least(1), default=config_default(_SC + "batch_size"),
+                   help="events per micro-batch, >= 1 (closed by size, default %(default)s ...)")
+    s.add_argument("--max-delay", type=above(0), default=config_default(_SC + "max_delay_s"),
+                   help="... or by this many seconds after its first event (default %(default)s)")
+    _EV = "pipelines.flights.events:ParseBounds."
+    s.add_argument("--max-event-bytes", type=at_least(1), default=config_default(_EV + "max_event_bytes"),
+                   help="a raw event larger than this is a dead letter (default %(default)s)")
+    s.add_argument("--max-json-depth", type=at_least(1), default=config_default(_EV + "max_depth"),
+                   help="a raw event nesting objects/arrays deeper than this is a dead letter (default %(default)s)")
+    s.add_argument("--max-abs-number", type=above(0), default=config_default(_EV + "max_abs_number"),
+                   help="a raw event with a number beyond +-this is a dead letter (default %(default)s)")
+    t = s.add_argument_group("online trainer (`stream train`)")
+    t.add_argument("--workers", type=at_least(1), default=config_default(_LC + "workers"),
+                   help="data-parallel trainer replicas, >= 1 (feature partitions split across them; "
+                        "default %(default)s)")
+    t.add_argument("--failure-timeout", type=above(0), default=config_default(_LC + "failure_timeout_s"),
+                   help="with --workers N: seconds within which the job ends when a replica dies or stalls "
+                        "(default %(default)s)")
+    t.add_argument("--init-weights", default=None,
+                   help="start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, "
+                        "dropout, model kind, seed) comes from that run's config.json")
+    t.add_argument("--hidden", type=sizes, default=config_default(_TC + "hidden"),
+                   help="hidden sizes without --init-weights (default %(default)s)")
+    t.add_argument("--dropout", type=fraction(), default=config_default(_TC + "dropout"),
+                   help="dropout without --init-weights, in [0, 1) (default %(default)s)")
+    t.add_argument("--seed", type=int, default=config_default(_TC + "seed"),
+                   help="seed of the initial weights and dropout (default %(default)s)")
+    t.add_argument("--lr", type=above(0), default=config_default(_TC + "lr"),
+                   help="Adam learning rate, > 0 (default %(default)s)")
+    t.add_argument("--checkpoint-every", type=at_least(1), default=config_default(_TC + "checkpoint_every_steps"),
+                   help="checkpoint and publish every K steps (default %(default)s) ...")
+    t.add_argument("--checkpoint-seconds", type=above(0), default=config_default(_TC + "checkpoint_every_s"),
+                   help="... or every T seconds (default %(default)s)")
+    t.add_argument("--idle-exit", type=above(0), default=config_default(_TC + "idle_exit_s"),
+                   help="stop (with a final checkpoint) after this many seconds without data on any replica "
+                        "(default %(default)s: never)")
     s.add_argument("--ledger", action="store_true", help="trainer: record trained sources per model version "
                                                           "(ledger.jsonl; an audit and test hook)")
-    s.set_defaults(func=_stream, accepts_beam_args=True)
+    from flowtrain.cli.score import add_options as add_score_options
+
+    add_score_options(s)
+    from flowtrain.cli.flink import add_runner_options
+
+    add_runner_options(s)
+    s.set_defaults(func=_stream, accepts_beam_args=True, options_parser=s)
 
 
 # ---------------------------------------------------------------------------------------------
 def _replay(args: argparse.Namespace) -> int:
-    from kafka import KafkaProducer
-
-    from connectors.kafka import ensure_topic
+    from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_producer
 
     from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
     from pipelines.flights.nycflights import load_table
 
     cfg = _kafka_config(args.kafka_config)
-    ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg)
-    producer = KafkaProducer(bootstrap_servers=args.bootstrap, acks="all", linger_ms=10, **cfg)
+    _check_brokers(args, "flowtrain replay")
+    ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg,
+                 replication_factor=args.replication_factor)
+    producer = new_producer(args.bootstrap, {"linger_ms": 10, **cfg})
+    delivery = KafkaDelivery(producer, what="flowtrain replay")
     rng = random.Random(args.seed)
     counts = {"events": 0, **{k: 0 for k in MALFORMED_KINDS}}
     t0 = time.monotonic()
@@ -107,19 +159,40 @@ def _replay(args: argparse.Namespace) -> int:
             counts[kind] += 1
         else:
             value = json.dumps(event).encode()
-        producer.send(args.topic, key=(event.get("tailnum") or "unknown").encode(), value=value)
+        delivery.send(args.topic, value, key=(event.get("tailnum") or "unknown").encode())
         counts["events"] += 1
+        if delivery.pending >= 10_000:
+            _confirm(delivery, "flowtrain replay")
         if args.rate:
             ahead = counts["events"] / args.rate - (time.monotonic() - t0)
             if ahead > 0:
                 time.sleep(ahead)
-    producer.flush()
-    producer.close()
+    _confirm(delivery, "flowtrain replay")  # every event acknowledged by Kafka before it is counted
+    close_client(producer)
     took = time.monotonic() - t0
     bad = {k: counts[k] for k in MALFORMED_KINDS if counts[k]}
     print(f"replay: {counts['events']:,} events to {args.topic} in {took:.1f} s "
           f"({counts['events'] / max(took, 1e-9):,.0f}/s); malformed: {bad or 'none'}")
     return 0
+
+
+def _check_brokers(args, command: str) -> None:
+    """No broker at --bootstrap: one line naming it, within --connect-timeout (not a traceback)."""
+    from connectors.kafka import KafkaUnavailable, check_brokers
+
+    try:
+        check_brokers(args.bootstrap, timeout_s=args.connect_timeout, client_config=_kafka_config(args.kafka_config))
+    except KafkaUnavailable as err:
+        raise SystemExit(f"{command}: {err}") from None
+
+
+def _confirm(delivery, command: str) -> None:
+    from connectors.kafka import KafkaWriteError
+
+    try:
+        delivery.confirm()
+    except KafkaWriteError as err:
+        raise SystemExit(f"{command}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,9 +209,10 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
 
     from connectors.dataset import read_manifest
     from connectors.kafka import ensure_topic
-    from flowtrain.local.runners import pipeline_options
+    from flowtrain.local.runners import cancel_pipeline, pipeline_options
     from flowtrain.local.paths import demo_tables_dir
     from pipelines.flights.batch import export_tables
+    from pipelines.flights.events import ParseBounds
     from pipelines.flights.streaming import StreamConfig, build_stream_pipeline
 
     cfg = _kafka_config(args.kafka_config)
@@ -148,12 +222,17 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     tables = export_tables(demo_tables_dir())
     raw_parts = _partitions(args.bootstrap, args.raw_topic, cfg)
     for topic in (args.features_topic, args.dead_letter_topic):
-        ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg)
+        ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg,
+                     replication_factor=args.replication_factor)
     scfg = StreamConfig(bootstrap=args.bootstrap, raw_topic=args.raw_topic, features_topic=args.features_topic,
                         dead_letter_topic=args.dead_letter_topic, group_id=args.group_id,
                         batch_size=args.batch_size, max_delay_s=args.max_delay, stats=read_manifest(dataset)["stats"],
                         weather_path=tables["weather"], planes_path=tables["planes"], kafka_config=cfg,
-                        status_path=str(out / "pipeline-status.json"))
+                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=args.connect_timeout,
+                        bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
+                                           max_abs_number=args.max_abs_number))
+    for old_status in glob.glob(str(out / "pipeline-status.json.*")):
+        os.remove(old_status)  # counters of an earlier run: the summary counts this run's
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_stream_pipeline(p, scfg)
     result = p.run()
@@ -165,18 +244,44 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     while not stop["now"]:
         state = str(result.state)
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
-            print(f"stream pipeline: ended in state {state}", file=sys.stderr)
+            totals = _pipeline_totals(out)
+            for error in totals["errors"]:
+                print(f"stream pipeline: stopped: {error}", file=sys.stderr)
+            print(f"stream pipeline: ended in state {state}; {_summary(totals)}", file=sys.stderr)
             return 1 if "FAILED" in state else 0
         time.sleep(0.5)
     try:
-        result.cancel()
+        cancel_pipeline(result, p.options)  # on Flink also the Flink job (Beam's cancel leaves it running)
     except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
         print(f"stream pipeline: the runner was already gone ({type(err).__name__})", flush=True)
     from connectors.kafka import close_all_clients
 
     close_all_clients()
-    print("stream pipeline: stopped", flush=True)
+    print(f"stream pipeline: stopped; {_summary(_pipeline_totals(out))}", flush=True)
     return 0
+
+
+def _pipeline_totals(out: Path) -> dict:
+    """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
+    acknowledged them, and the errors that stopped it."""
+    totals = {"events": 0, "rows": 0, "dead_letters": 0, "errors": []}
+    for path in sorted(glob.glob(str(out / "pipeline-status.json.*"))):
+        if path.endswith(".tmp"):
+            continue
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("events", "rows", "dead_letters"):
+            totals[key] += data.get(key, 0)
+        if data.get("error"):
+            totals["errors"].append(data["error"])
+    return totals
+
+
+def _summary(totals: dict) -> str:
+    return (f"{totals['events']:,} raw events -> {totals['rows']:,} feature rows + {totals['dead_letters']:,} "
+            f"dead letters, acknowledged by Kafka and committed")
 
 
 def _partitions(bootstrap: str, topic: str, cfg: dict) -> int:
@@ -193,38 +298,96 @@ def _partitions(bootstrap: str, topic: str, cfg: dict) -> int:
     return len(parts)
 
 
-def _run_trainer(args) -> int:
-    from flowtrain.train.stream import StreamTrainConfig, run_stream_trainer
+def _trainer_config(args):
+    """The trainer half's StreamTrainConfig; with --init-weights the architecture is the batch run's,
+    and a --hidden/--dropout/--seed given on the command line must agree with it."""
+    from flowtrain.train.stream import StreamTrainConfig, initial_weights
 
     cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=_dataset(args),
                             features_topic=args.features_topic, updates_topic=args.updates_topic,
-                            init_weights=args.init_weights, lr=args.lr, checkpoint_every_steps=args.checkpoint_every,
+                            init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
+                            seed=args.seed, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
                             kafka_config=_kafka_config(args.kafka_config))
+    given = getattr(args, "options", {})
+    if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
+        arch, _ = initial_weights(cfg)
+        mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}
+        theirs = {"hidden": arch.hidden, "dropout": arch.dropout, "seed": arch.seed}
+        clash = [f"--{k} {_show(mine[k])} (the run has {_show(theirs[k])})" for k in mine
+                 if k in given and mine[k] != theirs[k]]
+        if clash:
+            raise ValueError(f"--init-weights {cfg.init_weights}: the architecture comes from {arch.source}, which "
+                             f"disagrees with {', '.join(clash)}; leave those options out")
+    return cfg
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _run_trainer(args) -> int:
+    """The online trainer half. Ctrl-C / SIGTERM stop it with a final checkpoint: the handlers are
+    installed here, the trainer only polls ``should_stop``."""
+    import threading
+    from dataclasses import asdict
+
+    from flowtrain.parallel.launch import WorkerFailure, spawn
+    from flowtrain.train.jobs import stream_summary_line
+    from flowtrain.train.stream import run_stream_trainer
+
+    try:
+        cfg = _trainer_config(args)
+    except ValueError as err:
+        print(f"flowtrain stream train: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     if args.workers > 1:
-        from dataclasses import asdict
-
-        from flowtrain.parallel.launch import spawn
-
-        spawn(args.workers, "flowtrain.train.jobs:stream_trainer_worker", {"config": asdict(cfg)},
-              workdir=Path(args.out) / "workers")
+        try:
+            spawn(args.workers, "flowtrain.train.jobs:stream_trainer_worker", {"config": asdict(cfg)},
+                  failure_timeout_s=args.failure_timeout, workdir=Path(args.out) / "workers", stop=stop.is_set)
+        except WorkerFailure as err:
+            print(f"flowtrain stream train: {err}", file=sys.stderr)
+            return 1
         return 0
-    summary = run_stream_trainer(cfg)
-    print(f"stream train: stopped at step {summary['step']} (model version {summary['version']}), "
-          f"{summary['rows']:,} rows trained ({summary['rows_per_s']:,.0f} rows/s from first to last message), "
-          f"{summary['dropped_duplicates']:,} duplicate rows dropped", flush=True)
+    try:
+        summary = run_stream_trainer(cfg, should_stop=stop.is_set)
+    except ValueError as err:  # the features topic is missing, no loadable checkpoint, weights do not fit
+        print(f"flowtrain stream train: {err}", file=sys.stderr)
+        return 2
+    print(stream_summary_line(summary), flush=True)
     return 0
 
 
 def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
+    try:
+        usable_dir(args.out)
+    except ValueError as err:
+        print(f"flowtrain stream: {err}", file=sys.stderr)
+        return 2
     if args.local_kafka:
-        from flowtrain.local.kafka import LocalKafka
+        from flowtrain.local.kafka import BrokerError, LocalKafka
 
-        LocalKafka(port=int(args.bootstrap.rsplit(":", 1)[1])).start()
+        try:
+            LocalKafka(port=int(args.bootstrap.rsplit(":", 1)[1])).start()
+        except (BrokerError, ValueError) as err:
+            print(f"flowtrain stream: --local-kafka on {args.bootstrap}: {err}", file=sys.stderr)
+            return 2
+    _check_brokers(args, "flowtrain stream" + (f" {args.half}" if args.half else ""))
+    if args.half != "train":  # --runner flink / --flink-master as Beam options, for every pipeline below
+        from flowtrain.cli.flink import with_runner
+
+        beam_args = with_runner(args, beam_args, "stream")
     if args.half == "pipeline":
         return _run_pipeline(args, beam_args)
     if args.half == "train":
         return _run_trainer(args)
+    if args.half == "score" or args.score:
+        from flowtrain.cli import score
+
+        return score.run_scorer(args, beam_args) if args.half == "score" else score.run_all(args, beam_args)
     return _run_both(args, beam_args)
 
 
@@ -257,20 +420,12 @@ def _run_both(args, beam_args: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     print(f"stream: stopped (pipeline {pipeline.returncode}, trainer {trainer.returncode}); logs in {out}")
-    return 0 if stop["now"] else 1
+    # stopped by the user, or a half ended by itself (e.g. the trainer's --idle-exit) and both ended cleanly
+    return 0 if stop["now"] or (trainer.returncode == 0 and pipeline.returncode == 0) else 1
 
 
 def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
-    pipe = {"events": 0, "dead_letters": 0}
-    for path in glob.glob(str(out / "pipeline-status.json.*")):
-        if path.endswith(".tmp"):
-            continue
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            continue
-        pipe["events"] += data.get("events", 0)  # one file per pipeline DoFn instance
-        pipe["dead_letters"] += data.get("dead_letters", 0)
+    pipe = _pipeline_totals(out)  # what Kafka acknowledged, summed over the pipeline's DoFn instances
     try:
         trainer = json.loads((out / "trainer-status.json").read_text())
     except (OSError, ValueError):

@@ -1,6 +1,9 @@
 """Parallel training: data parallelism as map/reduce (``mapreduce``), pipeline parallelism as a
-staged operator graph (``schedules`` plain data, ``stages`` planning, ``pipeline`` executor), and
-the processes that run them (``launch`` spawns, ``worker`` is the one entry point).
+staged operator graph (``schedules`` plain data, ``stages`` planning, ``pipeline`` executor),
+tensor parallelism inside layers (``tensor``: column/row pairs, vocabulary-parallel tables, the
+shard plan), the D x S x T grid of workers and its process groups (``grid``), devices
+(``device``), and the processes that run them (``launch`` spawns, ``worker`` is the one entry
+point).
 
 The map/reduce names stay importable from ``flowtrain.parallel`` as before.
 """

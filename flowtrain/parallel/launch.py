@@ -6,6 +6,10 @@ sets, one rendezvous port, and ``cores / N`` threads. It ends the whole job, wit
 when a worker exits non-zero, is killed, or stops making progress (no heartbeat for
 ``failure_timeout_s``); collectives themselves time out after the same bound inside the
 workers. No worker process is left behind: all run in their own process group, killed on exit.
+
+Blame goes to the cause, not to its victims: a worker killed by a signal, or stopped (SIGSTOP,
+state ``T``), is named before the peers that then failed or stalled waiting for it in a
+collective; among stalled workers, the one whose heartbeat stopped first.
 """
 from __future__ import annotations
 
@@ -16,12 +20,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from flowtrain.local.kafka import free_port
 
 HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
 _last_beat = 0.0
+
+
+@dataclass
+class LaunchConfig:
+    """How many local workers, and the bound within which a failed one ends the job."""
+    workers: int = 1
+    failure_timeout_s: float = 60.0
 
 
 class WorkerFailure(RuntimeError):
@@ -60,11 +73,14 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 60.0,
+def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = LaunchConfig.failure_timeout_s,
           threads_per_worker: int | None = None, workdir: str | Path | None = None,
-          extra_env: dict[str, str] | None = None) -> float:
+          extra_env: dict[str, str] | None = None, stop: Callable[[], bool] | None = None) -> float:
     """Run ``target(ctx, job)`` in ``n_workers`` processes; returns wall seconds or raises
-    ``WorkerFailure`` (after every worker is gone)."""
+    ``WorkerFailure`` (after every worker is gone).
+
+    ``stop`` (polled) asks for a graceful end: every worker gets SIGTERM once, and the job ends
+    when they have exited (a worker that fails meanwhile is still reported)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="flowtrain-workers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     beats = workdir / "heartbeats"
@@ -90,7 +106,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
             procs.append(subprocess.Popen([sys.executable, "-m", "flowtrain.parallel.worker", target, str(job_path)],
                                           env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                           start_new_session=True))
-        _watch(procs, logs, beats, failure_timeout_s)
+        _watch(procs, logs, beats, failure_timeout_s, stop)
         return time.monotonic() - t0
     finally:
         _kill_all(procs)
@@ -105,10 +121,50 @@ def record_failure(error: BaseException) -> None:
         path.write_text(json.dumps({"time": time.time(), "error": repr(error)[:2000]}))
 
 
+def _stopped(proc: subprocess.Popen) -> bool:
+    """The process is stopped (SIGSTOP/SIGTSTP: state T) or traced (t)."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+
+def _last_beat_time(beats: Path, rank: int, started: float) -> float:
+    """Wall time of the rank's last heartbeat (the job's start if it never beat)."""
+    try:
+        return (beats / f"rank-{rank}.beat").stat().st_mtime
+    except OSError:
+        return started
+
+
+def _stalled(procs, logs, beats: Path, timeout_s: float, started: float) -> WorkerFailure:
+    """Some worker made no progress for ``timeout_s``: blame a stopped one, else the one whose
+    heartbeat stopped first (its peers stall a moment later, waiting for it in a collective)."""
+    alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
+    stopped = [rank for rank in alive if _stopped(procs[rank])]
+    if stopped:
+        rank = stopped[0]
+        cause = (f"was stopped (process state T, e.g. SIGSTOP) and made no progress for "
+                 f"{time.time() - _last_beat_time(beats, rank, started):.0f} s (bound {timeout_s:.0f} s)")
+    else:
+        rank = min(alive, key=lambda r: _last_beat_time(beats, r, started))
+        cause = (f"made no progress for {time.time() - _last_beat_time(beats, rank, started):.0f} s "
+                 f"(bound {timeout_s:.0f} s; a stalled collective or a hang)")
+    return WorkerFailure(rank, cause, _tail(logs[rank]))
+
+
 def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
-    """Among the failed workers, the one that failed first: a killed one (an outside cause),
-    else the earliest recorded failure."""
+    """Among the failed workers, the one that failed first: a killed or stopped one (an outside
+    cause), else the earliest recorded failure."""
     time.sleep(0.5)  # let the peers of the first failure finish failing
+    stopped = [rank for rank, p in enumerate(procs) if p.poll() is None and _stopped(p)]
+    if stopped:  # its peers failed waiting for it (a collective's timeout)
+        rank = stopped[0]
+        others = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        return WorkerFailure(rank, f"was stopped (process state T, e.g. SIGSTOP); rank"
+                                   f"{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} then failed "
+                                   f"waiting for it", _tail(logs[rank]))
     failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
     killed = [(rank, rc) for rank, rc in failed if rc < 0]
 
@@ -124,9 +180,19 @@ def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
     return WorkerFailure(rank, _cause(rc) + note, _tail(logs[rank]))
 
 
-def _watch(procs, logs, beats: Path, timeout_s: float) -> None:
+def _watch(procs, logs, beats: Path, timeout_s: float, stop: Callable[[], bool] | None = None) -> None:
     started = time.monotonic()
+    started_wall = time.time()
+    forwarded = False
     while True:
+        if stop is not None and not forwarded and stop():
+            forwarded = True
+            for proc in procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
         alive = 0
         for proc in procs:
             rc = proc.poll()
@@ -144,16 +210,15 @@ def _watch(procs, logs, beats: Path, timeout_s: float) -> None:
             last = beat.stat().st_mtime if beat.exists() else None
             since = now - last if last else time.monotonic() - started
             if since > timeout_s:
-                raise WorkerFailure(rank, f"made no progress for {since:.0f} s (bound {timeout_s:.0f} s; "
-                                          f"a stalled collective or a hang)", _tail(logs[rank]))
+                raise _stalled(procs, logs, beats, timeout_s, started_wall)
         time.sleep(0.1)
 
 
 def _kill_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for proc in procs:
         if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
+            try:  # a stopped process would not act on SIGTERM until continued
+                os.killpg(proc.pid, signal.SIGKILL if _stopped(proc) else signal.SIGTERM)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + grace_s

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flowtrain.parallel.device import backend_for, local_world_size, resolve_device
+
 __all__ = ["DistContext", "init_from_env", "shard_bounds", "sum_loss", "GradientReducer", "LocalReducer",
            "make_reducer"]
 
@@ -44,6 +46,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str = "none"
+    device: str = "cpu"  # where this rank's model, batches and collectives live (``--device``)
 
     @property
     def is_main(self) -> bool:
@@ -54,21 +57,25 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_from_env(*, timeout_s: float = 60.0) -> DistContext:
+def init_from_env(*, timeout_s: float = 60.0, device: str | None = "auto") -> DistContext:
     """Join the process group described by torchrun's / flowtrain's environment variables.
 
     ``timeout_s`` bounds every collective: a stalled peer makes the others fail within it.
+    ``device`` (auto, cpu, cuda) picks this rank's device, ``cuda:LOCAL_RANK`` on a GPU, and the
+    backend with it: NCCL for CUDA tensors (gloo beside it for CPU ones), gloo on the CPU.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistContext()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    dev = resolve_device(device, local_rank=local_rank, local_world=local_world_size())
+    if world <= 1:
+        return DistContext(device=str(dev))
+    backend = backend_for(dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, str(dev))
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -254,10 +261,10 @@ class GradientReducer:
             b.handle.wait()
             b.handle = None  # no Work object outlives its step (or the process group)
         last = self.buckets[-1]
-        meta = last.buffer[last.numel:]
-        global_n = int(round(float(meta[0])))
-        mean_loss = float(meta[1]) / global_n if global_n else 0.0
-        got_grad = meta[2:] > 0
+        meta = last.buffer[last.numel:].tolist()  # one device-to-host copy, not one per parameter
+        global_n = int(round(meta[0]))
+        mean_loss = meta[1] / global_n if global_n else 0.0
+        got_grad = [flag > 0 for flag in meta[2:]]
         scale = 1.0 / global_n if global_n else 0.0
         with torch.no_grad():
             for b in self.buckets:
@@ -282,7 +289,7 @@ class GradientReducer:
         buffers = list(self.module.buffers())
         if not buffers:
             return
-        weight = torch.tensor([float(n_local)], dtype=torch.float64)
+        weight = torch.tensor([float(n_local)], dtype=torch.float64, device=buffers[0].device)
         dist.all_reduce(weight, group=self.group)
         total = float(weight.item())
         with torch.no_grad():

@@ -1,17 +1,26 @@
-"""Pipeline parallelism as a staged operator graph, and the hybrid D x S grid.
+"""Pipeline parallelism as a staged operator graph, and its place in the D x S x T grid.
 
 Stages are operators, each in its own worker; micro-batches are the records on the edges
 between them; a schedule (``flowtrain.parallel.schedules``) says which operator runs which micro-batch
 when. Activations travel forward and their gradients backward with ``torch.distributed``
 point-to-point ops (``isend``, blocking ``recv``; shapes come from the stage plan and the
-micro-batch sizes every stage computes the same way, never guessed). The last stage computes
-the loss *sum* of each micro-batch; gradients accumulate over all micro-batches and every
-stage steps once per global batch, after dividing by the global example count, so no stage
-computes with stale parameters and a step equals single-device training on the global batch.
+micro-batch sizes every stage computes the same way, never guessed), each direction on its
+own process group (``flowtrain.parallel.grid``), so that a forward send never queues behind a
+backward send between the same two stages (NCCL runs one stream per communicator and peer).
+The last stage computes the loss *sum* of each micro-batch; gradients accumulate over all
+micro-batches and every stage steps once per global batch, after dividing by the global example
+count, so no stage computes with stale parameters and a step equals single-device training on
+the global batch.
 
-Hybrid: ranks form a grid, ``rank = replica * S + stage``. The replicas of one stage share a
-process group, and after the micro-batches they reduce their accumulated gradient sums and
-counts with the data-parallel engine (``GradientReducer.reduce_accumulated``).
+Hybrid: ranks form a grid (``flowtrain.parallel.grid``: ``rank = (replica * S + stage) * T +
+shard``). The replicas of one stage (and shard) share a process group, and after the
+micro-batches they reduce their accumulated gradient sums and counts with the data-parallel
+engine (``GradientReducer.reduce_accumulated``). A stage may itself be tensor-parallel
+(``flowtrain.parallel.tensor``): its shards exchange activations with the same shard of the
+neighbouring stages; stage boundaries carry whole (replicated) activations.
+
+Exit: every send a stage starts is waited for before its step returns (and again in
+``close``), so no process leaves with point-to-point work in flight.
 """
 from __future__ import annotations
 
@@ -24,51 +33,24 @@ import torch.distributed as dist
 from torch import nn
 
 from flowtrain.parallel import DistContext, GradientReducer, LocalReducer, shard_bounds, sum_loss
+from flowtrain.parallel.grid import Grid, GridPosition, build_groups
 from flowtrain.parallel.schedules import Schedule, ScheduleError, add_communication, format_schedule, microbatch_sizes
 
-__all__ = ["GridPosition", "grid_position", "StageWorker", "StepStats", "PipelineStepError"]
+__all__ = ["GridPosition", "grid_position", "StageWorker", "StepStats", "PipelineStepError", "replica_rows"]
 
 
 class PipelineStepError(RuntimeError):
     """An action of the schedule failed; the message shows the schedule with it marked."""
 
 
-@dataclass(frozen=True)
-class GridPosition:
-    stage: int
-    stages: int
-    replica: int
-    replicas: int
+def grid_position(ctx: DistContext, stages: int, tensor: int = 1) -> tuple[GridPosition, object]:
+    """This rank's place in the D x S (x T) grid and its data-parallel group (None if D = 1).
 
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        return (self.replica if replica is None else replica) * self.stages + stage
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
-def grid_position(ctx: DistContext, stages: int) -> tuple[GridPosition, object]:
-    """This rank's place in the D x S grid and its stage's data-parallel group (None if D = 1).
-
-    Every rank creates every stage group, in the same order, as ``new_group`` requires.
+    Builds every group of the grid (``flowtrain.parallel.grid.build_groups``: all ranks, same
+    order); use ``build_groups`` directly to get the tensor and pipeline groups as well.
     """
-    if ctx.world_size % stages:
-        raise ValueError(f"{ctx.world_size} workers cannot form a grid with {stages} stages; "
-                         f"use a multiple of {stages}")
-    replicas = ctx.world_size // stages
-    pos = GridPosition(ctx.rank % stages, stages, ctx.rank // stages, replicas)
-    group = None
-    if replicas > 1:
-        for s in range(stages):
-            g = dist.new_group([r * stages + s for r in range(replicas)])
-            if s == pos.stage:
-                group = g
-    return pos, group
+    groups = build_groups(Grid.from_world(ctx.world_size, stages=stages, tensor=tensor), ctx.rank)
+    return groups.pos, groups.data
 
 
 @dataclass
@@ -98,18 +80,28 @@ class StageWorker:
       schedule: compute actions for every stage (GPipe or 1F1B); transfers are added here.
       in_shape: per-example input shape of this stage (not used on stage 0).
       loss_fn: the ordinary loss (mean or sum reduction), used on the last stage.
+      p2p_groups: (forward, backward) groups for activations and gradients (``ProcessGroups``'s
+        ``forward``/``backward``); None uses the default group.
+      device: where receive buffers live (default: the module's parameters' device).
     """
 
     def __init__(self, module: nn.Module, pos: GridPosition, group, schedule: Schedule, microbatches: int,
-                 in_shape: Sequence[int], loss_fn: nn.Module, *, bucket_mb: float = 1.0):
+                 in_shape: Sequence[int], loss_fn: nn.Module, *, bucket_mb: float = 1.0,
+                 p2p_groups: tuple = (None, None), device: torch.device | str | None = None):
         self.module, self.pos, self.group = module, pos, group
         self.program = add_communication(schedule)
         self.actions = self.program[pos.stage]
         self.microbatches = microbatches
         self.in_shape = tuple(in_shape)
         self.loss_fn = loss_fn
+        self.forward_group, self.backward_group = p2p_groups  # None: the default group
+        if device is None:
+            first = next(module.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
         self.reducer = GradientReducer(module, bucket_mb=bucket_mb, group=group) if group is not None \
             else LocalReducer(module)
+        self._sends: list = []  # (work, payload) of isends not yet waited for
 
     def _fail(self, index: int, err: BaseException) -> PipelineStepError:
         return PipelineStepError(
@@ -127,7 +119,6 @@ class StageWorker:
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output)
         received: dict[tuple[str, int], torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
-        sends: list = []
         held_bytes = 0
         t_step = time.perf_counter()
         for index, action in enumerate(self.actions):
@@ -138,18 +129,21 @@ class StageWorker:
                 t0 = time.perf_counter()
                 if action.comm == "r":
                     if action.kind == "F":
-                        buf = torch.empty((sizes[m], *self.in_shape))
-                        dist.recv(buf, src=pos.rank_of(pos.stage - 1), tag=_tag("F", m))
+                        buf = torch.empty((sizes[m], *self.in_shape), device=self.device)
+                        dist.recv(buf, src=pos.rank_of(pos.stage - 1), tag=_tag("F", m), group=self.forward_group)
                     else:
                         buf = torch.empty_like(held[m][1])
-                        dist.recv(buf, src=pos.rank_of(pos.stage + 1), tag=_tag("B", m))
+                        dist.recv(buf, src=pos.rank_of(pos.stage + 1), tag=_tag("B", m), group=self.backward_group)
                     received[(action.kind, m)] = buf
                 elif action.comm == "s":
                     if action.kind == "F":
-                        payload, dst = held[m][1].detach().contiguous(), pos.rank_of(pos.stage + 1)
+                        payload, dst, group = held[m][1].detach().contiguous(), pos.rank_of(pos.stage + 1), \
+                            self.forward_group
                     else:
-                        payload, dst = held.pop(m)[0].grad.contiguous(), pos.rank_of(pos.stage - 1)
-                    sends.append((dist.isend(payload, dst=dst, tag=_tag(action.kind, m)), payload))
+                        payload, dst, group = held.pop(m)[0].grad.contiguous(), pos.rank_of(pos.stage - 1), \
+                            self.backward_group
+                    self._sends.append((dist.isend(payload, dst=dst, tag=_tag(action.kind, m), group=group),
+                                        payload))
                 elif action.kind == "F":
                     if pos.is_first:
                         x = inputs[starts[m]: starts[m] + sizes[m]]
@@ -183,15 +177,24 @@ class StageWorker:
                 raise
             except Exception as err:  # noqa: BLE001 - re-raised with the schedule marked
                 raise self._fail(index, err) from err
-        for handle, _payload in sends:
-            handle.wait()
+        self.wait_sends()
         self.reducer.reduce_accumulated(n_local)
         self.reducer.sync_buffers(n_local)
         stats.total_s = time.perf_counter() - t_step
         return stats
 
+    def wait_sends(self) -> None:
+        """Wait for every send this stage started (their buffers stay referenced until then)."""
+        sends, self._sends = self._sends, []
+        for handle, _payload in sends:
+            handle.wait()
+
     def close(self) -> None:
-        self.reducer.close()
+        """Wait for outstanding sends and release the reducer's hooks (before the groups go)."""
+        try:
+            self.wait_sends()
+        finally:
+            self.reducer.close()
 
 
 def replica_rows(n: int, pos: GridPosition) -> tuple[int, int]:

@@ -8,10 +8,14 @@ command runs under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER
         -m flowtrain.worker flowtrain.train.jobs:train_worker /shared/run/job.json
 
 The function is called as ``FUNCTION(ctx: DistContext, job: dict)`` after the process group
-is up; it runs with ``FLOWTRAIN_THREADS`` (default: cores / local world size) torch threads.
+is up, on the job's ``device`` (top level or in its ``config``; auto, cpu or cuda: NCCL and
+``cuda:LOCAL_RANK`` on a GPU, gloo on the CPU); it runs with ``FLOWTRAIN_THREADS`` (default:
+cores / local world size) torch threads. After it returns, every rank meets the others at a
+barrier, destroys every process group and leaves (``_exit_cleanly``).
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -21,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flowtrain.parallel.launch import record_failure
+from flowtrain.parallel.launch import heartbeat, record_failure
 from flowtrain.parallel import init_from_env
 
 
@@ -30,6 +34,22 @@ def _threads() -> int:
         return int(os.environ["FLOWTRAIN_THREADS"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 1) // local_world)
+
+
+def _exit_cleanly(code: int) -> None:
+    """End the process without tearing torch.distributed's C++ objects down in a half-finalized
+    interpreter: the exit handlers run and the output is flushed as at a normal exit, then the
+    process leaves (``os._exit``), so no store or gloo thread is destroyed at static-destruction
+    time (a "terminate called without an active exception" abort; issue #11)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
     rank = os.environ.get("RANK", "0")
+    heartbeat()  # alive (the imports are done) before the rendezvous
     try:
         torch.set_num_threads(_threads())
-        ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)))
+        device = job.get("device") or (job.get("config") or {}).get("device") or "auto"
+        ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)), device=device)
         module, name = target.split(":")
         getattr(importlib.import_module(module), name)(ctx, job)
         if ctx.distributed:
             dist.barrier()  # nobody tears the group down while a peer still talks to it
+            dist.destroy_process_group()  # every group, while the interpreter is whole
+            gc.collect()  # process groups held in reference cycles go now, not during exit
+            _exit_cleanly(0)
     except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
         record_failure(err)
         print(f"flowtrain worker rank {rank} failed: {err!r}", file=sys.stderr)

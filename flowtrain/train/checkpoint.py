@@ -3,11 +3,15 @@
 A checkpoint is a dict of tensors and plain Python values, so ``torch.load(path,
 weights_only=True)`` opens it without running any pickled code. ``latest`` finds the newest
 one whose checksum matches: a torn or corrupted file is skipped, never loaded.
+``load_latest`` loads the newest checkpoint that verifies *and* loads, falling back to the one
+before when the newest is corrupt; ``require_latest`` makes "no loadable checkpoint" an error
+that names every file and why (a resume must never silently start over).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -18,6 +22,11 @@ import torch
 from connectors.dataset import fsync_dir
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+_log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """No loadable checkpoint where one is required; the message names the files and why."""
 
 
 def _sha256(path: Path) -> str:
@@ -80,3 +89,43 @@ def load(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} does not match its checksum ({path.with_suffix('.sha256').name}); "
                          f"it is torn or corrupted")
     return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def _problem(path: Path) -> str | None:
+    side = path.with_suffix(".sha256")
+    if not side.exists():
+        return f"has no {side.name} (an interrupted save)"
+    if not verify(path):
+        return f"does not match its checksum in {side.name} (torn or corrupted)"
+    return None
+
+
+def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies and loads, with its state; None when the directory has
+    none. A corrupt newer one is skipped (logged with the reason) in favour of the one before."""
+    skipped = []
+    for path in reversed(all_checkpoints(directory)):
+        reason = _problem(path)
+        if reason is None:
+            try:
+                state = torch.load(path, weights_only=True, map_location="cpu")
+            except Exception as err:  # noqa: BLE001 - any unloadable file falls back to the previous one
+                reason = f"cannot be loaded ({type(err).__name__}: {err})"
+            else:
+                for bad, why in skipped:
+                    _log.warning("checkpoint %s skipped: it %s; using %s", bad.name, why, path.name)
+                return path, state
+        skipped.append((path, reason))
+    return None
+
+
+def require_latest(directory: str | Path) -> tuple[Path, dict[str, Any]]:
+    """``load_latest``, but no loadable checkpoint is a ``CheckpointError`` naming each file and why."""
+    found = load_latest(directory)
+    if found is not None:
+        return found
+    files = all_checkpoints(directory)
+    if not files:
+        raise CheckpointError(f"{directory} holds no checkpoint (ckpt-<step>.pt)")
+    reasons = "; ".join(f"{p.name} {_problem(p) or 'cannot be loaded'}" for p in reversed(files))
+    raise CheckpointError(f"none of the {len(files)} checkpoint(s) in {directory} can be loaded: {reasons}")

@@ -19,6 +19,10 @@ def train_worker(ctx, job: dict) -> None:
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import TrainConfig, build_model, fit
 
+    if job.get("resume"):  # no loadable checkpoint is an error, never a silent fresh start
+        from flowtrain.train.checkpoint import require_latest
+
+        require_latest(Path(job["run_dir"]) / "checkpoints")
     data = TabularDataset(job["dataset"])
     cfg = dict(job["config"])
     cfg["hidden"] = tuple(cfg["hidden"])
@@ -37,9 +41,25 @@ def train_worker(ctx, job: dict) -> None:
 
 
 def stream_trainer_worker(ctx, job: dict) -> None:
-    """Run the online stream trainer on every data-parallel rank (``flowtrain stream train --workers N``)."""
+    """Run the online stream trainer on every data-parallel rank (``flowtrain stream train --workers N``).
+
+    The process's entry: SIGTERM (the launcher's graceful stop) or SIGINT asks the trainer to stop;
+    the replicas agree on the stop at the next step and write a final checkpoint together.
+    """
+    import signal
+    import threading
+
     from flowtrain.train.stream import StreamTrainConfig, run_stream_trainer
 
-    cfg = dict(job["config"])
-    cfg["hidden"] = tuple(cfg["hidden"])
-    run_stream_trainer(StreamTrainConfig(**cfg), ctx)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    summary = run_stream_trainer(StreamTrainConfig(**job["config"]), ctx, should_stop=stop.is_set)
+    if ctx.is_main:
+        print(stream_summary_line(summary), flush=True)
+
+
+def stream_summary_line(summary: dict) -> str:
+    return (f"stream train: stopped at step {summary['step']} (model version {summary['version']}), "
+            f"{summary['rows']:,} rows trained ({summary['rows_per_s']:,.0f} rows/s from first to last message), "
+            f"{summary['dropped_duplicates']:,} duplicate rows dropped")

@@ -14,10 +14,9 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from connectors.dataset import read_manifest, shard_paths
+from connectors.dataset import is_local_path, read_manifest, read_shard, shard_paths
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
 
 
@@ -52,7 +51,14 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> torch
 
 def iter_batches(split: TabularSplit, *, batch_size: int, seed: int, epoch: int, shuffle: bool = True,
                  start_batch: int = 0, drop_last: bool = False) -> Iterator[Batch]:
-    """Batches of one epoch, from batch ``start_batch`` on (for resuming mid-epoch)."""
+    """Batches of one epoch, from batch ``start_batch`` on (for resuming mid-epoch).
+
+    ``split`` may also be a ``flowtrain.train.shards.StreamedSplit`` (a split too large for the
+    memory budget, streamed through a shuffle buffer): the same rows per epoch, another order."""
+    if not isinstance(split, TabularSplit) and hasattr(split, "batches"):
+        yield from split.batches(batch_size=batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+                                 start_batch=start_batch, drop_last=drop_last)
+        return
     order = epoch_order(len(split), seed=seed, epoch=epoch, shuffle=shuffle)
     stop = len(split) - (len(split) % batch_size if drop_last else 0)
     for lo in range(start_batch * batch_size, stop, batch_size):
@@ -81,7 +87,7 @@ class TabularDataset:
     """A finished dataset directory: its manifest, spec, statistics and splits as tensors."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        self.path = Path(path) if is_local_path(path) else str(path)  # a URL (gs://...) stays one
         self.manifest = read_manifest(self.path)
         self.spec = FeatureSpec.from_dict(self.manifest["spec"])
         self.stats = self.manifest["stats"]
@@ -96,12 +102,36 @@ class TabularDataset:
     def n_numeric(self) -> int:
         return len(self.spec.all_numeric)
 
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names of a classification label (index = target), from the training split."""
+        if self.spec.task != "classification":
+            return None
+        return list(self.stats.get("classes") or ["0", "1"])
+
+    @property
+    def n_classes(self) -> int:
+        """Classes of a classification label (2 for ``positive_above``); 0 for a regression."""
+        return len(self.classes) if self.classes is not None else 0
+
+    @property
+    def outputs(self) -> int:
+        """Model outputs: K logits for K > 2 classes, else one (a binary logit or a value)."""
+        return self.n_classes if self.n_classes > 2 else 1
+
+    @property
+    def kind(self) -> str:
+        """"binary", "multiclass" or "regression"."""
+        if self.spec.task == "regression":
+            return "regression"
+        return "multiclass" if self.n_classes > 2 else "binary"
+
     def split(self, name: str) -> TabularSplit:
         if name not in self._splits:
             columns = [NUM_PREFIX + c for c in self.spec.all_numeric] + \
                       [CAT_PREFIX + c for c in self.spec.categorical] + [LABEL]
             files = shard_paths(self.path, name)
-            tables = [pq.read_table(f, columns=columns) for f in files]
+            tables = [read_shard(f, columns=columns) for f in files]
             table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
             self._splits[name] = table_to_split(table, self.spec)
         return self._splits[name]

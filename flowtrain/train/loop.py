@@ -1,12 +1,24 @@
-"""The single-process training loop: reads top to bottom, config is a plain dataclass.
+"""The training loop: reads top to bottom, config is a plain dataclass.
 
-Each epoch: shuffled batches (order from seed and epoch only), forward, loss, backward, step;
-then validation; the best weights by validation loss are kept; early stopping after
-``patience`` epochs without improvement; a checkpoint after every epoch with everything a
-resume needs (model, optimizer, RNG, epoch, step, early-stopping state).
+Training is a step budget over seeded batches (order from seed and epoch only). Whatever is not
+given is chosen from the training split (``plan_training``, printed): the batch size (capped
+relative to the split), the budget, a learning-rate schedule (linear warm-up, then cosine decay
+to 5% of ``lr``), how often to evaluate. Every ``eval_every`` steps (and at step 0, the initial
+model) the model is evaluated on the validation split; the best weights by ``select_by`` (a
+validation metric, never test data) are kept; training stops early after ``patience``
+evaluations without a better one; each evaluation writes a checkpoint with everything a resume
+needs (model, optimizer, RNG, step, early-stopping state). The schedule and the evaluation
+points depend on the table only, not on the budget, so a run continued with a larger
+``--epochs`` equals one that had it from the start.
+
+The engine does the steps: ``DataParallelEngine`` (map/reduce of gradient sums) or
+``PipelineEngine`` (the D x S x T grid: stages, tensor shards, replicas); an engine has
+``train_step``, ``set_lr``, ``sync_model``, ``optimizer_state``, ``stage_states``, ``shard_states``,
+``load``, ``close`` and ``rng_rank`` (``make_engine`` picks one).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,24 +27,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowtrain.train import checkpoint
-from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches
-from flowtrain.train.metrics import MetricsLog, classification_metrics, regression_metrics
-from flowtrain.parallel.launch import heartbeat
-from flowtrain.train.model import LinearModel, TabularMLP, pack
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
+from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
+from flowtrain.parallel.launch import heartbeat
+from flowtrain.train import checkpoint
+from flowtrain.train.baselines import majority_outputs
+from flowtrain.train.hybrid import GridEngine
+from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches
+from flowtrain.train.metrics import (MetricsLog, better, check_select_by, classification_metrics,
+                                     multiclass_metrics, regression_metrics, scalars)
+from flowtrain.train.model import LinearModel, TabularMLP, pack
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 8
-    batch_size: int = 2048
-    lr: float = 1e-3
+    steps: int | None = None  # step budget (None: chosen from the table, or from ``epochs``)
+    epochs: int | None = None  # a budget in epochs instead of steps
+    batch_size: int | None = None  # None: chosen from the table
+    lr: float = 1e-3  # peak learning rate (Adam)
+    warmup_steps: int | None = None  # None: chosen from the table
+    eval_every: int | None = None  # steps between validations; None: chosen from the table
+    patience: int = 10  # evaluations without a better validation metric before stopping
+    select_by: str | None = None  # validation metric for the best model; None: AUC / accuracy / RMSE
     weight_decay: float = 0.0
-    patience: int = 2
     seed: int = 0
     hidden: tuple[int, ...] = (128, 64)
-    dropout: float = 0.3
+    dropout: float = 0.1
     threads: int | None = None
     log_every: int = 50
     progress: bool = True
@@ -40,8 +60,95 @@ class TrainConfig:
     stages: int = 1  # pipeline stages (workers = replicas x stages)
     microbatches: int = 4
     schedule: str = "1f1b"  # or "gpipe"
+    tensor_parallel: int = 1  # tensor shards per stage (workers = replicas x stages x tensor_parallel)
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
+    init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there
+    memory_budget: int | float | str | None = None  # a split larger than this is streamed (flowtrain.train.shards)
 
 
+# ---------------------------------------------------------------------------------------------
+# What to train for: chosen from the table, explicit options win
+# ---------------------------------------------------------------------------------------------
+#: The automatic choices, in one place.
+AUTO_BATCH = (32, 2048)  # smallest and largest automatic batch size
+AUTO_BATCH_FRACTION = 16  # the automatic batch holds at most 1/16 of the training split
+AUTO_EPOCHS = 30  # the automatic budget in passes over the training split ...
+AUTO_STEPS = (800, 2000)  # ... within these bounds
+AUTO_EVALS = 50  # at most this many evaluations over the automatic budget (at least one per epoch)
+MIN_LR_FRACTION = 0.05  # the cosine decay ends at this fraction of lr
+SMALL_STEP = 1 << 15  # batch x widest layer up to this: one torch thread (unless --threads)
+
+
+@dataclass
+class TrainPlan:
+    batch_size: int
+    steps: int  # the budget
+    steps_per_epoch: int
+    horizon: int  # the schedule's length (decay ends here; depends on the table only)
+    warmup_steps: int
+    eval_every: int
+    patience: int
+    select_by: str
+    lr: float
+    chosen: list[str] = field(default_factory=list)  # what was chosen from the table
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.horizon - self.warmup_steps))
+        return self.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def describe(self, rows: int) -> str:
+        auto = set(self.chosen)
+
+        def mark(name: str) -> str:
+            return " (chosen)" if name in auto else ""
+
+        return (f"batch size {self.batch_size}{mark('batch_size')} ({self.steps_per_epoch} steps per epoch of "
+                f"{rows:,} rows), {self.steps} steps{mark('steps')} ({self.steps / self.steps_per_epoch:.1f} epochs), "
+                f"lr {self.lr:g} with {self.warmup_steps} warm-up steps{mark('warmup_steps')} then cosine decay "
+                f"over {self.horizon} steps, validation every {self.eval_every} steps{mark('eval_every')}, "
+                f"patience {self.patience} validations, best by validation {self.select_by}{mark('select_by')}")
+
+
+def plan_training(config: TrainConfig, train_rows: int, kind: str) -> TrainPlan:
+    """Batch size, budget, schedule and evaluation points for a training split of ``train_rows``."""
+    if train_rows < 1:
+        raise ValueError("the training split is empty: there is nothing to train on")
+    chosen = []
+    batch = config.batch_size
+    if batch is None:
+        chosen.append("batch_size")
+        auto = 2 ** int(math.log2(max(train_rows // AUTO_BATCH_FRACTION, 1)))
+        batch = min(max(auto, AUTO_BATCH[0]), AUTO_BATCH[1])
+    batch = max(1, min(int(batch), train_rows))
+    spe = math.ceil(train_rows / batch)
+    horizon = min(max(AUTO_EPOCHS * spe, AUTO_STEPS[0]), AUTO_STEPS[1])
+    if config.steps is not None:
+        steps = int(config.steps)
+    elif config.epochs is not None:
+        steps = int(config.epochs) * spe
+    else:
+        chosen.append("steps")
+        steps = horizon
+    warmup = config.warmup_steps
+    if warmup is None:
+        chosen.append("warmup_steps")
+        warmup = max(1, min(horizon // 20, 200))
+    eval_every = config.eval_every
+    if eval_every is None:
+        chosen.append("eval_every")
+        eval_every = spe if config.epochs is not None else max(spe, horizon // AUTO_EVALS)
+    select_by = check_select_by(config.select_by, kind)
+    if config.select_by is None:
+        chosen.append("select_by")
+    return TrainPlan(batch, steps, spe, horizon, int(warmup), max(1, int(eval_every)), int(config.patience),
+                     select_by, float(config.lr), chosen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, losses, evaluation
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class FitResult:
     model: nn.Module
@@ -54,14 +161,26 @@ class FitResult:
     data_wait_seconds: float
     step_seconds: float
     history: list[dict] = field(default_factory=list)
+    best_step: int = 0
+    plan: TrainPlan | None = None
 
     @property
     def data_wait_fraction(self) -> float:
         return self.data_wait_seconds / self.step_seconds if self.step_seconds else 0.0
 
 
-def loss_function(task: str) -> nn.Module:
-    return nn.BCEWithLogitsLoss() if task == "classification" else nn.MSELoss()
+class ClassCrossEntropy(nn.CrossEntropyLoss):
+    """Cross-entropy over K logits with the class index given as a float target (as datasets
+    store labels), so every engine passes targets the same way."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().forward(logits, target.long())
+
+
+def loss_function(task: str, outputs: int = 1) -> nn.Module:
+    if task == "regression":
+        return nn.MSELoss()
+    return ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss()
 
 
 def target_scale(data: TabularDataset) -> tuple[float, float]:
@@ -75,33 +194,82 @@ def target_scale(data: TabularDataset) -> tuple[float, float]:
 @torch.no_grad()
 def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
             scale: tuple[float, float] = (0.0, 1.0)) -> torch.Tensor:
-    """Logits (classification) or predictions in the label's units (regression)."""
+    """Logits (classification: ``[N]`` binary, ``[N, K]`` K-class) or predictions in the label's units."""
+    was_training = model.training
     model.eval()
-    outs = [model(b.x_num, b.x_cat) for b in iter_batches(split, batch_size=batch_size, seed=0, epoch=0,
-                                                         shuffle=False)]
+    device = next(model.parameters()).device
+    outs = [model(to_device(b.x_num, device), to_device(b.x_cat, device)).cpu()
+            for b in iter_batches(split, batch_size=batch_size, seed=0, epoch=0, shuffle=False)]
+    model.train(was_training)
     out = torch.cat(outs) if outs else torch.zeros(0)
     return out * scale[1] + scale[0]
 
 
-def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0)
-             ) -> dict[str, float]:
-    out = predict(model, split, scale=scale)
-    return classification_metrics(out, split.y) if task == "classification" else regression_metrics(out, split.y)
+def metrics_of(out: torch.Tensor, y: torch.Tensor, task: str, classes=None) -> dict:
+    """The task's metrics of outputs ``out`` against labels ``y``."""
+    if task == "regression":
+        return regression_metrics(out, y)
+    if out.dim() == 2:
+        return multiclass_metrics(out, y, classes)
+    return classification_metrics(out, y)
+
+
+def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0),
+             classes=None) -> dict:
+    return metrics_of(predict(model, split, scale=scale), split.y, task, classes)
 
 
 def build_model(kind: str, data: TabularDataset, config: TrainConfig) -> nn.Module:
+    """``"mlp"``: the wide-and-deep ``TabularMLP`` (its linear part from ``config.init_wide`` when
+    given); ``"linear"``: a ``LinearModel``."""
     torch.manual_seed(config.seed)
     if kind == "linear":
-        return LinearModel(data.n_numeric, data.cardinalities)
-    return TabularMLP(data.n_numeric, data.cardinalities, hidden=config.hidden, dropout=config.dropout)
+        return LinearModel(data.n_numeric, data.cardinalities, data.outputs)
+    model = TabularMLP(data.n_numeric, data.cardinalities, hidden=config.hidden, dropout=config.dropout,
+                       outputs=data.outputs)
+    if config.init_wide:
+        model.init_wide(torch.load(config.init_wide, weights_only=True))
+    return model
+
+
+#: More classes than this is almost surely a numeric target given ``--task classification``.
+MAX_CLASSES = 1000
 
 
 def check_label(data: TabularDataset) -> None:
-    values = data.stats.get("label_values", [])
+    """A label the training split gives one value (or too many classes) is an error saying what to check."""
+    label = data.spec.label
+    if data.spec.task == "classification" and data.stats.get("classes") is not None:
+        classes = data.stats["classes"]
+        if len(classes) > MAX_CLASSES:
+            raise ValueError(f"label column {label!r} has {len(classes):,} classes in the training split (more than "
+                             f"{MAX_CLASSES:,}): it looks like a numeric target; pass --task regression, or "
+                             f"--positive-above T for a binary target")
+        values = classes
+    else:
+        values = data.stats.get("label_values", [])
     if len(values) < 2:
-        raise ValueError(f"label column {data.spec.label!r} has a single value ({values[0] if values else 'none'}) "
+        raise ValueError(f"label column {label!r} has a single value ({values[0] if values else 'none'}) "
                          f"in the training split: there is nothing to learn. Check --label, or for "
                          f"classification --positive-above.")
+
+
+def baseline_metrics(data: TabularDataset, split: TabularSplit) -> dict:
+    """Predict the training mean (regression) or the class frequencies (classification)."""
+    return metrics_of(majority_outputs(data, len(split)), split.y, data.spec.task, data.classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+def make_engine(model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module, train: TabularSplit):
+    """The engine that runs the steps: the D x S x T grid (``config.stages`` or
+    ``config.tensor_parallel`` > 1: ``flowtrain.train.hybrid``) or data parallelism."""
+    if config.stages > 1 or config.tensor_parallel > 1:
+        first = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False))
+        return PipelineEngine(model, ctx, config, loss_fn, pack(first.x_num, first.x_cat),
+                              device=next(model.parameters()).device)
+    return DataParallelEngine(model, ctx, config, loss_fn)
 
 
 def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir: Path | None = None,
@@ -110,60 +278,100 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     batch and gradients are reduced as sums and counts (``flowtrain.parallel``). Only rank 0
     writes metrics and checkpoints."""
     ctx = ctx or DistContext()
+    threads_before = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
-    train, valid = data.split("train"), data.split("valid")
-    loss_fn = loss_function(data.spec.task)
+    device = resolve_device(config.device, local_rank=ctx.local_rank, local_world=local_world_size())
+    model.to(device)
+    from flowtrain.train.shards import open_split
+
+    train = open_split(data, "train", memory_budget=config.memory_budget)
+    valid = open_split(data, "valid", memory_budget=config.memory_budget)
+    plan = plan_training(config, len(train), data.kind)
+    if not config.threads and plan.batch_size * max(config.hidden or (1,)) <= SMALL_STEP:
+        torch.set_num_threads(1)  # a small step: more threads only wait for each other
+    if ctx.is_main:
+        for split in (train, valid):
+            if hasattr(split, "describe"):
+                print(f"{name}: {split.describe()}", flush=True)
+        print(f"{name}: {plan.describe(len(train))}", flush=True)
+    loss_fn = loss_function(data.spec.task, data.outputs)
     shift, scale = target_scale(data)
-    if config.stages > 1:
-        sample = pack(train.x_num[:256], train.x_cat[:256])
-        engine = PipelineEngine(model, ctx, config, loss_fn, sample)
-    else:
-        engine = DataParallelEngine(model, ctx, config, loss_fn)
-    steps_per_epoch = math.ceil(len(train) / config.batch_size)
+    classes = data.classes
+    engine = make_engine(model, ctx, config, loss_fn, train)
     writer = run_dir is not None and ctx.is_main
     log = MetricsLog(run_dir / "metrics.jsonl") if writer else None
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
 
     # --- state, fresh or from the last checkpoint ---------------------------------------------
-    epoch, step, best_loss, best_epoch, bad_epochs = 0, 0, math.inf, -1, 0
-    best_state = {k: v.clone() for k, v in model.state_dict().items()}
-    best_valid: dict = {}
-    torch.manual_seed(config.seed)
+    step, best_step, bad_evals = 0, 0, 0
+    best_valid: dict | None = None
+    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    resumed = False
     if resume and ckpt_dir and (path := checkpoint.latest(ckpt_dir)) is not None:
         state = checkpoint.load(path)
         engine.load(state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"])
-        epoch, step = int(state["epoch"]), int(state["step"])
-        best_loss, best_epoch, bad_epochs = float(state["best_loss"]), int(state["best_epoch"]), int(state["bad_epochs"])
-        best_state, best_valid = state["best_model"], dict(state["best_valid"])
+        step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
+        best_step = int(state.get("best_step", 0))
+        best_state, best_valid = state["best_model"], dict(state["best_valid"]) or None
+        resumed = True
         if log:
             log.truncate_after(step)
         if ctx.is_main:
-            print(f"{name}: resumed from {path.name} (epoch {epoch}, step {step})", flush=True)
+            print(f"{name}: resumed from {path.name} (step {step})", flush=True)
     elif log and not resume:
         log.path.unlink(missing_ok=True)
 
-    def log_train(step_: int, epoch_: int, loss_sum: float, rows: int, since: float) -> None:
-        log.write({"kind": "train", "model": name, "step": step_, "epoch": epoch_, "loss": loss_sum / rows,
-                   "rows_per_s": rows / max(time.perf_counter() - since, 1e-9)})
+    def validate(step_: int) -> tuple[dict, bool]:
+        engine.sync_model()  # pipeline stages: every rank gets the whole current model
+        metrics = evaluate(model, valid, data.spec.task, (shift, scale), classes)
+        if log:
+            log.write({"kind": "valid", "model": name, "step": step_, "epoch": step_ // plan.steps_per_epoch,
+                       **scalars(metrics)})
+        if ctx.is_main:
+            print(f"{name}: step {step_} valid " + " ".join(f"{k}={v:.4f}" for k, v in scalars(metrics).items()),
+                  flush=True)
+        return metrics, better(metrics, best_valid, plan.select_by)
+
+    def save_checkpoint(step_: int) -> None:
+        optimizer_state = engine.optimizer_state()  # a collective under pipeline parallelism
+        if ckpt_dir and writer:
+            checkpoint.save(ckpt_dir, step_, cpu_state({  # opens on any machine, GPU or not
+                "model": model.state_dict(), "stages": engine.stage_states(), "shards": engine.shard_states(),
+                "optimizer": optimizer_state, "rng": torch.get_rng_state(),
+                "epoch": step_ // plan.steps_per_epoch, "step": step_, "best_step": best_step,
+                "best_loss": float(best_valid["loss"]) if best_valid else math.inf,
+                "bad_evals": bad_evals, "best_model": best_state, "best_valid": best_valid or {},
+                "data_position": {"split": "train", "epoch": step_ // plan.steps_per_epoch,
+                                  "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
+                                  "stages": config.stages},
+                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
+            }))
 
     t_start = time.perf_counter()
     data_wait = step_time = 0.0
-    stopped_early = False
-    while epoch < config.epochs and bad_epochs < config.patience:
-        # --- one epoch of training: each replica maps its shard, the reducer reduces -------------
+    if not resumed:  # the initial model is a candidate too (its linear part may be a fitted model)
+        best_valid, _ = validate(0)
+        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    bar = _progress(plan.steps, name, config.progress and ctx.is_main, initial=step)
+    running, seen, t_log = 0.0, 0, time.perf_counter()
+    while step < plan.steps and bad_evals < plan.patience:
+        # --- one epoch (or the rest of one): each replica maps its shard, the reducer reduces ----
+        epoch, first = divmod(step, plan.steps_per_epoch)
         model.train()
-        torch.manual_seed(config.seed * 1_000_003 + epoch * 1009 + ctx.rank)  # dropout: per epoch, rank
-        bar = _progress(steps_per_epoch, f"{name} epoch {epoch + 1}/{config.epochs}", config.progress and ctx.is_main)
-        batches = iter_batches(train, batch_size=config.batch_size, seed=config.seed, epoch=epoch)
-        running, seen, t_log = 0.0, 0, time.perf_counter()
-        while True:
+        batches = iter_batches(train, batch_size=plan.batch_size, seed=config.seed, epoch=epoch, start_batch=first)
+        while step < plan.steps and bad_evals < plan.patience:
             t0 = time.perf_counter()
             batch: Batch | None = next(batches, None)
             t1 = time.perf_counter()
             if batch is None:
                 break
+            batch = move_batch(batch, device)  # pinned memory, non-blocking copy on a GPU
+            # dropout: per step and rank (the shards of a tensor group share it: engine.rng_rank)
+            torch.manual_seed(config.seed * 1_000_003 + step * 1009 + engine.rng_rank)
+            engine.set_lr(plan.lr_at(step))
             global_n, mean_loss = engine.train_step(batch, (batch.y - shift) / scale)
             t2 = time.perf_counter()
             heartbeat()
@@ -177,46 +385,43 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 bar.set_postfix(loss=f"{mean_loss:.4f}", rows_s=f"{global_n / max(t2 - t0, 1e-9):,.0f}",
                                 refresh=False)
             if log and step % config.log_every == 0:
-                log_train(step, epoch, running, seen, t_log)
+                _log_train(log, name, step, plan, running, seen, t_log)
                 running, seen, t_log = 0.0, 0, time.perf_counter()
-        if log and seen:
-            log_train(step, epoch, running, seen, t_log)
-        if bar is not None:
-            bar.close()
-
-        # --- validation, best weights, early stopping --------------------------------------------
-        engine.sync_model()  # pipeline stages: every rank gets the whole current model
-        metrics = evaluate(model, valid, data.spec.task, (shift, scale))
-        if metrics["loss"] < best_loss - 1e-6:
-            best_loss, best_epoch, bad_epochs, best_valid = metrics["loss"], epoch, 0, metrics
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            bad_epochs += 1
-        epoch += 1
-        if log:
-            log.write({"kind": "valid", "model": name, "step": step, "epoch": epoch - 1, **metrics})
-        if ctx.is_main:
-            print(f"{name}: epoch {epoch} valid " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()),
-                  flush=True)
-
-        # --- checkpoint ---------------------------------------------------------------------------
-        optimizer_state = engine.optimizer_state()  # a collective under pipeline parallelism
-        if ckpt_dir and writer:
-            checkpoint.save(ckpt_dir, step, {
-                "model": model.state_dict(), "stages": engine.stage_states(),
-                "optimizer": optimizer_state, "rng": torch.get_rng_state(),
-                "epoch": epoch, "step": step, "best_loss": best_loss, "best_epoch": best_epoch,
-                "bad_epochs": bad_epochs, "best_model": best_state, "best_valid": best_valid,
-                "data_position": {"split": "train", "epoch": epoch, "batch": 0, "world_size": ctx.world_size,
-                                  "stages": config.stages},
-                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-            })
-    stopped_early = bad_epochs >= config.patience and epoch < config.epochs
+            if step % plan.eval_every == 0 or step == plan.steps:
+                # --- validation, best weights, early stopping, checkpoint -------------------------
+                if log and seen:
+                    _log_train(log, name, step, plan, running, seen, t_log)
+                    running, seen, t_log = 0.0, 0, time.perf_counter()
+                metrics, improved = validate(step)
+                if improved:
+                    best_valid, best_step, bad_evals = metrics, step, 0
+                    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                else:
+                    bad_evals += 1
+                save_checkpoint(step)
+                model.train()
+    if bar is not None:
+        bar.close()
+    stopped_early = bad_evals >= plan.patience and step < plan.steps
     engine.close()
+    model.to("cpu")  # the fitted model comes back on the CPU
     model.load_state_dict(best_state)
-    return FitResult(model, step, epoch, best_epoch + 1, best_valid, stopped_early,
-                     time.perf_counter() - t_start, data_wait, step_time,
-                     history=log.read() if log else [])
+    torch.set_num_threads(threads_before)
+    if writer:
+        (run_dir / "training.json").write_text(json.dumps({
+            "plan": asdict(plan), "best_step": best_step, "steps": step, "stopped_early": stopped_early,
+            "select_by": plan.select_by, "best_valid": best_valid}, default=float))
+    spe = plan.steps_per_epoch
+    return FitResult(model, step, math.ceil(step / spe), best_step // spe + (1 if best_step % spe else 0),
+                     best_valid or {}, stopped_early, time.perf_counter() - t_start, data_wait, step_time,
+                     history=log.read() if log else [], best_step=best_step, plan=plan)
+
+
+def _log_train(log: MetricsLog, name: str, step: int, plan: TrainPlan, loss_sum: float, rows: int,
+               since: float) -> None:
+    log.write({"kind": "train", "model": name, "step": step, "epoch": (step - 1) // plan.steps_per_epoch,
+               "loss": loss_sum / rows, "lr": plan.lr_at(step - 1),
+               "rows_per_s": rows / max(time.perf_counter() - since, 1e-9)})
 
 
 class DataParallelEngine:
@@ -224,8 +429,13 @@ class DataParallelEngine:
 
     def __init__(self, model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module):
         self.model, self.ctx, self.loss_fn = model, ctx, loss_fn
+        self.rng_rank = ctx.rank
         self.reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
         self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def train_step(self, batch: Batch, target: torch.Tensor) -> tuple[int, float]:
         lo, hi = local_rows(len(batch), self.ctx)
@@ -247,6 +457,10 @@ class DataParallelEngine:
     def stage_states(self) -> list[dict]:
         return [self.model.state_dict()]
 
+    def shard_states(self) -> list:
+        """No tensor shards: the model is whole."""
+        return []
+
     def load(self, model_state: dict, optimizer_state: dict) -> None:
         self.model.load_state_dict(model_state)
         if "stages" in optimizer_state:
@@ -257,100 +471,14 @@ class DataParallelEngine:
         self.reducer.close()
 
 
-class PipelineEngine:
-    """Each rank holds one stage of the model (``--stages``), replicas of a stage reduce together."""
-
-    def __init__(self, model: nn.Sequential, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module,
-                 sample: torch.Tensor):
-        import torch.distributed as dist
-
-        from flowtrain.parallel.pipeline import StageWorker, grid_position
-        from flowtrain.parallel.schedules import SCHEDULES
-        from flowtrain.parallel.stages import plan_stages, plan_with_bounds, stage_module
-
-        self.ctx, self.model, self.stages = ctx, model, config.stages
-        self.pos, group = grid_position(ctx, config.stages)
-        # Rank 0 measures the layers and decides the cut; every rank uses the same cut.
-        plan = plan_stages(model, config.stages, sample) if ctx.is_main else None
-        shared = [plan.bounds if plan else None]
-        dist.broadcast_object_list(shared, src=0)
-        if plan is None:
-            plan = plan_with_bounds(model, shared[0], sample)
-        self.plan = plan
-        if ctx.is_main:
-            print(f"pipeline: {config.stages} stages x {self.pos.replicas} replicas, {config.microbatches} "
-                  f"micro-batches, {config.schedule}\n{plan.table(model)}", flush=True)
-        self.module = stage_module(model, plan, self.pos.stage)
-        in_shape = plan.out_shapes[self.pos.stage - 1] if self.pos.stage else tuple(sample.shape[1:])
-        self.worker = StageWorker(self.module, self.pos, group, SCHEDULES[config.schedule](config.stages,
-                                  config.microbatches), config.microbatches, in_shape, loss_fn,
-                                  bucket_mb=config.bucket_mb)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def train_step(self, batch: Batch, target: torch.Tensor) -> tuple[int, float]:
-        import torch.distributed as dist
-
-        from flowtrain.parallel.pipeline import replica_rows
-
-        pos = self.pos
-        lo, hi = replica_rows(len(batch), pos)
-        x = pack(batch.x_num[lo:hi], batch.x_cat[lo:hi]) if pos.is_first else None
-        self.optimizer.zero_grad(set_to_none=True)
-        stats = self.worker.step(x, target[lo:hi] if pos.is_last else None, hi - lo)
-        self.optimizer.step()
-        totals = torch.tensor([stats.loss_sum, float(hi - lo)] if pos.is_last else [0.0, 0.0], dtype=torch.float64)
-        dist.all_reduce(totals)  # the loss reaches rank 0 (and everyone)
-        n = int(totals[1])
-        return n, float(totals[0]) / n if n else 0.0
-
-    def _gather(self, obj) -> list:
-        import torch.distributed as dist
-
-        out = [None] * self.ctx.world_size
-        dist.all_gather_object(out, obj)
-        return out[: self.stages]  # replica 0's stages: ranks 0..S-1
-
-    def sync_model(self) -> None:
-        """Bring every stage's current weights into this rank's full model (for evaluation)."""
-        from flowtrain.parallel.stages import merge_stage_states
-
-        self._states = self._gather(self.module.state_dict())
-        self.model.load_state_dict(merge_stage_states(self._states))
-
-    def stage_states(self) -> list[dict]:
-        return self._states
-
-    def optimizer_state(self) -> dict:
-        return {"stages": self._gather(self.optimizer.state_dict())}
-
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        self.model.load_state_dict(model_state)
-        stages = optimizer_state.get("stages")
-        if stages is None or len(stages) != self.stages:
-            raise ValueError(f"this checkpoint was written with {len(stages) if stages else 1} stage(s): "
-                             f"resume it with --stages {len(stages) if stages else 1}")
-        self.optimizer.load_state_dict(stages[self.pos.stage])
-
-    def close(self) -> None:
-        self.worker.close()
+#: The D x S x T engine (pipeline stages, tensor shards, replicas) lives in flowtrain.train.hybrid.
+PipelineEngine = GridEngine
 
 
-def baseline_metrics(data: TabularDataset, split: TabularSplit) -> dict[str, float]:
-    """Predict the training mean (regression) or the majority class (classification)."""
-    mean = float(data.stats["label_mean"])
-    if data.spec.task == "classification":
-        p = min(max(mean, 1e-6), 1 - 1e-6)
-        logits = torch.full((len(split),), math.log(p / (1 - p)))
-        out = classification_metrics(logits, split.y)
-        out["accuracy"] = float((split.y == (1.0 if mean > 0.5 else 0.0)).double().mean())
-        return out
-    return regression_metrics(torch.full((len(split),), mean), split.y)
-
-
-def _progress(total: int, desc: str, enabled: bool):
+def _progress(total: int, desc: str, enabled: bool, initial: int = 0):
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="step", leave=False, dynamic_ncols=True, mininterval=0.5)
-
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False, dynamic_ncols=True,
+                mininterval=0.5)

@@ -1,11 +1,61 @@
-"""Evaluation metrics (on whole tensors) and the run's metrics log (JSON lines)."""
+"""Evaluation metrics (on whole tensors) and the run's metrics log (JSON lines).
+
+Metrics that fit the task:
+- binary classification: ``auc``, ``accuracy``, ``log_loss`` (= ``loss``), ``positive_rate``;
+- K-class classification: ``accuracy``, ``macro_f1``, ``log_loss`` (= ``loss``), and per class
+  precision / recall / support plus the confusion matrix (rows: true class, columns: predicted);
+- regression: ``rmse``, ``mae``, ``r2``, ``loss`` (the mean squared error).
+``SELECT_BY`` says which of them can choose the best model and in which direction.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+#: Validation metrics that can select the best model (``--select-by``): True if higher is better.
+SELECT_BY = {"auc": True, "accuracy": True, "macro_f1": True, "r2": True,
+             "log_loss": False, "loss": False, "rmse": False, "mae": False}
+#: The metrics each kind of task reports (and can select by).
+TASK_METRICS = {"binary": ("auc", "accuracy", "log_loss", "loss"),
+                "multiclass": ("accuracy", "macro_f1", "log_loss", "loss"),
+                "regression": ("rmse", "mae", "r2", "loss")}
+#: The default ``--select-by`` per kind of task.
+DEFAULT_SELECT_BY = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}
+
+
+def task_kind(task: str, n_classes: int) -> str:
+    """"binary", "multiclass" or "regression"."""
+    if task == "regression":
+        return "regression"
+    return "multiclass" if n_classes > 2 else "binary"
+
+
+def check_select_by(metric: str | None, kind: str) -> str:
+    """The metric to select by (default per task); a metric that does not fit is a ValueError."""
+    if metric is None:
+        return DEFAULT_SELECT_BY[kind]
+    if metric not in TASK_METRICS[kind]:
+        raise ValueError(f"--select-by {metric}: not a metric of a {kind} task; use one of "
+                         f"{', '.join(TASK_METRICS[kind])}")
+    return metric
+
+
+def better(a: dict, b: dict | None, metric: str) -> bool:
+    """Is validation result ``a`` better than ``b`` by ``metric`` (ties: the lower loss wins)?"""
+    if b is None:
+        return True
+    x, y = float(a[metric]), float(b[metric])
+    if x != x:  # NaN never wins
+        return False
+    if y != y:
+        return True
+    higher = SELECT_BY[metric]
+    if abs(x - y) > 1e-9 * max(1.0, abs(y)):
+        return x > y if higher else x < y
+    return metric not in ("loss", "log_loss") and float(a["loss"]) < float(b["loss"]) - 1e-12
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -30,17 +80,50 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Binary: one logit per row."""
     probs = torch.sigmoid(logits.double())
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double())
-    return {"loss": float(loss), "auc": auc(logits, labels),
+    loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double()))
+    return {"loss": loss, "log_loss": loss, "auc": auc(logits, labels),
             "accuracy": float(((probs > 0.5).double() == labels.double()).double().mean()),
             "positive_rate": float(labels.double().mean())}
+
+
+def multiclass_metrics(logits: torch.Tensor, labels: torch.Tensor, classes: Sequence[str] | None = None
+                       ) -> dict[str, Any]:
+    """K logits per row; ``labels`` are class indices. Scalars plus ``per_class`` and ``confusion``."""
+    k = logits.shape[1]
+    classes = list(classes) if classes is not None else [str(i) for i in range(k)]
+    target = labels.long().flatten()
+    loss = float(torch.nn.functional.cross_entropy(logits.double(), target)) if target.numel() else float("nan")
+    pred = logits.argmax(dim=1)
+    confusion = torch.zeros(k, k, dtype=torch.int64)
+    confusion.index_put_((target, pred), torch.ones_like(target), accumulate=True)
+    tp = confusion.diag().double()
+    predicted, actual = confusion.sum(0).double(), confusion.sum(1).double()
+    precision = torch.where(predicted > 0, tp / predicted.clamp(min=1), torch.zeros_like(tp))
+    recall = torch.where(actual > 0, tp / actual.clamp(min=1), torch.zeros_like(tp))
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-12),
+                     torch.zeros_like(tp))
+    present = actual > 0  # macro-F1 over the classes that occur in these rows
+    return {"loss": loss, "log_loss": loss,
+            "accuracy": float(tp.sum() / max(target.numel(), 1)),
+            "macro_f1": float(f1[present].mean()) if present.any() else float("nan"),
+            "per_class": {c: {"precision": float(precision[i]), "recall": float(recall[i]),
+                              "support": int(actual[i])} for i, c in enumerate(classes)},
+            "confusion": confusion.tolist()}
 
 
 def regression_metrics(pred: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
     err = pred.double() - target.double()
     mse = float((err ** 2).mean())
-    return {"loss": mse, "rmse": mse ** 0.5, "mae": float(err.abs().mean())}
+    var = float(((target.double() - target.double().mean()) ** 2).mean()) if target.numel() else float("nan")
+    return {"loss": mse, "rmse": mse ** 0.5, "mae": float(err.abs().mean()),
+            "r2": 1.0 - mse / var if var > 0 else float("nan")}
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """Only the scalar metrics (for log lines and the metrics log)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 class MetricsLog:

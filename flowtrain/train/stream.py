@@ -1,8 +1,9 @@
-"""The online trainer: consumes feature batches from Kafka and trains, exactly once.
+"""The online trainer: consumes Arrow feature batches from Kafka and trains, exactly once.
 
 For each feature message (one Arrow record batch, in offset order per partition) it first
-evaluates the current model on the rows, then trains on them (prequential metrics). Every K
-steps or T seconds it writes a checkpoint holding the model, the optimizer, the step, the RNG,
+evaluates the current model on the rows, then trains on them (prequential metrics, with the
+task's metrics: BCE/AUC for classification, RMSE/MAE for regression). Every K steps or T seconds
+it writes a checkpoint holding the model, its architecture, the optimizer, the step, the RNG,
 every replica's Kafka positions *and* the seen-source state, then publishes the model version
 (the checkpoint plus a record on the model-updates topic).
 
@@ -12,30 +13,44 @@ checkpoint is redone from the same state, nothing is lost and nothing counts twi
 pipeline upstream is at least once (it may write a row again after its own crash); each row
 carries its source (raw partition, offset), and since the pipeline writes a raw partition's rows
 in offset order to one feature partition, the seen-source state is one number per raw partition
-(the highest offset trained): bounded, and inside the checkpoint.
+(the highest offset trained): bounded, and inside the checkpoint. A checkpoint directory whose
+checkpoints are all corrupt is an error, never a fresh start (that would train every row again).
+
+Data parallel (``--workers N``): the feature partitions are split across the replicas and
+gradients are reduced by the map/reduce engine. Every decision that ends in a collective is
+taken together: each step one small all-reduce carries every replica's "has data", "asked to
+stop", "idle for idle_exit_s" and "checkpoint time is due" flags, so all replicas stop, or
+checkpoint (a gather), at the same step; the step count itself comes from the reduced example
+count, identical everywhere. The loop heartbeats for the launcher every step, idle or not.
+
+The architecture (model kind, hidden sizes, dropout, seed) comes from the batch run that
+``init_weights`` starts from (its ``config.json``, or a checkpoint's ``config``), else from this
+config; a resumed run takes it from its own checkpoint.
+
+Stopping is the caller's business: ``should_stop`` is polled every step (the command line
+connects it to SIGINT/SIGTERM); the trainer installs no signal handlers.
 """
 from __future__ import annotations
 
 import json
 import math
-import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch import nn
 
 from connectors.arrow import decode_batch
 from connectors.kafka import ensure_topic, retry_kafka
-from flowtrain.train import checkpoint
-from flowtrain.train.loader import TabularDataset, table_to_split
-from flowtrain.train.metrics import MetricsLog, auc
-from flowtrain.train.model import TabularMLP
 from flowtrain.parallel import DistContext, make_reducer, sum_loss
+from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
+from flowtrain.parallel.launch import heartbeat
+from flowtrain.train import checkpoint, metrics
+from flowtrain.train.loader import TabularDataset, table_to_split
+from flowtrain.train.metrics import MetricsLog
 
 
 @dataclass
@@ -45,9 +60,9 @@ class StreamTrainConfig:
     dataset: str  # the batch dataset: feature spec, statistics, vocabularies
     features_topic: str = "flights-features"
     updates_topic: str = "flights-model-updates"
-    init_weights: str | None = None  # a batch run's model.pt to start from
+    init_weights: str | None = None  # a batch run's model.pt (its config.json gives the architecture) or a checkpoint
     lr: float = 1e-3
-    hidden: tuple[int, ...] = (128, 64)
+    hidden: tuple[int, ...] = (128, 64)  # architecture without init_weights
     dropout: float = 0.0
     seed: int = 0
     checkpoint_every_steps: int = 50
@@ -56,204 +71,356 @@ class StreamTrainConfig:
     max_steps: int | None = None
     ledger: bool = False  # test hook: trained sources, per checkpoint version, in ledger.jsonl
     kafka_config: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
+
+    def __post_init__(self) -> None:
+        self.hidden = tuple(int(h) for h in self.hidden)
+        checks = {"lr": self.lr > 0, "hidden": bool(self.hidden) and min(self.hidden) >= 1,
+                  "dropout": 0 <= self.dropout < 1, "checkpoint_every_steps": self.checkpoint_every_steps >= 1,
+                  "checkpoint_every_s": self.checkpoint_every_s > 0,
+                  "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
+                  "max_steps": self.max_steps is None or self.max_steps >= 1}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("StreamTrainConfig: out of range: " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad))
 
 
-class _Stop(Exception):
-    pass
+@dataclass(frozen=True)
+class Architecture:
+    """What the model is: the batch trainer's ``build_model`` kind and ``TrainConfig`` fields."""
+    kind: str
+    hidden: tuple[int, ...]
+    dropout: float
+    seed: int
+    source: str = "config"  # where it came from, for messages
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "hidden": list(self.hidden), "dropout": self.dropout, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> "Architecture":
+        from flowtrain.train.loop import TrainConfig
+
+        defaults = TrainConfig()
+        return cls(kind=str(d.get("kind") or d.get("model") or "mlp"),
+                   hidden=tuple(int(h) for h in d.get("hidden", defaults.hidden)),
+                   dropout=float(d.get("dropout", defaults.dropout)), seed=int(d.get("seed", defaults.seed)),
+                   source=source)
+
+    def build(self, data: TabularDataset) -> torch.nn.Module:
+        """The same model the batch job builds for these settings (seeded: the same initial weights)."""
+        from flowtrain.train.loop import TrainConfig, build_model
+
+        known = {f.name for f in fields(TrainConfig)}
+        config = TrainConfig(**{k: v for k, v in {"hidden": self.hidden, "dropout": self.dropout,
+                                                  "seed": self.seed}.items() if k in known})
+        return build_model(self.kind, data, config)
 
 
-def _split_of(batch: pa.RecordBatch, spec) -> tuple:
-    table = pa.Table.from_batches([batch])
-    split = table_to_split(table, spec)
-    return split, batch.column("src_partition").to_numpy(), batch.column("src_offset").to_numpy()
+def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
+    """The architecture and starting weights: ``init_weights``' batch run, else ``cfg``'s sizes."""
+    if not cfg.init_weights:
+        return Architecture("mlp", cfg.hidden, cfg.dropout, cfg.seed, "the stream trainer's options"), None
+    path = Path(cfg.init_weights)
+    if not path.is_file():
+        raise ValueError(f"--init-weights {path}: no such file; give the model.pt of a `flowtrain batch` run")
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if isinstance(state, dict) and isinstance(state.get("model"), dict) and isinstance(state.get("config"), dict):
+        return Architecture.from_dict(state["config"], f"checkpoint {path}"), state["model"]  # a batch checkpoint
+    run_config = path.parent / "config.json"
+    if not run_config.is_file():
+        raise ValueError(f"--init-weights {path}: no config.json beside it, so the batch run's architecture "
+                         f"(hidden sizes, dropout, seed) is unknown; give the model.pt of a `flowtrain batch` run "
+                         f"directory (or one of its checkpoints)")
+    train = json.loads(run_config.read_text()).get("train", {})
+    return Architecture.from_dict(train, f"batch run {path.parent}"), state
 
 
-def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None) -> dict:
-    """Train until stopped (SIGINT/SIGTERM, ``idle_exit_s``, ``max_steps``); returns a summary."""
-    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+class StreamTrainer:
+    """The online trainer's state and its steps; ``run()`` reads top to bottom."""
 
-    ctx = ctx or DistContext()
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = run_dir / "checkpoints"
-    data = TabularDataset(cfg.dataset)
-    spec = data.spec
-    torch.manual_seed(cfg.seed)  # the same initial weights in every run (and on every replica)
-    model = TabularMLP(data.n_numeric, data.cardinalities, hidden=cfg.hidden, dropout=cfg.dropout)
-    if cfg.init_weights:
-        model.load_state_dict(torch.load(cfg.init_weights, weights_only=True))
-    reducer = make_reducer(model, ctx)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    loss_fn = nn.BCEWithLogitsLoss() if spec.task == "classification" else nn.MSELoss()
+    def __init__(self, cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
+                 should_stop: Callable[[], bool] | None = None):
+        self.cfg, self.ctx = cfg, ctx or DistContext()
+        self.should_stop = should_stop or (lambda: False)
+        self.device = resolve_device(cfg.device, local_rank=self.ctx.local_rank, local_world=local_world_size())
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ledger_path = self.run_dir / "ledger.jsonl"
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.data = TabularDataset(cfg.dataset)
+        self.task = self.data.spec.task
+        from flowtrain.train.loop import loss_function, target_scale
 
-    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=None, enable_auto_commit=False,
-                             max_poll_records=1, fetch_max_wait_ms=100, max_partition_fetch_bytes=16 * 1024 * 1024,
-                             **cfg.kafka_config)
-    parts = sorted(consumer.partitions_for_topic(cfg.features_topic) or [])
-    deadline = time.monotonic() + 30
-    while not parts and time.monotonic() < deadline:
-        time.sleep(0.5)
-        parts = sorted(consumer.partitions_for_topic(cfg.features_topic) or [])
-    if not parts:
-        raise ValueError(f"features topic {cfg.features_topic!r} does not exist on {cfg.bootstrap}; start the "
-                         f"stream pipeline first (flowtrain stream pipeline)")
-    mine = [TopicPartition(cfg.features_topic, p) for p in parts if p % ctx.world_size == ctx.rank]
-    consumer.assign(mine)
+        self.loss_fn = loss_function(self.task)
+        self.shift, self.scale = target_scale(self.data)  # regression trains on a standardized target
+        # progress: restored from the checkpoint, never from Kafka's group offsets
+        self.step = self.version = 0
+        self.positions: dict[int, int] = {}  # feature partition -> next offset
+        self.seen: dict[int, int] = {}  # raw partition -> highest raw offset trained
+        self.rows_trained = self.dropped = 0
+        self.pending_ledger: list[tuple[int, int]] = []
+        self.window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (outputs, labels) since the last log
+        self.steps_since_ckpt = 0
+        self.last_loss: float | None = None
+        now = time.monotonic()
+        self.last_ckpt_t = self.last_data_t = self.last_status_t = now
+        self.first_data_t: float | None = None
+        self.model = self.optimizer = self.reducer = self.architecture = None
+        self.consumer = self.producer = None
+        self.mine: list = []
 
-    # --- state: from the last checkpoint only ---------------------------------------------------
-    step, version = 0, 0
-    positions: dict[int, int] = {}  # feature partition -> next offset
-    seen: dict[int, int] = {}  # raw partition -> highest raw offset trained
-    latest = checkpoint.latest(ckpt_dir)
-    if latest is not None:
-        state = checkpoint.load(latest)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, version = int(state["step"]), int(state["version"])
-        positions = {int(k): int(v) for k, v in state["positions"].items()}
-        seen = {int(k): int(v) for k, v in state["seen"].items()}
-        if ctx.is_main:
-            print(f"stream train: resumed from {latest.name} (version {version}, step {step}, positions "
-                  f"{positions})", flush=True)
-    for tp in mine:
-        if tp.partition in positions:
-            consumer.seek(tp, positions[tp.partition])
+    # --- the whole run ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Train until ``should_stop``, ``idle_exit_s`` or ``max_steps``; returns a summary."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        restored = self._restore()
+        try:
+            self._open_kafka()
+            self.last_data_t = self.last_ckpt_t = time.monotonic()  # idle and checkpoint clocks start with the loop
+            while True:
+                local = self._poll_local_batch()
+                agreed = self._agree(has_data=local is not None)
+                if agreed["any_data"]:
+                    self._train_step(local)
+                heartbeat()
+                if self._should_end(agreed):
+                    self._checkpoint("final")
+                    break
+                self._write_status_every_second()
+                if self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
+                                              or agreed["checkpoint_due"]):
+                    self._checkpoint("periodic")
+        finally:
+            self.close()
+        busy = (self.last_data_t - self.first_data_t) if self.first_data_t else 0.0
+        return {"step": self.step, "version": self.version, "rows": self.rows_trained,
+                "dropped_duplicates": self.dropped, "rows_per_s": self.rows_trained / busy if busy > 0 else 0.0,
+                "resumed_from": restored, "architecture": self.architecture.to_dict()}
+
+    # --- state: from the last checkpoint only ------------------------------------------------------------
+    def _restore(self) -> str | None:
+        """Model, optimizer and positions from the newest loadable checkpoint (a corrupt newest one
+        falls back to the one before); else the initial weights. Returns the checkpoint's name."""
+        found = None
+        if checkpoint.all_checkpoints(self.ckpt_dir):  # all of them corrupt: an error, not a fresh start
+            found = checkpoint.require_latest(self.ckpt_dir)
+        init_state = None
+        if found is not None:
+            path, state = found
+            arch = state.get("architecture") or {"hidden": self.cfg.hidden, "dropout": self.cfg.dropout,
+                                                 "seed": self.cfg.seed}
+            self.architecture = Architecture.from_dict(arch, f"checkpoint {path}")
         else:
-            consumer.seek_to_beginning(tp)
-    ledger_path = run_dir / "ledger.jsonl"
-    if cfg.ledger and ledger_path.exists():  # drop what belongs to checkpoints newer than the one restored
-        kept = [line for line in ledger_path.read_text().splitlines() if json.loads(line)["version"] <= version]
-        ledger_path.write_text("".join(line + "\n" for line in kept))
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    if ctx.is_main and log.path.exists():
-        log.truncate_after(step)
-    producer = None
-    if ctx.is_main:
-        ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config)
-        producer = KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", **cfg.kafka_config)
+            self.architecture, init_state = initial_weights(self.cfg)
+        self.model = self.architecture.build(self.data).to(self.device)
+        if init_state is not None:
+            try:
+                self.model.load_state_dict(init_state)
+            except RuntimeError as err:
+                raise ValueError(f"--init-weights {self.cfg.init_weights} ({self.architecture.source}) does not fit "
+                                 f"the dataset {self.cfg.dataset}: {str(err).splitlines()[0]}") from None
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
+        if found is None:
+            self._drop_ledger_after(0)
+            if self.ctx.is_main and self.log.path.exists():
+                self.log.truncate_after(0)
+            self.reducer = make_reducer(self.model, self.ctx)  # every replica starts from rank 0's weights
+            return None
+        path, state = found
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version = int(state["step"]), int(state["version"])
+        self.positions = {int(k): int(v) for k, v in state["positions"].items()}
+        self.seen = {int(k): int(v) for k, v in state["seen"].items()}
+        self._drop_ledger_after(self.version)
+        if self.ctx.is_main and self.log.path.exists():
+            self.log.truncate_after(self.step)
+        self.reducer = make_reducer(self.model, self.ctx)
+        if self.ctx.is_main:
+            print(f"stream train: resumed from {path.name} (version {self.version}, step {self.step}, positions "
+                  f"{self.positions})", flush=True)
+        return path.name
 
-    stop = {"now": False}
+    def _drop_ledger_after(self, version: int) -> None:
+        """The audit ledger keeps only what belongs to the checkpoint restored (or nothing)."""
+        if not (self.cfg.ledger and self.ctx.is_main and self.ledger_path.exists()):
+            return
+        kept = [line for line in self.ledger_path.read_text().splitlines() if json.loads(line)["version"] <= version]
+        self.ledger_path.write_text("".join(line + "\n" for line in kept))
 
-    def on_signal(signum, _frame):
-        stop["now"] = True
+    def _open_kafka(self) -> None:
+        from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+        cfg = self.cfg
+        self.consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=None, enable_auto_commit=False,
+                                      max_poll_records=1, fetch_max_wait_ms=100,
+                                      max_partition_fetch_bytes=16 * 1024 * 1024, **cfg.kafka_config)
+        parts = sorted(self.consumer.partitions_for_topic(cfg.features_topic) or [])
+        deadline = time.monotonic() + 30
+        while not parts and time.monotonic() < deadline:
+            time.sleep(0.5)
+            heartbeat()
+            parts = sorted(self.consumer.partitions_for_topic(cfg.features_topic) or [])
+        if not parts:
+            raise ValueError(f"features topic {cfg.features_topic!r} does not exist on {cfg.bootstrap}; start the "
+                             f"stream pipeline first (flowtrain stream pipeline)")
+        self.mine = [TopicPartition(cfg.features_topic, p) for p in parts if p % self.ctx.world_size == self.ctx.rank]
+        if self.mine:
+            self.consumer.assign(self.mine)
+            for tp in self.mine:
+                if tp.partition in self.positions:
+                    self.consumer.seek(tp, self.positions[tp.partition])
+                else:
+                    self.consumer.seek_to_beginning(tp)
+        if self.ctx.is_main:
+            ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config)
+            self.producer = KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", **cfg.kafka_config)
 
-    pending_ledger: list[tuple[int, int]] = []
-    window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (scores, labels) since the last log
-    rows_trained = dropped = 0
-    last_ckpt_t = last_data_t = last_status_t = time.monotonic()
-    first_data_t = None
-    last_loss = None
-    steps_since_ckpt = 0
+    # --- one step ---------------------------------------------------------------------------------------------
+    def _poll_local_batch(self):
+        """At most one feature message of this replica's partitions, without rows already trained."""
+        if not self.mine:  # more replicas than feature partitions: this one only takes part in the reduce
+            time.sleep(0.2)
+            return None
+        polled = self.consumer.poll(timeout_ms=200)
+        msg = next((m for records in polled.values() for m in records), None)
+        if msg is None:
+            return None
+        self.last_data_t = time.monotonic()
+        self.first_data_t = self.first_data_t or self.last_data_t
+        self.positions[msg.partition] = msg.offset + 1
+        batch = decode_batch(msg.value)
+        split = table_to_split(pa.Table.from_batches([batch]), self.data.spec)
+        src_p, src_o = batch.column("src_partition").to_numpy(), batch.column("src_offset").to_numpy()
+        fresh = _unseen(src_p, src_o, self.seen)
+        self.dropped += int((~fresh).sum())
+        if not fresh.any():
+            return None
+        idx = torch.from_numpy(np.flatnonzero(fresh))
+        return split.take(idx), src_p[fresh], src_o[fresh]
 
-    def save(reason: str) -> None:
-        nonlocal version, last_ckpt_t, steps_since_ckpt
-        version += 1
-        all_positions = _gather_dict(ctx, positions)
-        all_seen = _gather_dict(ctx, seen)
-        preq = _prequential(window)
-        if cfg.ledger:
-            lines = _gather_list(ctx, pending_ledger)
-            if ctx.is_main and lines:
-                with open(ledger_path, "a") as fh:
-                    for p, o in lines:
-                        fh.write(json.dumps({"version": version, "partition": int(p), "offset": int(o)}) + "\n")
+    def _agree(self, *, has_data: bool) -> dict:
+        """Every replica's flags, reduced: the decisions below are the same on every replica."""
+        now = time.monotonic()
+        idle = self.cfg.idle_exit_s is not None and now - self.last_data_t >= self.cfg.idle_exit_s
+        flags = torch.tensor([float(has_data), float(bool(self.should_stop())), float(idle),
+                              float(now - self.last_ckpt_t >= self.cfg.checkpoint_every_s)], dtype=torch.float64,
+                             device=self.device)
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(flags)
+        return {"any_data": flags[0] > 0, "stop": flags[1] > 0, "all_idle": flags[2] >= self.ctx.world_size,
+                "checkpoint_due": flags[3] > 0}
+
+    def _train_step(self, local) -> None:
+        """Evaluate (prequential), then train; a replica without data takes part with a count of 0."""
+        loss_sum, n_local = None, 0
+        if local is not None:
+            b, bp, bo = local
+            labels = b.y.numpy()
+            b = move_batch(b, self.device)  # pinned memory, non-blocking copy on a GPU
+            self.model.eval()
+            with torch.no_grad():
+                self.window.append((self.model(b.x_num, b.x_cat).cpu().numpy(), labels))
+            self.model.train()
+            torch.manual_seed(self.architecture.seed * 1_000_003 + self.step * 1009 + self.ctx.rank)  # dropout
+            target = (b.y - self.shift) / self.scale
+            loss_sum, n_local = sum_loss(self.loss_fn, self.model(b.x_num, b.x_cat), target), len(b)
+            for p in np.unique(bp):  # a column at a time: one max per raw partition
+                self.seen[int(p)] = max(self.seen.get(int(p), -1), int(bo[bp == p].max()))
+            if self.cfg.ledger:
+                self.pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
+        self.optimizer.zero_grad(set_to_none=True)
+        global_n, self.last_loss = self.reducer.backward(loss_sum, n_local)
+        if global_n:
+            self.optimizer.step()
+            self.step += 1
+            self.steps_since_ckpt += 1
+            self.rows_trained += global_n
+
+    def _should_end(self, agreed: dict) -> bool:
+        return bool(agreed["stop"] or (self.cfg.max_steps and self.step >= self.cfg.max_steps)
+                    or (agreed["all_idle"] and not agreed["any_data"]))
+
+    # --- checkpoint and publish ----------------------------------------------------------------------------------
+    def _checkpoint(self, reason: str) -> None:
+        """A collective: every replica gathers positions, seen offsets, ledger and prequential rows."""
+        ctx = self.ctx
+        self.version += 1
+        positions = _gather_dict(ctx, self.positions)
+        seen = _gather_dict(ctx, self.seen)
+        window = _gather_list(ctx, self.window)
+        ledger = _gather_list(ctx, self.pending_ledger) if self.cfg.ledger else []
         if ctx.is_main:
-            path = checkpoint.save(ckpt_dir, step, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-                "step": step, "version": version, "positions": {str(k): v for k, v in all_positions.items()},
-                "seen": {str(k): v for k, v in all_seen.items()}}, keep=3)
-            log.write({"kind": "prequential", "step": step, "version": version, "rows": rows_trained, **preq})
-            record = {"version": version, "step": step, "checkpoint": str(path), "positions": all_positions,
-                      "metrics": preq, "reason": reason, "time": time.time()}
-            producer.send(cfg.updates_topic, key=str(version).encode(), value=json.dumps(record).encode())
-            retry_kafka(lambda: producer.flush(timeout=30), "publishing a model version")
-            _plot(log, run_dir)
-            _status(run_dir, {"step": step, "version": version, "rows": rows_trained, "dropped_duplicates": dropped,
-                              "loss": preq.get("loss"), "positions": all_positions})
-        pending_ledger.clear()
-        window.clear()
-        last_ckpt_t, steps_since_ckpt = time.monotonic(), 0
+            preq = self._prequential(window)
+            if ledger:
+                with open(self.ledger_path, "a") as fh:
+                    for p, o in ledger:
+                        fh.write(json.dumps({"version": self.version, "partition": int(p), "offset": int(o)}) + "\n")
+            path = checkpoint.save(self.ckpt_dir, self.step, cpu_state({  # opens on any machine
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
+                "architecture": self.architecture.to_dict(),
+                "positions": {str(k): v for k, v in positions.items()},
+                "seen": {str(k): v for k, v in seen.items()}}), keep=3)
+            # "rows": scored since the last checkpoint (absent with none), "rows_trained": in all
+            self.log.write({"kind": "prequential", "step": self.step, "version": self.version,
+                            "rows_trained": self.rows_trained, **preq})
+            self._publish({"version": self.version, "step": self.step, "checkpoint": str(path),
+                           "positions": positions, "metrics": preq, "reason": reason, "time": time.time()})
+            _plot(self.log, self.run_dir, self.task)
+            _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
+                                   "dropped_duplicates": self.dropped, "loss": preq.get("loss"),
+                                   "positions": positions})
+        self.pending_ledger.clear()
+        self.window.clear()
+        self.last_ckpt_t, self.steps_since_ckpt = time.monotonic(), 0
 
-    try:
-        while True:
-            # --- one step: at most one feature message per replica ----------------------------
-            polled = consumer.poll(timeout_ms=200)
-            msg = next((m for records in polled.values() for m in records), None)
-            local = None
-            if msg is not None:
-                last_data_t = time.monotonic()
-                first_data_t = first_data_t or last_data_t
-                positions[msg.partition] = msg.offset + 1
-                batch = decode_batch(msg.value)
-                split, src_p, src_o = _split_of(batch, spec)
-                fresh = _unseen(src_p, src_o, seen)
-                dropped += int((~fresh).sum())
-                if fresh.any():
-                    idx = torch.from_numpy(np.flatnonzero(fresh))
-                    local = (split.take(idx), src_p[fresh], src_o[fresh])
-            flags = torch.tensor([1.0 if local is not None else 0.0, 1.0 if stop["now"] else 0.0])
-            if ctx.distributed:
-                import torch.distributed as dist
+    def _publish(self, record: dict) -> None:
+        """The model version on the updates topic; a send Kafka does not acknowledge is an error."""
+        future = self.producer.send(self.cfg.updates_topic, key=str(record["version"]).encode(),
+                                    value=json.dumps(record).encode())
+        retry_kafka(lambda: self.producer.flush(timeout=30), "publishing a model version")
+        future.get(timeout=30)
 
-                dist.all_reduce(flags)
-            anyone_has_data, anyone_stops = flags[0] > 0, flags[1] > 0
-            if anyone_has_data:
-                loss_sum, n_local = None, 0
-                if local is not None:
-                    b, bp, bo = local
-                    model.eval()
-                    with torch.no_grad():  # evaluate first (prequential), then train
-                        window.append((model(b.x_num, b.x_cat).numpy(), b.y.numpy()))
-                    model.train()
-                    torch.manual_seed(cfg.seed * 1_000_003 + step * 1009 + ctx.rank)
-                    loss_sum, n_local = sum_loss(loss_fn, model(b.x_num, b.x_cat), b.y), len(b)
-                    for p in np.unique(bp):  # a column at a time: one max per raw partition
-                        seen[int(p)] = max(seen.get(int(p), -1), int(bo[bp == p].max()))
-                    if cfg.ledger:
-                        pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
-                optimizer.zero_grad(set_to_none=True)
-                global_n, last_loss = reducer.backward(loss_sum, n_local)
-                if global_n:
-                    optimizer.step()
-                    step += 1
-                    steps_since_ckpt += 1
-                    rows_trained += n_local
-            idle = time.monotonic() - last_data_t
-            if anyone_stops or (cfg.max_steps and step >= cfg.max_steps) or \
-                    (cfg.idle_exit_s is not None and idle >= cfg.idle_exit_s and not anyone_has_data):
-                save("final")
-                break
-            if ctx.is_main and time.monotonic() - last_status_t >= 1.0:
-                last_status_t = time.monotonic()
-                _status(run_dir, {"step": step, "version": version, "rows": rows_trained,
-                                  "dropped_duplicates": dropped, "loss": last_loss, "positions": positions})
-            if steps_since_ckpt and (steps_since_ckpt >= cfg.checkpoint_every_steps
-                                     or time.monotonic() - last_ckpt_t >= cfg.checkpoint_every_s):
-                save("periodic")
-    finally:
-        consumer.close()
-        if producer is not None:
-            producer.close(timeout=10)
-        reducer.close()
-    busy = (last_data_t - first_data_t) if first_data_t else 0.0
-    return {"step": step, "version": version, "rows": rows_trained, "dropped_duplicates": dropped,
-            "rows_per_s": rows_trained / busy if busy > 0 else 0.0}
+    def _prequential(self, window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+        """The task's metrics (flowtrain.train.metrics) on predictions made before training on the rows."""
+        if not window:
+            return {}
+        outputs = torch.from_numpy(np.concatenate([s for s, _ in window]))
+        labels = torch.from_numpy(np.concatenate([y for _, y in window]))
+        if self.task == "regression":
+            found = metrics.regression_metrics(outputs * self.scale + self.shift, labels)
+        elif outputs.dim() > 1 and hasattr(metrics, "multiclass_metrics"):
+            found = metrics.multiclass_metrics(outputs, labels)
+        else:
+            found = metrics.classification_metrics(outputs, labels)
+        out = {k: float(v) for k, v in found.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        return {**out, "rows": int(labels.shape[0])}
+
+    def _write_status_every_second(self) -> None:
+        if self.ctx.is_main and time.monotonic() - self.last_status_t >= 1.0:
+            self.last_status_t = time.monotonic()
+            _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
+                                   "dropped_duplicates": self.dropped, "loss": self.last_loss,
+                                   "positions": self.positions})
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+        if self.producer is not None:
+            self.producer.close(timeout=10)
+        if self.reducer is not None:
+            self.reducer.close()
 
 
-def _prequential(window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
-    if not window:
-        return {}
-    scores = torch.from_numpy(np.concatenate([s for s, _ in window]))
-    labels = torch.from_numpy(np.concatenate([y for _, y in window]))
-    loss = float(nn.functional.binary_cross_entropy_with_logits(scores.double(), labels.double()))
-    out = {"loss": loss, "rows": int(labels.numel())}
-    value = auc(scores, labels)
-    if not math.isnan(value):
-        out["auc"] = value
-    return out
+def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
+                       should_stop: Callable[[], bool] | None = None) -> dict:
+    """Train until ``should_stop()`` (polled every step), ``idle_exit_s`` or ``max_steps``; returns a summary."""
+    return StreamTrainer(cfg, ctx, should_stop=should_stop).run()
 
 
 def _unseen(partitions: np.ndarray, offsets: np.ndarray, seen: dict[int, int]) -> np.ndarray:
@@ -289,7 +456,7 @@ def _gather_list(ctx: DistContext, mine: list) -> list:
     return [x for part in _gather(ctx, list(mine)) for x in part]
 
 
-def _plot(log: MetricsLog, run_dir: Path) -> None:
+def _plot(log: MetricsLog, run_dir: Path, task: str = "classification") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,13 +465,14 @@ def _plot(log: MetricsLog, run_dir: Path) -> None:
     rows = [r for r in log.read() if r.get("kind") == "prequential" and "loss" in r]
     if not rows:
         return
+    second = "rmse" if task == "regression" else "auc"
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], "o-", label="prequential loss")
-    if any("auc" in r for r in rows):
+    if any(second in r for r in rows):
         ax2 = ax.twinx()
-        ax2.plot([r["step"] for r in rows if "auc" in r], [r["auc"] for r in rows if "auc" in r], "s--",
-                 color="tab:orange", label="prequential AUC")
-        ax2.set_ylabel("AUC")
+        ax2.plot([r["step"] for r in rows if second in r], [r[second] for r in rows if second in r], "s--",
+                 color="tab:orange", label=f"prequential {second.upper()}")
+        ax2.set_ylabel(second.upper())
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("online training (evaluate, then train, per batch)")

@@ -136,14 +136,17 @@ def featurize_raw(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes:
     dataset manifest's statistics. ``passthrough`` columns of the kept rows are appended
     to the features (the stream's source partition and offset).
     """
-    from pipelines.tabular.features import featurize, split_valid
+    from pipelines.tabular.features import encode_labels, featurize_rows, split_valid
 
     joined = join_reference(flights, weather, planes)
     batch = joined.combine_chunks().to_batches()[0] if joined.num_rows else None
     if batch is None:
         return None, []
     good, letters = split_valid(batch, spec, impossible_values(batch))
-    features = featurize(good, spec, stats)
+    features, unknown = featurize_rows(good, spec, stats)  # the label code of the batch ETL
+    if unknown:  # rows whose label has no target: dead letters, and not passed through either
+        good = good.filter(pa.array(encode_labels(good.column(spec.label), spec, stats)[1]))
+        letters = letters + unknown
     for name in passthrough:
         features = features.append_column(name, good.column(name))
     return features, letters

@@ -10,12 +10,16 @@ Counts reconcile and go into the manifest: rows in = rows out (all splits) + dea
 """
 from __future__ import annotations
 
+import dataclasses
 import io
+import shutil
+from pathlib import Path
 from typing import Callable, Sequence
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
@@ -23,7 +27,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from connectors.dataset import WriteDataset
 from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
-from connectors.files import CSV_NULLS, ReadFromFiles, file_format
+from connectors.files import CSV_NULLS, ReadFromFiles, csv_header, file_format
 from pipelines.tabular import features as F
 from connectors.dataset_spec import SPLITS, FeatureSpec
 
@@ -33,18 +37,57 @@ ExtraChecks = Callable[[pa.RecordBatch], list]
 # ---------------------------------------------------------------------------------------------
 # Pre-flight: schema of every input file, before the pipeline runs
 # ---------------------------------------------------------------------------------------------
-def file_schema(path: str) -> pa.Schema:
+_HEAD_BYTES = 4 << 20
+
+
+def _cut_at_record_end(head: bytes) -> bytes:
+    """The head up to its last newline that is not inside a quoted CSV value."""
+    pos = head.rfind(b"\n")
+    while pos > 0 and head.count(b'"', 0, pos) % 2:
+        pos = head.rfind(b"\n", 0, pos)
+    return head[: pos + 1] if pos > 0 else head
+
+
+def file_head(path: str) -> pa.Table:
+    """The first rows of a file (the first 4 MB of a text file, the first row group of a
+    Parquet file) with the types a reader infers; rows that cannot be read are skipped here
+    (the pipeline turns them into dead letters)."""
     fmt = file_format(path)
     with FileSystems.open(path) as fh:
         if fmt == "parquet":
-            return pq.ParquetFile(fh).schema_arrow
-        head = fh.read(4 << 20)
+            pf = pq.ParquetFile(fh)
+            return pf.read_row_group(0) if pf.metadata.num_row_groups else pf.schema_arrow.empty_table()
+        head = fh.read(_HEAD_BYTES)
     if fmt == "csv":
-        head = head[: head.rfind(b"\n") + 1] or head
+        csv_header(path)  # a repeated column name is an error naming the file
+        parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lambda row: "skip")
         opts = pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
-        return pacsv.read_csv(io.BytesIO(head), convert_options=opts).schema
+        try:
+            return pacsv.read_csv(io.BytesIO(_cut_at_record_end(head)), parse_options=parse, convert_options=opts)
+        except pa.ArrowInvalid as err:
+            raise F.SchemaError(f"{path}: cannot be read as CSV: {err}") from None
     head = head[: head.rfind(b"\n") + 1] or head
-    return pajson.read_json(io.BytesIO(head)).schema
+    try:
+        return pajson.read_json(io.BytesIO(head))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        import json
+
+        rows = []
+        for line in head.splitlines():
+            try:
+                obj = json.loads(line)
+            except Exception:  # noqa: BLE001 - a bad line is the pipeline's dead letter, not a pre-flight error
+                continue
+            if isinstance(obj, dict):
+                rows.append(obj)
+        try:
+            return pa.Table.from_pylist(rows)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            raise F.SchemaError(f"{path}: the first lines mix types in a column ({err})") from None
+
+
+def file_schema(path: str) -> pa.Schema:
+    return file_head(path).schema
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -57,18 +100,83 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return files
 
 
+#: An integer label with at most this many distinct values (in the files' first rows) is
+#: taken for class labels when ``--task`` is not given.
+MAX_INTEGER_CLASSES = 10
+
+
+def infer_task(label: str, head: pa.Table) -> tuple[str, str]:
+    """(task, why) from the label column of a file's first rows: text or booleans are classes, a
+    float is a regression target, integers are classes when they take few values."""
+    if label not in head.schema.names:
+        return "regression", f"label {label!r} not found in the first rows"
+    t = head.schema.field(label).type
+    kind = F._kind(t)
+    if kind in ("string", "boolean"):
+        return "classification", f"label {label!r} holds {'text' if kind == 'string' else 'booleans'}"
+    if pa.types.is_integer(t):
+        distinct = len(pc.unique(pc.drop_null(head.column(label))))
+        if distinct <= MAX_INTEGER_CLASSES:
+            return "classification", f"label {label!r} holds integers with {distinct} distinct values"
+        return "regression", f"label {label!r} holds integers with {distinct} distinct values (> {MAX_INTEGER_CLASSES})"
+    return "regression", f"label {label!r} holds numbers of type {t}"
+
+
+def resolve_task(files: Sequence[str], spec: FeatureSpec) -> tuple[FeatureSpec, str | None]:
+    """``spec`` with its task decided from the first file when it has none; (spec, why or None)."""
+    if spec.task is not None:
+        return spec, None
+    task, why = infer_task(spec.label, file_head(files[0]))
+    return dataclasses.replace(spec, task=task), why
+
+
 def preflight(files: Sequence[str], spec: FeatureSpec) -> pa.Schema:
     """Check every file's columns and types; raise ``SchemaError`` naming the first bad one."""
     schema = None
     nonempty = False
     for path in files:
-        s = file_schema(path)
-        F.check_schema(s, spec, where=path)
-        schema = schema or s
-        nonempty = nonempty or FileSystems.match([path])[0].metadata_list[0].size_in_bytes > len(",".join(s.names)) + 1
+        head = file_head(path)
+        F.check_schema(head.schema, spec, where=path)
+        schema = schema or head.schema
+        nonempty = nonempty or head.num_rows > 0
     if not nonempty:
         raise F.SchemaError(f"the input is empty: {', '.join(files)} hold no rows")
+    if spec.time_column and spec.valid_from is not None and spec.test_from is not None:
+        lo, hi = (F.time_cutoff(spec.valid_from, spec.time_format), F.time_cutoff(spec.test_from, spec.time_format))
+        if lo > hi:
+            raise F.SchemaError(f"--valid-from {spec.valid_from} is after --test-from {spec.test_from}: the "
+                                f"validation period must come before the test period")
     return schema
+
+
+class SplitError(ValueError):
+    """A split of the dataset is empty; the message names the column, its range and the cutoffs."""
+
+
+def check_splits(manifest: dict) -> None:
+    """Raise ``SplitError`` when the train, valid or test split of a dataset has no rows."""
+    rows = manifest.get("rows", {})
+    empty = [s for s in SPLITS if not rows.get(s)]
+    if not empty:
+        return
+    counts = ", ".join(f"{s} {rows.get(s, 0):,}" for s in SPLITS)
+    info = manifest.get("split") or {}
+    spec = manifest.get("spec", {})
+    if info.get("time_column"):
+        fmt = F.format_time
+        lo, hi = info.get("min"), info.get("max")
+        span = (f"runs from {fmt(lo)} to {fmt(hi)}" if lo is not None and hi is not None
+                else "has no readable time in any row")
+        raise SplitError(
+            f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty ({counts} rows): time column "
+            f"{info['time_column']!r} {span}; cutoffs: valid from {fmt(info['valid_from'])}"
+            f"{' (--valid-from ' + str(spec.get('valid_from')) + ')' if spec.get('valid_from') else ' (by fraction)'}, "
+            f"test from {fmt(info['test_from'])}"
+            f"{' (--test-from ' + str(spec.get('test_from')) + ')' if spec.get('test_from') else ' (by fraction)'}. "
+            f"Choose --valid-from/--test-from inside the column's range (train < valid-from <= valid < test-from <= test)"
+            f"{'' if spec.get('time_format') else ', or set --time-format if the times are read wrongly'}")
+    raise SplitError(f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty ({counts} rows; "
+                     f"random split {spec.get('fractions')} by --seed): the table is too small to split; give more rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,14 +206,14 @@ class ValidateRows(beam.PTransform):
 
 
 class _TimeRange(beam.CombineFn):
-    def __init__(self, column: str):
-        self._col = column
+    def __init__(self, column: str, time_format: str | None = None):
+        self._col, self._format = column, time_format
 
     def create_accumulator(self):
         return (np.inf, -np.inf)
 
     def add_input(self, acc, batch):
-        t = F._time_values(batch.column(self._col))
+        t = F.time_seconds(batch.column(self._col), self._format)
         t = t[np.isfinite(t)]
         return (min(acc[0], t.min()), max(acc[1], t.max())) if t.size else acc
 
@@ -117,21 +225,29 @@ class _TimeRange(beam.CombineFn):
         return acc
 
 
-def _cutoffs(spec: FeatureSpec, rows, *, label: str):
-    """Side input with (valid_from, test_from) in the time column's units, or None."""
+def _time_range(spec: FeatureSpec, rows, *, label: str):
+    """A PCollection of one (min, max) of the time column over the valid rows, or of None."""
     if not spec.time_column:
-        return beam.pvalue.AsSingleton(rows.pipeline | f"{label}NoCutoffs" >> beam.Create([None]))
+        return rows.pipeline | f"{label}NoTimeRange" >> beam.Create([None])
+    return rows | f"{label}TimeRange" >> beam.CombineGlobally(_TimeRange(spec.time_column, spec.time_format))
+
+
+def _cutoffs(spec: FeatureSpec, time_range, *, label: str):
+    """Side input with (valid_from, test_from) in seconds, or None (a random split)."""
+    if not spec.time_column:
+        return beam.pvalue.AsSingleton(time_range)
     if spec.valid_from and spec.test_from:
-        fixed = (F.time_cutoff(spec.valid_from), F.time_cutoff(spec.test_from))
-        return beam.pvalue.AsSingleton(rows.pipeline | f"{label}Cutoffs" >> beam.Create([fixed]))
+        fixed = (F.time_cutoff(spec.valid_from, spec.time_format), F.time_cutoff(spec.test_from, spec.time_format))
+        return beam.pvalue.AsSingleton(time_range.pipeline | f"{label}Cutoffs" >> beam.Create([fixed]))
     f_train, f_valid, _ = spec.fractions
 
     def by_fraction(rng):
         lo, hi = rng
+        if not np.isfinite(lo):
+            return (0.0, 0.0)
         return (lo + (hi - lo) * f_train, lo + (hi - lo) * (f_train + f_valid))
 
-    return beam.pvalue.AsSingleton(rows | f"{label}TimeRange" >> beam.CombineGlobally(_TimeRange(spec.time_column))
-                                   | f"{label}ByFraction" >> beam.Map(by_fraction))
+    return beam.pvalue.AsSingleton(time_range | f"{label}ByFraction" >> beam.Map(by_fraction))
 
 
 class _AssignSplitsFn(beam.DoFn):
@@ -185,71 +301,120 @@ def _sum_counts(pairs) -> dict:
     return out
 
 
+class _FeaturizeFn(beam.DoFn):
+    def __init__(self, spec: FeatureSpec):
+        self._spec = spec
+
+    def process(self, pair, stats):
+        split, batch = pair
+        features, letters = F.featurize_rows(batch, self._spec, stats)
+        if features.num_rows:
+            yield split, features
+        for letter in letters:
+            yield beam.pvalue.TaggedOutput(ERRS, letter)
+
+
 class FeaturizeSplits(beam.PTransform):
-    """(split, valid batch) -> (split, feature batch), with the training statistics."""
+    """(split, valid batch) -> (split, feature batch) with the training statistics, and ``errs``:
+    a dead letter per row whose label has no target (a class the training split never saw)."""
 
     def __init__(self, spec: FeatureSpec, stats):
         super().__init__()
         self._spec, self._stats = spec, stats
 
     def expand(self, split_batches):
-        spec = self._spec
-        return split_batches | beam.Map(
-            lambda pair, stats: (pair[0], F.featurize(pair[1], spec, stats)),
-            stats=beam.pvalue.AsSingleton(self._stats))
+        return split_batches | beam.ParDo(_FeaturizeFn(self._spec), stats=beam.pvalue.AsSingleton(self._stats)
+                                          ).with_outputs(ERRS, main="features")
 
 
 def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters_path: str | None,
               extra_checks: ExtraChecks | None = None,
-              extra_metadata: dict | None = None, rows_in=None, overwrite: bool = True):
+              extra_metadata: dict | None = None, rows_in=None, overwrite: bool = True, read_errs=None):
     """Wire the ETL after a reader; returns the PCollection holding the written manifest.
 
     ``rows_in`` counts the reader's rows (default: rows of ``raw_batches``); give it when
     rows were rejected before ``raw_batches`` (e.g. by a join's own checks) and fold those
-    rejections into ``raw_batches``' dead letters yourself.
+    rejections into ``raw_batches``' dead letters yourself. ``read_errs``: the reader's own
+    dead letters (``ReadFromFiles(..., with_errors=True)``), counted in and written out.
     """
     rows, errs = raw_batches | "ValidateRows" >> ValidateRows(spec, extra_checks)
-    cutoffs = _cutoffs(spec, rows, label="Split")
+    time_range = _time_range(spec, rows, label="Split")
+    cutoffs = _cutoffs(spec, time_range, label="Split")
     split_batches = rows | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs)
     train = (split_batches | "TrainOnly" >> beam.Filter(lambda kv: kv[0] == "train")
              | "TrainBatches" >> beam.Values())
     stats = train | "ComputeStats" >> ComputeStats(spec)
-    featurized = split_batches | "Featurize" >> FeaturizeSplits(spec, stats)
+    featurized, unknown = split_batches | "Featurize" >> FeaturizeSplits(spec, stats)
+    errs = [errs, unknown] + ([read_errs] if read_errs is not None else [])
+    errs = errs | "AllDeadLetters" >> beam.Flatten()
 
     if rows_in is None:
-        rows_in = raw_batches | "CountIn" >> beam.Map(lambda b: b.num_rows) | "SumIn" >> beam.CombineGlobally(sum)
+        counts_in = raw_batches | "CountIn" >> beam.Map(lambda b: b.num_rows)
+        if read_errs is not None:
+            counts_in = (counts_in, read_errs | "CountReadErrs" >> beam.Map(lambda _: 1)) | "CountsIn" >> beam.Flatten()
+        rows_in = counts_in | "SumIn" >> beam.CombineGlobally(sum)
     rows_out = (featurized | "CountOut" >> beam.MapTuple(lambda split, b: (split, b.num_rows))
                 | "SumOut" >> beam.combiners.ToList() | "OutDict" >> beam.Map(_sum_counts))
     dead = (errs | "CountDead" >> beam.Map(lambda d: (d.reason, 1))
             | "SumDead" >> beam.combiners.ToList() | "DeadDict" >> beam.Map(_sum_counts))
     extra = dict(extra_metadata or {})
 
-    def metadata(stats_, n_in, out, dead_):
+    def metadata(stats_, n_in, out, dead_, rng, cut):
         n_out, n_dead = sum(out.values()), sum(dead_.values())
         if n_in != n_out + n_dead:
             raise RuntimeError(f"row counts do not reconcile: in {n_in} != out {n_out} + dead letters {n_dead}")
-        return {**extra, "spec": spec.to_dict(), "stats": stats_,
+        split = None
+        if spec.time_column:
+            lo, hi = rng
+            split = {"time_column": spec.time_column, "min": float(lo) if np.isfinite(lo) else None,
+                     "max": float(hi) if np.isfinite(hi) else None, "valid_from": cut[0], "test_from": cut[1]}
+        return {**extra, "spec": spec.to_dict(), "stats": stats_, "split": split,
                 "counts": {"in": n_in, "out": n_out, "dead_letters": n_dead, "out_by_split": out,
                            "dead_letters_by_reason": dead_}}
 
     meta = stats | "Metadata" >> beam.Map(metadata, n_in=beam.pvalue.AsSingleton(rows_in),
                                           out=beam.pvalue.AsSingleton(rows_out),
-                                          dead_=beam.pvalue.AsSingleton(dead))
+                                          dead_=beam.pvalue.AsSingleton(dead),
+                                          rng=beam.pvalue.AsSingleton(time_range), cut=cutoffs)
     if dead_letters_path:
         _ = errs | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
     return featurized | "WriteDataset" >> WriteDataset(dataset_path, metadata=meta, overwrite=overwrite)
 
 
+def _remove_temporaries(dataset_path: str, dead_letters_path: str | None) -> None:
+    """What a failed run leaves: the dataset's ``.tmp-*`` directory and Beam's ``beam-temp-*``."""
+    dataset = Path(dataset_path).resolve()
+    for tmp in dataset.parent.glob(f"{dataset.name}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dead_letters_path:
+        dead = Path(dead_letters_path)
+        for tmp in dead.parent.glob("beam-temp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: str,
                     dead_letters_path: str | None, options) -> dict:
-    """Pre-flight the files, run the ETL, return the manifest."""
+    """Pre-flight the files, run the ETL, return the manifest.
+
+    Files are read with the declared column types (``features.read_types``): a row that cannot
+    be read or whose value does not fit becomes a dead letter naming its file and line. A
+    failure leaves no temporary directory behind; an empty split is a ``SplitError``.
+    """
     from connectors.dataset import read_manifest
 
     files = expand_inputs(inputs)
+    spec, _ = resolve_task(files, spec)
     preflight(files, spec)
-    with beam.Pipeline(options=options) as p:
-        raw = p | "ReadFiles" >> ReadFromFiles(files, with_source=True,
-                                               columns=[*spec.input_columns])
-        build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
-                  extra_metadata={"inputs": files})
-    return read_manifest(dataset_path)
+    try:
+        with beam.Pipeline(options=options) as p:
+            raw, read_errs = p | "ReadFiles" >> ReadFromFiles(
+                files, with_source=True, columns=[*spec.input_columns], column_types=F.read_types(spec),
+                with_errors=True)
+            build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
+                      extra_metadata={"inputs": files}, read_errs=read_errs)
+    except BaseException:
+        _remove_temporaries(dataset_path, dead_letters_path)
+        raise
+    manifest = read_manifest(dataset_path)
+    check_splits(manifest)
+    return manifest

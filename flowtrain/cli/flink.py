@@ -1,0 +1,91 @@
+"""``flowtrain flink start|stop|status``: a local Apache Flink session cluster for Beam pipelines,
+and the ``--runner flink`` / ``--flink-master`` options of ``flowtrain batch`` and ``flowtrain stream``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "flink", help="start, stop or inspect a local Apache Flink cluster (JobManager, TaskManagers, Beam job server)",
+        description="A Flink 1.19 session cluster on 127.0.0.1 (a JobManager and N TaskManagers), Beam's Flink "
+                    "job server and a worker pool for the Python SDK workers, from Maven jars resolved with mvn on "
+                    "first use into ~/.cache/flowtrain/flink (or $FLOWTRAIN_CACHE). Then run pipelines there with "
+                    "`flowtrain batch --runner flink` or `flowtrain stream pipeline --runner flink`.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["start", "stop", "status"], help="start (no-op if running), stop, or status")
+    p.add_argument("--taskmanagers", type=int, default=2, help="TaskManager processes (default 2)")
+    p.add_argument("--slots", type=int, default=1, help="task slots per TaskManager (default 1); the default "
+                   "parallelism of a job is TASKMANAGERS x SLOTS")
+    p.add_argument("--rest-port", type=int, default=8081, help="JobManager REST port on 127.0.0.1 (default 8081)")
+    p.add_argument("--job-port", type=int, default=8099, help="Beam job server port on 127.0.0.1 (default 8099)")
+    p.add_argument("--data-dir", default=None, help="config, logs, state and scratch files (default "
+                   "$FLOWTRAIN_FLINK_DIR or ~/.cache/flowtrain/flink-cluster; --runner flink uses the same)")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds to wait for every TaskManager to register (default 180)")
+    p.add_argument("--json", action="store_true", help="status as one JSON object")
+    p.set_defaults(func=_flink)
+
+
+def _flink(args: argparse.Namespace) -> int:
+    from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink
+
+    kwargs = {"taskmanagers": args.taskmanagers, "slots": args.slots, "rest_port": args.rest_port,
+              "job_port": args.job_port}
+    if args.data_dir:
+        kwargs["data_dir"] = args.data_dir
+    try:
+        cluster = LocalFlink(**kwargs)
+        if args.action == "start":
+            cluster.start(timeout_s=args.timeout)
+            if args.data_dir:
+                print(f"  use it: {DIR_ENV}={cluster.data_dir} flowtrain batch --runner flink ...")
+        elif args.action == "stop":
+            cluster.stop()
+        else:
+            status = cluster.status()
+            if args.json:
+                print(json.dumps(status))
+            elif status["running"]:
+                procs = ", ".join(f"{name} {p['pid']}" for name, p in status["processes"].items())
+                print(f"flink: running (Flink {status['versions']['flink']}, Beam runner "
+                      f"{status['versions']['beam_runner']}), {status.get('taskmanagers', '?')} TaskManager(s), "
+                      f"{status.get('slots', '?')} slot(s) ({status.get('slots_available', '?')} free), "
+                      f"{status.get('jobs_running', '?')} job(s) running\n"
+                      f"  REST        {status['rest']}\n  job server  {status['job_endpoint']}\n"
+                      f"  worker pool {status['worker_pool']}\n  processes   {procs}\n  logs        {status['logs']}")
+            else:
+                print(f"flink: not running (data dir {status['data_dir']})")
+                return 3
+    except FlinkError as err:
+        print(f"flowtrain flink {args.action}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --- the runner options of the pipeline commands --------------------------------------------------
+def add_runner_options(parser: argparse.ArgumentParser) -> None:
+    """``--runner`` and ``--flink-master`` for a command that runs Beam pipelines."""
+    g = parser.add_argument_group("where the Beam pipeline runs")
+    g.add_argument("--runner", default=None,
+                   help="flink: the local Flink cluster of `flowtrain flink start` (its directory from "
+                        "$FLOWTRAIN_FLINK_DIR), or --flink-master's; any other value is Beam's --runner "
+                        "(FnApiRunner, PrismRunner, DataflowRunner, ...). Default: Beam's FnApiRunner for batch "
+                        "ETL, Prism for streaming")
+    g.add_argument("--flink-master", default=None, metavar="HOST:PORT",
+                   help="with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam "
+                        "starts its Flink job server from flowtrain's jars. Give the SDK workers' environment too: "
+                        "--environment_type=EXTERNAL --environment_config=HOST:PORT (a worker pool on every "
+                        "TaskManager host: python -m flowtrain.local.flink.worker_pool) or PROCESS")
+
+
+def with_runner(args: argparse.Namespace, beam_args: list[str], command: str) -> list[str]:
+    """``beam_args`` with the Beam options that ``--runner`` / ``--flink-master`` stand for in front."""
+    from flowtrain.local.runners import RunnerError, runner_args
+
+    try:
+        return runner_args(getattr(args, "runner", None), getattr(args, "flink_master", None), beam_args) + beam_args
+    except RunnerError as err:
+        raise SystemExit(f"flowtrain {command}: {err}") from None

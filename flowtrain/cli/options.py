@@ -1,0 +1,443 @@
+"""Command-line options, one way for every command: defaults, --config YAML, checks, Beam options.
+
+- **Defaults live in the config dataclasses** (``TrainConfig``, ``StreamTrainConfig``,
+  ``StreamConfig``, ``LaunchConfig``). An option names its default with
+  ``default=config_default("module:Class.field")``: ``--help`` shows it, the dataclass applies it.
+- **The command line wins over --config, but only for what it says.** An option counts as given
+  when it appears on the command line; a ``store_true`` flag that is absent does not turn a YAML
+  ``resume: true`` off.
+- **YAML keys are option names** (``-`` or ``_``); an unknown key, or a value of the wrong type or
+  out of range, is an error naming the key and the file. Values go through the option's own
+  ``type``, so YAML and the command line are checked alike.
+- **Ranges** are option types (``at_least(1)``, ``above(0)``, ``fraction()``): argparse names the
+  option in its message, ``--config`` names the key.
+- **Options flowtrain does not know** must be Beam pipeline options (checked against Beam's own
+  option classes) or come after ``--`` (passed to Beam unchecked, e.g. a custom runner's).
+- ``--kafka-config KEY=VALUE``: the key must be a kafka-python option every client takes; the value
+  is typed (bool, int, float or text) by the option's default.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+#: Parser defaults attached by the commands; not options.
+INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help"})
+
+
+class OptionError(ValueError):
+    """A bad option, YAML key or input path; the message names it and says what to do."""
+
+
+# --- defaults that live in the config dataclasses ---------------------------------------------------
+class ConfigDefault:
+    """An argparse default that only *names* a dataclass field's default.
+
+    ``--help`` prints it (``%(default)s``); as a parsed value it means "not given", and the code
+    that builds the dataclass lets the dataclass apply it. The module is imported only when the
+    value is needed, so ``flowtrain --help`` stays fast.
+    """
+
+    def __init__(self, ref: str):
+        module, sep, attr = ref.partition(":")
+        if not sep or "." not in attr:
+            raise ValueError(f"config_default({ref!r}): expected 'module:Class.field'")
+        self.ref, self.module, (self.cls, self.field) = ref, module, attr.split(".", 1)
+
+    def value(self) -> Any:
+        cls = getattr(importlib.import_module(self.module), self.cls)
+        for f in dataclasses.fields(cls):
+            if f.name == self.field:
+                if f.default is not dataclasses.MISSING:
+                    return f.default
+                if f.default_factory is not dataclasses.MISSING:
+                    return f.default_factory()
+                raise ValueError(f"{self.ref} has no default")
+        raise ValueError(f"{self.ref}: no such field")
+
+    def __str__(self) -> str:
+        return format_value(self.value())
+
+    def __repr__(self) -> str:
+        return f"config_default({self.ref!r})"
+
+
+class Options(argparse.Namespace):
+    """The parsed options; an option left at its ``config_default`` reads as the dataclass's value
+    (imported on first access, so a command imports only the configs it uses)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if isinstance(value, ConfigDefault):
+            value = value.value()
+            setattr(self, name, value)
+        return value
+
+
+def config_default(ref: str) -> ConfigDefault:
+    """``default=config_default("flowtrain.train.loop:TrainConfig.epochs")``."""
+    return ConfigDefault(ref)
+
+
+def format_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# --- types that check ranges (the same for the command line and YAML) -------------------------------
+def _number(text: str, kind: type) -> float | int:
+    try:
+        value = kind(str(text).strip())
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def at_least(lo: float, kind: type = int) -> Callable[[str], Any]:
+    """A number >= ``lo`` (``kind`` int or float)."""
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {noun} >= {lo:g}, got {text}")
+        return value
+
+    parse.__name__ = f"{noun} >= {lo:g}"
+    return parse
+
+
+def above(lo: float) -> Callable[[str], float]:
+    """A number > ``lo``."""
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if value <= lo:
+            raise argparse.ArgumentTypeError(f"must be a number > {lo:g}, got {text}")
+        return value
+
+    parse.__name__ = f"a number > {lo:g}"
+    return parse
+
+
+def fraction(*, inclusive_high: bool = False) -> Callable[[str], float]:
+    """A number in [0, 1) (or [0, 1])."""
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if value < 0 or value > 1 or (value == 1 and not inclusive_high):
+            raise argparse.ArgumentTypeError(f"must be in [0, 1{']' if inclusive_high else ')'}, got {text}")
+        return value
+
+    parse.__name__ = f"a number in [0, 1{']' if inclusive_high else ')'}"
+    return parse
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers >= 1, e.g. hidden sizes ``256,128``."""
+    if isinstance(text, (tuple, list)):
+        text = ",".join(str(t) for t in text)
+    parts = [p.strip() for p in str(text).strip("[]()").split(",") if p.strip()]
+    out = []
+    for p in parts:
+        try:
+            out.append(int(p))
+        except ValueError:
+            out = []
+            break
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers >= 1 such as 256,128, "
+                                         f"got {text!r}")
+    return tuple(out)
+
+
+# --- which options were given, YAML, merging ----------------------------------------------------------
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``[ours..., "--", beam...]`` -> (ours, beam): everything after ``--`` goes to Beam unchecked."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return list(argv), []
+
+
+def _optional_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.dest not in INTERNAL]
+
+
+def given(top: argparse.ArgumentParser, sub: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The options of ``sub`` that ``argv`` gives explicitly (parsed again with every default suppressed)."""
+    actions = _optional_actions(sub)
+    saved = {a: a.default for a in actions}
+    try:
+        for a in actions:
+            a.default = argparse.SUPPRESS
+        ns, _ = top.parse_known_args(argv)
+    finally:
+        for a, d in saved.items():
+            a.default = d
+    return {a.dest for a in actions if hasattr(ns, a.dest)}
+
+
+def option_name(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len)
+
+
+def load_config(path: str | Path, sub: argparse.ArgumentParser) -> dict[str, Any]:
+    """A --config YAML file as {dest: typed value}, checked against ``sub``'s options."""
+    import yaml
+
+    path = Path(path)
+    where = f"--config {path}"
+    if not path.is_file():
+        raise OptionError(f"{where}: no such file" if not path.exists() else f"{where} is not a file")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise OptionError(f"{where} is not valid YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise OptionError(f"{where} must hold a mapping of option: value (e.g. 'epochs: 5'), "
+                          f"not a {type(loaded).__name__}")
+    actions = {a.dest: a for a in _optional_actions(sub) if a.dest != "config"}
+    out: dict[str, Any] = {}
+    unknown = []
+    for key, value in loaded.items():
+        dest = str(key).strip().lstrip("-").replace("-", "_")
+        if dest not in actions:
+            unknown.append(str(key))
+            continue
+        typed = _coerce(actions[dest], value, f"{where}: {key}")
+        if typed is not None:
+            out[dest] = typed
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key.replace("-", "_"), list(actions), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise OptionError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+                          f"the keys are this command's options: {', '.join(sorted(actions))}")
+    return out
+
+
+def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
+    """A YAML value through the option's own rules (flag, list, type, choices)."""
+    flag = option_name(action)
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true and friends
+        if not isinstance(value, bool):
+            raise OptionError(f"{where}: {value!r} is not true or false (the flag {flag})")
+        return value if action.const is True else (not value if action.const is False else value)
+    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - argparse's own class
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, dict):
+            items = [f"{k}={format_value(v)}" for k, v in value.items()]
+        return [_coerce_one(action, item, where, flag) for item in items]
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return _coerce_one(action, value, where, flag)
+
+
+def _coerce_one(action: argparse.Action, value: Any, where: str, flag: str) -> Any:
+    if isinstance(value, bool):
+        raise OptionError(f"{where}: {value!r} is not a valid value for {flag} (a true/false flag value "
+                          f"where {flag} takes {_takes(action)})")
+    if isinstance(value, (dict, list)):
+        raise OptionError(f"{where}: expected one value for {flag}, got a {type(value).__name__}")
+    text = format_value(value)
+    try:
+        typed = action.type(text) if action.type else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as err:
+        raise OptionError(f"{where}: {err} ({flag} takes {_takes(action)})") from None
+    if action.choices is not None and typed not in action.choices:
+        raise OptionError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return typed
+
+
+def _takes(action: argparse.Action) -> str:
+    if action.choices:
+        return "one of " + ", ".join(map(str, action.choices))
+    name = getattr(action.type, "__name__", None)
+    return {"int": "a whole number", "float": "a number", "sizes": "comma-separated sizes such as 256,128",
+            None: "text"}.get(name, name or "text")
+
+
+def resolve(top: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Merge YAML and the command line into ``args`` (command line wins where it spoke); return
+    the options that were set (YAML or command line), as ``{dest: value}``.
+
+    Afterwards ``args`` holds every option's value: given, from YAML, or (read through
+    ``Options``) the dataclass default.
+    """
+    sub = args.options_parser
+    merged: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        merged.update(load_config(args.config, sub))
+    for dest in given(top, sub, argv):
+        value = getattr(args, dest)
+        if dest != "config" and value is not None:
+            merged[dest] = value
+    for dest, value in merged.items():
+        setattr(args, dest, value)
+    return merged
+
+
+# --- options for Beam ---------------------------------------------------------------------------------
+def check_beam_args(tokens: list[str], ours: Iterable[str] = ()) -> None:
+    """Every token must parse as a Beam pipeline option; else an error naming the unknown ones
+    (with the closest flowtrain or Beam option)."""
+    if not tokens:
+        return
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    seen: dict[str, list[str]] = {}
+
+    def capture(parser) -> None:  # Beam's own parser, with every option class's arguments
+        _, seen["unknown"] = parser.parse_known_args(tokens)
+        seen["known"] = [s for action in parser._actions for s in action.option_strings]
+
+    PipelineOptions(tokens).get_all_options(add_extra_args_fn=capture)
+    unknown = seen.get("unknown") or []
+    if not unknown:
+        return
+    names = []
+    candidates = list(ours) + seen.get("known", [])
+    # a value right after an unknown option belongs to it: name the option only
+    unknown = [t for i, t in enumerate(unknown)
+               if t.startswith("-") or i == 0 or not unknown[i - 1].startswith("-") or "=" in unknown[i - 1]]
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        close = difflib.get_close_matches(name, candidates, n=1) if name.startswith("-") else []
+        names.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+    kind = "option" if all(n.startswith("-") for n in names) else "argument"
+    raise OptionError(f"unknown {kind}{'s' if len(names) > 1 else ''} {', '.join(names)}: neither a flowtrain "
+                      f"option (see --help) nor a Beam pipeline option. Pass options of a runner Beam does not "
+                      f"know after `--`, e.g. `flowtrain batch ... -- --my_runner_option=1`")
+
+
+# --- Kafka client options -------------------------------------------------------------------------------
+_TEXT_KEYS = re.compile(r"(_password|_username|_file|_name|_url|_proxy|_id|_mechanism|_protocol|_cafile|"
+                        r"_certfile|_keyfile|_crlfile|_ciphers)$")
+
+
+def _client_defaults() -> tuple[dict[str, Any], dict[str, set[str]]]:
+    """kafka-python's option defaults common to every client flowtrain makes, and who takes the rest."""
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+    clients = {"consumer": KafkaConsumer.DEFAULT_CONFIG, "producer": KafkaProducer.DEFAULT_CONFIG,
+               "admin": KafkaAdminClient.DEFAULT_CONFIG}
+    common = set.intersection(*(set(c) for c in clients.values()))
+    owners: dict[str, set[str]] = {}
+    for name, cfg in clients.items():
+        for key in cfg:
+            owners.setdefault(key, set()).add(name)
+    return {k: KafkaConsumer.DEFAULT_CONFIG[k] for k in common}, owners
+
+
+def typed_value(text: str, default: Any = None, *, text_only: bool = False) -> Any:
+    """``true``/``false`` -> bool, ``12`` -> int, ``1.5`` -> float, else text; an option whose
+    default is a bool/int/float must get that type."""
+    raw = text.strip()
+    lowered = raw.lower()
+    if text_only:
+        return raw
+    if isinstance(default, bool):
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        raise ValueError("expects true or false")
+    if isinstance(default, int):
+        if re.fullmatch(r"[+-]?\d+", raw):
+            return int(raw)
+        raise ValueError("expects a whole number")
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError("expects a number") from None
+    if isinstance(default, str):
+        return raw
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if re.fullmatch(r"[+-]?\d+", raw):
+        return int(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        return raw
+    return value if math.isfinite(value) else raw
+
+
+def kafka_pair(text: str) -> str:
+    """An argparse type: one ``KEY=VALUE`` checked as ``kafka_config`` checks it (kept as text)."""
+    try:
+        kafka_config([text])
+    except OptionError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--kafka-config ")) from None
+    return text
+
+
+def kafka_config(pairs: Iterable[str] | dict | None) -> dict[str, Any]:
+    """``--kafka-config KEY=VALUE`` (repeated) -> kafka-python keyword arguments for every client."""
+    if not pairs:
+        return {}
+    if isinstance(pairs, dict):
+        pairs = [f"{k}={format_value(v)}" for k, v in pairs.items()]
+    common, owners = _client_defaults()
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = str(pair).partition("=")
+        key = key.strip().replace(".", "_")
+        if not sep or not key:
+            raise OptionError(f"--kafka-config {pair!r}: expected KEY=VALUE with a kafka-python option name, "
+                              f"e.g. security_protocol=SASL_SSL")
+        if key == "bootstrap_servers":
+            raise OptionError("--kafka-config bootstrap_servers: give the brokers with --bootstrap")
+        if key not in common:
+            if key in owners:
+                raise OptionError(f"--kafka-config {key}: only the kafka-python {', '.join(sorted(owners[key]))} "
+                                  f"takes it, and --kafka-config goes to every client (consumer, producer, admin): "
+                                  f"give connection and security options here")
+            close = difflib.get_close_matches(key, sorted(common), n=1)
+            raise OptionError(f"--kafka-config {key}: not a kafka-python client option"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
+        try:
+            out[key] = typed_value(value, common[key], text_only=bool(_TEXT_KEYS.search(key)))
+        except ValueError as err:
+            raise OptionError(f"--kafka-config {key}={value}: {key} {err} (kafka-python's default is "
+                              f"{common[key]!r})") from None
+    return out
+
+
+# --- paths ------------------------------------------------------------------------------------------------
+def usable_dir(path: str | Path, option: str = "--out") -> Path:
+    """A directory we can create or write: an existing file, or a parent we cannot write, is an error."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OptionError(f"{option} {path} is a file, not a directory: give the path of a new or an existing "
+                          f"run directory")
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise OptionError(f"{option} {path}: {probe} is a file, so the directory cannot be created there; "
+                          f"choose another path")
+    target = path if path.exists() else probe
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise OptionError(f"{option} {path}: {target} is not writable; choose a directory you can write")
+    return path

@@ -1,0 +1,148 @@
+"""Provisioning: Beam's Flink runner and the Flink runtime it was built against, from Maven.
+
+``mvn dependency:copy-dependencies`` on the ``pom.xml`` beside this file resolves
+``org.apache.beam:beam-runners-flink-1.19:2.62.0`` with its dependencies (Flink 1.19.0 among
+them, ~160 jars, ~150 MiB) into ``<cache>/flink/beam-2.62.0-flink-1.19/libs``, once per machine.
+The same jars run the JobManager, the TaskManagers and Beam's job server.
+
+Why this pairing: the registry reachable here serves no ``beam-runners-flink-*-job-server``
+(shaded) jar at any version, and 2.62.0 is the newest non-shaded runner whose dependencies all
+resolve (2.70.0 misses ``beam-runners-java-job-service``). Beam's Python SDK 2.77 talks to it
+through the portable job API; Beam does not promise that pairing, the tests hold it.
+
+Two small extras are built into the same directory:
+
+* ``flowtrain-flink-job-server.jar`` (beside ``libs/``): no classes, a manifest whose ``Class-Path`` lists the
+  jars and whose ``Main-Class`` is the job server driver, for Beam's ``FlinkRunner
+  --flink_job_server_jar`` (another cluster: Beam starts the job server itself).
+* ``flowtrain-flink-helpers.jar`` (when a JDK's ``javac`` is present): a Beam resource detector
+  that stages no jars with a job. The local TaskManagers run with the runner's classpath
+  already, so staging it again would upload ~150 MiB per job (~15 s here). Without ``javac``
+  the cluster works the same and every job uploads the classpath.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+from flowtrain.local.paths import cache_root
+
+BEAM_RUNNER_VERSION = "2.62.0"
+FLINK_VERSION = "1.19"  # Beam's runner artifact names the Flink minor version
+NO_STAGING_FACTORY = "dev.flowtrain.flink.NoStagingDetectorFactory"
+JOB_SERVER_MAIN = "org.apache.beam.runners.flink.FlinkJobServerDriver"
+JOB_SERVER_JAR = "flowtrain-flink-job-server.jar"
+HELPERS_JAR = "flowtrain-flink-helpers.jar"
+_HERE = Path(__file__).resolve().parent
+
+
+class FlinkError(RuntimeError):
+    """The Flink cluster could not be provisioned, started or used; the message says what to do."""
+
+
+def require_tool(name: str, purpose: str, install_hint: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise FlinkError(f"`{name}` was not found on PATH; flowtrain needs it {purpose}. {install_hint}")
+    return path
+
+
+def java_major(java: str) -> int:
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+    for token in out.split():  # e.g. 'openjdk version "17.0.15" 2025-04-15'
+        token = token.strip('"')
+        if token[:1].isdigit():
+            head = token.split(".")[0]
+            return int(head) if head != "1" else int(token.split(".")[1])
+    return 0
+
+
+def libs_dir() -> Path:
+    return cache_root() / "flink" / f"beam-{BEAM_RUNNER_VERSION}-flink-{FLINK_VERSION}" / "libs"
+
+
+def _manifest_line(text: str) -> bytes:
+    """A manifest header wrapped at 72 bytes, continuation lines starting with a space."""
+    raw, out = text.encode(), []
+    out.append(raw[:72])
+    raw = raw[72:]
+    while raw:
+        out.append(b" " + raw[:71])
+        raw = raw[71:]
+    return b"\r\n".join(out) + b"\r\n"
+
+
+def _write_job_server_jar(libs: Path) -> None:
+    jars = sorted(libs.glob("*.jar"))
+    manifest = (b"Manifest-Version: 1.0\r\n" + _manifest_line(f"Main-Class: {JOB_SERVER_MAIN}")
+                + _manifest_line("Class-Path: " + " ".join(p.resolve().as_uri() for p in jars)) + b"\r\n")
+    with zipfile.ZipFile(libs.parent / JOB_SERVER_JAR, "w") as jar:  # beside libs/, not on its classpath
+        jar.writestr("META-INF/MANIFEST.MF", manifest)
+
+
+def _build_helpers(libs: Path, *, quiet: bool) -> bool:
+    """Compile the no-staging detector into a jar in ``libs``; False when no ``javac`` exists."""
+    javac = shutil.which("javac")
+    if javac is None:
+        if not quiet:
+            print("flink: no `javac` (a JDK) on PATH: jobs on the local cluster will upload the runner's "
+                  "classpath (~150 MiB) each time. Install a JDK 11+ to skip that.", flush=True)
+        return False
+    classes = libs.parent / "helper-classes"
+    shutil.rmtree(classes, ignore_errors=True)
+    proc = subprocess.run([javac, "--release", "11", "-nowarn", "-cp", str(libs / "*"), "-d", str(classes),
+                           str(_HERE / "NoStagingDetectorFactory.java")], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise FlinkError(f"compiling flowtrain's Flink helper failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with zipfile.ZipFile(libs / HELPERS_JAR, "w") as jar:
+        jar.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\r\n\r\n")
+        for path in sorted(classes.rglob("*.class")):
+            jar.write(path, path.relative_to(classes).as_posix())
+    shutil.rmtree(classes, ignore_errors=True)
+    return True
+
+
+def provisioned(libs: Path | None = None) -> dict | None:
+    """What ``ensure_jars`` recorded (versions, whether the helper jar exists), or None."""
+    marker = (libs or libs_dir()) / ".complete"
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def ensure_jars(*, quiet: bool = False) -> Path:
+    """Resolve the runner and Flink jars once per machine; return the directory that holds them."""
+    libs = libs_dir()
+    if provisioned(libs) is not None:
+        return libs
+    mvn = require_tool("mvn", "to fetch Beam's Flink runner and the Flink jars from the Maven registry",
+                       "Install Apache Maven 3.8+ (Debian: `apt-get install maven`).")
+    tmp = libs.with_name("libs.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [mvn, "-B", "-q", "-f", str(_HERE / "pom.xml"), f"-Dbeam.runner.version={BEAM_RUNNER_VERSION}",
+           f"-Dflink.minor={FLINK_VERSION}", "dependency:copy-dependencies", f"-DoutputDirectory={tmp}",
+           "-DincludeScope=runtime"]
+    if not quiet:
+        print(f"flink: resolving org.apache.beam:beam-runners-flink-{FLINK_VERSION}:{BEAM_RUNNER_VERSION} "
+              f"(and Flink {FLINK_VERSION}) with mvn into {libs}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise FlinkError(f"mvn could not resolve Beam's Flink runner {BEAM_RUNNER_VERSION}:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    helpers = _build_helpers(tmp, quiet=quiet)
+    shutil.rmtree(libs, ignore_errors=True)
+    tmp.rename(libs)
+    _write_job_server_jar(libs)  # absolute jar URLs: written where the jars finally live
+    (libs / ".complete").write_text(json.dumps({
+        "beam_runner": BEAM_RUNNER_VERSION, "flink": FLINK_VERSION, "no_staging_helper": helpers,
+        "jars": len(list(libs.glob("*.jar")))}))
+    return libs
+
+
+def job_server_jar() -> Path:
+    """The manifest-only jar for ``FlinkRunner --flink_job_server_jar`` (resolved on first use)."""
+    return ensure_jars().parent / JOB_SERVER_JAR

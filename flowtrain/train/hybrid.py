@@ -1,0 +1,179 @@
+"""The D x S x T engine of ``fit``: pipeline stages and tensor shards of the model, with replicas.
+
+``fit`` uses it when ``--stages`` or ``--tensor-parallel`` is above 1 (``DataParallelEngine``
+otherwise). Every rank holds tensor shard t of stage s of the model for replica d
+(``flowtrain.parallel.grid``); one code path for every shape of the grid:
+
+1. rank 0 cuts the ``nn.Sequential`` into S stages by measured cost and broadcasts the cut;
+2. each stage is split by its tensor plan (``flowtrain.parallel.tensor``: column/row pairs,
+   vocabulary-parallel tables; T = 1 leaves it whole);
+3. a ``StageWorker`` runs the schedule (1F1B or GPipe; with one stage, one micro-batch), its
+   tensor shards all-reduce inside the layers, activations cross stages on the pipeline's
+   groups, and the replicas of a (stage, shard) reduce gradient sums and counts on their
+   data-parallel group;
+4. every rank steps its own parameters with the same optimizer.
+
+The device holds this rank's shard only; the whole model, which ``sync_model`` fills, lives in
+host memory.
+
+The random state is seeded per replica and stage, never per shard (``rng_rank``), so the shards
+of a tensor group draw the same dropout masks. ``sync_model`` gathers the shards and stages
+into the whole model on every rank (for evaluation and checkpoints).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flowtrain.parallel import DistContext
+from flowtrain.parallel.device import cpu_state
+from flowtrain.parallel.grid import Grid, build_groups
+from flowtrain.parallel.pipeline import StageWorker, replica_rows
+from flowtrain.parallel.schedules import SCHEDULES
+from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with_bounds, stage_module
+from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
+from flowtrain.train.model import pack
+
+__all__ = ["GridEngine"]
+
+
+class GridEngine:
+    """Each rank trains its tensor shard of its pipeline stage of the model, for its replica."""
+
+    def __init__(self, model: nn.Sequential, ctx: DistContext, config, loss_fn: nn.Module, sample: torch.Tensor,
+                 *, device: torch.device | str = "cpu"):
+        self.ctx, self.model, self.device = ctx, model, torch.device(device)
+        stages, tensor = int(config.stages), int(config.tensor_parallel)
+        self.grid = Grid.from_world(ctx.world_size, stages=stages, tensor=tensor)
+        self.groups = build_groups(self.grid, ctx.rank)
+        pos = self.pos = self.groups.pos
+        sample = sample.cpu()
+        on_cpu = model if all(p.device.type == "cpu" for p in model.parameters()) else _cpu_copy(model)
+        if stages > 1:  # rank 0 measures the layers and decides the cut; every rank uses it
+            plan = plan_stages(on_cpu, stages, sample) if ctx.is_main else None
+            shared = [plan.bounds if plan else None]
+            dist.broadcast_object_list(shared, src=0)
+            self.plan = plan if plan is not None else plan_with_bounds(on_cpu, shared[0], sample)
+        else:
+            self.plan = plan_with_bounds(on_cpu, [(0, len(model))], sample)
+        del on_cpu
+        self.tensor_plans = [plan_tensor_parallel(stage_module(model, self.plan, s), tensor) for s in range(stages)]
+        self.tg = TensorGroup(self.groups.tensor, pos.tensor, tensor)
+        self.module = shard_module(stage_module(model, self.plan, pos.stage), self.tensor_plans[pos.stage],
+                                   self.tg).to(self.device)
+        # The device holds this rank's shard of its stage; the whole model (evaluation, checkpoints)
+        # stays in host memory, or stages and shards would save no device memory.
+        model.to("cpu")
+        if ctx.is_main:
+            print(self.describe(), flush=True)
+        microbatches = int(config.microbatches) if stages > 1 else 1
+        in_shape = self.plan.out_shapes[pos.stage - 1] if pos.stage else tuple(sample.shape[1:])
+        self.worker = StageWorker(self.module, pos, self.groups.data, SCHEDULES[config.schedule](stages, microbatches),
+                                  microbatches, in_shape, loss_fn, bucket_mb=config.bucket_mb,
+                                  p2p_groups=(self.groups.forward, self.groups.backward), device=self.device)
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.rng_rank = pos.replica * stages + pos.stage  # shards of a tensor group draw alike
+        self._states: list[dict] | None = None
+        self._shards: list[list[dict]] | None = None
+
+    def describe(self) -> str:
+        """The grid (which rank does what), the stage plan and each stage's tensor plan."""
+        roles = {}
+        for rank in range(self.grid.world_size):
+            p = self.grid.position(rank)
+            a, b = self.plan.bounds[p.stage]
+            roles[rank] = f"layers {a}-{b - 1}" + (f", shard {p.tensor + 1}/{self.grid.tensor}" if self.grid.tensor > 1
+                                                   else "")
+        parts = [f"grid: {self.grid.describe()}", self.grid.table(roles)]
+        if self.grid.stages > 1:
+            parts.append(self.plan.table(self.model))
+        if self.grid.tensor > 1:
+            for s, tp in enumerate(self.tensor_plans):
+                parts.append((f"stage {s}: " if self.grid.stages > 1 else "") + tp.table())
+        return "\n".join(parts)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, batch, target: torch.Tensor) -> tuple[int, float]:
+        pos = self.pos
+        lo, hi = replica_rows(len(batch), pos)
+        x = pack(batch.x_num[lo:hi], batch.x_cat[lo:hi]) if pos.is_first else None
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.worker.step(x, target[lo:hi] if pos.is_last else None, hi - lo)
+        self.optimizer.step()
+        counts = pos.is_last and pos.tensor == 0  # each replica's loss once, not once per shard
+        totals = torch.tensor([stats.loss_sum, float(hi - lo)] if counts else [0.0, 0.0], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(totals)  # the loss reaches rank 0 (and everyone)
+        n, loss_sum = int(totals[1]), float(totals[0])
+        return n, loss_sum / n if n else 0.0
+
+    # -- whole-model views ---------------------------------------------------------------------------
+    def _gather(self, obj) -> list:
+        out = [None] * self.ctx.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sync_model(self) -> None:
+        """Bring every stage's and shard's current weights into this rank's whole model."""
+        everyone = self._gather(cpu_state(self.module.state_dict()))
+        g = self.grid
+        self._shards = [[everyone[g.rank_of(0, s, t)] for t in range(g.tensor)] for s in range(g.stages)]
+        self._states = [self.tensor_plans[s].merge(self._shards[s]) for s in range(g.stages)]
+        self.model.load_state_dict(merge_stage_states(self._states))
+
+    def stage_states(self) -> list[dict]:
+        """Each stage's unsharded ``state_dict`` (as of the last ``sync_model``)."""
+        return self._states
+
+    def shard_states(self) -> list[list[dict]]:
+        """[stage][tensor shard] -> that shard's ``state_dict`` (as of the last ``sync_model``);
+        empty without tensor parallelism (the stage states are the shards then)."""
+        return self._shards if self.grid.tensor > 1 else []
+
+    def optimizer_state(self) -> dict:
+        """Every stage's (and shard's) optimizer state, from replica 0; a collective."""
+        everyone = self._gather(cpu_state(self.optimizer.state_dict()))
+        g = self.grid
+        if g.tensor == 1:
+            stages = [everyone[g.rank_of(0, s, 0)] for s in range(g.stages)]
+        else:
+            stages = [{"tensor_shards": [everyone[g.rank_of(0, s, t)] for t in range(g.tensor)]}
+                      for s in range(g.stages)]
+        return {"stages": stages, "grid": {"stages": g.stages, "tensor_parallel": g.tensor}}
+
+    def load(self, model_state: dict, optimizer_state: dict) -> None:
+        """Resume: the whole model's state (cut into this rank's stage and shard) and this
+        rank's optimizer state; the checkpoint must come from the same --stages and
+        --tensor-parallel."""
+        g = self.grid
+        stages = optimizer_state.get("stages")
+        written = optimizer_state.get("grid", {"stages": len(stages) if stages else 1, "tensor_parallel": 1})
+        if stages is None or written["stages"] != g.stages or written["tensor_parallel"] != g.tensor:
+            raise ValueError(f"this checkpoint was written with --stages {written['stages']} --tensor-parallel "
+                             f"{written['tensor_parallel']}: resume it with the same options")
+        self.model.load_state_dict(model_state)
+        stage_keys = set(stage_module(self.model, self.plan, self.pos.stage).state_dict())
+        stage_state = {k: v for k, v in model_state.items() if k in stage_keys}
+        shard = self.tensor_plans[self.pos.stage].shard_state(stage_state, self.pos.tensor)
+        self.module.load_state_dict(shard)
+        mine = stages[self.pos.stage]
+        self.optimizer.load_state_dict(mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine)
+
+    def close(self) -> None:
+        """Wait for outstanding sends, then destroy this engine's process groups."""
+        try:
+            self.worker.close()
+            if dist.is_initialized():
+                dist.barrier()  # no group goes while a peer may still read from it
+        finally:
+            self.groups.close()
+
+
+def _cpu_copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).cpu()

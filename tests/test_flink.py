@@ -1,0 +1,420 @@
+"""Beam pipelines on a real Apache Flink session cluster (#12): a JobManager and 2 TaskManagers
+started from the Maven jars, Beam's Flink job server, Python SDK workers from flowtrain's worker
+pool. One cluster for the session, always stopped; tests fail (never skip) without it.
+
+Each pipeline runs on Flink and on the FnApiRunner (the reference) and the outputs are compared:
+datasets by manifest counts, statistics (with a tolerance: combine order differs), vocabularies
+and rows as multisets per split; Kafka reads by the exact records; the streaming job by
+raw events = feature rows + dead letters across a cancel and a restart, then the trainer's ledger.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from connectors.dataset import read_manifest, read_shard, shard_paths
+from flowtrain.local.flink import DIR_ENV, LocalFlink
+
+CLI = [sys.executable, "-m", "flowtrain.cli"]
+pytestmark = [pytest.mark.flink, pytest.mark.timeout(300)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def flink_cluster(tmp_path_factory, say):
+    cluster = LocalFlink(taskmanagers=2, slots=1, rest_port=_free_port(), job_port=_free_port(),
+                         data_dir=tmp_path_factory.mktemp("flink"))
+    previous = os.environ.get(DIR_ENV)
+    os.environ[DIR_ENV] = str(cluster.data_dir)  # --runner flink (here and in CLI children) finds it
+    try:
+        status = cluster.start(timeout_s=240, quiet=True)
+        say(f"\nflink: session cluster {status['versions']} with {status['taskmanagers']} TaskManagers, "
+            f"{status['slots']} slots, started from jars in {status.get('start_seconds', 0):.1f} s; REST "
+            f"{status['rest']}, job server {status['job_endpoint']}, logs {status['logs']}")
+        yield cluster
+    finally:
+        cluster.stop(timeout_s=30, quiet=True)
+        if previous is None:
+            os.environ.pop(DIR_ENV, None)
+        else:
+            os.environ[DIR_ENV] = previous
+
+
+def _jobs(cluster: LocalFlink) -> list[dict]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{cluster.status()['rest']}/jobs/overview", timeout=10) as resp:
+        return json.loads(resp.read())["jobs"]
+
+
+def _job_vertices(cluster: LocalFlink, jid: str) -> list[dict]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{cluster.status()['rest']}/jobs/{jid}", timeout=10) as resp:
+        return json.loads(resp.read())["vertices"]
+
+
+def _new_finished_job(cluster: LocalFlink, before: set[str]) -> dict:
+    new = [j for j in _jobs(cluster) if j["jid"] not in before]
+    assert len(new) == 1, f"expected one new Flink job, got {new}"
+    assert new[0]["state"] == "FINISHED", new[0]
+    return new[0]
+
+
+# --- comparing datasets -------------------------------------------------------------------------
+def _close(a, b, path="stats") -> None:
+    """Equal structure; floats within 1e-9 relative (Flink combines partial sums in another order)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: {a.keys()} != {b.keys()}"
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{path}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _row_multiset(table: pa.Table) -> Counter:
+    def norm(v):
+        return float(f"{v:.9g}") if isinstance(v, float) else v
+
+    return Counter(tuple(norm(v) for v in row) for row in zip(*(table.column(c).to_pylist()
+                                                                for c in table.column_names)))
+
+
+def _assert_same_dataset(reference: str | Path, flink: str | Path) -> dict:
+    ref, got = read_manifest(reference), read_manifest(flink)
+    assert got["counts"] == ref["counts"] and got["rows"] == ref["rows"]
+    assert got["schema"] == ref["schema"] and got["spec"] == ref["spec"]
+    assert got["stats"]["vocab"] == ref["stats"]["vocab"]  # vocabularies exactly
+    _close(ref["stats"], got["stats"])
+    for split in ref["splits"]:
+        a = pa.concat_tables([read_shard(f) for f in shard_paths(reference, split)])
+        b = pa.concat_tables([read_shard(f) for f in shard_paths(flink, split)])
+        assert b.num_rows == a.num_rows > 0
+        assert _row_multiset(b) == _row_multiset(a), f"split {split}: rows differ"
+    return ref
+
+
+def _dead_letters(path: str | Path) -> Counter:
+    return Counter(Path(path).read_text().splitlines())
+
+
+# --- batch ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(360)
+def test_flights_etl_on_flink_writes_the_same_dataset_as_the_fnapi_runner(flink_cluster, tmp_path):
+    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.batch import export_tables, run_flights_etl
+
+    tables = export_tables(demo_tables_dir())
+    flights = pq.read_table(tables["flights"])
+    pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 40))), tmp_path / "flights.parquet",
+                   row_group_size=2048)  # several row groups: read in parallel by both TaskManagers
+    tables = {**tables, "flights": str(tmp_path / "flights.parquet")}
+    run_flights_etl(dataset_path=str(tmp_path / "fnapi"), dead_letters_path=str(tmp_path / "fnapi-dead.jsonl"),
+                    options=pipeline_options("batch"), tables=tables)
+    before = {j["jid"] for j in _jobs(flink_cluster)}
+    run_flights_etl(dataset_path=str(tmp_path / "flink"), dead_letters_path=str(tmp_path / "flink-dead.jsonl"),
+                    options=pipeline_options("batch", runner="flink"), tables=tables)
+    job = _new_finished_job(flink_cluster, before)
+    assert max(v["parallelism"] for v in _job_vertices(flink_cluster, job["jid"])) == 2  # both TaskManagers
+    manifest = _assert_same_dataset(tmp_path / "fnapi", tmp_path / "flink")
+    assert manifest["counts"]["in"] == len(range(0, flights.num_rows, 40))
+    assert _dead_letters(tmp_path / "flink-dead.jsonl") == _dead_letters(tmp_path / "fnapi-dead.jsonl")
+
+
+def _tabular_inputs(base: Path) -> list[str]:
+    rng = np.random.default_rng(12)
+    n = 3000
+    x1 = rng.normal(size=n)
+    x1[rng.random(n) < 0.03] = np.nan  # a required value missing: a dead letter
+    x2 = rng.uniform(0, 10, n)
+    c = rng.choice(["red", "green", "blue", "grey"], n)
+    y = 2 * x1 + 0.5 * x2 + (c == "green") + rng.normal(0, 0.1, n)
+    table = pa.table({"x1": x1, "x2": x2, "c": c, "y": y})
+    pacsv.write_csv(table.slice(0, 1400), base / "part-a.csv")
+    pq.write_table(table.slice(1400), base / "part-b.parquet", row_group_size=400)
+    return [str(base / "part-a.csv"), str(base / "part-b.parquet")]
+
+
+def _batch_job_only(inputs: list[str], out: Path, *runner: str) -> str:
+    cmd = CLI + ["batch", "--input", inputs[0], "--input", inputs[1], "--label", "y", "--task", "regression",
+                 "--numeric", "x1,x2", "--categorical", "c", "--job-only", "--no-progress", "--out", str(out), *runner]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(360)
+def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_runner(flink_cluster, tmp_path):
+    inputs = _tabular_inputs(tmp_path)
+    _batch_job_only(inputs, tmp_path / "fnapi")
+    before = {j["jid"] for j in _jobs(flink_cluster)}
+    printed = _batch_job_only(inputs, tmp_path / "flink", "--runner", "flink")
+    _new_finished_job(flink_cluster, before)
+    assert "PortableRunner" in printed or "etl:" in printed
+    manifest = _assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
+    assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
+    assert _dead_letters(tmp_path / "flink" / "dead_letters.jsonl") == _dead_letters(
+        tmp_path / "fnapi" / "dead_letters.jsonl")
+
+
+def test_flink_command_start_is_idempotent_and_status_reports_the_cluster(flink_cluster):
+    where = ["--data-dir", str(flink_cluster.data_dir), "--rest-port", str(flink_cluster.rest_port),
+             "--job-port", str(flink_cluster.job_port)]
+    started = subprocess.run(CLI + ["flink", "start", *where], capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0 and "already running" in started.stdout, started.stdout + started.stderr
+    status = subprocess.run(CLI + ["flink", "status", "--json", *where], capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0, status.stderr
+    got = json.loads(status.stdout.strip().splitlines()[-1])
+    assert got["running"] and got["taskmanagers"] == 2 and got["slots"] == 2
+    assert set(got["processes"]) == {"worker-pool", "jobmanager", "taskmanager-1", "taskmanager-2", "job-server"}
+    assert all(p["alive"] for p in got["processes"].values())
+    assert got["rest"] == f"http://127.0.0.1:{flink_cluster.rest_port}"
+
+
+def test_runner_flink_without_a_cluster_and_a_bare_flink_master_are_clear_errors(tmp_path, monkeypatch):
+    from flowtrain.local.runners import RunnerOptionError, pipeline_options
+
+    env = dict(os.environ, **{DIR_ENV: str(tmp_path / "no-cluster")})
+    proc = subprocess.run(CLI + ["batch", "--runner", "flink", "--out", str(tmp_path / "r")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no local Flink cluster is running" in proc.stderr
+    assert "flowtrain flink start" in proc.stderr
+    monkeypatch.setenv(DIR_ENV, str(tmp_path / "no-cluster"))
+    with pytest.raises(RunnerOptionError, match="--environment_type=EXTERNAL"):
+        pipeline_options("batch", runner="flink", flink_master="127.0.0.1:1")
+    with pytest.raises(RunnerOptionError, match="HOST:PORT"):
+        pipeline_options("batch", ["--environment_type=EXTERNAL"], flink_master="no-port")
+    with pytest.raises(RunnerOptionError, match="keep one"):
+        pipeline_options("batch", ["--runner=FnApiRunner"], runner="flink")
+
+
+# --- Kafka ---------------------------------------------------------------------------------------
+@pytest.mark.kafka
+def test_read_from_kafka_stop_end_on_flink_reads_exactly_what_was_produced(flink_cluster, bootstrap, new_topic,
+                                                                          tmp_path):
+    import apache_beam as beam
+    from kafka import KafkaProducer
+
+    from connectors.kafka import ReadFromKafka
+    from flowtrain.local.runners import pipeline_options
+
+    topic = new_topic(3)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    produced = Counter()
+    futures = []
+    for i in range(1500):
+        part = i % 3
+        futures.append((part, i, producer.send(topic, key=f"k{i}".encode(), value=f"v{i}".encode(), partition=part)))
+    producer.flush()
+    for part, i, fut in futures:
+        meta = fut.get(timeout=30)
+        produced[(part, meta.offset, f"k{i}", f"v{i}")] += 1
+    producer.close()
+    before = {j["jid"] for j in _jobs(flink_cluster)}
+    with beam.Pipeline(options=pipeline_options("batch", runner="flink")) as p:
+        _ = (p | ReadFromKafka(bootstrap, topic, stop="end")
+             | beam.Map(lambda r: json.dumps([r.partition, r.offset, r.key.decode(), r.value.decode()]))
+             | beam.io.WriteToText(str(tmp_path / "records"), shard_name_template=""))
+    _new_finished_job(flink_cluster, before)
+    read = Counter(tuple(json.loads(line)) for line in (tmp_path / "records").read_text().splitlines())
+    assert read == produced  # every record once, none invented, all 3 partitions
+
+
+# --- streaming -----------------------------------------------------------------------------------
+def _committed(bootstrap: str, topic: str, group: str) -> tuple[int, int]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic)]
+        return sum(c.committed(tp) or 0 for tp in tps), sum(c.end_offsets(tps).values())
+    finally:
+        c.close()
+
+
+def _read_topic(bootstrap: str, topic: str) -> list:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=4000)
+    c.assign([TopicPartition(topic, p) for p in c.partitions_for_topic(topic)])
+    c.seek_to_beginning()
+    out = list(c)
+    c.close()
+    return out
+
+
+def _cancel_active_jobs(cluster: LocalFlink) -> None:
+    from flowtrain.local.flink.cluster import cancel_flink_jobs
+
+    for job in _jobs(cluster):
+        if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
+            cancel_flink_jobs(cluster.status()["rest"], job["name"])
+
+
+def _stop(proc: subprocess.Popen, sig=signal.SIGINT, timeout: float = 60) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(420)
+def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothing(flink_cluster, bootstrap,
+                                                                                   tmp_path, say):
+    from connectors.arrow import decode_batch
+    from tests.flights_data import make_flights_dataset
+
+    t0 = time.monotonic()
+
+    def phase(what: str) -> None:
+        say(f"flink stream test: {what} at {time.monotonic() - t0:.0f} s")
+
+    (tmp_path / "data").mkdir()
+    dataset = make_flights_dataset(tmp_path / "data", every=40)
+    phase("batch dataset for the statistics written")
+    tag = uuid.uuid4().hex[:6]
+    raw, feats, dead, group = f"raw-{tag}", f"feat-{tag}", f"dead-{tag}", f"g-{tag}"
+    common = ["--bootstrap", bootstrap, "--raw-topic", raw, "--features-topic", feats, "--dead-letter-topic", dead,
+              "--updates-topic", f"upd-{tag}", "--group-id", group, "--dataset", dataset]
+
+    def replay(n: int, skip: int = 0, rate: float = 0.0) -> subprocess.Popen:
+        return subprocess.Popen(CLI + ["replay", "--bootstrap", bootstrap, "--topic", raw, "--partitions", "3",
+                                       "--limit", str(n), "--skip", str(skip), "--malformed", "0.05",
+                                       "--rate", str(rate)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def pipeline(name: str) -> subprocess.Popen:
+        out = tmp_path / name
+        out.mkdir()
+        return subprocess.Popen(CLI + ["stream", "pipeline", *common, "--out", str(out), "--batch-size", "200",
+                                       "--runner", "flink"],
+                                stdout=open(out / "pipeline.log", "wb"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def wait_committed(proc, name: str, at_least: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        done = 0
+        while time.monotonic() < deadline:
+            done, _ = _committed(bootstrap, raw, group)
+            if done >= at_least:
+                return done
+            assert proc.poll() is None, (tmp_path / name / "pipeline.log").read_text()[-3000:]
+            time.sleep(1)
+        raise AssertionError(f"{name}: {done} of {at_least} raw events committed in {timeout} s; "
+                             f"{(tmp_path / name / 'pipeline.log').read_text()[-2000:]}")
+
+    first = replay(1200)
+    assert first.wait(timeout=120) == 0, first.stdout.read().decode()[-2000:]
+    before = {j["jid"] for j in _jobs(flink_cluster)}
+    run1 = pipeline("run1")
+    more = None
+    try:
+        wait_committed(run1, "run1", 1200, timeout=180)
+        phase("first job caught up with 1200 events")
+        more = replay(600, skip=1200, rate=30)  # events keep arriving (for ~20 s) ...
+        wait_committed(run1, "run1", 1201, timeout=60)
+        assert more.poll() is None, "the replay ended before the cancel: not mid-stream"
+        _stop(run1)  # ... when the job is cancelled (SIGINT: the command cancels its Flink job)
+    finally:
+        _stop(run1, signal.SIGKILL)
+        if run1.returncode != 0:
+            _cancel_active_jobs(flink_cluster)
+        if more is not None:
+            more.wait(timeout=120)
+    assert more.returncode == 0
+    jobs = [j for j in _jobs(flink_cluster) if j["jid"] not in before]
+    assert [j["state"] for j in jobs] == ["CANCELED"], jobs
+    phase("first job cancelled mid-stream")
+    last = replay(600, skip=1800)  # and while the job is down
+    assert last.wait(timeout=120) == 0
+    committed, end = _committed(bootstrap, raw, group)
+    assert end == 2400 and committed < end
+
+    run2 = pipeline("run2")  # from the group's committed offsets
+    try:
+        wait_committed(run2, "run2", 2400, timeout=180)
+        phase("restarted job caught up with 2400 events")
+    finally:
+        _stop(run2)
+        _cancel_active_jobs(flink_cluster)  # only if a stop above failed to: keep the slots free
+    assert [j["state"] for j in _jobs(flink_cluster) if j["jid"] not in before] == ["CANCELED", "CANCELED"]
+
+    sources = Counter()
+    for m in _read_topic(bootstrap, feats):
+        b = decode_batch(m.value)
+        sources.update(zip(b["src_partition"].to_pylist(), b["src_offset"].to_pylist()))
+    letters = Counter()
+    for m in _read_topic(bootstrap, dead):
+        _, part, off = dict(m.headers)["source"].decode().rsplit("/", 2)
+        letters[(int(part), int(off))] += 1
+    raw_events = {(m.partition, m.offset) for m in _read_topic(bootstrap, raw)}
+    assert len(raw_events) == 2400
+    assert set(sources) | set(letters) == raw_events  # nothing lost
+    assert not set(sources) & set(letters)  # an event is a feature row or a dead letter, never both
+    assert len(letters) >= 0.04 * 2400  # --malformed 0.05, plus real rejects
+
+    # The trainer trains every feature row exactly once, duplicates from the restart dropped.
+    run = tmp_path / "train"
+    trainer = subprocess.run(CLI + ["stream", "train", *common, "--out", str(run), "--ledger", "--idle-exit", "3",
+                                    "--checkpoint-every", "5"], capture_output=True, text=True, timeout=240)
+    assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-2000:]
+    phase("trainer done")
+    ledger = Counter()
+    for line in (run / "ledger.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        ledger[(r["partition"], r["offset"])] += 1
+    assert set(ledger) == set(sources) and set(ledger.values()) == {1}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_flink_master_runs_a_pipeline_through_beams_flink_runner_and_flowtrains_job_server_jar(flink_cluster,
+                                                                                               tmp_path):
+    """--flink-master: Beam's FlinkRunner starts a job server from flowtrain's jar and submits to
+    the cluster at that REST address (here the local one, as if it were remote: jars staged)."""
+    import apache_beam as beam
+
+    from flowtrain.local.runners import pipeline_options
+
+    state = flink_cluster.read_state()
+    before = {j["jid"] for j in _jobs(flink_cluster)}
+    options = pipeline_options("batch", ["--environment_type=EXTERNAL", f"--environment_config={state['worker_pool']}"],
+                               runner="flink", flink_master=state["rest"].removeprefix("http://"))
+    with beam.Pipeline(options=options) as p:
+        _ = (p | beam.Create(range(300)) | beam.Map(lambda x: (x % 3, x)) | beam.CombinePerKey(sum)
+             | beam.Map(json.dumps) | beam.io.WriteToText(str(tmp_path / "sums"), shard_name_template=""))
+    job = _new_finished_job(flink_cluster, before)
+    assert job["name"].startswith("flowtrain-")
+    got = sorted(json.loads(line) for line in (tmp_path / "sums").read_text().splitlines())
+    assert got == [[k, sum(x for x in range(300) if x % 3 == k)] for k in range(3)]
