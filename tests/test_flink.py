@@ -218,7 +218,7 @@ def test_runner_flink_without_a_cluster_and_a_bare_flink_master_are_clear_errors
 
 # --- Kafka ---------------------------------------------------------------------------------------
 @pytest.mark.kafka
-def test_read_from_kafka_stop_end_on_flink_reads_exactly_what_was_produced(flink_cluster, bootstrap, new_topic,
+def test_read_from_kafka_stop_end_on_flink_reads_exactly_what_was_produced(bootstrap, new_topic, flink_cluster,
                                                                           tmp_path):
     import apache_beam as beam
     from kafka import KafkaProducer
@@ -291,7 +291,7 @@ def _stop(proc: subprocess.Popen, sig=signal.SIGINT, timeout: float = 60) -> Non
 
 @pytest.mark.kafka
 @pytest.mark.timeout(420)
-def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothing(flink_cluster, bootstrap,
+def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothing(bootstrap, flink_cluster,
                                                                                    tmp_path, say):
     from connectors.arrow import decode_batch
     from tests.flights_data import make_flights_dataset
@@ -342,7 +342,7 @@ def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothi
     try:
         wait_committed(run1, "run1", 1200, timeout=180)
         phase("first job caught up with 1200 events")
-        more = replay(600, skip=1200, rate=30)  # events keep arriving (for ~20 s) ...
+        more = replay(300, skip=1200, rate=30)  # events keep arriving (for ~10 s) ...
         wait_committed(run1, "run1", 1201, timeout=60)
         assert more.poll() is None, "the replay ended before the cancel: not mid-stream"
         _stop(run1)  # ... when the job is cancelled (SIGINT: the command cancels its Flink job)
@@ -356,7 +356,7 @@ def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothi
     jobs = [j for j in _jobs(flink_cluster) if j["jid"] not in before]
     assert [j["state"] for j in jobs] == ["CANCELED"], jobs
     phase("first job cancelled mid-stream")
-    last = replay(600, skip=1800)  # and while the job is down
+    last = replay(900, skip=1500)  # and while the job is down
     assert last.wait(timeout=120) == 0
     committed, end = _committed(bootstrap, raw, group)
     assert end == 2400 and committed < end

@@ -197,7 +197,7 @@ def _committed(bootstrap, names) -> dict[int, int]:
         c.close()
 
 
-def _wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=90):
+def _wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=120):
     """Until predictions + dead letters cover every raw event (distinct sources); returns both."""
     deadline = time.monotonic() + timeout
     while True:
@@ -334,17 +334,18 @@ def test_scorer_killed_and_restarted_scores_every_event_at_least_once(bootstrap,
         # events keep arriving; kill -9 once the first offsets are committed: some events are
         # scored but not committed, others read but not scored, others not read yet
         feed.until(lambda *_: sum(_committed(bootstrap, names).values()) > 0, proc, log, within_s=120, then_s=0)
+        n = feed.n + _produce(bootstrap, names["raw"], events[feed.n:feed.n + 40])  # in flight at the kill
         _stop(proc, signal.SIGKILL)
         committed = _committed(bootstrap, names)
-        n = feed.n
         assert sum(committed.values()) < n
         n += _produce(bootstrap, names["raw"], events[n:n + 300])
         proc = _scorer(bootstrap, names, dataset, tmp_path / "run")
         preds, dead = _wait_covered(bootstrap, names, n, proc, log)
-        deadline = time.monotonic() + 30  # the last commits follow the last writes
+        deadline = time.monotonic() + 60  # the last commits follow the last writes
         while sum(_committed(bootstrap, names).values()) < n and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert sum(_committed(bootstrap, names).values()) == n, "the scorer did not commit every scored offset"
+        assert sum(_committed(bootstrap, names).values()) == n, \
+            f"committed {_committed(bootstrap, names)} of {n} events\n{log.read_text()[-3000:]}"
     finally:
         _stop(proc)
     raw = {f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])}

@@ -85,16 +85,30 @@ def _run(argv, timeout=240) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-def test_starts_from_a_batch_run_with_its_architecture_and_scores_regression_by_rmse(
-        bootstrap, new_topic, batch_run, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def stream_run(bootstrap, batch_run, tmp_path_factory) -> dict:
+    """`flowtrain stream train --init-weights <the batch run's model.pt>` over every row of the
+    dataset (one feature partition), ended by --idle-exit."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
     dataset, run = batch_run
-    topic = new_topic(partitions=1)
+    topic = f"feat-{os.getpid()}-{time.monotonic_ns()}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    admin.close()
     sources = _publish_features(bootstrap, topic, dataset, partitions=1)
-    out = tmp_path / "stream"
-    proc = _run(_train_cli(bootstrap, topic, dataset, out, "--init-weights", str(run / "model.pt"),
-                           "--checkpoint-every", "5", "--idle-exit", "2"))
+    out = tmp_path_factory.mktemp("stream") / "run"
+    argv = _train_cli(bootstrap, topic, dataset, out, "--init-weights", str(run / "model.pt"),
+                      "--checkpoint-every", "5", "--idle-exit", "2")
+    proc = _run(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _exactly_once(out, sources)
+    return {"dataset": dataset, "run": run, "out": out, "sources": sources, "argv": argv}
+
+
+def test_starts_from_a_batch_run_with_its_architecture_and_scores_regression_by_rmse(stream_run, tmp_path,
+                                                                                      bootstrap, capsys):
+    dataset, run, out = stream_run["dataset"], stream_run["run"], stream_run["out"]
+    _exactly_once(out, stream_run["sources"])
     ckpt = torch.load(sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
     assert ckpt["architecture"] == {"kind": "mlp", "hidden": [32, 16], "dropout": 0.1, "seed": 0}
     preq = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -113,15 +127,12 @@ def test_starts_from_a_batch_run_with_its_architecture_and_scores_regression_by_
     assert "--hidden 64 (the run has 32,16)" in capsys.readouterr().err
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_an_error(bootstrap, new_topic, batch_run,
-                                                                               tmp_path):
-    dataset, _ = batch_run
-    topic = new_topic(partitions=1)
-    sources = _publish_features(bootstrap, topic, dataset, partitions=1)
-    out = tmp_path / "stream"
-    argv = _train_cli(bootstrap, topic, dataset, out, "--checkpoint-every", "4", "--idle-exit", "2")
-    first = _run(argv)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_an_error(stream_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(stream_run["out"], out)
+    argv = [str(out) if a == str(stream_run["out"]) else a for a in stream_run["argv"]]
     ckpts = sorted((out / "checkpoints").glob("ckpt-*.pt"))
     assert len(ckpts) == 3
     data = bytearray(ckpts[-1].read_bytes())
@@ -131,7 +142,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_an_error(boot
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {ckpts[-2].name}" in again.stdout
     assert f"checkpoint {ckpts[-1].name} skipped" in again.stderr
-    _exactly_once(out, sources)  # the rows after the fallback checkpoint were trained again, once
+    _exactly_once(out, stream_run["sources"])  # the rows after the fallback checkpoint were trained again, once
 
     before = (out / "ledger.jsonl").read_text()
     for path in (out / "checkpoints").glob("ckpt-*.pt"):
@@ -167,7 +178,7 @@ def _status_step(run: Path) -> int:
 
 
 @pytest.mark.timeout(420)
-def test_two_workers_idle_exit_sigkill_and_restart_train_every_row_exactly_once(bootstrap, new_topic, batch_run,
+def test_two_workers_sigkill_restart_and_idle_exit_train_every_row_exactly_once(bootstrap, new_topic, batch_run,
                                                                                  tmp_path):
     dataset, _ = batch_run
     topic = new_topic(partitions=2)
@@ -175,12 +186,6 @@ def test_two_workers_idle_exit_sigkill_and_restart_train_every_row_exactly_once(
     # checkpoints every 3 steps and every 0.5 s: each replica's clock would disagree
     sources = _publish_features(bootstrap, topic, dataset, partitions=2, rows=20, cycle=(0, 0, 1))
     common = ("--workers", "2", "--checkpoint-every", "3", "--checkpoint-seconds", "0.5", "--failure-timeout", "60")
-
-    clean = tmp_path / "clean"
-    proc = _run(_train_cli(bootstrap, topic, dataset, clean, *common, "--idle-exit", "3"), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # both replicas agreed on the idle exit
-    _exactly_once(clean, sources)
-    assert "stream train: stopped at step" in proc.stdout
 
     crashed = tmp_path / "crashed"
     argv = _train_cli(bootstrap, topic, dataset, crashed, *common, "--idle-exit", "8")
@@ -206,9 +211,10 @@ def test_two_workers_idle_exit_sigkill_and_restart_train_every_row_exactly_once(
     time.sleep(0.5)
     assert _worker_pids(job_path) == {}, "a replica was left behind"
 
+    # the restart resumes, and both replicas agree on the idle exit (one runs dry long before the other)
     again = _run(_train_cli(bootstrap, topic, dataset, crashed, *common, "--idle-exit", "3"), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from ckpt-" in again.stdout
+    assert "resumed from ckpt-" in again.stdout and "stream train: stopped at step" in again.stdout
     _exactly_once(crashed, sources)
 
 

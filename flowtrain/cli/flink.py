@@ -21,6 +21,12 @@ def register(sub) -> None:
                    "parallelism of a job is TASKMANAGERS x SLOTS")
     p.add_argument("--rest-port", type=int, default=8081, help="JobManager REST port on 127.0.0.1 (default 8081)")
     p.add_argument("--job-port", type=int, default=8099, help="Beam job server port on 127.0.0.1 (default 8099)")
+    m = p.add_argument_group("TaskManager memory (MiB; defaults in flowtrain.local.flink.TaskManagerMemory)")
+    m.add_argument("--task-heap-mb", type=int, default=None, help="JVM heap for tasks (records on the Java side)")
+    m.add_argument("--managed-mb", type=int, default=None,
+                   help="Flink managed memory (sort buffers of batch jobs: one record must fit one)")
+    m.add_argument("--task-off-heap-mb", type=int, default=None,
+                   help="direct memory for tasks (Beam's gRPC data plane to the Python workers)")
     p.add_argument("--data-dir", default=None, help="config, logs, state and scratch files (default "
                    "$FLOWTRAIN_FLINK_DIR or ~/.cache/flowtrain/flink-cluster; --runner flink uses the same)")
     p.add_argument("--timeout", type=float, default=180.0,
@@ -32,8 +38,12 @@ def register(sub) -> None:
 def _flink(args: argparse.Namespace) -> int:
     from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink
 
+    from flowtrain.local.flink import TaskManagerMemory
+
+    memory = {k: v for k, v in {"task_heap": args.task_heap_mb, "managed": args.managed_mb,
+                                "task_off_heap": args.task_off_heap_mb}.items() if v is not None}
     kwargs = {"taskmanagers": args.taskmanagers, "slots": args.slots, "rest_port": args.rest_port,
-              "job_port": args.job_port}
+              "job_port": args.job_port, "memory": TaskManagerMemory(**memory)}
     if args.data_dir:
         kwargs["data_dir"] = args.data_dir
     try:

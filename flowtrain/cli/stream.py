@@ -114,6 +114,9 @@ def register(sub) -> None:
                    help="seed of the initial weights and dropout (default %(default)s)")
     t.add_argument("--lr", type=above(0), default=config_default(_TC + "lr"),
                    help="Adam learning rate, > 0 (default %(default)s)")
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default=config_default(_TC + "device"),
+                   help="where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica "
+                        "its own GPU, NCCL between them; default %(default)s)")
     t.add_argument("--checkpoint-every", type=at_least(1), default=config_default(_TC + "checkpoint_every_steps"),
                    help="checkpoint and publish every K steps (default %(default)s) ...")
     t.add_argument("--checkpoint-seconds", type=above(0), default=config_default(_TC + "checkpoint_every_s"),
@@ -306,7 +309,7 @@ def _trainer_config(args):
     cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=_dataset(args),
                             features_topic=args.features_topic, updates_topic=args.updates_topic,
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
-                            seed=args.seed, checkpoint_every_steps=args.checkpoint_every,
+                            seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
                             kafka_config=_kafka_config(args.kafka_config))
     given = getattr(args, "options", {})

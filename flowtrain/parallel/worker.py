@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(_threads())
         device = job.get("device") or (job.get("config") or {}).get("device") or "auto"
         ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)), device=device)
+        heartbeat(every_s=0.0)  # the rendezvous is over: the slowest peer has started too
         module, name = target.split(":")
-        getattr(importlib.import_module(module), name)(ctx, job)
+        function = getattr(importlib.import_module(module), name)
+        heartbeat(every_s=0.0)  # its imports are done
+        function(ctx, job)
         if ctx.distributed:
             dist.barrier()  # nobody tears the group down while a peer still talks to it
             dist.destroy_process_group()  # every group, while the interpreter is whole

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowtrain.train.loader import TabularDataset, TabularSplit
+from flowtrain.train.loader import TabularDataset
 from flowtrain.train.model import LinearModel
 
 

@@ -34,7 +34,7 @@ from flowtrain.train import checkpoint
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches
-from flowtrain.train.metrics import (MetricsLog, better, check_select_by, classification_metrics,
+from flowtrain.train.metrics import (MetricsLog, better, check_select_by, classification_metrics, clears,
                                      multiclass_metrics, regression_metrics, scalars)
 from flowtrain.train.model import LinearModel, TabularMLP, pack
 
@@ -306,6 +306,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     # --- state, fresh or from the last checkpoint ---------------------------------------------
     step, best_step, bad_evals = 0, 0, 0
     best_valid: dict | None = None
+    start_valid: dict | None = None  # the initial model's (its linear part's) validation metrics
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     resumed = False
     if resume and ckpt_dir and (path := checkpoint.latest(ckpt_dir)) is not None:
@@ -315,6 +316,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
         best_step = int(state.get("best_step", 0))
         best_state, best_valid = state["best_model"], dict(state["best_valid"]) or None
+        start_valid = dict(state.get("start_valid") or {}) or best_valid
         resumed = True
         if log:
             log.truncate_after(step)
@@ -332,7 +334,12 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         if ctx.is_main:
             print(f"{name}: step {step_} valid " + " ".join(f"{k}={v:.4f}" for k, v in scalars(metrics).items()),
                   flush=True)
-        return metrics, better(metrics, best_valid, plan.select_by)
+        # A checkpoint replaces the initial model (whose linear part is the fitted baseline) only
+        # when it is better by more than one standard error on the validation split; after that,
+        # any better one replaces the best.
+        improved = better(metrics, best_valid, plan.select_by) and (
+            start_valid is None or best_step > 0 or clears(metrics, start_valid, plan.select_by, len(valid)))
+        return metrics, improved
 
     def save_checkpoint(step_: int) -> None:
         optimizer_state = engine.optimizer_state()  # a collective under pipeline parallelism
@@ -343,6 +350,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 "epoch": step_ // plan.steps_per_epoch, "step": step_, "best_step": best_step,
                 "best_loss": float(best_valid["loss"]) if best_valid else math.inf,
                 "bad_evals": bad_evals, "best_model": best_state, "best_valid": best_valid or {},
+                "start_valid": start_valid or {},
                 "data_position": {"split": "train", "epoch": step_ // plan.steps_per_epoch,
                                   "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
                                   "stages": config.stages},
@@ -353,6 +361,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     data_wait = step_time = 0.0
     if not resumed:  # the initial model is a candidate too (its linear part may be a fitted model)
         best_valid, _ = validate(0)
+        start_valid = best_valid
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     bar = _progress(plan.steps, name, config.progress and ctx.is_main, initial=step)

@@ -10,6 +10,7 @@ Metrics that fit the task:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,7 +45,8 @@ def check_select_by(metric: str | None, kind: str) -> str:
 
 
 def better(a: dict, b: dict | None, metric: str) -> bool:
-    """Is validation result ``a`` better than ``b`` by ``metric`` (ties: the lower loss wins)?"""
+    """Is validation result ``a`` strictly better than ``b`` by ``metric``? A tie keeps ``b``, the
+    earlier model (the one closer to its linear start) when validation cannot tell them apart."""
     if b is None:
         return True
     x, y = float(a[metric]), float(b[metric])
@@ -52,10 +54,41 @@ def better(a: dict, b: dict | None, metric: str) -> bool:
         return False
     if y != y:
         return True
-    higher = SELECT_BY[metric]
-    if abs(x - y) > 1e-9 * max(1.0, abs(y)):
-        return x > y if higher else x < y
-    return metric not in ("loss", "log_loss") and float(a["loss"]) < float(b["loss"]) - 1e-12
+    if abs(x - y) <= 1e-9 * max(1.0, abs(y)):
+        return False
+    return x > y if SELECT_BY[metric] else x < y
+
+
+def standard_error(metrics: dict, metric: str, n: int) -> float:
+    """An approximate standard error of ``metric`` measured on ``n`` rows (binomial for accuracy
+    and macro-F1, Hanley-McNeil's bound for AUC, ``x / sqrt(2n)`` for RMSE, ``x / sqrt(n)`` for
+    losses and MAE): the noise a validation split of that size puts on the metric."""
+    n = max(int(n), 1)
+    x = float(metrics[metric])
+    if metric in ("accuracy", "macro_f1"):
+        return max(math.sqrt(max(x * (1 - x), 0.0) / n), 1.0 / n)
+    if metric == "auc":
+        rate = float(metrics.get("positive_rate", 0.5))
+        smaller = max(1.0, min(rate, 1 - rate) * n)
+        return max(math.sqrt(max(x * (1 - x), 0.0) / smaller), 1.0 / n)
+    if metric == "rmse":
+        return x / math.sqrt(2 * n)
+    if metric == "r2":
+        return 2 * max(1 - x, 0.0) / math.sqrt(2 * n)
+    return abs(x) / math.sqrt(n)
+
+
+def clears(a: dict, start: dict, metric: str, n: int) -> bool:
+    """Is ``a`` better than the ``start`` model by more than one standard error of the metric on
+    ``n`` validation rows (the one-standard-error rule: keep the simpler model unless the other is
+    clearly better)?"""
+    x, y = float(a[metric]), float(start[metric])
+    if x != x:
+        return False
+    if y != y:
+        return True
+    se = standard_error(start, metric, n)
+    return x >= y + se if SELECT_BY[metric] else x <= y - se
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:

@@ -36,17 +36,20 @@ from connectors.dataset import is_local_path, read_shard, shard_paths
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, table_to_split
 
-__all__ = ["DEFAULT_BUDGET_FRACTION", "LOAD_OVERHEAD", "PREFETCH_CHUNKS", "StreamPlan", "StreamedSplit",
+__all__ = ["DEFAULT_BUDGET_FRACTION", "LOAD_OVERHEAD", "PREFETCH_CHUNKS", "RAMP", "StreamPlan", "StreamedSplit",
            "format_bytes", "memory_budget_bytes", "open_split", "parse_memory_budget", "plan_stream", "row_bytes", "total_memory"]
 
 #: Default memory budget: this fraction of the machine's RAM (or of the cgroup's limit), shared by
 #: the workers on this machine.
 DEFAULT_BUDGET_FRACTION = 0.25
 #: Peak bytes while loading a split into memory per byte of its tensors (the Arrow table, the
-#: stacked numpy arrays and the tensors are alive at once); measured ~2.5 on the flights dataset.
+#: stacked numpy arrays and the tensors are alive at once); measured 3.07 on the 10x flights dataset.
 LOAD_OVERHEAD = 3
 #: Chunks the reader thread may hold ready ahead of the shuffle buffer.
 PREFETCH_CHUNKS = 2
+#: While the shuffle buffer fills, this share of each incoming chunk replaces residents (which
+#: leave as training rows) and the rest grows the buffer: training starts after two chunks.
+RAMP = 0.5
 _MIN_CHUNK, _MAX_CHUNK, _MAX_BUFFER = 64, 65_536, 2_097_152
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -211,7 +214,9 @@ class StreamedSplit:
     def _shuffled(self, chunks: Iterator[Batch], gen: torch.Generator) -> Iterator[Batch]:
         """Rows out of a shuffle buffer of ``buffer_rows``: each incoming row takes the place of a
         random resident, which leaves; at the end the buffer drains in random order. Every row
-        enters once and leaves once. Work per chunk: O(chunk) rows moved, O(buffer) integers."""
+        enters once and leaves once. While the buffer fills, only ``RAMP`` of each chunk takes a
+        resident's place (the rest grows the buffer), so the first batch waits for two chunks,
+        not for a full buffer. Work per chunk: O(chunk) rows moved, O(buffer) integers."""
         size = self.plan.buffer_rows
         buf: Batch | None = None
         fill = 0
@@ -219,19 +224,23 @@ class StreamedSplit:
             if buf is None:
                 buf = Batch(chunk.x_num.new_empty((size, *chunk.x_num.shape[1:])),
                             chunk.x_cat.new_empty((size, *chunk.x_cat.shape[1:])), chunk.y.new_empty((size,)))
-            lo = 0
-            if fill < size:  # filling up
-                lo = min(size - fill, len(chunk))
-                buf.x_num[fill:fill + lo], buf.x_cat[fill:fill + lo], buf.y[fill:fill + lo] = \
-                    chunk.x_num[:lo], chunk.x_cat[:lo], chunk.y[:lo]
-                fill += lo
-                self.peak_buffer_rows = max(self.peak_buffer_rows, fill)
-            while lo < len(chunk):  # full: incoming rows replace random residents, which leave
-                hi = min(len(chunk), lo + size)
-                slots = torch.randperm(size, generator=gen)[: hi - lo]
-                yield _take(buf, slots)
-                buf.x_num[slots], buf.x_cat[slots], buf.y[slots] = chunk.x_num[lo:hi], chunk.x_cat[lo:hi], chunk.y[lo:hi]
-                lo = hi
+            lo, n = 0, len(chunk)
+            while lo < n:
+                rest, room = n - lo, size - fill
+                # incoming rows that replace residents: all once the buffer is full, RAMP of them before
+                swap = min(rest, fill) if not room else min(int(rest * RAMP), fill)
+                if swap:
+                    slots = torch.randperm(fill, generator=gen)[:swap]
+                    yield _take(buf, slots)
+                    buf.x_num[slots], buf.x_cat[slots], buf.y[slots] = \
+                        chunk.x_num[lo:lo + swap], chunk.x_cat[lo:lo + swap], chunk.y[lo:lo + swap]
+                    lo += swap
+                add = min(n - lo, room)
+                if add:
+                    buf.x_num[fill:fill + add], buf.x_cat[fill:fill + add], buf.y[fill:fill + add] = \
+                        chunk.x_num[lo:lo + add], chunk.x_cat[lo:lo + add], chunk.y[lo:lo + add]
+                    fill, lo = fill + add, lo + add
+                    self.peak_buffer_rows = max(self.peak_buffer_rows, fill)
         if fill:
             yield _take(_slice(buf, 0, fill), torch.randperm(fill, generator=gen))
 

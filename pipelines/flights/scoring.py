@@ -81,8 +81,9 @@ from pipelines.flights.events import DEFAULT_BOUNDS, ParseBounds, parse_batch
 from pipelines.flights.streaming import KAFKA_DEFAULT_MAX_MESSAGE_BYTES, FlightFeaturizer, MicroBatcher
 
 __all__ = ["ScoreConfig", "ScoringBatch", "ServedModel", "ModelVersion", "VersionTracker", "FlowtrainModelHandler",
-           "FeaturizeForScoring", "LatestModelVersion", "WritePredictions", "CommitScored", "ScoredRanges", "build_scoring_pipeline",
-           "PREDICTION_SCHEMA", "featurize_records", "predictions_batch", "read_updates", "wait_for_version"]
+           "FeaturizeForScoring", "LatestModelVersion", "WritePredictions", "CommitScored", "ScoredRanges",
+           "build_scoring_pipeline", "PREDICTION_SCHEMA", "featurize_records", "predictions_batch", "read_updates",
+           "wait_for_version"]
 
 _log = logging.getLogger(__name__)
 

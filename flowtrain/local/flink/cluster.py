@@ -70,12 +70,19 @@ def default_dir() -> Path:
 
 @dataclass
 class TaskManagerMemory:
-    """One TaskManager's memory (MiB), given to Flink explicitly as its start scripts would."""
+    """One TaskManager's memory (MiB), given to Flink explicitly as its start scripts would.
+
+    The defaults suit the tests' inputs. A pipeline that broadcasts a big side input or
+    aggregates into one big element (the flights ETL's reference tables at 10x: one 23 MB
+    record) needs more of all three of task heap (records on the JVM side), managed memory
+    (Flink's sort buffers: a record must fit one) and task off-heap (the gRPC data plane to the
+    Python workers uses direct memory); the 10x flights ETL ran with 1024 / 768 / 768.
+    """
 
     framework_heap: int = 128
     task_heap: int = 384
     framework_off_heap: int = 128
-    task_off_heap: int = 0
+    task_off_heap: int = 256  # Beam's Fn API data plane (gRPC, Netty) allocates direct buffers
     network_per_slot: int = 256  # Beam's batch jobs deploy every operator at once: many channels
     managed: int = 128
     metaspace: int = 256

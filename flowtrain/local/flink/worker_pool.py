@@ -52,7 +52,7 @@ def worker_env(base: dict | None = None) -> dict:
 
 
 def serve(port: int, *, host: str = "127.0.0.1", log_dir: str | None = None):
-    """Start the pool's gRPC server; returns (server, pool). ``port`` 0 picks a free one."""
+    """Start the pool's gRPC server; returns (server, pool, bound port). ``port`` 0 picks a free one."""
     import grpc
     from apache_beam.portability.api import beam_fn_api_pb2, beam_fn_api_pb2_grpc
 
