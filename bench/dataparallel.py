@@ -25,6 +25,10 @@ from flowtrain.parallel.launch import spawn
 from flowtrain.train.model import TabularMLP
 from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
 
+#: Workers send no heartbeats while timing (that would be timed too): the launcher's stall bound
+#: is set past the longest run on a busy machine instead of its 60 s default.
+WORKER_TIMEOUT_S = 900.0
+
 # Cardinalities of the flights dataset's categoricals (carrier, origin, dest, weekday, hour, maker).
 FLIGHTS_CARDS = [17, 4, 102, 8, 21, 30]
 FLIGHTS_NUMERIC = 15
@@ -125,7 +129,8 @@ def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: i
         out = work / f"{model_name}-{case}-{engine}-{time.monotonic_ns()}.json"
         job = {"model": model_name, "engine": engine, "steps": steps, "global_batch": global_batch,
                "uneven": case == "uneven", "out": str(out)}
-        spawn(2, "bench.dataparallel:worker", job, threads_per_worker=1, workdir=work / "w")
+        spawn(2, "bench.dataparallel:worker", job, threads_per_worker=1, workdir=work / "w",
+              failure_timeout_s=WORKER_TIMEOUT_S)
         res = json.loads(out.read_text())
         return res["samples"] / res["seconds"]
 

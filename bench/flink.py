@@ -41,8 +41,10 @@ class _Clusters:
     def __init__(self, work: Path):
         from flowtrain.local.flink import LocalFlink, TaskManagerMemory
 
-        # Sized for the 10x reference tables (one 23 MB broadcast record; see TaskManagerMemory).
-        memory = TaskManagerMemory(task_heap=1024, managed=768, task_off_heap=768)
+        # Sized for 10x: the reference tables are one 23 MB broadcast record (see TaskManagerMemory),
+        # and one TaskManager alone buffers the whole join's output from the Python workers
+        # (1 GiB of task heap ran out there; 2 GiB did not).
+        memory = TaskManagerMemory(task_heap=2048, managed=768, task_off_heap=768)
         self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=_free_port(), job_port=_free_port(),
                                        data_dir=work / f"flink-{n}tm", memory=memory) for n in (1, 2)}
         self.start_s: dict[int, float] = {}
@@ -108,6 +110,7 @@ def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results
     rows = {s: pq.read_metadata(inputs[s][0]["flights"]).num_rows for s in scales}
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-flink-"))
     seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in ENGINES}
+    ok = False
     try:
         with _Clusters(work) as clusters:
             for engine in ENGINES[1:]:  # warm-up: imports, JIT, SDK workers; untimed
@@ -119,8 +122,12 @@ def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results
                         took = _etl(engine, *inputs[s], work / f"{engine}-{s}x-{r}", clusters)
                         seconds[(engine, s)].append(took)
                         print(f"bench flink: repeat {r + 1}/{repeats} {s}x {engine}: {took:.1f} s", flush=True)
+        ok = True
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"bench flink: failed; the clusters' logs are kept in {work}", flush=True)
     table = []
     for s in scales:
         anchor = rows[s] / statistics.median(seconds[("pyarrow", s)])

@@ -26,6 +26,10 @@ from flowtrain.parallel.pipeline import StageWorker, grid_position
 from flowtrain.parallel.schedules import SCHEDULES, bubble_fraction
 from flowtrain.parallel.stages import plan_with_bounds, stage_module
 
+#: Workers send no heartbeats while timing (that would be timed too): the launcher's stall bound
+#: is set past the longest run on a busy machine instead of its 60 s default.
+WORKER_TIMEOUT_S = 900.0
+
 WIDTH, DEPTH, IN = 512, 8, 64
 
 
@@ -99,7 +103,8 @@ def worker(ctx: DistContext, job: dict) -> None:
 
 def _run(work: Path, **job) -> dict:
     out = work / f"{job['engine']}-{job['schedule']}-{job['microbatches']}-{time.monotonic_ns()}.json"
-    spawn(2, "bench.pipeline:worker", {**job, "out": str(out)}, threads_per_worker=1, workdir=work / "w")
+    spawn(2, "bench.pipeline:worker", {**job, "out": str(out)}, threads_per_worker=1, workdir=work / "w",
+          failure_timeout_s=WORKER_TIMEOUT_S)
     return json.loads(out.read_text())
 
 

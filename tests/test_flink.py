@@ -199,15 +199,14 @@ def test_flink_command_start_is_idempotent_and_status_reports_the_cluster(flink_
     assert got["rest"] == f"http://127.0.0.1:{flink_cluster.rest_port}"
 
 
-def test_runner_flink_without_a_cluster_and_a_bare_flink_master_are_clear_errors(tmp_path, monkeypatch):
+def test_runner_flink_without_a_cluster_and_a_bare_flink_master_are_clear_errors(tmp_path, monkeypatch, capsys):
+    from flowtrain.cli.main import main
     from flowtrain.local.runners import RunnerOptionError, pipeline_options
 
-    env = dict(os.environ, **{DIR_ENV: str(tmp_path / "no-cluster")})
-    proc = subprocess.run(CLI + ["batch", "--runner", "flink", "--out", str(tmp_path / "r")], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "no local Flink cluster is running" in proc.stderr
-    assert "flowtrain flink start" in proc.stderr
     monkeypatch.setenv(DIR_ENV, str(tmp_path / "no-cluster"))
+    assert main(["batch", "--runner", "flink", "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "no local Flink cluster is running" in err and "flowtrain flink start" in err
     with pytest.raises(RunnerOptionError, match="--environment_type=EXTERNAL"):
         pipeline_options("batch", runner="flink", flink_master="127.0.0.1:1")
     with pytest.raises(RunnerOptionError, match="HOST:PORT"):
