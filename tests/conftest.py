@@ -26,7 +26,7 @@ def say(request):
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory, say) -> LocalKafka:
-    broker = LocalKafka(port=free_port(), data_dir=tmp_path_factory.mktemp("kafka"))
+    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path_factory.mktemp("kafka"))
     status = broker.start(timeout_s=120, quiet=True)
     say(f"\nkafka: broker {broker.version} started from jars on {broker.bootstrap} in "
         f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {broker.log_path})")
