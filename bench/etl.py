@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.table import report
-from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note, measure_child
 
 ENGINES = ("pyarrow", "beam")
 NAMES = {"pyarrow": "plain pyarrow script (anchor)", "beam": "flowtrain flights ETL, Beam FnApiRunner"}
@@ -90,26 +88,9 @@ def run_child(engine: str, scale: int, work: Path, *, timeout_s: float = 3600) -
     out = Path(tempfile.mkdtemp(prefix=f"{engine}-{scale}x-", dir=work))
     log, answer = out / "child.log", out / "child.json"
     cmd = [sys.executable, "-m", "bench.etl", "--child", engine, "--scale", str(scale), "--work", str(out)]
-    with open(log, "wb") as err, open(answer, "wb") as result_file:
-        proc = subprocess.Popen(cmd, stdout=result_file, stderr=err, cwd=Path(__file__).resolve().parent.parent)
-    deadline = time.monotonic() + timeout_s
-    while True:  # wait4 reaps the child and returns its own rusage (ru_maxrss in KiB)
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-            break
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise TimeoutError(f"bench etl: {engine} at {scale}x ran over {timeout_s:.0f} s; log {log}")
-        time.sleep(0.05)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench etl: {engine} at {scale}x failed (exit {proc.returncode}):\n"
-                           f"{log.read_text()[-3000:]}")
-    text = answer.read_text()
-    result = json.loads(text.strip().splitlines()[-1])
+    result, rss_mib = measure_child(cmd, log=log, answer=answer, timeout_s=timeout_s, what=f"bench etl: {engine} at {scale}x")
     shutil.rmtree(out, ignore_errors=True)
-    return {**result, "rss_mib": usage.ru_maxrss / 1024}
+    return {**result, "rss_mib": rss_mib}
 
 
 def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10), repeats: int = MIN_REPEATS) -> str:

@@ -102,3 +102,33 @@ def time_it(fn: Callable[[], Any]) -> float:
 
 def repeats_note(repeats: int) -> str:
     return f"median of {repeats} interleaved runs"
+
+
+def measure_child(cmd: list[str], *, log, answer, timeout_s: float, what: str) -> tuple[dict, float]:
+    """Run a benchmark child process; return (the last JSON line it printed, its own peak RSS in MiB).
+
+    ``wait4`` reaps the child and gives its own rusage (ru_maxrss in KiB), so the peak RSS is the
+    child's alone. A child that runs over ``timeout_s`` is killed; a non-zero exit raises with its log.
+    """
+    import json
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    with open(log, "wb") as err, open(answer, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=Path(__file__).resolve().parent.parent)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+            break
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(f"{what} ran over {timeout_s:.0f} s; log {log}")
+        time.sleep(0.05)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{Path(log).read_text()[-3000:]}")
+    return json.loads(Path(answer).read_text().strip().splitlines()[-1]), usage.ru_maxrss / 1024

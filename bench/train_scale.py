@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.table import report
-from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note, measure_child
 
 PATHS = ("memory", "stream")
 NAMES = {"memory": "in memory (anchor)", "stream": "streamed shards"}
@@ -88,24 +87,9 @@ def run_child(path_kind: str, dataset: Path, batch_size: int, steps: int | None 
         log, answer = Path(work) / "child.log", Path(work) / "child.json"
         cmd = [sys.executable, "-m", "bench.train_scale", "--child", path_kind, "--work", str(dataset),
                "--batch-size", str(batch_size), "--threads", str(threads)] + (["--steps", str(steps)] if steps else [])
-        with open(log, "wb") as err, open(answer, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=Path(__file__).resolve().parent.parent)
-        deadline = time.monotonic() + timeout_s
-        while True:  # wait4: the child's own rusage (ru_maxrss in KiB)
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise TimeoutError(f"bench train-scale: {path_kind} on {dataset} ran over {timeout_s:.0f} s")
-            time.sleep(0.05)
-        if proc.returncode != 0:
-            raise RuntimeError(f"bench train-scale: {path_kind} on {dataset} failed (exit {proc.returncode}):\n"
-                               f"{log.read_text()[-3000:]}")
-        result = json.loads(answer.read_text().strip().splitlines()[-1])
-    return {**result, "rss_mib": usage.ru_maxrss / 1024}
+        result, rss_mib = measure_child(cmd, log=log, answer=answer, timeout_s=timeout_s,
+                                    what=f"bench train-scale: {path_kind} on {dataset}")
+    return {**result, "rss_mib": rss_mib}
 
 
 def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10), batch_size: int = 2048,
