@@ -294,7 +294,7 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     # part starts from it, so the model starts where its baseline ends.
     from flowtrain.train.baselines import fit_linear
 
-    linear = fit_linear(data, seed=config.seed)
+    linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget)
     torch.save(linear.model.state_dict(), run_dir / "linear.pt")
     print(f"linear: fitted to convergence by L-BFGS ({linear.iterations} iterations, gradient norm "
           f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)

@@ -3,7 +3,8 @@
 - ``majority``: the majority class (class frequencies of the training split as probabilities)
   or the training mean.
 - ``fit_linear``: logistic regression (binary), softmax regression (K classes) or ridge
-  regression, fitted to convergence: full-batch L-BFGS in float64 on the training split, with
+  regression, fitted to convergence: full-batch L-BFGS in float64 on the training split (streamed
+  in chunks, one pass per evaluation, when it does not fit ``--memory-budget``), with
   the L2 penalty scikit-learn uses by default (``C = 1`` / ``alpha = 1``: ``||w||^2 / (2n)``
   on the mean log loss, ``||w||^2 / n`` on the mean squared error), the bias not penalized.
   Categoricals are one-hot (a weight per category per output), numerics standardized by the ETL.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowtrain.train.loader import TabularDataset
+from flowtrain.train.loader import TabularDataset, TabularSplit
 from flowtrain.train.model import LinearModel
 
 
@@ -31,10 +32,38 @@ class LinearFit:
     seconds: float
 
 
+#: Rows per chunk when the training split is streamed (each L-BFGS evaluation is one pass).
+STREAM_CHUNK_ROWS = 65_536
+
+
+class _Chunks:
+    """The training split as float64 chunks: one chunk held in memory, or a streamed split read
+    sequentially on every pass (``flowtrain.train.shards``). Every pass sees every row once."""
+
+    def __init__(self, split, kind: str, shift: float, scale: float):
+        self.split, self.kind, self.shift, self.scale = split, kind, shift, scale
+        self.n = len(split)
+        self.streamed = not isinstance(split, TabularSplit)
+        self._held = None if self.streamed else self._convert(split)
+
+    def _convert(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(numerics, codes, the fitted target, the raw label) of one chunk."""
+        return (batch.x_num.double(), batch.x_cat.long(), (batch.y.double() - self.shift) / self.scale,
+                batch.y.double())
+
+    def __iter__(self):
+        if not self.streamed:
+            yield self._held
+            return
+        for batch in self.split.batches(batch_size=STREAM_CHUNK_ROWS, seed=0, epoch=0, shuffle=False):
+            yield self._convert(batch)
+
+
 @torch.no_grad()
-def _objective(model: LinearModel, x_num: torch.Tensor, codes: torch.Tensor, kind: str, target: torch.Tensor,
-               l2: float, scales: list[torch.Tensor], *, grads: bool = True) -> float:
-    """The penalized mean loss; with ``grads`` each parameter's ``.grad`` is set to its gradient.
+def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales: list[torch.Tensor], *,
+               grads: bool = True) -> float:
+    """The penalized mean loss over every chunk; with ``grads`` each parameter's ``.grad`` is set to
+    its gradient (summed chunk by chunk, so a streamed split gives the full-batch objective).
 
     The category weights are optimized preconditioned: ``model.categories[j].weight`` holds
     ``V`` and the weights are ``V * scales[j]`` (``1 / sqrt(frequency)`` of each category), which
@@ -42,53 +71,78 @@ def _objective(model: LinearModel, x_num: torch.Tensor, codes: torch.Tensor, kin
     iterations instead of hundreds. The gradient is written out instead of taken by autograd:
     for one-hot categories it is a scatter-add of the residuals (autograd's embedding backward
     sorts all N indices per call)."""
-    n = max(target.shape[0], 1)
+    n = max(chunks.n, 1)
     weights = [emb.weight * s.unsqueeze(1) for emb, s in zip(model.categories, scales)]
-    out = model.bias.expand(target.shape[0], model.outputs)
-    if model.numeric is not None:
-        out = out + model.numeric(x_num)
-    for j, w in enumerate(weights):
-        out = out + w[codes[:, j]]
-    if kind == "binary":
-        o = out[:, 0]
-        loss = nn.functional.binary_cross_entropy_with_logits(o, target)
-        residual = ((torch.sigmoid(o) - target) / n).unsqueeze(1)
-    elif kind == "multiclass":
-        logp = torch.log_softmax(out, dim=1)
-        loss = nn.functional.nll_loss(logp, target.long())
-        residual = logp.exp()
-        residual[torch.arange(residual.shape[0]), target.long()] -= 1.0
-        residual /= n
-    else:
-        o = out[:, 0]
-        loss = ((o - target) ** 2).mean()
-        residual = (2 * (o - target) / n).unsqueeze(1)
-    loss = float(loss) + l2 * (sum(float((w ** 2).sum()) for w in weights)
-                               + (float((model.numeric.weight ** 2).sum()) if model.numeric is not None else 0.0))
-    if grads:
-        model.bias.grad = residual.sum(0)
+    total = 0.0
+    g_bias = torch.zeros_like(model.bias)
+    g_num = torch.zeros_like(model.numeric.weight) if model.numeric is not None else None
+    g_cat = [torch.zeros_like(w) for w in weights]
+    for x_num, codes, target, _ in chunks:
+        out = model.bias.expand(target.shape[0], model.outputs)
         if model.numeric is not None:
-            model.numeric.weight.grad = residual.T @ x_num + 2 * l2 * model.numeric.weight
+            out = out + model.numeric(x_num)
+        for j, w in enumerate(weights):
+            out = out + w[codes[:, j]]
+        if kind == "binary":
+            o = out[:, 0]
+            total += float(nn.functional.binary_cross_entropy_with_logits(o, target, reduction="sum"))
+            residual = ((torch.sigmoid(o) - target) / n).unsqueeze(1)
+        elif kind == "multiclass":
+            logp = torch.log_softmax(out, dim=1)
+            total += float(nn.functional.nll_loss(logp, target.long(), reduction="sum"))
+            residual = logp.exp()
+            residual[torch.arange(residual.shape[0]), target.long()] -= 1.0
+            residual /= n
+        else:
+            o = out[:, 0]
+            total += float(((o - target) ** 2).sum())
+            residual = (2 * (o - target) / n).unsqueeze(1)
+        if grads:
+            g_bias += residual.sum(0)
+            if g_num is not None:
+                g_num += residual.T @ x_num
+            for j, g in enumerate(g_cat):
+                g.index_add_(0, codes[:, j], residual)
+    loss = total / n + l2 * (sum(float((w ** 2).sum()) for w in weights)
+                             + (float((model.numeric.weight ** 2).sum()) if model.numeric is not None else 0.0))
+    if grads:
+        model.bias.grad = g_bias
+        if model.numeric is not None:
+            model.numeric.weight.grad = g_num + 2 * l2 * model.numeric.weight
             model.numeric.bias.grad = torch.zeros_like(model.numeric.bias)
-        for j, (emb, w, s) in enumerate(zip(model.categories, weights, scales)):
-            grad_w = torch.zeros_like(w).index_add_(0, codes[:, j], residual) + 2 * l2 * w
-            emb.weight.grad = grad_w * s.unsqueeze(1)
+        for emb, w, s, g in zip(model.categories, weights, scales, g_cat):
+            emb.weight.grad = (g + 2 * l2 * w) * s.unsqueeze(1)
     return loss
 
 
 def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int = 500, tolerance: float = 1e-5,
-               seed: int = 0) -> LinearFit:
-    """The linear model on the training split, to convergence (see the module docstring)."""
+               seed: int = 0, memory_budget: int | float | str | None = None) -> LinearFit:
+    """The linear model on the training split, to convergence (see the module docstring).
+
+    A training split over ``memory_budget`` (``flowtrain.train.shards.open_split``) is not loaded:
+    every evaluation of the objective streams it from its shards in chunks, which gives the same
+    full-batch objective and gradient (one pass over the split per evaluation)."""
+    from flowtrain.train.shards import open_split
+
     t0 = time.perf_counter()
-    train = data.split("train")
-    n = max(len(train), 1)
     kind = data.kind
-    if l2 is None:
-        l2 = 1.0 / n if kind == "regression" else 1.0 / (2 * n)
     shift, scale = (float(data.stats["label_mean"]), float(data.stats.get("label_std", 1.0))) \
         if kind == "regression" else (0.0, 1.0)
-    target = (train.y.double() - shift) / scale
-    x_num, codes = train.x_num.double(), train.x_cat.long()
+    chunks = _Chunks(open_split(data, "train", memory_budget=memory_budget), kind, shift, scale)
+    n = max(chunks.n, 1)
+    if l2 is None:
+        l2 = 1.0 / n if kind == "regression" else 1.0 / (2 * n)
+    # one pass: category frequencies, the label's mean / class counts
+    counts_cat = [torch.zeros(c, dtype=torch.float64) for c in data.cardinalities]
+    label_sum, target_sum = 0.0, 0.0
+    class_counts = torch.zeros(max(data.outputs, 1), dtype=torch.float64)
+    for _, codes, target, y in chunks:
+        for j, c in enumerate(data.cardinalities):
+            counts_cat[j] += torch.bincount(codes[:, j], minlength=c).double()
+        label_sum += float(y.sum())
+        target_sum += float(target.sum())
+        if kind == "multiclass":
+            class_counts += torch.bincount(y.long(), minlength=data.outputs).double()
     torch.manual_seed(seed)
     model = LinearModel(data.n_numeric, data.cardinalities, data.outputs).double()
     with torch.no_grad():
@@ -96,32 +150,31 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
             model.numeric.weight.zero_()
             model.numeric.bias.zero_()
         if kind == "binary":
-            p = float(train.y.double().mean()) if len(train) else 0.5
+            p = label_sum / chunks.n if chunks.n else 0.5
             p = min(max(p, 1e-6), 1 - 1e-6)
             model.bias.fill_(math.log(p / (1 - p)))
         elif kind == "multiclass":
-            counts = torch.bincount(train.y.long(), minlength=data.outputs).double() + 1e-3
+            counts = class_counts + 1e-3
             model.bias.copy_(torch.log(counts / counts.sum()))
-        elif len(train):
-            model.bias.fill_(float(target.mean()))
-    scales = [(torch.bincount(codes[:, j], minlength=c).double() / n).clamp(min=1.0 / n).rsqrt()
-              for j, c in enumerate(data.cardinalities)]
+        elif chunks.n:
+            model.bias.fill_(target_sum / chunks.n)
+    scales = [(c / n).clamp(min=1.0 / n).rsqrt() for c in counts_cat]
     opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=max_iter, max_eval=max_iter * 2,
                             tolerance_grad=tolerance, tolerance_change=1e-10, history_size=20,
                             line_search_fn="strong_wolfe")
 
     def closure():
-        return torch.tensor(_objective(model, x_num, codes, kind, target, l2, scales), dtype=torch.float64)
+        return torch.tensor(_objective(model, chunks, kind, l2, scales), dtype=torch.float64)
 
     threads = torch.get_num_threads()
-    if len(train) * (data.n_numeric + len(data.cardinalities) + 1) * data.outputs <= 1 << 16:
+    if chunks.n * (data.n_numeric + len(data.cardinalities) + 1) * data.outputs <= 1 << 16:
         torch.set_num_threads(1)  # a small problem: more threads only wait for each other
     try:
         opt.step(closure)
     finally:
         torch.set_num_threads(threads)
     iterations = int(opt.state[opt._params[0]].get("n_iter", 0))
-    objective = _objective(model, x_num, codes, kind, target, l2, scales)
+    objective = _objective(model, chunks, kind, l2, scales)
     grad = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters() if p.grad is not None))
     with torch.no_grad():
         for emb, scale in zip(model.categories, scales):  # V back to the weights themselves
