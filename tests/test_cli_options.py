@@ -204,3 +204,15 @@ def test_job_only_runs_through_the_worker_entry_point_then_the_printed_report_st
     assert main(argv[1:] + ["--no-progress"]) == 0
     assert (run / "report.md").exists()
     assert json.loads((run / "fit.json").read_text())["steps"] == trained["steps"]  # the report trained nothing more
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_input_is_one_line_on_stderr_without_beams_import_warning(tmp_path):
+    """The error is the only line: Beam's 'apitools not found' import warning is not printed first."""
+    table = tmp_path / "t.csv"
+    table.write_text("a,b\n1,x\n")
+    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--input", str(table), "--label", "zz",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "flowtrain batch: declare at least one feature column (--numeric or --categorical)"], proc.stderr

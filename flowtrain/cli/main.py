@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -101,7 +102,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
     return args, None
 
 
+def _drop_import_noise(record: logging.LogRecord) -> bool:
+    """Beam's BigQuery client package warns on import, through the root logger, that apitools is
+    missing (flowtrain uses no BigQuery): that line would come before every error message."""
+    return not str(record.msg).startswith("apitools not found")
+
+
 def main(argv: list[str] | None = None) -> int:
+    logging.getLogger().addFilter(_drop_import_noise)
     args, beam_args = parse(list(sys.argv[1:] if argv is None else argv))
     if beam_args is None:
         return int(args.func(args) or 0)
