@@ -4,8 +4,11 @@ The reader follows Java KafkaIO's ``ReadFromKafkaDoFn``: an ``Impulse`` resolves
 ``PartitionRead`` per topic-partition, a ``Reshuffle`` spreads them over workers, and a
 splittable DoFn reads each partition with its own assigned consumer. Its restriction is an
 offset range that grows with the log (``[start, UNBOUNDED)``) or ends at a resolved stop
-offset; it claims every record's offset with ``try_claim``, defers the remainder when caught
-up, and only checkpoints (never splits a partition), so records stay in log order.
+offset; it fetches chunks of records (``connectors.kafka_fetch``: kafka-python's batched
+``poll`` or confluent-kafka's ``consume``), claims each chunk's last offset with ``try_claim``
+once, emits the chunk's records (or, with ``batch_records``, the chunk as one list), defers the
+remainder when caught up, and only checkpoints (never splits a partition), so records stay in
+log order.
 
 Why an SDF and not Beam 2.77's experimental ``unbounded_source``: that wrapper depends on
 bundle finalization for its checkpoint marks, which Prism (the local streaming runner) does
@@ -22,12 +25,13 @@ record at least once: records read but not yet committed are read again.
 from __future__ import annotations
 
 import atexit
+import bisect
 import logging
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, List, Mapping, Sequence
 
 import apache_beam as beam
 from apache_beam.io.iobase import RestrictionProgress
@@ -39,6 +43,7 @@ from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
 from connectors import kafka_offsets as offsets
+from connectors.kafka_record import KafkaRecord
 from connectors.kafka_offsets import UNBOUNDED, PartitionRead
 
 __all__ = ["KafkaRecord", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "KafkaUnavailable",
@@ -90,18 +95,6 @@ def close_all_clients() -> int:
 
 
 atexit.register(close_all_clients)
-
-
-class KafkaRecord(NamedTuple):
-    """One Kafka record as it leaves ``ReadFromKafka`` (and as ``WriteToKafka`` takes it)."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp: int  # ms since the epoch (the record's CreateTime or LogAppendTime)
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 class KafkaWriteError(RuntimeError):
@@ -250,7 +243,8 @@ def _client_config(bootstrap_servers: str | Sequence[str], extra: Mapping[str, A
     # with a cached API version do not probe; their calls go through retry_kafka instead.
     cfg = {"bootstrap_servers": bootstrap_servers, "enable_auto_commit": False,
            "request_timeout_ms": 30_000, "bootstrap_timeout_ms": 120_000}
-    cfg.update(extra or {})
+    # Dotted names are librdkafka properties for client="confluent" readers, not kafka-python's.
+    cfg.update((k, v) for k, v in (extra or {}).items() if "." not in k)
     return cfg
 
 
@@ -454,18 +448,29 @@ class _WatermarkProvider(WatermarkEstimatorProvider):
 
 
 class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
-    """Reads one partition's offset range; emits ``KafkaRecord``s stamped with Kafka time.
+    """Reads one partition's offset range in chunks; emits ``KafkaRecord``s stamped with Kafka
+    time, or with ``batch_records`` one list of records per chunk (stamped with its latest time).
+
+    Each chunk (at most ``batch_records`` records, or the fetcher's poll size) is cut at the
+    stop offset and the stop time, and claimed once, by its last offset, before any of it is
+    emitted: a checkpoint lands between chunks, never inside one.
 
     The DoFn is its own restriction provider (Beam uses the DoFn when ``RestrictionParam``
     names none), so the backlog estimates can reach the broker this read was configured for.
     """
 
+    #: Records per fetch of the per-record form (it emits them one by one).
+    PER_RECORD_FETCH = 10_000
+
     def __init__(self, bootstrap_servers, consumer_config, *, poll_interval_s: float,
-                 idle_watermark_lag_s: float, max_read_s: float):
+                 idle_watermark_lag_s: float, max_read_s: float, batch_records: int | None = None,
+                 client: str = "kafka-python"):
         self._cfg = (bootstrap_servers, consumer_config)
         self._poll_interval_s = poll_interval_s
         self._idle_lag_ms = int(idle_watermark_lag_s * 1000)
         self._max_read_s = max_read_s
+        self._batch_records = batch_records
+        self._client = client
         self._ends = _EndOffsets(bootstrap_servers, consumer_config)
         self._consumers: dict = {}
 
@@ -492,100 +497,87 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         self._consumers = {}
 
     def teardown(self):
-        for consumer in self._consumers.values():
-            close_client(consumer)
+        for fetcher in self._consumers.values():
+            fetcher.close()
         self._consumers = {}
 
     def _release(self, topic: str, partition: int) -> None:
         """A finished partition frees its consumer (bounded reads end with no teardown call)."""
-        consumer = self._consumers.pop((topic, partition), None)
-        if consumer is not None:
-            close_client(consumer)
+        fetcher = self._consumers.pop((topic, partition), None)
+        if fetcher is not None:
+            fetcher.close()
 
-    def _consumer_at(self, topic: str, partition: int, position: int):
-        """This worker's consumer of the partition, positioned at ``position``.
+    def _fetcher_at(self, topic: str, partition: int, position: int):
+        """This worker's fetcher of the partition (``connectors.kafka_fetch``), at ``position``."""
+        from connectors.kafka_fetch import open_fetcher
 
-        A new consumer seeks straight to ``position``: asking a fresh consumer for its
-        position would first look up a reset offset on the broker, only to seek away from it.
-        """
-        from kafka import TopicPartition
-
-        key, tp = (topic, partition), TopicPartition(topic, partition)
-        consumer = self._consumers.get(key)
-        if consumer is None:
-            bootstrap, extra = self._cfg
-            extra = {"fetch_max_wait_ms": 100, "max_poll_records": 10_000,
-                     "max_partition_fetch_bytes": 8 * 1024 * 1024, **(extra or {})}
-            consumer = self._consumers[key] = new_consumer(bootstrap, extra, group_id=None)
-            consumer.assign([tp])
-            consumer.seek(tp, position)
-            # The leader's metadata now, not on the first poll: a first poll without it finds
-            # nothing fetchable and sleeps retry_backoff_ms (100 ms per partition per worker).
-            retry_kafka(lambda: consumer.partitions_for_topic(topic), "topic metadata")
-        elif retry_kafka(lambda: consumer.position(tp), "consumer position") != position:
-            consumer.seek(tp, position)
-        return consumer
+        fetcher = self._consumers.get((topic, partition))
+        if fetcher is None:
+            fetcher = self._consumers[(topic, partition)] = open_fetcher(
+                self._client, *self._cfg, topic, partition, position)
+        else:
+            fetcher.seek(position)
+        return fetcher
 
     def process(self, element: PartitionRead,
                 tracker=beam.DoFn.RestrictionParam(),
                 watermark=beam.DoFn.WatermarkEstimatorParam(_WatermarkProvider())):
-        from kafka import TopicPartition
-
-        tp = TopicPartition(element.topic, element.partition)
         stop = tracker.current_restriction().stop
         position = tracker.current_restriction().start
         if position >= stop:
             tracker.try_claim(stop)
             return
-        consumer = self._consumer_at(element.topic, element.partition, position)
+        topic, partition, stop_ms = element.topic, element.partition, element.stop_time_ms
+        fetcher = self._fetcher_at(topic, partition, position)
         deadline = time.monotonic() + self._max_read_s
         wm_ms = watermark.current_watermark().micros // 1000
-        # The per-record path below runs once per record: names are bound locally on purpose.
-        topic, partition, stop_ms = element.topic, element.partition, element.stop_time_ms
-        claim, poll_ms = tracker.try_claim, int(self._poll_interval_s * 1000)
+        chunk_size = self._batch_records or self.PER_RECORD_FETCH
+        batched = self._batch_records is not None
+        poll_ms = int(self._poll_interval_s * 1000)
+        stamp_ms, stamp = None, None
         while True:
-            batch = consumer.poll(timeout_ms=poll_ms).get(tp, [])
-            batch_max_ms = wm_ms
-            for rec in batch:
-                offset, ts = rec.offset, rec.timestamp
-                if offset < position:
-                    continue  # a stale fetch from before a seek
-                if stop_ms is not None and ts >= stop_ms:
-                    claim(stop)  # the stop time is reached: the range is done
+            # Never fetch past the stop offset: records beyond it are neither decoded nor emitted.
+            records = fetcher.fetch(min(chunk_size, stop - position), poll_ms)
+            if records and records[0].offset < position:  # a stale fetch from before a seek
+                records = [r for r in records if r.offset >= position]
+            if records:
+                cut, done = _cut(records, stop, stop_ms)
+                if cut:
+                    chunk = records[:cut] if cut < len(records) else records
+                    if not tracker.try_claim(chunk[-1].offset):
+                        return  # the runner checkpointed this read before the chunk
+                    position = chunk[-1].offset + 1
+                    if batched:
+                        chunk_max_ms = max(r.timestamp for r in chunk)
+                        yield WindowedValue(chunk, Timestamp(micros=chunk_max_ms * 1000), _GLOBAL_WINDOWS)
+                    else:
+                        chunk_max_ms = wm_ms
+                        for rec in chunk:
+                            if rec.timestamp != stamp_ms:  # neighbours share a millisecond: one Timestamp
+                                stamp_ms = rec.timestamp
+                                stamp = Timestamp(micros=stamp_ms * 1000)
+                                if stamp_ms > chunk_max_ms:
+                                    chunk_max_ms = stamp_ms
+                            yield WindowedValue(rec, stamp, _GLOBAL_WINDOWS)
+                    if chunk_max_ms > wm_ms:  # per partition, monotonic: the max timestamp read so far
+                        wm_ms = chunk_max_ms
+                        watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
+                if done or position >= stop:
+                    tracker.try_claim(stop)  # the stop offset or the stop time is reached: done
                     self._release(topic, partition)
                     return
-                if not claim(offset):
-                    if offset >= stop:
-                        self._release(topic, partition)
-                    return
-                position = offset + 1
-                if ts > batch_max_ms:
-                    batch_max_ms = ts
-                headers = rec.headers
-                yield WindowedValue(
-                    KafkaRecord(topic, partition, offset, ts, rec.key, rec.value,
-                                tuple(headers) if headers else ()),
-                    Timestamp(0, ts * 1000), _GLOBAL_WINDOWS)
-            if batch_max_ms > wm_ms:  # per partition, monotonic: the max timestamp read so far
-                wm_ms = batch_max_ms
-                watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
-            if position >= stop:
-                tracker.try_claim(stop)
-                self._release(element.topic, element.partition)
-                return
-            if batch:
                 if time.monotonic() >= deadline:
                     # Hand the bundle back so its output flows downstream; resume at once.
                     tracker.defer_remainder(Duration(0))
                     return
                 continue
             # Nothing fetched: the partition is caught up or beyond its stop.
-            log_position = retry_kafka(lambda: consumer.position(tp), "consumer position")
+            log_position = fetcher.position()
             if stop != UNBOUNDED and log_position >= stop:
                 tracker.try_claim(stop)  # only gaps (control records) were left
-                self._release(element.topic, element.partition)
+                self._release(topic, partition)
                 return
-            end = self._ends.get(element.topic, element.partition, log_position)
+            end = self._ends.get(topic, partition, log_position)
             if log_position >= end:
                 idle = offsets.idle_watermark_ms(wm_ms, int(time.time() * 1000), self._idle_lag_ms)
                 if idle > wm_ms:
@@ -593,6 +585,23 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                     watermark.set_watermark(Timestamp(micros=wm_ms * 1000))
             tracker.defer_remainder(Duration(seconds=self._poll_interval_s))
             return
+
+
+def _cut(records: list, stop: int, stop_ms: int | None) -> tuple[int, bool]:
+    """How many of the fetched records belong to the range (before the stop offset and the first
+    record at or after the stop time), and whether the range ends inside this fetch."""
+    cut = len(records)
+    if records[-1].offset >= stop:
+        cut = bisect.bisect_left(records, stop, key=_offset_of)
+    if stop_ms is not None:
+        for i in range(cut):
+            if records[i].timestamp >= stop_ms:
+                return i, True
+    return cut, cut < len(records)
+
+
+def _offset_of(record) -> int:
+    return record.offset
 
 
 class _ReadBoundedPartitionFn(_ReadPartitionFn):
@@ -659,6 +668,18 @@ class ReadFromKafka(beam.PTransform):
       idle_watermark_lag_s: a caught-up partition's watermark advances to now minus this lag.
       max_read_s: longest time one ``process`` call reads before handing its output downstream
         (default 1 s for unbounded reads, for latency; 30 s for bounded ones, for throughput).
+      batch_records: emit one element per fetched chunk of at most this many records of one
+        partition: a ``list`` of the same ``KafkaRecord``s the per-record form emits, in offset
+        order, stamped with the chunk's latest record timestamp (default None: one element per
+        record). A chunk never crosses the stop offset or time; with ``stop=N`` chunks of a
+        partition cover exactly its first N offsets. Group offsets are committed per chunk
+        (its last offset). Saves Beam's per-element cost when the next step handles records
+        in bulk (decodes, counts, writes); see ``flowtrain bench kafka``.
+      client: ``"kafka-python"`` (default) or ``"confluent"`` (confluent-kafka on librdkafka,
+        the extra ``flowtrain[kafka-confluent]``): the client of the reading consumers. Both give
+        the same records; resolving offsets and commits use kafka-python either way, and
+        ``consumer_config`` keeps kafka-python's option names (dotted librdkafka properties pass
+        through to the confluent consumers).
       connect_timeout_s: with no broker answering, the read fails within this bound with
         ``KafkaUnavailable`` naming the bootstrap servers (default 30 s). The pipeline's
         construction checks the brokers once within the same bound, unless
@@ -672,8 +693,19 @@ class ReadFromKafka(beam.PTransform):
                  commit_offsets: bool | None = None, commit_window_s: float = 5.0,
                  poll_interval_s: float = 0.2, idle_watermark_lag_s: float = 0.0,
                  max_read_s: float | None = None, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 check_brokers_at_build: bool = True):
+                 check_brokers_at_build: bool = True, batch_records: int | None = None,
+                 client: str = "kafka-python"):
         super().__init__()
+        if batch_records is not None and (isinstance(batch_records, bool) or not isinstance(batch_records, int)
+                                          or batch_records < 1):
+            raise ValueError(f"ReadFromKafka(batch_records={batch_records!r}): must be a positive int (records "
+                             f"per emitted list), or None for one element per record")
+        from connectors.kafka_fetch import check_client, confluent_config
+
+        self._client = check_client(client)
+        if client == "confluent":
+            confluent_config(bootstrap_servers, consumer_config)  # an untranslatable option fails here
+        self._batch_records = batch_records
         if not connect_timeout_s or connect_timeout_s <= 0:
             raise ValueError(f"ReadFromKafka(connect_timeout_s={connect_timeout_s!r}): must be > 0 seconds")
         self._connect_timeout_s = connect_timeout_s
@@ -694,7 +726,8 @@ class ReadFromKafka(beam.PTransform):
         self._commit_window_s = commit_window_s
         self._read_opts = {"poll_interval_s": poll_interval_s,
                            "idle_watermark_lag_s": idle_watermark_lag_s,
-                           "max_read_s": max_read_s if max_read_s is not None else (1.0 if stop is None else 30.0)}
+                           "max_read_s": max_read_s if max_read_s is not None else (1.0 if stop is None else 30.0),
+                           "batch_records": batch_records, "client": self._client}
 
     def expand(self, pbegin):
         if self._check_at_build:
@@ -709,12 +742,14 @@ class ReadFromKafka(beam.PTransform):
                 self._consumer_config, self._connect_timeout_s))
             | "SpreadPartitions" >> beam.Reshuffle()
             | "ReadPartitions" >> beam.ParDo(read_fn).with_input_types(PartitionRead)
-            .with_output_types(KafkaRecord)
+            .with_output_types(KafkaRecord if self._batch_records is None else List[KafkaRecord])
         )
         if self._commit:
+            last = (lambda r: ((r.topic, r.partition), r.offset)) if self._batch_records is None else (
+                lambda chunk: ((chunk[-1].topic, chunk[-1].partition), chunk[-1].offset))
             _ = (
                 records
-                | "OffsetPerPartition" >> beam.Map(lambda r: ((r.topic, r.partition), r.offset))
+                | "OffsetPerPartition" >> beam.Map(last)
                 | "CommitWindow" >> beam.WindowInto(window.FixedWindows(self._commit_window_s))
                 | "MaxOffset" >> beam.CombinePerKey(max)
                 | "CommitOffsets" >> beam.ParDo(_CommitOffsetsFn(self._bootstrap, self._group_id,

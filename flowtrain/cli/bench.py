@@ -6,7 +6,7 @@ import importlib
 
 #: benchmark name -> (module under bench/, one-line description)
 BENCHMARKS = {
-    "kafka": ("bench.kafka", "ReadFromKafka vs a raw kafka-python consumer loop"),
+    "kafka": ("bench.kafka", "ReadFromKafka per record, batched, confluent vs raw kafka-python and confluent loops"),
     "etl": ("bench.etl", "flights ETL on Beam vs a plain pyarrow script at 1x/10x (--scales 1,10,30): rows/s, peak RSS"),
     "loader": ("bench.loader", "columnar loader vs torch DataLoader over the same Parquet files"),
     "train-scale": ("bench.train_scale", "one epoch at 1x/10x data: streamed shards vs in memory, rows/s, RSS"),
