@@ -8,12 +8,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import uuid
+from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.io.localfilesystem import LocalFileSystem
+from apache_beam.transforms.window import GlobalWindow
+from apache_beam.utils.windowed_value import WindowedValue
 
 __all__ = ["DeadLetter", "ERRS", "WriteDeadLettersToKafka", "WriteDeadLettersToJsonl",
-           "dead_letter_to_json", "dead_letter_record", "dead_letter_from_record", "MAX_REASON_CHARS"]
+           "dead_letter_to_json", "dead_letter_record", "dead_letter_from_record", "MAX_REASON_CHARS",
+           "PARTS_SUFFIX"]
 
 #: Output tag of every decoding / validation transform's dead letters.
 ERRS = "errs"
@@ -23,6 +32,17 @@ class DeadLetter(NamedTuple):
     payload: Any  # the raw input: bytes, str or a JSON-able row
     source: str  # "topic/partition/offset" or "file:row"
     reason: str  # why it was rejected, in words a user can act on
+
+
+#: ``<dead-letter file>.parts-<id>/``: where bundles write their parts before the last step joins them.
+PARTS_SUFFIX = ".parts-"
+_RAW = CompressionTypes.UNCOMPRESSED
+_COPY_BYTES = 8 << 20
+
+
+def _absolute(path: str) -> str:
+    """An absolute local path (workers may run elsewhere), or the URL as given."""
+    return str(Path(path).resolve()) if FileSystems.get_scheme(path) is None else path
 
 
 def _payload_json(payload):
@@ -45,18 +65,96 @@ def dead_letter_to_json(letter: DeadLetter) -> str:
                        "payload": _payload_json(letter.payload)}, default=str)
 
 
+class _WriteJsonlPartFn(beam.DoFn):
+    """Dead letters -> one JSON-lines part file per bundle; emits the part's path when the bundle ends."""
+
+    def __init__(self, parts_dir: str):
+        self._dir = parts_dir
+
+    def start_bundle(self):
+        self._sink, self._path = None, None
+
+    def process(self, letter: DeadLetter):
+        if self._sink is None:
+            self._path = FileSystems.join(self._dir, f"part-{uuid.uuid4().hex}.jsonl")
+            self._sink = FileSystems.create(self._path, mime_type="text/plain", compression_type=_RAW)
+        self._sink.write(dead_letter_to_json(letter).encode("utf-8") + b"\n")
+
+    def finish_bundle(self):
+        if self._sink is not None:
+            self._sink.close()
+            yield WindowedValue(self._path, GlobalWindow().max_timestamp(), [GlobalWindow()])
+        self._sink = None
+
+
+def _remove_parts(parts_dir: str) -> None:
+    found = FileSystems.match([FileSystems.join(parts_dir, "*")])[0].metadata_list
+    if found:
+        FileSystems.delete([m.path for m in found])
+    if FileSystems.exists(parts_dir):  # a local directory; object stores have none
+        FileSystems.delete([parts_dir])
+
+
+class _ConcatPartsFn(beam.DoFn):
+    """Every part (in a stable order) into the one file, then the parts are deleted. Locally the
+    file is written under a temporary name and renamed, so it appears whole."""
+
+    def __init__(self, parts_dir: str, final_path: str):
+        self._dir, self._final = parts_dir, final_path
+
+    def process(self, parts: list):
+        local = isinstance(FileSystems.get_filesystem(self._final), LocalFileSystem)
+        target = f"{self._final}.tmp-{uuid.uuid4().hex[:8]}" if local else self._final
+        # the final name's suffix decides compression (.gz, ...), as WriteToText's did
+        with FileSystems.create(target, mime_type="text/plain",
+                                compression_type=CompressionTypes.detect_compression_type(self._final)) as out:
+            for part in sorted(parts):
+                with FileSystems.open(part, mime_type="text/plain", compression_type=_RAW) as fh:
+                    while chunk := fh.read(_COPY_BYTES):
+                        out.write(chunk)
+        if local:
+            os.replace(target, self._final)
+        _remove_parts(self._dir)
+        yield self._final
+
+
 class WriteDeadLettersToJsonl(beam.PTransform):
-    """One JSON object per line: ``{"source", "reason", "payload"}``."""
+    """One JSON object per line: ``{"source", "reason", "payload"}``.
+
+    By default (``shard_name_template=""``) into the one file ``file_path_prefix + file_name_suffix``:
+    each bundle writes its own part beside it (``<file>.parts-<id>/``), and a last step joins the
+    parts into the file and deletes them, so no step gathers the dead letters in memory. Another
+    ``shard_name_template`` writes sharded files with ``WriteToText``.
+
+    The input may be one PCollection or a tuple of them (dead letters of several steps): each is
+    written in the stage that makes it, where a ``Flatten`` first would make Beam's local runners
+    hold every dead letter in memory.
+    """
 
     def __init__(self, file_path_prefix: str, *, shard_name_template: str = "", file_name_suffix: str = ""):
         super().__init__()
         self._prefix, self._template, self._suffix = file_path_prefix, shard_name_template, file_name_suffix
 
     def expand(self, letters):
-        return (letters
-                | "ToJson" >> beam.Map(dead_letter_to_json)
-                | "Write" >> beam.io.WriteToText(self._prefix, shard_name_template=self._template,
-                                                 file_name_suffix=self._suffix))
+        many = isinstance(letters, (tuple, list))  # several PCollections: written each where it is made
+        if self._template != "":
+            if many:
+                letters = letters | "Flatten" >> beam.Flatten()
+            return (letters
+                    | "ToJson" >> beam.Map(dead_letter_to_json)
+                    | "Write" >> beam.io.WriteToText(self._prefix, shard_name_template=self._template,
+                                                     file_name_suffix=self._suffix))
+        final = _absolute(self._prefix + self._suffix)
+        parts_dir = f"{final}{PARTS_SUFFIX}{uuid.uuid4().hex[:12]}"
+        parts = [pc | f"WriteParts{i if many else ''}" >> beam.ParDo(_WriteJsonlPartFn(parts_dir))
+                 for i, pc in enumerate(letters if many else [letters])]
+        if many:
+            parts = parts | "Parts" >> beam.Flatten()
+        else:
+            parts = parts[0]
+        return (parts
+                | "AllParts" >> beam.combiners.ToList()
+                | "JoinParts" >> beam.ParDo(_ConcatPartsFn(parts_dir, final)))
 
 
 # --------------------------------------------------------------------------------------------

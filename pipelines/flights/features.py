@@ -45,13 +45,45 @@ _DAYS = np.array(["mon", "tue", "wed", "thu", "fri", "sat", "sun"])
 
 
 def prepare_weather(weather: pa.Table) -> pa.Table:
-    """One row per (origin, time_hour): the file repeats a few hours (daylight-saving changes)."""
+    """One row per (origin, time_hour), sorted by time_hour (then origin).
+
+    The file repeats a few hours (daylight-saving changes): the first row of each wins. Rows
+    without an origin or an hour can match no flight and are dropped. The sort lets
+    ``join_reference`` slice the table to a flight batch's hours instead of hashing all of it.
+    """
     weather = weather.select(["origin", "time_hour", *WEATHER_COLUMNS])
     weather = weather.set_column(1, "time_hour", pc.cast(weather.column("time_hour"), HOUR_TYPE))
-    keys = pc.binary_join_element_wise(weather.column("origin"),
-                                       pc.cast(pc.cast(weather.column("time_hour"), pa.int64()), pa.string()), "|")
-    _, first = np.unique(keys.to_numpy(zero_copy_only=False), return_index=True)
-    return weather.take(pa.array(np.sort(first)))
+    weather = weather.filter(pc.and_(pc.is_valid(weather.column("origin")), pc.is_valid(weather.column("time_hour"))))
+    index = pa.table({"origin": weather.column("origin"), "time_hour": weather.column("time_hour"),
+                      "i": pa.array(np.arange(weather.num_rows, dtype=np.int64))})
+    first = index.group_by(["origin", "time_hour"], use_threads=False).aggregate([("i", "min")]).column("i_min")
+    weather = weather.take(pc.sort_indices(first))
+    return weather.sort_by([("time_hour", "ascending"), ("origin", "ascending")]).combine_chunks()
+
+
+def hour_months(hours: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The UTC month of each time_hour as ``year * 12 + month - 1`` (-1 where the hour is null):
+    the key the batch ETL partitions weather by."""
+    hours = pc.cast(hours, HOUR_TYPE)
+    months = pc.add(pc.multiply(pc.year(hours), 12), pc.subtract(pc.month(hours), 1))
+    return pc.fill_null(months, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def weather_hours(weather: pa.Table, flights: pa.Table) -> pa.Table:
+    """The rows of ``weather`` whose time_hour lies within the flights' [min, max] time_hour.
+
+    ``weather`` sorted by time_hour (``prepare_weather``) is sliced by binary search; unsorted
+    weather comes back whole (the join's answer is the same either way, only slower).
+    """
+    hours = pc.cast(weather.column("time_hour"), pa.int64()).to_numpy()
+    if hours.size > 1 and not np.all(hours[1:] >= hours[:-1]):
+        return weather
+    lo, hi = pc.min_max(pc.cast(flights.column("time_hour"), pa.int64())).values()
+    if not lo.is_valid:  # no flight has an hour: none can match
+        return weather.slice(0, 0)
+    a = int(np.searchsorted(hours, lo.as_py(), "left"))
+    b = int(np.searchsorted(hours, hi.as_py(), "right"))
+    return weather.slice(a, b - a)
 
 
 def prepare_planes(planes: pa.Table) -> pa.Table:
@@ -71,7 +103,7 @@ def join_reference(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes
     table = table.set_column(hour, "time_hour", pc.cast(table.column(hour), HOUR_TYPE))
     order = pa.array(np.arange(table.num_rows, dtype=np.int64))
     table = table.append_column("__order", order)
-    joined = table.join(weather, keys=["origin", "time_hour"], join_type="left outer")
+    joined = table.join(weather_hours(weather, table), keys=["origin", "time_hour"], join_type="left outer")
     joined = joined.join(planes, keys="tailnum", join_type="left outer")
     joined = joined.sort_by("__order").drop_columns(["__order"])
     return derive(joined)

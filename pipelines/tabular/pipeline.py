@@ -4,7 +4,9 @@
                                               |
                                          AssignSplits -> (split, batch)
                                               |--train--> ComputeStats (one full pass)
-                                         Featurize(stats as side input) -> WriteDataset
+                                         WriteToSpill (temporary files; only their names go on)
+                                              |
+                                         ReadFromSpill -> Featurize(stats as side input) -> WriteDataset
 
 Counts reconcile and go into the manifest: rows in = rows out (all splits) + dead letters.
 """
@@ -26,7 +28,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from connectors.dataset import WriteDataset
-from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
+from connectors.deadletter import ERRS, PARTS_SUFFIX, WriteDeadLettersToJsonl
+from connectors.spill import SPILL_SUFFIX, ReadFromSpill, WriteToSpill, remove_spill, spill_directory
 from connectors.files import CSV_NULLS, ReadFromFiles, csv_header, file_format
 from pipelines.tabular import features as F
 from connectors.dataset_spec import SPLITS, FeatureSpec
@@ -301,6 +304,28 @@ def _sum_counts(pairs) -> dict:
     return out
 
 
+class _CountByKey(beam.CombineFn):
+    """(key, n) pairs -> {key: total}; partial dicts per bundle, so only a few numbers cross stages."""
+
+    def create_accumulator(self):
+        return {}
+
+    def add_input(self, acc, pair):
+        key, n = pair
+        acc[key] = acc.get(key, 0) + n
+        return acc
+
+    def merge_accumulators(self, accs):
+        out: dict = {}
+        for acc in accs:
+            for key, n in acc.items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    def extract_output(self, acc):
+        return acc
+
+
 class _FeaturizeFn(beam.DoFn):
     def __init__(self, spec: FeatureSpec):
         self._spec = spec
@@ -327,6 +352,37 @@ class FeaturizeSplits(beam.PTransform):
                                           ).with_outputs(ERRS, main="features")
 
 
+def _cutoffs_known_up_front(spec: FeatureSpec) -> bool:
+    """True when the split of a row needs no pass over the data (a random split, or both dates given)."""
+    return not spec.time_column or bool(spec.valid_from and spec.test_from)
+
+
+def _spill_and_split(spec: FeatureSpec, rows, cutoffs, spill_dir: str):
+    """(split, batch) twice: for the statistics, and read back from the spill for featurizing.
+
+    The valid rows are written to temporary files in the stage that validates them, so the
+    runner never holds them between the statistics pass and the featurize pass. When the split
+    cutoffs are known up front the rows are split before the spill and the statistics are
+    combined in the same stage; when they come from the time column's range (``--fractions``),
+    the spill holds the unsplit rows and is read twice (statistics, then featurize).
+    """
+    if _cutoffs_known_up_front(spec):
+        split_batches = rows | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs)
+        spilled = split_batches | "SpillRows" >> WriteToSpill(spill_dir)
+        return split_batches, spilled | "ReadSpill" >> ReadFromSpill()
+    spilled = rows | "KeyRows" >> beam.Map(lambda b: ("rows", b)) | "SpillRows" >> WriteToSpill(spill_dir)
+    for_stats = (spilled | "ReadSpillForStats" >> ReadFromSpill() | "UnkeyForStats" >> beam.Values()
+                 | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs))
+    back = (spilled | "ReadSpill" >> ReadFromSpill() | "Unkey" >> beam.Values()
+            | "AssignSplitsAgain" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs))
+    return for_stats, back
+
+
+def _remove_spill_then(manifest: dict, spill_dir: str) -> dict:
+    remove_spill(spill_dir)
+    return manifest
+
+
 def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters_path: str | None,
               extra_checks: ExtraChecks | None = None,
               extra_metadata: dict | None = None, rows_in=None, overwrite: bool = True, read_errs=None):
@@ -336,27 +392,37 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
     rows were rejected before ``raw_batches`` (e.g. by a join's own checks) and fold those
     rejections into ``raw_batches``' dead letters yourself. ``read_errs``: the reader's own
     dead letters (``ReadFromFiles(..., with_errors=True)``), counted in and written out.
+
+    Memory stays bounded with the data: the valid rows go to temporary files beside the dataset
+    (``<dataset_path>.spill-<id>/``, through Beam's FileSystems) while the statistics are
+    computed, and are read back to be featurized; the directory is removed once the manifest is
+    written (``run_tabular_etl`` also removes it when the run fails). Counts and dead letters
+    are combined per bundle; no step gathers rows or dead letters in one place.
     """
     rows, errs = raw_batches | "ValidateRows" >> ValidateRows(spec, extra_checks)
     time_range = _time_range(spec, rows, label="Split")
     cutoffs = _cutoffs(spec, time_range, label="Split")
-    split_batches = rows | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs)
+    spill_dir = spill_directory(dataset_path)
+    split_batches, spilled_back = _spill_and_split(spec, rows, cutoffs, spill_dir)
     train = (split_batches | "TrainOnly" >> beam.Filter(lambda kv: kv[0] == "train")
              | "TrainBatches" >> beam.Values())
     stats = train | "ComputeStats" >> ComputeStats(spec)
-    featurized, unknown = split_batches | "Featurize" >> FeaturizeSplits(spec, stats)
-    errs = [errs, unknown] + ([read_errs] if read_errs is not None else [])
-    errs = errs | "AllDeadLetters" >> beam.Flatten()
+    featurized, unknown = spilled_back | "Featurize" >> FeaturizeSplits(spec, stats)
+    # Dead letters come from up to three stages. They are counted and written where they are made,
+    # never flattened first: a local runner would hold every dead letter of a Flatten in memory.
+    sources = {"Validate": errs, "Featurize": unknown, **({"Read": read_errs} if read_errs is not None else {})}
+    dead_counts = [letters | f"CountDead{name}" >> beam.Map(lambda d: (d.reason, 1))
+                   | f"SumDead{name}" >> beam.CombinePerKey(sum) for name, letters in sources.items()]
+    dead = dead_counts | "AllDeadCounts" >> beam.Flatten() | "DeadDict" >> beam.CombineGlobally(_CountByKey())
 
     if rows_in is None:
-        counts_in = raw_batches | "CountIn" >> beam.Map(lambda b: b.num_rows)
+        counts_in = [raw_batches | "CountIn" >> beam.Map(lambda b: b.num_rows) | "SumRead" >> beam.CombineGlobally(sum)]
         if read_errs is not None:
-            counts_in = (counts_in, read_errs | "CountReadErrs" >> beam.Map(lambda _: 1)) | "CountsIn" >> beam.Flatten()
-        rows_in = counts_in | "SumIn" >> beam.CombineGlobally(sum)
+            counts_in.append(read_errs | "CountReadErrs" >> beam.Map(lambda _: 1)
+                             | "SumReadErrs" >> beam.CombineGlobally(sum))
+        rows_in = counts_in | "CountsIn" >> beam.Flatten() | "SumIn" >> beam.CombineGlobally(sum)
     rows_out = (featurized | "CountOut" >> beam.MapTuple(lambda split, b: (split, b.num_rows))
-                | "SumOut" >> beam.combiners.ToList() | "OutDict" >> beam.Map(_sum_counts))
-    dead = (errs | "CountDead" >> beam.Map(lambda d: (d.reason, 1))
-            | "SumDead" >> beam.combiners.ToList() | "DeadDict" >> beam.Map(_sum_counts))
+                | "OutDict" >> beam.CombineGlobally(_CountByKey()))
     extra = dict(extra_metadata or {})
 
     def metadata(stats_, n_in, out, dead_, rng, cut):
@@ -377,19 +443,26 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
                                           dead_=beam.pvalue.AsSingleton(dead),
                                           rng=beam.pvalue.AsSingleton(time_range), cut=cutoffs)
     if dead_letters_path:
-        _ = errs | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
-    return featurized | "WriteDataset" >> WriteDataset(dataset_path, metadata=meta, overwrite=overwrite)
+        _ = tuple(sources.values()) | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
+    manifest = featurized | "WriteDataset" >> WriteDataset(dataset_path, metadata=meta, overwrite=overwrite)
+    return manifest | "RemoveSpill" >> beam.Map(_remove_spill_then, spill_dir)
 
 
-def _remove_temporaries(dataset_path: str, dead_letters_path: str | None) -> None:
-    """What a failed run leaves: the dataset's ``.tmp-*`` directory and Beam's ``beam-temp-*``."""
-    dataset = Path(dataset_path).resolve()
-    for tmp in dataset.parent.glob(f"{dataset.name}.tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    if dead_letters_path:
-        dead = Path(dead_letters_path)
-        for tmp in dead.parent.glob("beam-temp-*"):
+def remove_temporaries(dataset_path: str, dead_letters_path: str | None) -> None:
+    """What a failed run leaves: the dataset's ``.tmp-*`` and ``.spill-*`` directories, the dead
+    letters' ``.parts-*`` and Beam's ``beam-temp-*``."""
+    if FileSystems.get_scheme(dataset_path) is None:
+        dataset = Path(dataset_path).resolve()
+        for tmp in [*dataset.parent.glob(f"{dataset.name}.tmp-*"), *dataset.parent.glob(f"{dataset.name}{SPILL_SUFFIX}*")]:
             shutil.rmtree(tmp, ignore_errors=True)
+    else:  # an object store: the spill's objects under <dataset_path>.spill-<id>/
+        for m in FileSystems.match([f"{dataset_path.rstrip('/')}{SPILL_SUFFIX}**"])[0].metadata_list:
+            FileSystems.delete([m.path])
+    if dead_letters_path and FileSystems.get_scheme(dead_letters_path) is None:
+        dead = Path(dead_letters_path).resolve()
+        for tmp in [*dead.parent.glob("beam-temp-*"), *dead.parent.glob(f"{dead.name}{PARTS_SUFFIX}*"),
+                    *dead.parent.glob(f"{dead.name}.tmp-*")]:
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: str,
@@ -413,7 +486,7 @@ def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: s
             build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
                       extra_metadata={"inputs": files}, read_errs=read_errs)
     except BaseException:
-        _remove_temporaries(dataset_path, dead_letters_path)
+        remove_temporaries(dataset_path, dead_letters_path)
         raise
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
