@@ -19,6 +19,9 @@ _SC = "pipelines.flights.streaming:StreamConfig."  # where the pipeline half's d
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
 _LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
 
+#: ``flowtrain replay --client``: the first is the default.
+REPLAY_CLIENTS = ("kafka-python", "confluent")
+
 
 def _kafka_config(pairs: list[str] | dict | None) -> dict:
     """``--kafka-config security_protocol=SASL_SSL`` etc. -> typed kafka-python keyword arguments
@@ -67,6 +70,11 @@ def register(sub) -> None:
                    help="fraction of events replaced by bad ones (broken JSON, missing field, wrong type, NaN, "
                         "impossible value), for demos and tests")
     r.add_argument("--seed", type=int, default=0, help="seed of which events --malformed replaces (default 0)")
+    r.add_argument("--client", choices=REPLAY_CLIENTS, default=REPLAY_CLIENTS[0],
+                   help="producer client: kafka-python (default; ~10k events/s on one core here) or confluent "
+                        "(confluent-kafka on librdkafka, the extra flowtrain[kafka-confluent]; several times "
+                        "faster: what `bench stream` uses to offer more than 10k events/s). Both send with "
+                        "acks=all, idempotent, and confirm every event before the count is printed")
     r.set_defaults(func=_replay, options_parser=r)
 
     s = sub.add_parser("stream", help="streaming job: Beam features from Kafka -> online trainer, exactly once",
@@ -89,6 +97,12 @@ def register(sub) -> None:
                    help="events per micro-batch, >= 1 (closed by size, default %(default)s ...)")
     s.add_argument("--max-delay", type=above(0), default=config_default(_SC + "max_delay_s"),
                    help="... or by this many seconds after its first event (default %(default)s)")
+    s.add_argument("--read-batch-records", type=at_least(1), default=config_default(_SC + "read_batch_records"),
+                   help="pipeline: read the raw topic in lists of up to N records per fetched chunk "
+                        "(ReadFromKafka(batch_records=N)) instead of one element per record (default %(default)s)")
+    s.add_argument("--read-client", choices=("kafka-python", "confluent"), default=config_default(_SC + "read_client"),
+                   help="pipeline: Kafka client of the raw topic's reader (confluent: the extra "
+                        "flowtrain[kafka-confluent]; default %(default)s)")
     _EV = "pipelines.flights.events:ParseBounds."
     s.add_argument("--max-event-bytes", type=at_least(1), default=config_default(_EV + "max_event_bytes"),
                    help="a raw event larger than this is a dead letter (default %(default)s)")
@@ -117,6 +131,9 @@ def register(sub) -> None:
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default=config_default(_TC + "device"),
                    help="where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica "
                         "its own GPU, NCCL between them; default %(default)s)")
+    t.add_argument("--threads", type=at_least(1), default=config_default(_TC + "threads"),
+                   help="torch threads of each trainer replica (default %(default)s: a step is one feature "
+                        "message, too small for more threads on cores shared with the pipeline and the broker)")
     t.add_argument("--checkpoint-every", type=at_least(1), default=config_default(_TC + "checkpoint_every_steps"),
                    help="checkpoint and publish every K steps (default %(default)s) ...")
     t.add_argument("--checkpoint-seconds", type=above(0), default=config_default(_TC + "checkpoint_every_s"),
@@ -137,7 +154,7 @@ def register(sub) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def _replay(args: argparse.Namespace) -> int:
-    from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_producer
+    from connectors.kafka import ensure_topic
 
     from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
     from pipelines.flights.nycflights import load_table
@@ -146,37 +163,137 @@ def _replay(args: argparse.Namespace) -> int:
     _check_brokers(args, "flowtrain replay")
     ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg,
                  replication_factor=args.replication_factor)
-    producer = new_producer(args.bootstrap, {"linger_ms": 10, **cfg})
-    delivery = KafkaDelivery(producer, what="flowtrain replay")
+    sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
     rng = random.Random(args.seed)
     counts = {"events": 0, **{k: 0 for k in MALFORMED_KINDS}}
     t0 = time.monotonic()
-    for i, event in enumerate(events_from_table(load_table("flights"))):
-        if i < args.skip:
-            continue
-        if args.limit is not None and counts["events"] >= args.limit:
-            break
-        if args.malformed and rng.random() < args.malformed:
-            kind = MALFORMED_KINDS[sum(counts[k] for k in MALFORMED_KINDS) % len(MALFORMED_KINDS)]
-            value = malform(event, kind, rng)
-            counts[kind] += 1
-        else:
-            value = json.dumps(event).encode()
-        delivery.send(args.topic, value, key=(event.get("tailnum") or "unknown").encode())
-        counts["events"] += 1
-        if delivery.pending >= 10_000:
-            _confirm(delivery, "flowtrain replay")
-        if args.rate:
-            ahead = counts["events"] / args.rate - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
-    _confirm(delivery, "flowtrain replay")  # every event acknowledged by Kafka before it is counted
-    close_client(producer)
+    try:
+        for i, event in enumerate(events_from_table(load_table("flights"))):
+            if i < args.skip:
+                continue
+            if args.limit is not None and counts["events"] >= args.limit:
+                break
+            if args.malformed and rng.random() < args.malformed:
+                kind = MALFORMED_KINDS[sum(counts[k] for k in MALFORMED_KINDS) % len(MALFORMED_KINDS)]
+                value = malform(event, kind, rng)
+                counts[kind] += 1
+            else:
+                value = json.dumps(event).encode()
+            sender.send(args.topic, value, (event.get("tailnum") or "unknown").encode())
+            counts["events"] += 1
+            if args.rate:
+                ahead = counts["events"] / args.rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        sender.confirm()  # every event acknowledged by Kafka before it is counted
+    except _ReplayError as err:
+        raise SystemExit(f"flowtrain replay: {err}") from None
+    finally:
+        sender.close()
     took = time.monotonic() - t0
     bad = {k: counts[k] for k in MALFORMED_KINDS if counts[k]}
     print(f"replay: {counts['events']:,} events to {args.topic} in {took:.1f} s "
-          f"({counts['events'] / max(took, 1e-9):,.0f}/s); malformed: {bad or 'none'}")
+          f"({counts['events'] / max(took, 1e-9):,.0f}/s, {args.client}); malformed: {bad or 'none'}")
     return 0
+
+
+class _ReplayError(RuntimeError):
+    """Kafka did not acknowledge an event: the message names the error and the topic."""
+
+
+class _PythonSender:
+    """kafka-python through ``KafkaDelivery`` (every send confirmed)."""
+
+    def __init__(self, bootstrap: str, cfg: dict):
+        from connectors.kafka import KafkaDelivery, new_producer
+
+        self.producer = new_producer(bootstrap, {"linger_ms": 10, **cfg})
+        self.delivery = KafkaDelivery(self.producer, what="flowtrain replay")
+
+    def send(self, topic: str, value: bytes, key: bytes) -> None:
+        self.delivery.send(topic, value, key=key)
+        if self.delivery.pending >= 10_000:
+            self.confirm()
+
+    def confirm(self) -> None:
+        from connectors.kafka import KafkaWriteError
+
+        try:
+            self.delivery.confirm()
+        except KafkaWriteError as err:
+            raise _ReplayError(str(err)) from None
+
+    def close(self) -> None:
+        from connectors.kafka import close_client
+
+        close_client(self.producer)
+
+
+class _ConfluentSender:
+    """confluent-kafka (librdkafka): acks=all and idempotent like ``new_producer``; librdkafka
+    retries retriable failures itself (for ``delivery.timeout.ms``); every event's delivery report
+    is checked, and ``confirm`` returns only when none is outstanding and none failed."""
+
+    #: librdkafka properties of the reading consumers that mean nothing to a producer.
+    _CONSUMER_ONLY = ("group.id", "enable.auto.commit", "enable.auto.offset.store", "enable.partition.eof",
+                      "fetch.wait.max.ms", "max.partition.fetch.bytes", "fetch.queue.backoff.ms", "fetch.min.bytes",
+                      "fetch.max.bytes", "queued.min.messages", "queued.max.messages.kbytes", "isolation.level",
+                      "auto.offset.reset", "check.crcs")
+
+    def __init__(self, bootstrap: str, cfg: dict):
+        try:
+            from confluent_kafka import Producer
+        except ImportError:
+            raise SystemExit("flowtrain replay --client confluent needs confluent-kafka: pip install "
+                             "'flowtrain[kafka-confluent]' (or confluent-kafka>=2.3), or use --client kafka-python") \
+                from None
+        from connectors.kafka_fetch import confluent_config
+
+        try:
+            conf = confluent_config(bootstrap, {k: v for k, v in cfg.items() if k not in ("linger_ms",)})
+        except ValueError as err:
+            raise SystemExit(f"flowtrain replay --client confluent: {err}") from None
+        for key in self._CONSUMER_ONLY:
+            conf.pop(key, None)
+        conf.update({"acks": "all", "enable.idempotence": True, "partitioner": "murmur2_random", "linger.ms": 10, "batch.size": 1_000_000,
+                     "queue.buffering.max.messages": 200_000, "delivery.timeout.ms": 120_000})
+        self.producer = Producer(conf)
+        self.outstanding, self.failures, self.topic = 0, [], None
+
+    def _report(self, err, msg) -> None:
+        self.outstanding -= 1
+        if err is not None:
+            self.failures.append((err, len(msg.value() or b"")))
+
+    def send(self, topic: str, value: bytes, key: bytes) -> None:
+        self.topic = topic
+        while True:
+            try:
+                self.producer.produce(topic, value, key, on_delivery=self._report)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self.producer.poll(0.05)
+        self.outstanding += 1
+        self.producer.poll(0)  # delivery reports of what is done
+        if self.failures:
+            self._raise()
+
+    def confirm(self) -> None:
+        deadline = time.monotonic() + 180
+        while self.outstanding > 0 and time.monotonic() < deadline:
+            self.producer.flush(1.0)
+        if self.failures:
+            self._raise()
+        if self.outstanding > 0:
+            raise _ReplayError(f"{self.outstanding:,} events to topic {self.topic!r} not acknowledged within 180 s")
+
+    def _raise(self) -> None:
+        err, size = self.failures[0]
+        raise _ReplayError(f"Kafka did not accept a record of {size:,} bytes for topic {self.topic!r} "
+                           f"({len(self.failures):,} not delivered): {err.name()}: {err.str()}")
+
+    def close(self) -> None:
+        self.producer.flush(5.0)
 
 
 def _check_brokers(args, command: str) -> None:
@@ -186,15 +303,6 @@ def _check_brokers(args, command: str) -> None:
     try:
         check_brokers(args.bootstrap, timeout_s=args.connect_timeout, client_config=_kafka_config(args.kafka_config))
     except KafkaUnavailable as err:
-        raise SystemExit(f"{command}: {err}") from None
-
-
-def _confirm(delivery, command: str) -> None:
-    from connectors.kafka import KafkaWriteError
-
-    try:
-        delivery.confirm()
-    except KafkaWriteError as err:
         raise SystemExit(f"{command}: {err}") from None
 
 
@@ -232,6 +340,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
                         batch_size=args.batch_size, max_delay_s=args.max_delay, stats=read_manifest(dataset)["stats"],
                         weather_path=tables["weather"], planes_path=tables["planes"], kafka_config=cfg,
                         status_path=str(out / "pipeline-status.json"), connect_timeout_s=args.connect_timeout,
+                        read_batch_records=args.read_batch_records, read_client=args.read_client,
                         bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
                                            max_abs_number=args.max_abs_number))
     for old_status in glob.glob(str(out / "pipeline-status.json.*")):
@@ -311,7 +420,8 @@ def _trainer_config(args):
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
                             seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
-                            kafka_config=_kafka_config(args.kafka_config))
+                            kafka_config=_kafka_config(args.kafka_config), threads=args.threads,
+                            replication_factor=args.replication_factor)
     given = getattr(args, "options", {})
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
         arch, _ = initial_weights(cfg)
