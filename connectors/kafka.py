@@ -545,7 +545,9 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
                 if cut:
                     chunk = records[:cut] if cut < len(records) else records
                     if not tracker.try_claim(chunk[-1].offset):
-                        return  # the runner checkpointed this read before the chunk
+                        # the runner checkpointed this read before the chunk (a bare return: Beam
+                        # warns of 'yield and return' on a return followed by anything)
+                        return
                     position = chunk[-1].offset + 1
                     if batched:
                         chunk_max_ms = max(r.timestamp for r in chunk)

@@ -201,3 +201,20 @@ def test_unbounded_batched_read_on_prism_sees_new_records_in_windows(bootstrap, 
     got = sorted(o for _, offs in _Collect.seen for o in offs)
     assert got == sorted((i % 2, i // 2) for i in range(60)), f"{client}: {len(got)} of 60 records, or repeats"
     assert len({w for w, _ in _Collect.seen}) >= 2, f"windows fired: {_Collect.seen}"
+
+
+def test_building_a_read_prints_no_beam_yield_and_return_warning(bootstrap, new_topic, caplog):
+    """Beam warns 'Using yield and return in the process method' for a `return  # comment` line in a
+    generator; the reader's DoFns must not trigger it (users saw it once per pipeline)."""
+    import logging
+
+    import apache_beam as beam
+
+    from connectors.kafka import ReadFromKafka
+
+    topic = new_topic(partitions=1)
+    with caplog.at_level(logging.WARNING):
+        p = beam.Pipeline()
+        for kwargs in ({}, {"batch_records": 10}, {"group_id": "g", "commit_offsets": True}):
+            _ = p | f"Read{len(kwargs)}{sorted(kwargs)}" >> ReadFromKafka(bootstrap, topic, stop="end", **kwargs)
+    assert not [r for r in caplog.records if "yield and return" in r.getMessage()]
