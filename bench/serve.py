@@ -91,32 +91,33 @@ def _model(env: _Env, seed: int):
 
 
 def _publish(env: _Env, names: dict, version: int, work: Path) -> None:
-    from kafka import KafkaProducer
-
+    from connectors.kafka import KafkaDelivery, close_client, new_producer
     from flowtrain.train import checkpoint
 
     path = checkpoint.save(work / "ckpts", version, {"model": _model(env, version).state_dict(), "version": version,
                                                      "step": version, "architecture": ARCH}, keep=0)
-    producer = KafkaProducer(bootstrap_servers=env.bootstrap, acks="all")
-    producer.send(names["updates"], key=str(version).encode(), value=json.dumps(
+    producer = new_producer(env.bootstrap)
+    delivery = KafkaDelivery(producer, what="bench serve: publish")
+    delivery.send(names["updates"], key=str(version).encode(), value=json.dumps(
         {"version": version, "step": version, "checkpoint": str(path), "time": time.time()}).encode())
-    producer.flush()
-    producer.close()
+    delivery.confirm()  # a failed publish raises, never drops a version from the sample
+    close_client(producer)
 
 
 def _produce(env: _Env, topic: str, values: list[bytes], rate: float = 0.0) -> None:
-    from kafka import KafkaProducer
+    from connectors.kafka import KafkaDelivery, close_client, new_producer
 
-    producer = KafkaProducer(bootstrap_servers=env.bootstrap, acks="all", linger_ms=5)
+    producer = new_producer(env.bootstrap, {"linger_ms": 5})
+    delivery = KafkaDelivery(producer, what="bench serve: events")
     t0 = time.monotonic()
     for i, v in enumerate(values):
-        producer.send(topic, key=str(i % 97).encode(), value=v)
+        delivery.send(topic, key=str(i % 97).encode(), value=v)
         if rate:
             ahead = (i + 1) / rate - (time.monotonic() - t0)
             if ahead > 0:
                 time.sleep(ahead)
-    producer.flush()
-    producer.close()
+    delivery.confirm()  # every event acknowledged, or an error naming the Kafka failure
+    close_client(producer)
 
 
 def _read(bootstrap: str, topic: str) -> list:

@@ -121,7 +121,8 @@ def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, 
     replay = _spawn(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--skip", "1",
                            "--limit", str(events), "--rate", str(rate), "--client", _replay_client()],
                     run / "replay.log")
-    replay.wait(timeout=timeout)
+    if replay.wait(timeout=timeout) != 0:
+        raise RuntimeError(f"bench stream: the replay failed (exit {replay.returncode}); see {run / 'replay.log'}")
     return t0, pipeline, trainer
 
 
@@ -208,10 +209,17 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tu
                 if end >= n + 1 and done == end:
                     break
                 time.sleep(0.5)
+            else:
+                raise RuntimeError(f"bench stream: the job did not catch up with {n:,} events at {rate:,}/s in 300 s; "
+                                   f"see {run2}")
             time.sleep(4)  # the last checkpoint publishes
             _stop(trainer)
             _stop(pipeline)
             lat = _latencies(bootstrap, names2, run2)
+            valid = _valid_count(bootstrap, names2["features"])
+            if len(lat) != valid:  # percentiles of a partial sample would drop the slow tail
+                raise RuntimeError(f"bench stream: {len(lat):,} of {valid:,} feature rows reached a published model "
+                                   f"at {rate:,}/s; see {run2}")
             for q in (50, 99):
                 rows.append((f"latency at {rate:,} events/s: produce -> published model (p{q})", len(lat),
                              float(np.percentile(lat, q)), "", ""))

@@ -20,6 +20,8 @@ from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from connectors.spill import remove_spill
+
 __all__ = ["DeadLetter", "ERRS", "WriteDeadLettersToKafka", "WriteDeadLettersToJsonl",
            "dead_letter_to_json", "dead_letter_record", "dead_letter_from_record", "MAX_REASON_CHARS",
            "PARTS_SUFFIX"]
@@ -87,14 +89,6 @@ class _WriteJsonlPartFn(beam.DoFn):
         self._sink = None
 
 
-def _remove_parts(parts_dir: str) -> None:
-    found = FileSystems.match([FileSystems.join(parts_dir, "*")])[0].metadata_list
-    if found:
-        FileSystems.delete([m.path for m in found])
-    if FileSystems.exists(parts_dir):  # a local directory; object stores have none
-        FileSystems.delete([parts_dir])
-
-
 class _ConcatPartsFn(beam.DoFn):
     """Every part (in a stable order) into the one file, then the parts are deleted. Locally the
     file is written under a temporary name and renamed, so it appears whole."""
@@ -114,7 +108,7 @@ class _ConcatPartsFn(beam.DoFn):
                         out.write(chunk)
         if local:
             os.replace(target, self._final)
-        _remove_parts(self._dir)
+        remove_spill(self._dir)  # a directory and all under it, any filesystem
         yield self._final
 
 

@@ -110,6 +110,36 @@ def parse_numbers(col: pa.Array) -> tuple[pa.Array, np.ndarray]:
     return values, bad
 
 
+def _to_integer(col: pa.Array, t: pa.DataType, target: pa.DataType, name: str
+                ) -> tuple[pa.Array, np.ndarray | None, str]:
+    """Text or numbers -> an integer type: a value that is not a number, not whole (1.5) or out of
+    the type's range flags its row (never truncated or wrapped silently)."""
+    info = np.iinfo(target.to_pandas_dtype())
+    if pa.types.is_integer(t):  # exact: compared as integers, not through float64
+        have = np.iinfo(t.to_pandas_dtype())
+        unfit = np.zeros(len(col), dtype=bool)
+        for outside, bound in ((pc.less, info.min), (pc.greater, info.max)):
+            if have.min <= bound <= have.max and (bound != have.min and bound != have.max):
+                hit = pc.fill_null(outside(col, pa.scalar(int(bound), t)), False)
+                unfit |= np.asarray(hit.to_numpy(zero_copy_only=False), dtype=bool)
+        kept = pc.if_else(pa.array(unfit), pa.scalar(None, t), col)
+        return (pc.cast(kept, target, safe=False), unfit,
+                f"column {name!r} holds a value out of the range of {target}")
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        values, bad = parse_numbers(col)
+    elif pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t):
+        values, bad = pc.cast(col, pa.float64()), np.zeros(len(col), dtype=bool)
+    else:
+        raise FileReadError(f"column {name!r} has type {t}, which cannot be read as the declared {target}")
+    x = values.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
+    with np.errstate(invalid="ignore"):
+        unfit = ~np.isnan(x) & ((x != np.floor(x)) | (x < float(info.min)) | (x >= float(info.max) + 1.0))
+    bad = bad | unfit
+    kept = pc.if_else(pa.array(unfit), pa.scalar(None, pa.float64()), values)
+    return (pc.cast(kept, target, safe=False), bad,
+            f"column {name!r} holds a value that is not a whole number in the range of {target}")
+
+
 def _conform(col: pa.Array, target: pa.DataType, name: str) -> tuple[pa.Array, np.ndarray | None, str]:
     """``col`` as ``target``; (array, rows whose value does not fit or None, reason)."""
     t = col.type
@@ -117,6 +147,8 @@ def _conform(col: pa.Array, target: pa.DataType, name: str) -> tuple[pa.Array, n
         col, t = col.cast(t.value_type), t.value_type
     if pa.types.is_null(t):
         return pa.nulls(len(col), target), None, ""
+    if pa.types.is_integer(target) and t != target:
+        return _to_integer(col, t, target, name)
     if pa.types.is_floating(target) or pa.types.is_integer(target):
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             values, bad = parse_numbers(col)

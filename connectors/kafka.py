@@ -769,9 +769,7 @@ def retry_kafka(action, what: str, *, deadline_s: float = 120.0, pause_s: float 
         try:
             return action()
         except KafkaError as err:
-            retriable = getattr(err, "retriable", False) or type(err).__name__ in (
-                "KafkaTimeoutError", "KafkaConnectionError", "NoBrokersAvailable", "NodeNotReadyError")
-            if not retriable or time.monotonic() >= deadline:
+            if not _is_retriable(err) or time.monotonic() >= deadline:
                 raise
             _log.warning("%s: %s; retrying", what, err)
             time.sleep(pause_s)
@@ -901,9 +899,6 @@ class KafkaDelivery:
     def pending(self) -> int:
         return len(self._pending)
 
-    def limit(self, topic: str) -> int | None:
-        return self._limits.get(topic)
-
     def send(self, topic: str, value: bytes | None, *, key: bytes | None = None, headers=None,
              timestamp_ms: int | None = None, partition: int | None = None) -> None:
         headers = list(headers) if headers else None
@@ -949,9 +944,12 @@ class KafkaDelivery:
                 except KafkaError:
                     pass  # each record's own future says what happened (flush trips over split batches)
                 for e in live:
+                    left = deadline - time.monotonic()
+                    if left <= 0:  # a stuck record each would otherwise wait its own full timeout
+                        break
                     if not e.future.is_done:
                         try:
-                            e.future.get(timeout=max(0.1, min(self._flush_timeout_s, deadline - time.monotonic())))
+                            e.future.get(timeout=max(0.1, min(self._flush_timeout_s, left)))
                         except Exception:  # noqa: BLE001 - inspected below
                             pass
             failed = [(e, err) for e in self._pending if (err := self._failure(e)) is not None]

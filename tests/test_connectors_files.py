@@ -238,3 +238,18 @@ def test_a_file_that_fails_the_pipeline_names_itself_and_leaves_no_temporaries(t
                         dead_letters_path=str(tmp_path / "dead.jsonl"), options=pipeline_options("batch"))
     assert f"{path}: cannot be read as CSV" in str(err.value)
     assert not list(tmp_path.glob("beam-temp-*")) and not list(tmp_path.glob("ds*"))
+
+
+def test_an_integer_column_never_truncates_or_wraps_a_value(tmp_path):
+    """A declared integer type: 1.5, a number out of range or not a number is a dead letter
+    naming the column, never 1, INT_MIN or a wrapped value (the cast used to be unchecked)."""
+    path = tmp_path / "ints.csv"
+    path.write_text("n,w\n7,1\n1.5,2\n1e20,3\nx,300\n-2,4\n")
+    rows, dead = _read_all(path, column_types={"n": pa.int64(), "w": pa.int8()}, columns=["n", "w"])
+    assert sorted((r["n"], r["w"], r["_source_row"]) for r in rows) == [(-2, 4, 6), (7, 1, 2)]
+    by_line = {d.source: d.reason for d in dead}
+    assert by_line == {f"{path}:{i}": "column 'n' holds a value that is not a whole number in the range of int64"
+                       for i in (3, 4, 5)}
+    # an integer column read as a narrower type: out of range is a dead letter, not wrapped
+    rows, dead = _read_all(path, column_types={"w": pa.int8()}, columns=["w"])
+    assert 300 not in [r["w"] for r in rows] and any("range of int8" in d.reason for d in dead)

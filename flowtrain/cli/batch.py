@@ -178,13 +178,14 @@ def _launch_config(options: dict):
 
 
 def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+    from flowtrain.local.runners import RunnerError
     from flowtrain.parallel.launch import WorkerFailure
     from pipelines.tabular.features import SchemaError
 
     options = _merged_options(args)
     try:
         summary = run_batch(options, beam_args or [])
-    except (SchemaError, ValueError, FileNotFoundError, WorkerFailure) as err:
+    except (SchemaError, ValueError, FileNotFoundError, WorkerFailure, RunnerError) as err:
         print(f"flowtrain batch: {err}", file=sys.stderr)
         return 2
     if "job" not in summary:
@@ -223,8 +224,7 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
     from flowtrain.train.metrics import MetricsLog
     from flowtrain.parallel import DistContext
     from flowtrain.local.runners import pipeline_options
-    from flowtrain.train.loop import (TrainConfig, baseline_metrics, build_model, check_label, evaluate, fit,
-                                   target_scale)
+    from flowtrain.train.loop import TrainConfig, baseline_metrics, build_model, check_label, evaluate, target_scale
 
     t0 = time.perf_counter()
     run_dir = usable_dir(options.get("out") or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from flowtrain.cli.options import kafka_config
 
 _SC = "pipelines.flights.scoring:ScoreConfig."  # where the scorer's defaults live
 
@@ -44,12 +45,6 @@ def add_options(s: argparse.ArgumentParser) -> None:
                    help="... or this many seconds after its first event (default %(default)s)")
 
 
-def _kafka_config(args) -> dict:
-    from flowtrain.cli.stream import _kafka_config as parse
-
-    return parse(args.kafka_config)
-
-
 def scoring_config(args, *, beam_status: str | None = None):
     """A ``ScoreConfig`` from the command line (waits for the first valid model version)."""
     from connectors.dataset import read_manifest
@@ -62,7 +57,7 @@ def scoring_config(args, *, beam_status: str | None = None):
     from pipelines.flights.events import ParseBounds
     from pipelines.flights.scoring import ScoreConfig, wait_for_version
 
-    cfg = _kafka_config(args)
+    cfg = kafka_config(args.kafka_config)
     dataset = _dataset(args)
     data = TabularDataset(dataset)
     if data.outputs != 1:
@@ -112,7 +107,7 @@ def run_scorer(args, beam_args: list[str]) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kcfg = _kafka_config(args)
+    kcfg = kafka_config(args.kafka_config)
     raw_parts = _partitions(args.bootstrap, args.raw_topic, kcfg)
     rf = {"replication_factor": args.replication_factor}
     for topic in (args.predictions_topic, args.score_dead_letter_topic):
@@ -139,8 +134,13 @@ def run_scorer(args, beam_args: list[str]) -> int:
             break
         time.sleep(0.5)
     if stop["now"]:
+        from flowtrain.local.flink.jars import FlinkError
+
         try:
             cancel_pipeline(result, p.options)  # on Flink also the Flink job
+        except FlinkError as err:  # the Flink job runs on: never report it stopped
+            print(f"stream score: the Flink job was not cancelled: {err}", file=sys.stderr, flush=True)
+            code = 1
         except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
             print(f"stream score: the runner was already gone ({type(err).__name__})", flush=True)
     close_all_clients()
@@ -217,4 +217,4 @@ def run_all(args, beam_args: list[str]) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
     codes = ", ".join(f"{half} {p.returncode}" for half, p in procs.items())
     print(f"stream: stopped ({codes}); logs in {out}")
-    return 0 if stop["now"] or all(p.returncode == 0 for p in procs.values()) else 1
+    return 0 if all(p.returncode == 0 for p in procs.values()) else 1  # a half failing on its way out fails

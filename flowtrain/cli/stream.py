@@ -18,16 +18,9 @@ from flowtrain.cli.options import (above, at_least, config_default, fraction, ka
 _SC = "pipelines.flights.streaming:StreamConfig."  # where the pipeline half's defaults live
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
 _LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
-
-#: ``flowtrain replay --client``: the first is the default.
-REPLAY_CLIENTS = ("kafka-python", "confluent")
-
-
-def _kafka_config(pairs: list[str] | dict | None) -> dict:
-    """``--kafka-config security_protocol=SASL_SSL`` etc. -> typed kafka-python keyword arguments
-    (checked when the command line is parsed; see flowtrain.cli.options.kafka_config)."""
-    return kafka_config(pairs)
-
+#: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
+#: ``connectors.kafka_fetch.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
+CLIENTS = ("kafka-python", "confluent")
 
 def _add_kafka(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers (default 127.0.0.1:9092)")
@@ -70,7 +63,7 @@ def register(sub) -> None:
                    help="fraction of events replaced by bad ones (broken JSON, missing field, wrong type, NaN, "
                         "impossible value), for demos and tests")
     r.add_argument("--seed", type=int, default=0, help="seed of which events --malformed replaces (default 0)")
-    r.add_argument("--client", choices=REPLAY_CLIENTS, default=REPLAY_CLIENTS[0],
+    r.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
                    help="producer client: kafka-python (default; ~10k events/s on one core here) or confluent "
                         "(confluent-kafka on librdkafka, the extra flowtrain[kafka-confluent]; several times "
                         "faster: what `bench stream` uses to offer more than 10k events/s). Both send with "
@@ -100,7 +93,7 @@ def register(sub) -> None:
     s.add_argument("--read-batch-records", type=at_least(1), default=config_default(_SC + "read_batch_records"),
                    help="pipeline: read the raw topic in lists of up to N records per fetched chunk "
                         "(ReadFromKafka(batch_records=N)) instead of one element per record (default %(default)s)")
-    s.add_argument("--read-client", choices=("kafka-python", "confluent"), default=config_default(_SC + "read_client"),
+    s.add_argument("--read-client", choices=CLIENTS, default=config_default(_SC + "read_client"),
                    help="pipeline: Kafka client of the raw topic's reader (confluent: the extra "
                         "flowtrain[kafka-confluent]; default %(default)s)")
     _EV = "pipelines.flights.events:ParseBounds."
@@ -159,7 +152,7 @@ def _replay(args: argparse.Namespace) -> int:
     from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
     from pipelines.flights.nycflights import load_table
 
-    cfg = _kafka_config(args.kafka_config)
+    cfg = kafka_config(args.kafka_config)
     _check_brokers(args, "flowtrain replay")
     ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg,
                  replication_factor=args.replication_factor)
@@ -301,7 +294,7 @@ def _check_brokers(args, command: str) -> None:
     from connectors.kafka import KafkaUnavailable, check_brokers
 
     try:
-        check_brokers(args.bootstrap, timeout_s=args.connect_timeout, client_config=_kafka_config(args.kafka_config))
+        check_brokers(args.bootstrap, timeout_s=args.connect_timeout, client_config=kafka_config(args.kafka_config))
     except KafkaUnavailable as err:
         raise SystemExit(f"{command}: {err}") from None
 
@@ -326,7 +319,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     from pipelines.flights.events import ParseBounds
     from pipelines.flights.streaming import StreamConfig, build_stream_pipeline
 
-    cfg = _kafka_config(args.kafka_config)
+    cfg = kafka_config(args.kafka_config)
     dataset = _dataset(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,8 +355,13 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
             print(f"stream pipeline: ended in state {state}; {_summary(totals)}", file=sys.stderr)
             return 1 if "FAILED" in state else 0
         time.sleep(0.5)
+    from flowtrain.local.flink.jars import FlinkError
+
     try:
         cancel_pipeline(result, p.options)  # on Flink also the Flink job (Beam's cancel leaves it running)
+    except FlinkError as err:  # the Flink job runs on: never report it stopped
+        print(f"stream pipeline: the Flink job was not cancelled: {err}", file=sys.stderr, flush=True)
+        return 1
     except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
         print(f"stream pipeline: the runner was already gone ({type(err).__name__})", flush=True)
     from connectors.kafka import close_all_clients
@@ -420,7 +418,7 @@ def _trainer_config(args):
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
                             seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
-                            kafka_config=_kafka_config(args.kafka_config), threads=args.threads,
+                            kafka_config=kafka_config(args.kafka_config), threads=args.threads,
                             replication_factor=args.replication_factor)
     given = getattr(args, "options", {})
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
@@ -533,8 +531,9 @@ def _run_both(args, beam_args: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     print(f"stream: stopped (pipeline {pipeline.returncode}, trainer {trainer.returncode}); logs in {out}")
-    # stopped by the user, or a half ended by itself (e.g. the trainer's --idle-exit) and both ended cleanly
-    return 0 if stop["now"] or (trainer.returncode == 0 and pipeline.returncode == 0) else 1
+    # both ended cleanly, stopped by the user or by themselves (e.g. the trainer's --idle-exit): a half
+    # that fails on its way out (a final checkpoint, a Flink job not cancelled, killed) is a failure
+    return 0 if trainer.returncode == 0 and pipeline.returncode == 0 else 1
 
 
 def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
@@ -557,7 +556,7 @@ def _lag(args) -> int | None:
         from kafka import KafkaConsumer, TopicPartition
 
         consumer = KafkaConsumer(bootstrap_servers=args.bootstrap, group_id=args.group_id,
-                                 **_kafka_config(args.kafka_config))
+                                 **kafka_config(args.kafka_config))
         try:
             tps = [TopicPartition(args.raw_topic, p) for p in consumer.partitions_for_topic(args.raw_topic) or []]
             ends = consumer.end_offsets(tps)

@@ -29,7 +29,7 @@ class DeviceError(ValueError):
 
 def local_world_size() -> int:
     """Workers on this machine (torchrun's / flowtrain's LOCAL_WORLD_SIZE; 1 when not set)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
 def resolve_device(name: str | None = "auto", *, local_rank: int = 0, local_world: int = 1,

@@ -121,10 +121,6 @@ def reduce_from_tensor_group(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
     return x if tg.size == 1 else _ReduceFromTensorGroup.apply(x, tg)
 
 
-def _empty_param(*shape, like: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=like.dtype, device=like.device))
-
-
 class ColumnParallelLinear(nn.Module):
     """Output features [lo, hi) of a ``Linear``; the output stays sharded."""
 
@@ -330,7 +326,7 @@ class ShardPlan:
             out[key] = value.clone()
         return out
 
-    def merge(self, states: list[dict], *, check_replicated: bool = True) -> dict:
+    def merge(self, states: list[dict]) -> dict:
         """The unsharded module's ``state_dict`` from the T shards' (in shard order).
 
         Replicated parameters must be equal on every shard (they are, when training is right);
@@ -343,14 +339,13 @@ class ShardPlan:
             if key in sharded:
                 merged[key] = torch.cat([s[key] for s in states], dim=sharded[key][0])
             else:
-                if check_replicated:
-                    for t, s in enumerate(states[1:], start=1):
-                        if not torch.equal(s[key], first):
-                            diff = float((s[key].double() - first.double()).abs().max()) \
-                                if first.is_floating_point() else float("nan")
-                            raise TensorParallelError(
-                                f"replicated {key!r} differs between tensor shards 0 and {t} (max abs diff "
-                                f"{diff:g}): the shards did not train alike\n{self.table()}")
+                for t, s in enumerate(states[1:], start=1):
+                    if not torch.equal(s[key], first):
+                        diff = float((s[key].double() - first.double()).abs().max()) \
+                            if first.is_floating_point() else float("nan")
+                        raise TensorParallelError(
+                            f"replicated {key!r} differs between tensor shards 0 and {t} (max abs diff "
+                            f"{diff:g}): the shards did not train alike\n{self.table()}")
                 merged[key] = first
         return merged
 

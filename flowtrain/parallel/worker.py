@@ -25,6 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from flowtrain.parallel.device import local_world_size
 from flowtrain.parallel.launch import heartbeat, record_failure
 from flowtrain.parallel import init_from_env
 
@@ -32,8 +33,7 @@ from flowtrain.parallel import init_from_env
 def _threads() -> int:
     if os.environ.get("FLOWTRAIN_THREADS"):
         return int(os.environ["FLOWTRAIN_THREADS"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local_world)
+    return max(1, (os.cpu_count() or 1) // local_world_size())
 
 
 def _exit_cleanly(code: int) -> None:

@@ -125,9 +125,10 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
     from flowtrain.train.shards import open_split
 
     t0 = time.perf_counter()
+    from flowtrain.train.loop import target_scale  # here: loop imports this module
+
     kind = data.kind
-    shift, scale = (float(data.stats["label_mean"]), float(data.stats.get("label_std", 1.0))) \
-        if kind == "regression" else (0.0, 1.0)
+    shift, scale = target_scale(data)
     chunks = _Chunks(open_split(data, "train", memory_budget=memory_budget), kind, shift, scale)
     n = max(chunks.n, 1)
     if l2 is None:

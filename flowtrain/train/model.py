@@ -57,10 +57,6 @@ class LinearModel(nn.Module):
         out = self.scores(x_num, x_cat)
         return out.squeeze(1) if self.outputs == 1 else out
 
-    def penalized(self) -> list[torch.Tensor]:
-        """The weights an L2 penalty applies to (not the intercepts)."""
-        return [p for name, p in self.named_parameters() if not name.endswith("bias")]
-
 
 class TabularInput(nn.Module):
     """Packed [numerics | codes] -> [numerics | embeddings of each categorical]."""

@@ -33,8 +33,9 @@ import pyarrow.parquet as pq
 import torch
 
 from connectors.dataset import is_local_path, read_shard, shard_paths
-from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
-from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, table_to_split
+from connectors.dataset_spec import LABEL, FeatureSpec
+from flowtrain.parallel.device import local_world_size
+from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, feature_columns, table_to_split
 
 __all__ = ["DEFAULT_BUDGET_FRACTION", "LOAD_OVERHEAD", "PREFETCH_CHUNKS", "RAMP", "StreamPlan", "StreamedSplit",
            "format_bytes", "memory_budget_bytes", "open_split", "parse_memory_budget", "plan_stream", "row_bytes", "total_memory"]
@@ -106,7 +107,7 @@ def memory_budget_bytes(value: int | float | str | None = None) -> int:
     budget = parse_memory_budget(value)
     if budget is None:
         budget = int(total_memory() * DEFAULT_BUDGET_FRACTION)
-    local_workers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    local_workers = local_world_size()
     return max(1, budget // local_workers)
 
 
@@ -173,8 +174,7 @@ class StreamedSplit:
     def __init__(self, data: TabularDataset, name: str, *, plan: StreamPlan, budget_bytes: int | None = None):
         self.name, self.spec, self.plan, self.budget_bytes = name, data.spec, plan, budget_bytes
         self.files = shard_paths(data.path, name)
-        self.columns = [NUM_PREFIX + c for c in self.spec.all_numeric] + \
-                       [CAT_PREFIX + c for c in self.spec.categorical] + [LABEL]
+        self.columns = feature_columns(self.spec)
         self.units: list[_Unit] = []
         for path in self.files:
             with _parquet_file(path) as pf:
@@ -231,7 +231,7 @@ class StreamedSplit:
                 swap = min(rest, fill) if not room else min(int(rest * RAMP), fill)
                 if swap:
                     slots = torch.randperm(fill, generator=gen)[:swap]
-                    yield _take(buf, slots)
+                    yield buf.take(slots)
                     buf.x_num[slots], buf.x_cat[slots], buf.y[slots] = \
                         chunk.x_num[lo:lo + swap], chunk.x_cat[lo:lo + swap], chunk.y[lo:lo + swap]
                     lo += swap
@@ -242,7 +242,7 @@ class StreamedSplit:
                     fill, lo = fill + add, lo + add
                     self.peak_buffer_rows = max(self.peak_buffer_rows, fill)
         if fill:
-            yield _take(_slice(buf, 0, fill), torch.randperm(fill, generator=gen))
+            yield _slice(buf, 0, fill).take(torch.randperm(fill, generator=gen))
 
     def batches(self, *, batch_size: int, seed: int, epoch: int, shuffle: bool = True, start_batch: int = 0,
                 drop_last: bool = False) -> Iterator[Batch]:
@@ -346,10 +346,6 @@ def _parquet_file(path: str) -> Iterator[pq.ParquetFile]:
 def _cat(parts: list[Batch]) -> Batch:
     return Batch(torch.cat([p.x_num for p in parts]), torch.cat([p.x_cat for p in parts]),
                  torch.cat([p.y for p in parts]))
-
-
-def _take(b: Batch, index: torch.Tensor) -> Batch:
-    return Batch(b.x_num.index_select(0, index), b.x_cat.index_select(0, index), b.y.index_select(0, index))
 
 
 def _slice(b: Batch, lo: int, hi: int) -> Batch:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,10 +119,7 @@ class Architecture:
         """The same model the batch job builds for these settings (seeded: the same initial weights)."""
         from flowtrain.train.loop import TrainConfig, build_model
 
-        known = {f.name for f in fields(TrainConfig)}
-        config = TrainConfig(**{k: v for k, v in {"hidden": self.hidden, "dropout": self.dropout,
-                                                  "seed": self.seed}.items() if k in known})
-        return build_model(self.kind, data, config)
+        return build_model(self.kind, data, TrainConfig(hidden=self.hidden, dropout=self.dropout, seed=self.seed))
 
 
 def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
@@ -195,7 +192,10 @@ class StreamTrainer:
                     self._train_step(local)
                 heartbeat()
                 if self._should_end(agreed):
-                    self._checkpoint("final")
+                    # nothing trained since the last version: re-saving it would rewrite that
+                    # version's file (named by step) under a new version number
+                    if self.steps_since_ckpt or self.version == 0:
+                        self._checkpoint("final")
                     break
                 self._write_status_every_second()
                 if self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
@@ -322,8 +322,9 @@ class StreamTrainer:
             import torch.distributed as dist
 
             dist.all_reduce(flags)
-        return {"any_data": flags[0] > 0, "stop": flags[1] > 0, "all_idle": flags[2] >= self.ctx.world_size,
-                "checkpoint_due": flags[3] > 0}
+        any_data, stop, idle_count, due = flags.tolist()  # one device-to-host copy
+        return {"any_data": any_data > 0, "stop": stop > 0, "all_idle": idle_count >= self.ctx.world_size,
+                "checkpoint_due": due > 0}
 
     def _train_step(self, local) -> None:
         """Evaluate (prequential), then train; a replica without data takes part with a count of 0."""

@@ -234,10 +234,13 @@ class VersionTracker:
 
 
 def read_updates(consumer, *, rounds: int = 20, poll_ms: int = 50) -> list[tuple[str, bytes | None]]:
-    """Records the consumer has not returned yet, in partition-offset order."""
+    """Records the consumer has not returned yet, in partition-offset order.
+
+    Each poll is retried on its own (``retry_kafka``): retrying the whole read would drop the
+    records already polled, since the consumer's position has moved past them."""
     out = []
     for _ in range(rounds):
-        polled = consumer.poll(timeout_ms=poll_ms)
+        polled = retry_kafka(lambda: consumer.poll(timeout_ms=poll_ms), "reading model updates")
         if not polled:
             break
         for tp, records in sorted(polled.items(), key=lambda kv: kv[0].partition):
@@ -301,7 +304,7 @@ class _LatestVersionFn(beam.DoFn):
 
     def process(self, _tick):
         before = len(self.tracker.rejected)
-        changed = self.tracker.offer(retry_kafka(lambda: read_updates(self.consumer), "reading model updates"))
+        changed = self.tracker.offer(read_updates(self.consumer))
         current = self.tracker.current
         if changed or len(self.tracker.rejected) != before:
             _write_status(self.cfg.status_path, "versions", self, {

@@ -25,10 +25,6 @@ from connectors.dataset_spec import CAT_PREFIX, EPOCH_FORMATS, LABEL, NUM_PREFIX
 from connectors.deadletter import DeadLetter
 from connectors.files import SOURCE_FILE, SOURCE_ROW, parse_numbers
 
-#: More classes than this is almost surely a numeric target given ``--task classification``.
-MAX_CLASSES = 1000
-
-
 class SchemaError(ValueError):
     """Input files do not have the declared columns or types; raised before any training."""
 
@@ -376,15 +372,6 @@ def encode_labels(col: pa.Array, spec: FeatureSpec, stats: dict | None = None) -
     idx = pc.index_in(label_keys(col), value_set=pa.array(classes, type=pa.string()))
     known = np.asarray(idx.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     return pc.fill_null(idx, 0).to_numpy(zero_copy_only=False).astype(np.float32), known
-
-
-def label_values(col: pa.Array, spec: FeatureSpec, stats: dict | None = None) -> np.ndarray:
-    """The label as float32 targets (``encode_labels``); a row without one is an error here."""
-    values, known = encode_labels(col, spec, stats)
-    if not known.all():
-        raise ValueError(f"label {spec.label!r}: {int((~known).sum())} value(s) have no target "
-                         f"(missing, or a class not seen in the training split)")
-    return values
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,10 +89,6 @@ def file_head(path: str) -> pa.Table:
             raise F.SchemaError(f"{path}: the first lines mix types in a column ({err})") from None
 
 
-def file_schema(path: str) -> pa.Schema:
-    return file_head(path).schema
-
-
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
     files = []
     for pattern in patterns:
@@ -295,13 +291,6 @@ class ComputeStats(beam.PTransform):
 
     def expand(self, batches):
         return batches | beam.CombineGlobally(_StatsFn(self._spec))
-
-
-def _sum_counts(pairs) -> dict:
-    out: dict = {}
-    for key, n in pairs:
-        out[key] = out.get(key, 0) + n
-    return out
 
 
 class _CountByKey(beam.CombineFn):
