@@ -219,7 +219,8 @@ def time_seconds(col: pa.Array, time_format: str | None = None) -> np.ndarray:
         todo = np.isnan(out)
         if not todo.any():
             break
-        out[todo] = _floats(_strptime_seconds(iso, fmt))[todo]
+        # only the rows no earlier format read: a column in the last format is not parsed N times whole
+        out[todo] = _floats(_strptime_seconds(iso.filter(pa.array(todo)), fmt))
     todo = np.isnan(out)
     if todo.any():
         numbers = _floats(text)
