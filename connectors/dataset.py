@@ -33,11 +33,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
 from connectors.files import ReadFromFiles
+from connectors.paths import absolute_path, is_local_path
 
 __all__ = ["MANIFEST", "DatasetError", "WriteDataset", "ReadDataset", "read_manifest", "shard_paths",
            "read_shard", "finalize_dataset", "fsync_dir", "dataset_exists", "is_local_path"]
@@ -51,23 +51,12 @@ class DatasetError(ValueError):
     """A path is not a complete dataset, or a split is missing; the message says which."""
 
 
-def is_local_path(path: str | os.PathLike) -> bool:
-    """True for a path on the local (or a mounted) filesystem, where a directory rename commits."""
-    return isinstance(FileSystems.get_filesystem(str(path)), LocalFileSystem)
-
-
-def _normalize(path: str | os.PathLike) -> str:
-    """An absolute local path (workers may run elsewhere), or the URL as given."""
-    path = str(path)
-    return str(Path(path).resolve()) if FileSystems.get_scheme(path) is None else path.rstrip("/")
-
-
 def dataset_exists(path: str | os.PathLike) -> bool:
-    return FileSystems.exists(FileSystems.join(_normalize(path), MANIFEST))
+    return FileSystems.exists(FileSystems.join(absolute_path(path), MANIFEST))
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
-    manifest = FileSystems.join(_normalize(path), MANIFEST)
+    manifest = FileSystems.join(absolute_path(path), MANIFEST)
     if not FileSystems.exists(manifest):
         raise DatasetError(f"{path} is not a finished dataset: it has no {MANIFEST} (the write did "
                            f"not finish, or the path is wrong). Re-run the ETL that writes it.")
@@ -83,7 +72,7 @@ def shard_paths(path: str | os.PathLike, split: str) -> list[str]:
     if split not in manifest["splits"]:
         raise DatasetError(f"dataset {path} has no split {split!r}; it has "
                            f"{', '.join(sorted(manifest['splits'])) or 'none'}")
-    base = _normalize(path)
+    base = absolute_path(path)
     return [FileSystems.join(base, shard["file"]) for shard in manifest["splits"][split]]
 
 
@@ -179,7 +168,7 @@ def finalize_dataset(tmp_dir: str, final_dir: str, shards: list[dict], metadata:
     if is_local_path(final_dir):
         _commit_local(Path(tmp_dir), Path(final_dir), body, listed, overwrite=overwrite)
     else:
-        _commit_in_place(_normalize(tmp_dir), _normalize(final_dir), body, listed, overwrite=overwrite)
+        _commit_in_place(absolute_path(tmp_dir), absolute_path(final_dir), body, listed, overwrite=overwrite)
     return manifest
 
 
@@ -255,7 +244,7 @@ class WriteDataset(beam.PTransform):
     def __init__(self, path: str | os.PathLike, *, metadata: Mapping[str, Any] | beam.PCollection | None = None,
                  overwrite: bool = False, compression: str = "zstd", row_group_rows: int = 131_072):
         super().__init__()
-        self._path = _normalize(path)
+        self._path = absolute_path(path)
         self._staging = f"{self._path}.tmp-{uuid.uuid4().hex[:12]}" if is_local_path(self._path) else self._path
         self._metadata = metadata
         self._overwrite = overwrite

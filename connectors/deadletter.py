@@ -10,16 +10,15 @@ import hashlib
 import json
 import os
 import uuid
-from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.io.localfilesystem import LocalFileSystem
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from connectors.paths import absolute_path, is_local_path
 from connectors.spill import remove_spill
 
 __all__ = ["DeadLetter", "ERRS", "WriteDeadLettersToKafka", "WriteDeadLettersToJsonl",
@@ -40,11 +39,6 @@ class DeadLetter(NamedTuple):
 PARTS_SUFFIX = ".parts-"
 _RAW = CompressionTypes.UNCOMPRESSED
 _COPY_BYTES = 8 << 20
-
-
-def _absolute(path: str) -> str:
-    """An absolute local path (workers may run elsewhere), or the URL as given."""
-    return str(Path(path).resolve()) if FileSystems.get_scheme(path) is None else path
 
 
 def _payload_json(payload):
@@ -97,7 +91,7 @@ class _ConcatPartsFn(beam.DoFn):
         self._dir, self._final = parts_dir, final_path
 
     def process(self, parts: list):
-        local = isinstance(FileSystems.get_filesystem(self._final), LocalFileSystem)
+        local = is_local_path(self._final)
         target = f"{self._final}.tmp-{uuid.uuid4().hex[:8]}" if local else self._final
         # the final name's suffix decides compression (.gz, ...), as WriteToText's did
         with FileSystems.create(target, mime_type="text/plain",
@@ -138,7 +132,7 @@ class WriteDeadLettersToJsonl(beam.PTransform):
                     | "ToJson" >> beam.Map(dead_letter_to_json)
                     | "Write" >> beam.io.WriteToText(self._prefix, shard_name_template=self._template,
                                                      file_name_suffix=self._suffix))
-        final = _absolute(self._prefix + self._suffix)
+        final = absolute_path(self._prefix + self._suffix)
         parts_dir = f"{final}{PARTS_SUFFIX}{uuid.uuid4().hex[:12]}"
         parts = [pc | f"WriteParts{i if many else ''}" >> beam.ParDo(_WriteJsonlPartFn(parts_dir))
                  for i, pc in enumerate(letters if many else [letters])]

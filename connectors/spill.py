@@ -18,7 +18,6 @@ spill works on any runner whose workers reach the output location.
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 from typing import Iterator
 
 import apache_beam as beam
@@ -27,6 +26,8 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
+
+from connectors.paths import absolute_path
 
 __all__ = ["WriteToSpill", "ReadFromSpill", "spill_directory", "remove_spill", "write_spill_file", "read_spill_file",
            "SPILL_SUFFIX"]
@@ -38,9 +39,7 @@ _RAW = CompressionTypes.UNCOMPRESSED  # the IPC buffers are compressed already; 
 
 def spill_directory(output_path: str) -> str:
     """A fresh spill directory beside ``output_path`` (any Beam filesystem; a local path made absolute)."""
-    path = str(output_path)
-    base = str(Path(path).resolve()) if FileSystems.get_scheme(path) is None else path.rstrip("/")
-    return f"{base}{SPILL_SUFFIX}{uuid.uuid4().hex[:12]}"
+    return f"{absolute_path(output_path)}{SPILL_SUFFIX}{uuid.uuid4().hex[:12]}"
 
 
 def remove_spill(directory: str) -> None:
