@@ -227,7 +227,7 @@ def new_consumer(bootstrap_servers: str | Sequence[str], extra: Mapping[str, Any
 
     cfg = _client_config(bootstrap_servers, extra)
     cfg.update(overrides)
-    key = bootstrap_servers if isinstance(bootstrap_servers, str) else ",".join(bootstrap_servers)
+    key = _servers(bootstrap_servers)
     if cfg.get("api_version") is None and key in _API_VERSIONS:
         cfg["api_version"] = _API_VERSIONS[key]
     consumer = KafkaConsumer(**cfg)
