@@ -112,32 +112,50 @@ def parse_numbers(col: pa.Array) -> tuple[pa.Array, np.ndarray]:
 
 def _to_integer(col: pa.Array, t: pa.DataType, target: pa.DataType, name: str
                 ) -> tuple[pa.Array, np.ndarray | None, str]:
-    """Text or numbers -> an integer type: a value that is not a number, not whole (1.5) or out of
-    the type's range flags its row (never truncated or wrapped silently)."""
-    info = np.iinfo(target.to_pandas_dtype())
-    if pa.types.is_integer(t):  # exact: compared as integers, not through float64
-        have = np.iinfo(t.to_pandas_dtype())
-        unfit = np.zeros(len(col), dtype=bool)
-        for outside, bound in ((pc.less, info.min), (pc.greater, info.max)):
-            if have.min <= bound <= have.max and (bound != have.min and bound != have.max):
-                hit = pc.fill_null(outside(col, pa.scalar(int(bound), t)), False)
-                unfit |= np.asarray(hit.to_numpy(zero_copy_only=False), dtype=bool)
-        kept = pc.if_else(pa.array(unfit), pa.scalar(None, t), col)
-        return (pc.cast(kept, target, safe=False), unfit,
-                f"column {name!r} holds a value out of the range of {target}")
+    """Text or numbers -> an integer type: a value that is not a number, not whole (1.5), out of
+    the type's range, or (read through float64) beyond 2**53 where it would be rounded, flags its
+    row: never truncated, wrapped or rounded silently. Plain integers written as text are exact."""
+    reason = f"column {name!r} holds a value that is not a whole number in the range of {target}"
+    if pa.types.is_integer(t):
+        kept, unfit = _integer_in_range(col, target)
+        return kept, unfit, reason
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        values, bad = parse_numbers(col)
-    elif pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t):
-        values, bad = pc.cast(col, pa.float64()), np.zeros(len(col), dtype=bool)
-    else:
-        raise FileReadError(f"column {name!r} has type {t}, which cannot be read as the declared {target}")
+        text = pc.utf8_trim_whitespace(col.cast(pa.string()))
+        plain = pc.fill_null(pc.match_substring_regex(text, r"^[+-]?\d{1,18}$"), False)  # exact in int64
+        none = pa.scalar(None, pa.string())
+        exact = pc.cast(pc.if_else(plain, text, none), pa.int64())
+        values, bad = parse_numbers(pc.if_else(plain, none, text))  # 1e3, 7.0, 1.5, x, 19+ digits
+        merged = pc.if_else(plain, exact, _whole_numbers(values, bad, pa.int64()))
+        kept, unfit = _integer_in_range(merged, target)
+        return kept, bad | unfit, reason
+    if pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_boolean(t):
+        bad = np.zeros(len(col), dtype=bool)
+        kept = _whole_numbers(pc.cast(col, pa.float64()), bad, target)
+        return kept, bad, reason
+    raise FileReadError(f"column {name!r} has type {t}, which cannot be read as the declared {target}")
+
+
+def _whole_numbers(values: pa.Array, bad: np.ndarray, target: pa.DataType) -> pa.Array:
+    """float64 -> ``target``; a value that is not whole, out of range or past 2**53 becomes null and
+    is marked in ``bad`` (in place)."""
+    info = np.iinfo(target.to_pandas_dtype())
     x = values.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
     with np.errstate(invalid="ignore"):
-        unfit = ~np.isnan(x) & ((x != np.floor(x)) | (x < float(info.min)) | (x >= float(info.max) + 1.0))
-    bad = bad | unfit
-    kept = pc.if_else(pa.array(unfit), pa.scalar(None, pa.float64()), values)
-    return (pc.cast(kept, target, safe=False), bad,
-            f"column {name!r} holds a value that is not a whole number in the range of {target}")
+        unfit = ~np.isnan(x) & ((x != np.floor(x)) | (x < float(info.min)) | (x >= float(info.max) + 1.0)
+                                | (np.abs(x) > 2.0 ** 53))
+    bad |= unfit
+    return pc.cast(pc.if_else(pa.array(unfit), pa.scalar(None, pa.float64()), values), target, safe=False)
+
+
+def _integer_in_range(col: pa.Array, target: pa.DataType) -> tuple[pa.Array, np.ndarray]:
+    """An integer array as ``target``, compared as integers (not through float64): out of range -> null, marked."""
+    info, have = np.iinfo(target.to_pandas_dtype()), np.iinfo(col.type.to_pandas_dtype())
+    unfit = np.zeros(len(col), dtype=bool)
+    for outside, bound in ((pc.less, info.min), (pc.greater, info.max)):
+        if have.min < bound < have.max:
+            hit = pc.fill_null(outside(col, pa.scalar(int(bound), col.type)), False)
+            unfit |= np.asarray(hit.to_numpy(zero_copy_only=False), dtype=bool)
+    return pc.cast(pc.if_else(pa.array(unfit), pa.scalar(None, col.type), col), target, safe=False), unfit
 
 
 def _conform(col: pa.Array, target: pa.DataType, name: str) -> tuple[pa.Array, np.ndarray | None, str]:
