@@ -15,24 +15,18 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from bench.table import report
+from flowtrain.local.tools import free_port
 
 SCALES = (1, 10)
 ENGINES = ("pyarrow", "fnapi", "flink-1tm", "flink-2tm")
 NAMES = {"pyarrow": "plain pyarrow script (anchor)", "fnapi": "Beam FnApiRunner",
          "flink-1tm": "Beam on Flink, 1 TaskManager", "flink-2tm": "Beam on Flink, 2 TaskManagers"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Clusters:
@@ -45,7 +39,7 @@ class _Clusters:
         # and one TaskManager alone buffers the whole join's output from the Python workers
         # (1 GiB of task heap ran out there; 2 GiB did not).
         memory = TaskManagerMemory(task_heap=2048, managed=768, task_off_heap=768)
-        self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=_free_port(), job_port=_free_port(),
+        self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=free_port(), job_port=free_port(),
                                        data_dir=work / f"flink-{n}tm", memory=memory) for n in (1, 2)}
         self.start_s: dict[int, float] = {}
 

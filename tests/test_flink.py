@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,20 +28,17 @@ import pytest
 
 from connectors.dataset import read_manifest, read_shard, shard_paths
 from flowtrain.local.flink import DIR_ENV, LocalFlink
+from flowtrain.local.tools import free_port
+from tests.kafka_checks import committed as _committed
+from tests.procs import stop_group as _stop
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 pytestmark = [pytest.mark.flink, pytest.mark.timeout(300)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def flink_cluster(tmp_path_factory, say):
-    cluster = LocalFlink(taskmanagers=2, slots=1, rest_port=_free_port(), job_port=_free_port(),
+    cluster = LocalFlink(taskmanagers=2, slots=1, rest_port=free_port(), job_port=free_port(),
                          data_dir=tmp_path_factory.mktemp("flink"))
     previous = os.environ.get(DIR_ENV)
     os.environ[DIR_ENV] = str(cluster.data_dir)  # --runner flink (here and in CLI children) finds it
@@ -248,17 +244,6 @@ def test_read_from_kafka_stop_end_on_flink_reads_exactly_what_was_produced(boots
 
 
 # --- streaming -----------------------------------------------------------------------------------
-def _committed(bootstrap: str, topic: str, group: str) -> tuple[int, int]:
-    from kafka import KafkaConsumer, TopicPartition
-
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic)]
-        return sum(c.committed(tp) or 0 for tp in tps), sum(c.end_offsets(tps).values())
-    finally:
-        c.close()
-
-
 def _read_topic(bootstrap: str, topic: str) -> list:
     from kafka import KafkaConsumer, TopicPartition
 
@@ -276,16 +261,6 @@ def _cancel_active_jobs(cluster: LocalFlink) -> None:
     for job in _jobs(cluster):
         if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
             cancel_flink_jobs(cluster.status()["rest"], job["name"])
-
-
-def _stop(proc: subprocess.Popen, sig=signal.SIGINT, timeout: float = 60) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 @pytest.mark.kafka

@@ -17,6 +17,7 @@ from flowtrain.parallel.launch import WorkerFailure, spawn
 from flowtrain.parallel import shard_bounds
 from tests.flights_data import make_flights_dataset
 from tests.dp_jobs import reference
+from tests.procs import worker_pids as _worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -98,23 +99,6 @@ def test_a_worker_that_raises_ends_the_job_naming_its_rank(tmp_path):
     assert err.value.rank == 1 and "worker rank 1 exited with code 1" in str(err.value)
     assert "injected failure at step 3" in str(err.value)
     assert time.monotonic() - t0 < 30
-
-
-def _worker_pids(job_path: str) -> dict[int, int]:
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"flowtrain.parallel.worker" in cmd and job_path.encode() in cmd:
-            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                pids[rank] = int(proc.name)
-    return pids
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ Beam RunInference with flowtrain's model, versions hot-swapped from the model-up
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import decode_batch
 from tests.flights_data import make_flights_dataset
+from tests.procs import stop_group as _stop
 
 #: The tests that run the scorer on the broker and Prism.
 live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(300)]
@@ -157,16 +157,6 @@ def _scorer(bootstrap, names, dataset, out: Path) -> subprocess.Popen:
                "--score-group-id", names["group"], "--dataset", dataset, "--out", str(out), "--swap-interval",
                str(SWAP_S), "--wait-model", "60"],
         stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc, sig=signal.SIGINT, timeout=60):
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 class _Feed:

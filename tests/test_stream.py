@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -16,6 +15,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
 from tests.flights_data import make_flights_dataset
+from tests.kafka_checks import committed as _committed
+from tests.procs import stop_group as _stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(420)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -46,32 +47,12 @@ def _stream_args(bootstrap, names, dataset, out):
             "--dataset", dataset, "--out", str(out)]
 
 
-def _committed(bootstrap, topic, group) -> tuple[int, int]:
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic)]
-        ends = c.end_offsets(tps)
-        return sum(c.committed(tp) or 0 for tp in tps), sum(ends.values())
-    finally:
-        c.close()
-
-
 def _start_pipeline(bootstrap, names, dataset, out, extra=()):
     Path(out).mkdir(parents=True, exist_ok=True)
     log = open(Path(out) / "pipeline-test.log", "ab")
     return subprocess.Popen(CLI + ["stream", "pipeline", *_stream_args(bootstrap, names, dataset, out),
                                    "--batch-size", "200", *extra],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc, sig=signal.SIGINT, timeout=60):
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 def _run_pipeline_until_caught_up(bootstrap, names, dataset, out, timeout=180):

@@ -20,6 +20,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import decode_batch, encode_batch
 from connectors.dataset import read_manifest
+from tests.kafka_checks import committed as _committed
+from tests.procs import worker_pids as _worker_pids
 from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
@@ -153,23 +155,6 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_all_corrupt_is_an_error(stre
     assert (out / "ledger.jsonl").read_text() == before  # no fresh start that trains everything again
 
 
-def _worker_pids(job_path: str) -> dict[int, int]:
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"flowtrain.parallel.worker" in cmd and job_path.encode() in cmd:
-            rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                pids[rank] = int(proc.name)
-    return pids
-
-
 def _status_step(run: Path) -> int:
     try:
         return json.loads((run / "trainer-status.json").read_text())["step"]
@@ -224,15 +209,6 @@ def flights_dataset(tmp_path_factory) -> str:
     from tests.flights_data import make_flights_dataset
 
     return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
-
-
-def _committed(bootstrap: str, topic: str, group: str) -> tuple[int, int]:
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic)]
-        return sum(c.committed(tp) or 0 for tp in tps), sum(c.end_offsets(tps).values())
-    finally:
-        c.close()
 
 
 def _feature_sources(bootstrap: str, topic: str) -> set:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowtrain.local.flink.jars import (BEAM_RUNNER_VERSION, FLINK_VERSION, NO_STAGING_FACTORY, FlinkError,
-                                        ensure_jars, java_major, provisioned, require_tool)
+                                        ensure_jars, provisioned, require_tool)
 from flowtrain.local.flink.worker_pool import worker_env
 from flowtrain.local.paths import cache_root
+from flowtrain.local.tools import free_port, java_major, port_open
 
 #: Where `flowtrain flink` keeps the default cluster; FLOWTRAIN_FLINK_DIR picks another one
 #: (for `flowtrain batch --runner flink` as for `flowtrain flink start`).
@@ -108,20 +108,6 @@ class TaskManagerMemory:
         direct = self.framework_off_heap + self.task_off_heap + self.network_per_slot * slots
         return [f"-Xmx{heap}m", f"-Xms{heap}m", f"-XX:MaxDirectMemorySize={direct}m",
                 f"-XX:MaxMetaspaceSize={self.metaspace}m"]
-
-
-def _port_open(port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_time(pid: int) -> str | None:
@@ -319,15 +305,15 @@ class LocalFlink:
         if java_major(java) < 11:
             raise FlinkError("Flink 1.19 needs Java 11 or newer; `java -version` reports an older one.")
         for port, what in ((self.rest_port, "--rest-port"), (self.job_port, "--job-port")):
-            if _port_open(port):
+            if port_open(port):
                 raise FlinkError(f"port {port} on 127.0.0.1 is taken by another process; choose another with {what}")
         t0 = time.monotonic()
         libs = ensure_jars(quiet=quiet)
         no_staging = bool((provisioned(libs) or {}).get("no_staging_helper"))
         for d in (self.conf_dir, self.log_dir, self.data_dir / "tmp", self.data_dir / "artifacts"):
             d.mkdir(parents=True, exist_ok=True)
-        rpc_port, pool_port = _free_port(), _free_port()
-        artifact_port, expansion_port = _free_port(), _free_port()
+        rpc_port, pool_port = free_port(), free_port()
+        artifact_port, expansion_port = free_port(), free_port()
         (self.conf_dir / "flink-conf.yaml").write_text(self._flink_conf(rpc_port))
         (self.conf_dir / "log4j2.properties").write_text(_LOG4J)
         state = {"complete": False, "rest_port": self.rest_port, "rest": f"http://127.0.0.1:{self.rest_port}",
@@ -397,12 +383,12 @@ class LocalFlink:
                 registered = _rest(self.rest_port, "/overview", timeout=2)
             except (OSError, ValueError):
                 registered = None
-            if (registered and registered.get("slots-total", 0) >= want and _port_open(self.job_port)
-                    and _port_open(pool_port)):
+            if (registered and registered.get("slots-total", 0) >= want and port_open(self.job_port)
+                    and port_open(pool_port)):
                 return
             time.sleep(0.5)
         raise FlinkError(f"the Flink cluster was not ready within {timeout_s:.0f} s (REST overview: {registered}, "
-                         f"job server port {self.job_port} open: {_port_open(self.job_port)}); logs in {self.log_dir}")
+                         f"job server port {self.job_port} open: {port_open(self.job_port)}); logs in {self.log_dir}")
 
     def _tail(self, name: str, lines: int = 25) -> str:
         text = ""

@@ -28,6 +28,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+from flowtrain.local import tools
 from flowtrain.local.paths import cache_root
 
 BEAM_RUNNER_VERSION = "2.62.0"
@@ -44,20 +45,11 @@ class FlinkError(RuntimeError):
 
 
 def require_tool(name: str, purpose: str, install_hint: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise FlinkError(f"`{name}` was not found on PATH; flowtrain needs it {purpose}. {install_hint}")
-    return path
+    """:func:`flowtrain.local.tools.require_tool` raising :class:`FlinkError`."""
+    return tools.require_tool(name, purpose, install_hint, FlinkError)
 
 
-def java_major(java: str) -> int:
-    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
-    for token in out.split():  # e.g. 'openjdk version "17.0.15" 2025-04-15'
-        token = token.strip('"')
-        if token[:1].isdigit():
-            head = token.split(".")[0]
-            return int(head) if head != "1" else int(token.split(".")[1])
-    return 0
+java_major = tools.java_major
 
 
 def libs_dir() -> Path:

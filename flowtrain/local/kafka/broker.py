@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowtrain.local.paths import cache_root
+from flowtrain.local.tools import free_port as _any_free_port
+from flowtrain.local.tools import java_major, port_open, require_tool
 
 KAFKA_VERSION = "4.3.1"
 _HERE = Path(__file__).resolve().parent
@@ -41,32 +43,14 @@ class BrokerError(RuntimeError):
     """The broker could not be provisioned, started or stopped; the message says what to do."""
 
 
-def _require_tool(name: str, purpose: str, install_hint: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise BrokerError(f"`{name}` was not found on PATH; flowtrain needs it {purpose}. {install_hint}")
-    return path
-
-
-def _java_major(java: str) -> int:
-    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
-    # e.g. 'openjdk version "17.0.15" 2025-04-15'
-    for token in out.split():
-        token = token.strip('"')
-        if token[:1].isdigit():
-            head = token.split(".")[0]
-            return int(head) if head != "1" else int(token.split(".")[1])
-    return 0
-
-
 def ensure_jars(version: str = KAFKA_VERSION, *, quiet: bool = False) -> Path:
     """Resolve the broker jars once per machine; return the directory that holds them."""
     libs = cache_root() / "kafka" / version / "libs"
     marker = libs / ".complete"
     if marker.exists():
         return libs
-    mvn = _require_tool("mvn", "to fetch the Kafka broker jars from Maven Central",
-                        "Install Apache Maven 3.8+ (Debian: `apt-get install maven`).")
+    mvn = require_tool("mvn", "to fetch the Kafka broker jars from Maven Central",
+                       "Install Apache Maven 3.8+ (Debian: `apt-get install maven`).", BrokerError)
     tmp = libs.with_name("libs.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [mvn, "-B", "-q", "-f", str(_HERE / "pom.xml"), f"-Dkafka.version={version}",
@@ -87,14 +71,6 @@ def ensure_jars(version: str = KAFKA_VERSION, *, quiet: bool = False) -> Path:
     return libs
 
 
-def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def free_port(below_ephemeral: bool = False) -> int:
     """A TCP port on 127.0.0.1 that is free now, with the next one free too (controller).
 
@@ -107,7 +83,7 @@ def free_port(below_ephemeral: bool = False) -> int:
     for _ in range(200):
         if below_ephemeral:
             port = random.randrange(20000, 30000)
-            if _port_open("127.0.0.1", port, 0.1):
+            if port_open(port, timeout=0.1):
                 continue
             try:
                 with socket.socket() as s:
@@ -115,10 +91,8 @@ def free_port(below_ephemeral: bool = False) -> int:
             except OSError:
                 continue
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        if port < 65535 and not _port_open("127.0.0.1", port + 1, 0.1):
+            port = _any_free_port()
+        if port < 65535 and not port_open(port + 1, timeout=0.1):
             return port
     raise BrokerError("no free pair of TCP ports found on 127.0.0.1")
 
@@ -264,13 +238,14 @@ class LocalKafka:
             if not quiet:
                 print(f"kafka: already running (pid {pid}) on {self.bootstrap}; log {self.log_path}")
             return self.status()
-        java = _require_tool("java", "to run the Kafka broker",
-                             "Install a Java 17+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).")
-        if _java_major(java) < 17:
+        java = require_tool("java", "to run the Kafka broker",
+                            "Install a Java 17+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).",
+                            BrokerError)
+        if java_major(java) < 17:
             raise BrokerError("Kafka 4.x needs Java 17 or newer; `java -version` reports an older one. "
                               "Install Java 17+ and put it first on PATH (or set JAVA_HOME).")
         for port in (self.port, self.controller_port):
-            if _port_open("127.0.0.1", port):
+            if port_open(port):
                 raise BrokerError(f"port {port} on 127.0.0.1 is taken by another process; "
                                   f"choose another with --port")
         t0 = time.monotonic()
@@ -294,7 +269,7 @@ class LocalKafka:
             if proc.poll() is not None:
                 raise BrokerError(f"the Kafka broker exited with code {proc.returncode} during start; "
                                   f"see {self.log_path}:\n{self._log_tail()}")
-            if _port_open("127.0.0.1", self.port) and answers_metadata(self.bootstrap, 3.0):
+            if port_open(self.port) and answers_metadata(self.bootstrap, 3.0):
                 took = time.monotonic() - t0
                 if not quiet:
                     print(f"kafka: broker {self.version} started from jars in {libs} on {self.bootstrap} "
