@@ -233,12 +233,12 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tu
 
 
 def _pipeline_totals(run: Path) -> dict:
+    from pipelines.flights.status import read_status
+
     totals = {"events": 0, "rows": 0, "dead_letters": 0}
-    for path in run.glob("pipeline-status.json.*"):
-        if not path.name.endswith(".tmp"):
-            data = json.loads(path.read_text())
-            for key in totals:
-                totals[key] += data.get(key, 0)
+    for data in read_status(str(run / "pipeline-status.json")):
+        for key in totals:
+            totals[key] += data.get(key, 0)
     return totals
 
 

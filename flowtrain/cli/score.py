@@ -5,8 +5,6 @@ Imported by ``flowtrain stream``'s parser; Beam, torch and Kafka load only when 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import signal
 import subprocess
@@ -97,6 +95,7 @@ def run_scorer(args, beam_args: list[str]) -> int:
     from flowtrain.cli.stream import _partitions
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
     from pipelines.flights.scoring import build_scoring_pipeline
+    from pipelines.flights.status import clear_status
 
     # Rejected versions and swaps are logged by the pipeline: show them (Beam set up the root logger).
     logging.getLogger("pipelines.flights.scoring").setLevel(logging.INFO)
@@ -113,8 +112,7 @@ def run_scorer(args, beam_args: list[str]) -> int:
     for topic in (args.predictions_topic, args.score_dead_letter_topic):
         ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=kcfg, **rf)
     ensure_topic(args.bootstrap, args.updates_topic, client_config=kcfg, **rf)
-    for old_status in glob.glob(str(out / "score-status.json.*")):
-        os.remove(old_status)  # counters of an earlier run: the live line counts this run's
+    clear_status(str(out / "score-status.json"))  # counters of an earlier run: the live line counts this run's
     scfg = scoring_config(args, beam_status=str(out / "score-status.json"))
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_scoring_pipeline(p, scfg)
@@ -151,27 +149,22 @@ def run_scorer(args, beam_args: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 def serving_status(out: Path) -> dict:
     """Serving version (of the newest prediction), online accuracy and counts from the status files."""
+    from pipelines.flights.status import read_status
+
+    prefix = str(out / "score-status.json")
     totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "rejected": 0, "events": 0,
               "dead_letters": 0}
     newest = -1.0
-    for path in glob.glob(str(out / "score-status.json.*")):
-        if path.endswith(".tmp"):
-            continue
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            continue
-        kind = Path(path).name.split(".")[2]
-        if kind == "predictions":
-            for k in ("predictions", "labelled", "correct"):
-                totals[k] += data.get(k, 0)
-            if data.get("version") is not None and data["time"] > newest:
-                newest, totals["version"] = data["time"], data["version"]
-        elif kind == "featurize":
-            totals["events"] += data.get("events", 0)
-            totals["dead_letters"] += data.get("dead_letters", 0)
-        elif kind == "versions":
-            totals["rejected"] = max(totals["rejected"], data.get("rejected_count", len(data.get("rejected", []))))
+    for data in read_status(prefix, "predictions"):
+        for k in ("predictions", "labelled", "correct"):
+            totals[k] += data.get(k, 0)
+        if data.get("version") is not None and data["time"] > newest:
+            newest, totals["version"] = data["time"], data["version"]
+    for data in read_status(prefix, "featurize"):
+        totals["events"] += data.get("events", 0)
+        totals["dead_letters"] += data.get("dead_letters", 0)
+    for data in read_status(prefix, "versions"):
+        totals["rejected"] = max(totals["rejected"], data.get("rejected_count", len(data.get("rejected", []))))
     totals["accuracy"] = totals["correct"] / totals["labelled"] if totals["labelled"] else None
     return totals
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -317,6 +316,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     from flowtrain.local.paths import demo_tables_dir
     from pipelines.flights.batch import export_tables
     from pipelines.flights.events import ParseBounds
+    from pipelines.flights.status import clear_status
     from pipelines.flights.streaming import StreamConfig, build_stream_pipeline
 
     cfg = kafka_config(args.kafka_config)
@@ -336,8 +336,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
                         read_batch_records=args.read_batch_records, read_client=args.read_client,
                         bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
                                            max_abs_number=args.max_abs_number))
-    for old_status in glob.glob(str(out / "pipeline-status.json.*")):
-        os.remove(old_status)  # counters of an earlier run: the summary counts this run's
+    clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_stream_pipeline(p, scfg)
     result = p.run()
@@ -374,14 +373,10 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
 def _pipeline_totals(out: Path) -> dict:
     """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
     acknowledged them, and the errors that stopped it."""
+    from pipelines.flights.status import read_status
+
     totals = {"events": 0, "rows": 0, "dead_letters": 0, "errors": []}
-    for path in sorted(glob.glob(str(out / "pipeline-status.json.*"))):
-        if path.endswith(".tmp"):
-            continue
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
-            continue
+    for data in read_status(str(out / "pipeline-status.json")):
         for key in ("events", "rows", "dead_letters"):
             totals[key] += data.get(key, 0)
         if data.get("error"):

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -78,6 +77,7 @@ from connectors.deadletter import DeadLetter, dead_letter_record
 from connectors.kafka import (PRODUCER_DEFAULTS, KafkaDelivery, KafkaRecord, ReadFromKafka, close_client,
                               new_consumer, new_producer, retry_kafka, topic_max_message_bytes, value_budget)
 from pipelines.flights.events import DEFAULT_BOUNDS, ParseBounds, parse_batch
+from pipelines.flights.status import write_status
 from pipelines.flights.streaming import KAFKA_DEFAULT_MAX_MESSAGE_BYTES, FlightFeaturizer, MicroBatcher
 
 __all__ = ["ScoreConfig", "ScoringBatch", "ServedModel", "ModelVersion", "VersionTracker", "FlowtrainModelHandler",
@@ -160,14 +160,6 @@ class ModelVersion(NamedTuple):
     version: int
     path: str
     published_at: str  # "topic/partition/offset" of its record on the updates topic
-
-
-def _write_status(prefix: str | None, kind: str, owner: object, status: dict) -> None:
-    if prefix:  # one file per DoFn instance: instances run in parallel threads
-        path = f"{prefix}.{kind}.{os.getpid()}-{id(owner)}"
-        with open(f"{path}.tmp", "w") as fh:
-            json.dump({**status, "time": time.time()}, fh)
-        os.replace(f"{path}.tmp", path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +299,7 @@ class _LatestVersionFn(beam.DoFn):
         changed = self.tracker.offer(read_updates(self.consumer))
         current = self.tracker.current
         if changed or len(self.tracker.rejected) != before:
-            _write_status(self.cfg.status_path, "versions", self, {
+            write_status(self.cfg.status_path, self, kind="versions", status={
                 "version": current.version if current else None, "path": current.path if current else None,
                 "rejected_count": len(self.tracker.rejected), "rejected": self.tracker.rejected[-20:]})
         if changed:
@@ -496,7 +488,7 @@ class _FeaturizeForScoringFn(beam.DoFn):
         self.delivery.confirm()  # acknowledged before the offsets can be committed downstream
         self.totals["events"] += len(items)
         self.totals["dead_letters"] += len(letters)
-        _write_status(self.cfg.status_path, "featurize", self, self.totals)
+        write_status(self.cfg.status_path, self, self.totals, kind="featurize")
         newest = Timestamp(micros=max(r.timestamp for r in items) * 1000)
         return WindowedValue(batch._replace(featurized_ms=int(time.time() * 1000)), newest, [window.GlobalWindow()])
 
@@ -600,7 +592,7 @@ class _WritePredictionsFn(beam.DoFn):
                preds.column("event_time").cast(pa.int64()).to_numpy())
         t["latency_ms_sum"] += int(lat.sum())  # produce -> scored, and its part before the micro-batch closed
         t["to_featurized_ms_sum"] += int((featurized_ms - preds.column("event_time").cast(pa.int64()).to_numpy()).sum())
-        _write_status(self.cfg.status_path, "predictions", self, t)
+        write_status(self.cfg.status_path, self, t, kind="predictions")
 
 
 class WritePredictions(beam.PTransform):

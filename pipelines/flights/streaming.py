@@ -52,9 +52,7 @@ the fusion with the read that keeps a partition's flushes in order.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple
@@ -70,6 +68,7 @@ from connectors.kafka import (DEFAULT_CONNECT_TIMEOUT_S, KafkaDelivery, KafkaRec
                               new_producer, retry_kafka, topic_max_message_bytes, value_budget)
 from pipelines.flights import features as FF
 from pipelines.flights.events import DEFAULT_BOUNDS, ParseBounds, events_table, parse_batch, parse_event
+from pipelines.flights.status import write_status
 
 _log = logging.getLogger(__name__)
 
@@ -470,12 +469,7 @@ class _FusedFeaturizeFn(beam.DoFn):
         retry_kafka(lambda: self.committer.commit(offsets), "offset commit", deadline_s=self.cfg.retry_s)
 
     def _write_status(self, error: str | None = None) -> None:
-        if self.cfg.status_path:  # one file per DoFn instance: instances run in parallel threads
-            path = f"{self.cfg.status_path}.{os.getpid()}-{id(self)}"
-            data = {**self.totals, "time": time.time(), **({"error": error} if error else {})}
-            with open(f"{path}.tmp", "w") as fh:
-                json.dump(data, fh)
-            os.replace(f"{path}.tmp", path)
+        write_status(self.cfg.status_path, self, {**self.totals, **({"error": error} if error else {})})
 
 
 class FeaturizeFlightEvents(beam.PTransform):
