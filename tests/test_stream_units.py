@@ -258,3 +258,22 @@ def test_parse_batch_rejects_exactly_what_parse_event_rejects_with_the_same_reas
             assert [(d.source, d.reason, d.payload) for d in letters] == \
                 [(d.source, d.reason, d.payload) for d in expected_letters]
             assert len(letters) > 90  # the specials but the valid edge cases and impossible values
+
+
+def test_status_files_are_read_whole_or_not_at_all_and_cleared(tmp_path):
+    """A status file being replaced (.tmp) or cut short is skipped, not read as zeros or an error."""
+    from pipelines.flights.status import clear_status, read_status, write_status
+
+    prefix = str(tmp_path / "[run]" / "score-status.json")
+    (tmp_path / "[run]").mkdir()
+    owner_a, owner_b = object(), object()
+    write_status(prefix, owner_a, {"rows": 3}, kind="featurize")
+    write_status(prefix, owner_b, {"rows": 4}, kind="featurize")
+    write_status(prefix, owner_a, {"version": 2}, kind="versions")
+    (tmp_path / "[run]" / "score-status.json.featurize.1-2.tmp").write_text('{"rows": 100}')
+    (tmp_path / "[run]" / "score-status.json.featurize.1-3").write_text('{"rows": 1')  # cut short
+    assert sorted(s["rows"] for s in read_status(prefix, "featurize")) == [3, 4]
+    assert [s["version"] for s in read_status(prefix, "versions")] == [2]
+    write_status(None, owner_a, {"rows": 9})  # no prefix: nothing written
+    clear_status(prefix)
+    assert not read_status(prefix) and not list((tmp_path / "[run]").iterdir())
