@@ -1,6 +1,4 @@
 """``python -m flowtrain.cli``: the same as the ``flowtrain`` command."""
-import sys
+from flowtrain.cli.main import entry
 
-from flowtrain.cli.main import main
-
-sys.exit(main())
+entry()

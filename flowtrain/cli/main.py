@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -116,5 +117,24 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args, beam_args) or 0)
 
 
+def entry() -> None:
+    """The process entry point (the ``flowtrain`` command, ``python -m flowtrain.cli``).
+
+    A command that failed with its one-line message runs the exit handlers (Beam's stop the
+    runner and job-server processes it started, flowtrain's close Kafka clients) and then ends
+    without the rest of the interpreter's teardown: a native thread that torch or Beam's gRPC
+    started could otherwise abort the process while it is destroyed ("terminate called without
+    an active exception", SIGABRT, seen after a schema error), turning exit status 2 into a crash."""
+    code = main()
+    if code:
+        import atexit
+
+        atexit._run_exitfuncs()  # the documented handlers, in their order (CPython's own exit runs them too)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
