@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flowtrain-installed
 
-.PHONY: install provision test test-slow demo bench clean-venv
+.PHONY: install provision test test-fast test-slow demo bench clean-venv
 
 install: $(STAMP) provision
 
@@ -24,6 +24,10 @@ provision: $(STAMP)
 test: install
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
 	$(BIN)/python -m pytest -m "not slow" -v --durations=15
+
+# The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -m "not slow and not kafka and not streaming and not flink" -q -p no:cacheprovider
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow -v

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from flowtrain.cli import flink
 from flowtrain.cli.options import above, at_least, config_default, fraction, sizes, usable_dir
-from flowtrain.train.jobs import train_worker  # noqa: F401 - also the old torchrun target flowtrain.commands.batch:train_worker
+from flowtrain.train.jobs import train_worker  # noqa: F401 - the torchrun target
 
 _TRAIN_KEYS = ("epochs", "batch_size", "lr", "patience", "hidden", "dropout", "threads", "seed", "bucket_mb",
                "stages", "microbatches", "schedule", "tensor_parallel", "device", "memory_budget", "steps",
@@ -308,7 +308,7 @@ def run_batch(options: dict, beam_args: list[str]) -> dict:
         job_path.write_text(json.dumps({**job, "failure_timeout_s": launch.failure_timeout_s}))
         print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
-              f"--master-port=29500 -m flowtrain.worker flowtrain.train.jobs:train_worker {job_path}\n"
+              f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
               f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume"
               f"{_training_flags(options)}", flush=True)
         return {"run_dir": str(run_dir), "job": str(job_path)}

@@ -5,7 +5,7 @@ command runs under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER
 
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=<0|1> \\
         --master-addr=<node 0's address> --master-port=29500 \\
-        -m flowtrain.worker flowtrain.train.jobs:train_worker /shared/run/job.json
+        -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker /shared/run/job.json
 
 The function is called as ``FUNCTION(ctx: DistContext, job: dict)`` after the process group
 is up, on the job's ``device`` (top level or in its ``config``; auto, cpu or cuda: NCCL and

@@ -1,7 +1,7 @@
-"""The engine's worker jobs: what ``python -m flowtrain.worker MODULE:FUNCTION JOB.json`` runs on every rank.
+"""The engine's worker jobs: what ``python -m flowtrain.parallel.worker MODULE:FUNCTION JOB.json`` runs on every rank.
 
 ``flowtrain batch --workers N`` and ``flowtrain stream train --workers N`` spawn these; across machines
-``torchrun ... -m flowtrain.worker flowtrain.train.jobs:train_worker JOB.json`` runs the same function.
+``torchrun ... -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker JOB.json`` runs the same function.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 def train_worker(ctx, job: dict) -> None:
     """Train on the dataset of ``job``; every data-parallel rank runs this (rank 0 writes).
 
-    The entry point of ``python -m flowtrain.worker flowtrain.train.jobs:train_worker JOB``.
+    The entry point of ``python -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker JOB``.
     """
     import torch
 

@@ -12,7 +12,7 @@ points depend on the table only, not on the budget, so a run continued with a la
 ``--epochs`` equals one that had it from the start.
 
 The engine does the steps: ``DataParallelEngine`` (map/reduce of gradient sums) or
-``PipelineEngine`` (the D x S x T grid: stages, tensor shards, replicas); an engine has
+``GridEngine`` (the D x S x T grid: stages, tensor shards, replicas); an engine has
 ``train_step``, ``set_lr``, ``sync_model``, ``optimizer_state``, ``stage_states``, ``shard_states``,
 ``load``, ``close`` and ``rng_rank`` (``make_engine`` picks one).
 """
@@ -267,7 +267,7 @@ def make_engine(model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn
     ``config.tensor_parallel`` > 1: ``flowtrain.train.hybrid``) or data parallelism."""
     if config.stages > 1 or config.tensor_parallel > 1:
         first = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False))
-        return PipelineEngine(model, ctx, config, loss_fn, pack(first.x_num, first.x_cat),
+        return GridEngine(model, ctx, config, loss_fn, pack(first.x_num, first.x_cat),
                               device=next(model.parameters()).device)
     return DataParallelEngine(model, ctx, config, loss_fn)
 
@@ -480,10 +480,6 @@ class DataParallelEngine:
 
     def close(self) -> None:
         self.reducer.close()
-
-
-#: The D x S x T engine (pipeline stages, tensor shards, replicas) lives in flowtrain.train.hybrid.
-PipelineEngine = GridEngine
 
 
 def _progress(total: int, desc: str, enabled: bool, initial: int = 0):

@@ -1,1 +1,0 @@
-"""Old import path of the command modules, kept working: see ``flowtrain.cli``."""
