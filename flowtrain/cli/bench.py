@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 #: benchmark name -> (module under bench/, one-line description)
 BENCHMARKS = {
@@ -24,7 +25,15 @@ BENCHMARKS = {
 def _run(args: argparse.Namespace) -> int:
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     for name in names:
-        module = importlib.import_module(BENCHMARKS[name][0])
+        try:
+            module = importlib.import_module(BENCHMARKS[name][0])
+        except ModuleNotFoundError as err:
+            if err.name not in ("bench", BENCHMARKS[name][0]):
+                raise
+            print("flowtrain bench: the benchmarks live in the source repository's bench/ folder, which is not "
+                  "installed: run this command from a checkout of flowtrain (its root as the working directory)",
+                  file=sys.stderr)
+            return 2
         module.main(args.rest)
     return 0
 
