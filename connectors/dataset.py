@@ -17,16 +17,29 @@ after every shard is closed: no manifest, no dataset.
   only opens the shards the manifest lists, so shards of an unfinished or retried write are
   never seen. Files the new manifest does not list (strays of retried bundles, an overwritten
   dataset's shards) are deleted after the commit.
+
+Replacing a dataset (``overwrite=True``) deletes only what flowtrain can prove it wrote: the path
+must be empty or hold a flowtrain manifest and nothing but the files it names (and shards named
+the way flowtrain names them, ``<split>/part-<12 hex digits>.parquet``). Anything else there
+(a user's notes, a CSV in a sub-directory) makes the write a ``DatasetError`` naming the path and
+the files, before any shard is written; nothing is deleted.
+
+A manifest's shard paths must be relative paths inside the dataset directory: an absolute path,
+a URL or a ``..`` component is a ``DatasetError`` naming the manifest, never a file read from
+elsewhere.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
+import posixpath
+import re
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
@@ -36,15 +49,19 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from connectors.atomic import fsync_dir
 from connectors.files import ReadFromFiles
 from connectors.paths import absolute_path, is_local_path
 
 __all__ = ["MANIFEST", "DatasetError", "WriteDataset", "ReadDataset", "read_manifest", "shard_paths",
-           "read_shard", "finalize_dataset", "fsync_dir", "dataset_exists", "is_local_path"]
+           "read_shard", "finalize_dataset", "dataset_exists", "is_local_path", "owned_files", "remove_dataset"]
 
 MANIFEST = "_manifest.json"
 FORMAT = "flowtrain.dataset/1"
 _RAW = CompressionTypes.UNCOMPRESSED  # Parquet compresses itself; never let a suffix decide
+#: How ``WriteDataset`` names a shard, relative to the dataset directory.
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_.=-]+/part-[0-9a-f]{12}\.parquet$")
+_log = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -67,13 +84,31 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return data
 
 
+def _contained(rel, manifest_path: str) -> str:
+    """A shard path of a manifest, checked: relative, inside the dataset directory."""
+    if not isinstance(rel, str) or not rel:
+        raise DatasetError(f"{manifest_path} lists a shard without a file name ({rel!r}); re-run the ETL "
+                           f"that wrote this dataset")
+    parts = rel.replace("\\", "/").split("/")
+    if (FileSystems.get_scheme(rel) is not None or rel.startswith(("/", "\\")) or posixpath.isabs(rel)
+            or re.match(r"^[A-Za-z]:", rel) or ".." in parts or "" in parts or "\0" in rel):
+        raise DatasetError(f"{manifest_path} lists shard {rel!r}, which is not a relative path inside the "
+                           f"dataset directory (absolute paths, URLs and '..' are refused); the manifest is "
+                           f"damaged or not flowtrain's: re-run the ETL that wrote it")
+    return rel
+
+
 def shard_paths(path: str | os.PathLike, split: str) -> list[str]:
+    """The files of ``split``, each checked to lie inside the dataset directory."""
     manifest = read_manifest(path)
     if split not in manifest["splits"]:
         raise DatasetError(f"dataset {path} has no split {split!r}; it has "
                            f"{', '.join(sorted(manifest['splits'])) or 'none'}")
     base = absolute_path(path)
-    return [FileSystems.join(base, shard["file"]) for shard in manifest["splits"][split]]
+    where = FileSystems.join(base, MANIFEST)
+    return [FileSystems.join(base, *_contained(shard.get("file") if isinstance(shard, dict) else None,
+                                               where).split("/"))
+            for shard in manifest["splits"][split]]
 
 
 def read_shard(path: str, *, columns=None) -> pa.Table:
@@ -82,15 +117,6 @@ def read_shard(path: str, *, columns=None) -> pa.Table:
         return pq.read_table(path, columns=columns)
     with FileSystems.open(path, compression_type=_RAW) as fh:
         return pq.read_table(pa.BufferReader(fh.read()), columns=columns)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (fsync of the directory itself)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _build_manifest(shards: list[dict], metadata: Mapping[str, Any]) -> dict:
@@ -116,8 +142,91 @@ def _shard_files(base: str) -> list[str]:
     return [m.path[len(prefix):] if m.path.startswith(prefix) else os.path.relpath(m.path, base) for m in found]
 
 
+def _listing(base: str) -> list[str]:
+    """Every file under ``base`` (any filesystem), relative to it, with ``/`` separators."""
+    if is_local_path(base):
+        root = Path(base)
+        if not root.is_dir():
+            return []
+        return sorted(str(p.relative_to(root)).replace(os.sep, "/") for p in root.rglob("*")
+                      if p.is_file() or p.is_symlink())
+    prefix = base.rstrip("/") + "/"
+    found = FileSystems.match([prefix + "**"])[0].metadata_list
+    return sorted(m.path[len(prefix):] for m in found if m.path.startswith(prefix))
+
+
+def owned_files(path: str | os.PathLike) -> list[str]:
+    """The files of the dataset at ``path`` that flowtrain wrote (relative paths, the manifest last),
+    or ``[]`` when nothing is there; a ``DatasetError`` naming the path when anything else is there.
+
+    Provably flowtrain's: ``_manifest.json`` in flowtrain's format, and besides it only the shards
+    it lists or files named the way ``WriteDataset`` names shards (strays of a retried write).
+    """
+    base = absolute_path(path)
+    if is_local_path(base) and Path(base).exists() and not Path(base).is_dir():
+        raise DatasetError(f"{base} is a file, not a dataset directory; flowtrain will not replace it: "
+                           f"remove it yourself or choose another path")
+    files = _listing(base)
+    if not files:
+        return []
+    if MANIFEST not in files:
+        foreign = [f for f in files if not _SHARD_NAME.match(f)]
+        if not foreign:  # shards of a write that never committed
+            return files
+        raise DatasetError(f"{base} is not empty and holds no {MANIFEST} ({_some(foreign)}): it is not a "
+                           f"dataset flowtrain wrote, so flowtrain will not delete or replace it; move those "
+                           f"files or choose another path")
+    try:
+        manifest = read_manifest(base)
+    except (DatasetError, ValueError, OSError) as err:
+        raise DatasetError(f"{base}: {MANIFEST} is not a flowtrain manifest ({err}); flowtrain will not "
+                           f"delete or replace this directory: choose another path") from None
+    where = FileSystems.join(base, MANIFEST)
+    listed = {_contained(shard.get("file") if isinstance(shard, dict) else None, where)
+              for shards in (manifest.get("splits") or {}).values() for shard in shards}
+    foreign = [f for f in files if f != MANIFEST and f not in listed and not _SHARD_NAME.match(f)]
+    if foreign:
+        raise DatasetError(f"{base} holds files its {MANIFEST} does not name ({_some(foreign)}): flowtrain "
+                           f"replaces a dataset only when it holds nothing but what flowtrain wrote; move those "
+                           f"files or choose another path")
+    return [f for f in files if f != MANIFEST] + [MANIFEST]
+
+
+def _some(files: list[str], n: int = 5) -> str:
+    return ", ".join(files[:n]) + (f" and {len(files) - n} more" if len(files) > n else "")
+
+
+def remove_dataset(path: str | os.PathLike) -> list[str]:
+    """Delete the dataset at ``path`` if flowtrain provably wrote it (``owned_files``), else a
+    ``DatasetError`` and nothing is deleted. The manifest goes first (no reader sees a dataset with
+    missing shards), then the shards, then the directories if empty. Returns what was deleted."""
+    base = absolute_path(path)
+    files = owned_files(base)
+    if not files:
+        if is_local_path(base) and Path(base).is_dir():
+            Path(base).rmdir()
+        return []
+    ordered = ([MANIFEST] if MANIFEST in files else []) + [f for f in files if f != MANIFEST]
+    if is_local_path(base):
+        root = Path(base)
+        for rel in ordered:
+            (root / rel).unlink(missing_ok=True)
+        for d in sorted({(root / rel).parent for rel in ordered}, key=lambda q: len(q.parts), reverse=True):
+            try:
+                d.rmdir()
+            except OSError as err:  # something appeared meanwhile: it is not ours, it stays
+                _log.warning("left %s in place: %s", d, err)
+    else:
+        for rel in ordered:  # the manifest first, one by one: a stop half way leaves no dataset
+            FileSystems.delete([FileSystems.join(base, *rel.split("/"))])
+    return ordered
+
+
 def _commit_local(tmp: Path, final: Path, body: str, listed: set[str], *, overwrite: bool) -> None:
-    """Manifest into the staging directory (fsynced), then one directory rename to ``final``."""
+    """Manifest into the staging directory (fsynced), then one directory rename to ``final``.
+
+    An existing ``final`` is replaced only if it is empty or provably a flowtrain dataset
+    (``owned_files``); it is renamed aside and then only the files it owned are deleted."""
     tmp.mkdir(parents=True, exist_ok=True)
     for stray in tmp.rglob("*.parquet"):  # shards of bundle attempts the runner retried
         if str(stray.relative_to(tmp)) not in listed:
@@ -127,16 +236,25 @@ def _commit_local(tmp: Path, final: Path, body: str, listed: set[str], *, overwr
         fh.flush()
         os.fsync(fh.fileno())
     fsync_dir(tmp)
-    old = None
-    if final.exists():
+    old, old_files = None, []
+    if final.exists() or final.is_symlink():
         if not overwrite:
             raise DatasetError(f"{final} exists; pass overwrite=True (or --overwrite) or choose another path")
+        if final.is_symlink():
+            raise DatasetError(f"{final} is a symbolic link; flowtrain will not replace it: choose another path")
+        old_files = owned_files(final)  # a DatasetError naming foreign files: nothing is touched
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         final.rename(old)
     tmp.rename(final)
     fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        for rel in old_files:  # the manifest is last in the list: first removed is fine either way
+            (old / rel).unlink(missing_ok=True)
+        for d in sorted({(old / rel).parent for rel in old_files} | {old}, key=lambda q: len(q.parts), reverse=True):
+            try:
+                d.rmdir()
+            except OSError as err:  # a file appeared in the old dataset meanwhile: not ours to delete
+                _log.warning("left %s in place: %s", d, err)
 
 
 def _commit_in_place(staging: str, final: str, body: str, listed: set[str], *, overwrite: bool) -> None:
@@ -149,8 +267,11 @@ def _commit_in_place(staging: str, final: str, body: str, listed: set[str], *, o
         FileSystems.rename([FileSystems.join(staging, r) for r in rels], [FileSystems.join(final, r) for r in rels])
     with FileSystems.create(manifest, mime_type="application/json", compression_type=_RAW) as fh:
         fh.write(body.encode())
-    unlisted = [FileSystems.join(final, rel) for rel in _shard_files(final) if rel not in listed]
-    if unlisted:  # after the commit: an overwritten dataset's shards, strays of retried bundles
+    # after the commit: an overwritten dataset's shards, strays of retried bundles (only files named
+    # the way WriteDataset names shards: nothing flowtrain did not write)
+    unlisted = [FileSystems.join(final, rel) for rel in _shard_files(final)
+                if rel not in listed and _SHARD_NAME.match(rel)]
+    if unlisted:
         FileSystems.delete(unlisted)
 
 
@@ -237,7 +358,9 @@ class WriteDataset(beam.PTransform):
       metadata: JSON-able dict stored in the manifest, or a PCollection of one such dict (for
         statistics computed by the same pipeline, e.g. ``beam.pvalue.AsSingleton``-style).
       overwrite: replace an existing dataset at ``path`` (by rename where the filesystem has
-        one; elsewhere by the new manifest, after which the old shards are deleted).
+        one; elsewhere by the new manifest, after which the old shards are deleted). Only a path
+        that is empty or holds nothing but a dataset flowtrain wrote is replaced (``owned_files``);
+        anything else is a ``DatasetError`` naming the path, raised before any shard is written.
     Returns a PCollection with the one manifest written.
     """
 
@@ -253,6 +376,8 @@ class WriteDataset(beam.PTransform):
     def expand(self, batches):
         if not self._overwrite and dataset_exists(self._path):  # before any shard is written
             raise DatasetError(f"{self._path} exists; pass overwrite=True (or --overwrite) or choose another path")
+        if self._overwrite:
+            owned_files(self._path)  # anything there flowtrain did not write: an error now, nothing deleted
         shards = (batches
                   | "WriteShards" >> beam.ParDo(_WriteShardsFn(self._staging, self._compression,
                                                                self._row_group_rows))

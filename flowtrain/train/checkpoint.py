@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from connectors.dataset import fsync_dir
+from connectors.atomic import fsync_dir
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _log = logging.getLogger(__name__)
