@@ -13,8 +13,13 @@ from torch import nn
 from flowtrain.parallel.device import DeviceError, backend_for, cpu_state, resolve_device
 from flowtrain.parallel.grid import Grid, GridError
 from flowtrain.parallel.launch import spawn
-from flowtrain.parallel.tensor import (ShardedSequential, TensorGroup, TensorParallelError, plan_tensor_parallel,
-                                       shard_module)
+from flowtrain.parallel.tensor import (
+    ShardedSequential,
+    TensorGroup,
+    TensorParallelError,
+    plan_tensor_parallel,
+    shard_module,
+)
 from tests.tp_jobs import batches, build_model, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,32 +214,3 @@ def test_device_cuda_without_a_gpu_is_a_clear_error_before_training(flights, tmp
     assert not (tmp_path / "run" / "workers").exists()
 
 
-@pytest.mark.kafka
-def test_stream_trainer_on_explicit_cpu_and_cuda_without_a_gpu_is_an_error(flights, bootstrap, new_topic, tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from kafka import KafkaProducer
-
-    from connectors.arrow import encode_batch
-    from connectors.dataset import read_manifest
-    from flowtrain.train.stream import StreamTrainConfig, StreamTrainer, run_stream_trainer
-
-    topic = new_topic(partitions=1)
-    manifest = read_manifest(flights)
-    table = pa.concat_tables([pq.read_table(Path(flights) / s["file"]) for s in manifest["splits"]["train"]])
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    for i in range(4):  # 4 feature messages of 50 rows, with their sources, as the stream pipeline writes them
-        chunk = table.slice(50 * i, 50).combine_chunks()
-        chunk = chunk.append_column("src_partition", pa.array([0] * 50, pa.int32()))
-        chunk = chunk.append_column("src_offset", pa.array(range(50 * i, 50 * i + 50), pa.int64()))
-        producer.send(topic, value=encode_batch(chunk.to_batches()[0]), partition=0).get(timeout=30)
-    producer.close()
-    common = dict(bootstrap=bootstrap, dataset=flights, features_topic=topic, updates_topic=f"{topic}-updates",
-                  hidden=(16, 8))
-    with pytest.raises(DeviceError, match="--device cuda: no CUDA device is visible"):
-        StreamTrainer(StreamTrainConfig(run_dir=str(tmp_path / "gpu"), device="cuda", **common))
-    summary = run_stream_trainer(StreamTrainConfig(run_dir=str(tmp_path / "cpu"), device="cpu", idle_exit_s=2.0,
-                                                   **common))
-    assert summary["step"] == 4 and summary["rows"] == 200
-    state = torch.load(sorted((tmp_path / "cpu" / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
-    assert state["step"] == 4 and all(v.device.type == "cpu" for v in state["model"].values())
