@@ -18,7 +18,7 @@ _SC = "pipelines.flights.streaming:StreamConfig."  # where the pipeline half's d
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
 _LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
-#: ``connectors.kafka_fetch.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
+#: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
 CLIENTS = ("kafka-python", "confluent")
 
 def _add_kafka(p: argparse.ArgumentParser) -> None:
@@ -239,7 +239,7 @@ class _ConfluentSender:
             raise SystemExit("flowtrain replay --client confluent needs confluent-kafka: pip install "
                              "'flowtrain[kafka-confluent]' (or confluent-kafka>=2.3), or use --client kafka-python") \
                 from None
-        from connectors.kafka_fetch import confluent_config
+        from connectors.kafka import confluent_config
 
         try:
             conf = confluent_config(bootstrap, {k: v for k, v in cfg.items() if k not in ("linger_ms",)})

@@ -35,16 +35,17 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from connectors.arrow import decode_batch
-from connectors.kafka import ensure_topic, retry_kafka
+from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_consumer, new_producer
 from flowtrain.parallel import DistContext, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
 from flowtrain.parallel.launch import heartbeat
@@ -106,7 +107,7 @@ class Architecture:
         return {"kind": self.kind, "hidden": list(self.hidden), "dropout": self.dropout, "seed": self.seed}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str) -> "Architecture":
+    def from_dict(cls, d: dict, source: str) -> Architecture:
         from flowtrain.train.loop import TrainConfig
 
         defaults = TrainConfig()
@@ -174,7 +175,7 @@ class StreamTrainer:
         self.last_ckpt_t = self.last_data_t = self.last_status_t = now
         self.first_data_t: float | None = None
         self.model = self.optimizer = self.reducer = self.architecture = None
-        self.consumer = self.producer = None
+        self.consumer = self.producer = self.delivery = None
         self.mine: list = []
 
     # --- the whole run ------------------------------------------------------------------------------
@@ -260,12 +261,12 @@ class StreamTrainer:
         self.ledger_path.write_text("".join(line + "\n" for line in kept))
 
     def _open_kafka(self) -> None:
-        from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+        from kafka import TopicPartition
 
         cfg = self.cfg
-        self.consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap, group_id=None, enable_auto_commit=False,
-                                      max_poll_records=1, fetch_max_wait_ms=100,
-                                      max_partition_fetch_bytes=16 * 1024 * 1024, **cfg.kafka_config)
+        self.consumer = new_consumer(cfg.bootstrap, {"max_poll_records": 1, "fetch_max_wait_ms": 100,
+                                                     "max_partition_fetch_bytes": 16 * 1024 * 1024,
+                                                     **cfg.kafka_config}, group_id=None)
         parts = sorted(self.consumer.partitions_for_topic(cfg.features_topic) or [])
         deadline = time.monotonic() + 30
         while not parts and time.monotonic() < deadline:
@@ -286,7 +287,8 @@ class StreamTrainer:
         if self.ctx.is_main:
             ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config,
                          replication_factor=cfg.replication_factor)
-            self.producer = KafkaProducer(bootstrap_servers=cfg.bootstrap, acks="all", **cfg.kafka_config)
+            self.producer = new_producer(cfg.bootstrap, cfg.kafka_config)
+            self.delivery = KafkaDelivery(self.producer, what="publishing a model version")
 
     # --- one step ---------------------------------------------------------------------------------------------
     def _poll_local_batch(self):
@@ -392,10 +394,8 @@ class StreamTrainer:
 
     def _publish(self, record: dict) -> None:
         """The model version on the updates topic; a send Kafka does not acknowledge is an error."""
-        future = self.producer.send(self.cfg.updates_topic, key=str(record["version"]).encode(),
-                                    value=json.dumps(record).encode())
-        retry_kafka(lambda: self.producer.flush(timeout=30), "publishing a model version")
-        future.get(timeout=30)
+        self.delivery.send(self.cfg.updates_topic, json.dumps(record).encode(), key=str(record["version"]).encode())
+        self.delivery.confirm()
 
     def _prequential(self, window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         """The task's metrics (flowtrain.train.metrics) on predictions made before training on the rows."""
@@ -421,9 +421,9 @@ class StreamTrainer:
 
     def close(self) -> None:
         if self.consumer is not None:
-            self.consumer.close()
+            close_client(self.consumer)
         if self.producer is not None:
-            self.producer.close(timeout=10)
+            close_client(self.producer, timeout=10)
         if self.reducer is not None:
             self.reducer.close()
 

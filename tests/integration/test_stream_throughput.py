@@ -247,7 +247,7 @@ def test_stream_trainer_creates_its_updates_topic_with_the_replication_factor_gi
 
 
 def test_the_command_lines_kafka_clients_are_the_connectors():
-    from connectors.kafka_fetch import CLIENTS
+    from connectors.kafka import CLIENTS
     from flowtrain.cli import stream
 
     assert stream.CLIENTS == CLIENTS

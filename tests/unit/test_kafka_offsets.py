@@ -3,8 +3,8 @@ import datetime as dt
 
 import pytest
 
-from connectors import kafka_offsets as ko
-from connectors.kafka_offsets import UNBOUNDED
+from connectors.kafka import offsets as ko
+from connectors.kafka.offsets import UNBOUNDED
 
 
 def test_start_offsets():
@@ -49,13 +49,13 @@ def test_millis_and_validation():
 
 
 def test_tracker_claims_checkpoints_and_ends_by_claiming_stop():
-    from connectors.kafka import PartitionRange, _PartitionTracker
+    from connectors.kafka.read import PartitionRange, PartitionTracker
 
     class NoEnds:
         def get(self, topic, partition, fallback):
             return 20
 
-    t = _PartitionTracker(PartitionRange("t", 0, 5, UNBOUNDED), NoEnds())
+    t = PartitionTracker(PartitionRange("t", 0, 5, UNBOUNDED), NoEnds())
     assert not t.is_bounded()
     assert t.try_claim(5) and t.try_claim(7)
     assert t.current_progress().remaining_work == 12  # 20 - 8
@@ -65,7 +65,7 @@ def test_tracker_claims_checkpoints_and_ends_by_claiming_stop():
     assert not t.try_claim(8)  # beyond the checkpoint
     t.check_done()
 
-    b = _PartitionTracker(PartitionRange("t", 0, 0, 10), NoEnds())
+    b = PartitionTracker(PartitionRange("t", 0, 0, 10), NoEnds())
     assert b.try_claim(3)
     with pytest.raises(ValueError, match="not claimed"):
         b.check_done()

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Union
 
 from apache_beam.utils.timestamp import Timestamp
 
 #: Stop offset of an unbounded partition read: the range grows with the log.
 UNBOUNDED = sys.maxsize
 
-StartSpec = Union[str, Mapping, _dt.datetime, Timestamp]
-StopSpec = Union[None, str, int, _dt.datetime, Timestamp]
+StartSpec = str | Mapping | _dt.datetime | Timestamp
+StopSpec = None | str | int | _dt.datetime | Timestamp
 
 
 @dataclass(frozen=True)

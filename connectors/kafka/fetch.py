@@ -18,9 +18,11 @@ translates the ones that concern it (see ``confluent_config``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from connectors.kafka import KafkaRecord, _servers, close_client, new_consumer, retry_kafka, track_client
+from connectors.kafka.clients import close_client, new_consumer, retry_kafka, servers_string, track_client
+from connectors.kafka.record import KafkaRecord
 
 __all__ = ["CLIENTS", "KafkaReadError", "PythonFetcher", "ConfluentFetcher", "confluent_config", "open_fetcher",
            "check_client"]
@@ -77,7 +79,7 @@ def confluent_config(bootstrap_servers: str | Sequence[str], consumer_config: Ma
     Keys with a dot are librdkafka properties and pass through as they are; known kafka-python
     options are translated; any other option is an error naming it (never silently dropped).
     """
-    servers = _servers(bootstrap_servers)
+    servers = servers_string(bootstrap_servers)
     # fetch.queue.backoff.ms: librdkafka pauses a partition's fetches for this long once its local
     # queue is full (default 1000 ms): a bulk read then stalls ~1 s per refill; 10 ms does not.
     cfg = {"bootstrap.servers": servers, "group.id": "flowtrain-reader", "enable.auto.commit": False,

@@ -1,0 +1,132 @@
+"""Cluster-level Kafka calls: is a broker there, does a topic exist (create it), what does it accept."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from connectors.kafka.clients import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    KafkaUnavailable,
+    close_client,
+    quiet_kafka_logs,
+    servers_string,
+    track_client,
+    unavailable_message,
+)
+
+__all__ = ["check_brokers", "ensure_topic", "topic_max_message_bytes", "admin_settings"]
+
+_log = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+
+
+def admin_settings(client_config: Mapping[str, Any] | None) -> dict:
+    """The options of ``client_config`` a KafkaAdminClient takes (security among them)."""
+    from kafka import KafkaAdminClient
+
+    return {k: v for k, v in dict(client_config or {}).items() if k in KafkaAdminClient.DEFAULT_CONFIG}
+
+
+
+# Brokers that answered a check in this process, and when: a pipeline that builds several reads
+# of the same cluster checks it once a minute, not once per read.
+_ANSWERED: dict[str, tuple[float, int]] = {}
+_ANSWER_TTL_S = 60.0
+
+
+def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                  client_config: Mapping[str, Any] | None = None) -> int:
+    """Fail within ``timeout_s`` with ``KafkaUnavailable`` (one line) unless a broker answers.
+
+    Returns the number of brokers in the cluster. Meant to run before any work starts, so that
+    a wrong address or a stopped broker is a clear error instead of a client retrying for minutes.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    key = repr((servers_string(bootstrap_servers), sorted(dict(client_config or {}).items(), key=str)))
+    with _LOCK:
+        answered = _ANSWERED.get(key)
+    if answered and time.monotonic() - answered[0] < _ANSWER_TTL_S:
+        return answered[1]
+    cfg = admin_settings(client_config)
+    cfg.update(bootstrap_servers=bootstrap_servers, bootstrap_timeout_ms=int(timeout_s * 1000),
+               request_timeout_ms=max(1000, int(timeout_s * 1000)))
+    with quiet_kafka_logs():
+        try:
+            admin = KafkaAdminClient(**cfg)
+        except KafkaError as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, type(err).__name__)) from None
+        except (OSError, ValueError) as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, str(err))) from None
+        try:
+            brokers = max(1, len(admin.describe_cluster().get("brokers") or ()))
+            with _LOCK:
+                _ANSWERED[key] = (time.monotonic(), brokers)
+            return brokers
+        except KafkaError as err:
+            raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, type(err).__name__)) from None
+        finally:
+            admin.close()
+
+def topic_max_message_bytes(bootstrap_servers: str | Sequence[str], topic: str, *,
+                            client_config: Mapping[str, Any] | None = None) -> int | None:
+    """The topic's ``max.message.bytes`` as the broker applies it (its own or the broker default);
+    None when the topic does not exist or the broker does not say."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    cfg = admin_settings(client_config)
+    admin = track_client(KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg))
+    try:
+        found = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})], config_filter="all")
+    except Exception as err:  # noqa: BLE001 - an absent topic or an old broker: no limit known
+        _log.debug("max.message.bytes of %s unavailable: %s", topic, err)
+        return None
+    finally:
+        close_client(admin)
+    entry = (found.get("topic", {}).get(topic) or {}).get("max.message.bytes") or {}
+    try:
+        return int(entry.get("value"))
+    except (TypeError, ValueError):
+        return None
+
+def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitions: int = 1,
+                 replication_factor: int | None = None, config: Mapping[str, str] | None = None,
+                 client_config: Mapping[str, Any] | None = None) -> None:
+    """Create ``topic`` unless it exists (producers do not create topics and would block).
+
+    ``replication_factor`` defaults to min(3, number of brokers): 1 on a local broker, 3 on a
+    real cluster. ``config`` sets topic configs (e.g. ``{"max.message.bytes": "4194304"}``) of a
+    topic this call creates; an existing topic is left as it is.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import InvalidReplicationFactorError, TopicAlreadyExistsError
+
+    if replication_factor is not None and (isinstance(replication_factor, bool) or replication_factor < 1):
+        raise ValueError(f"ensure_topic(replication_factor={replication_factor!r}): must be >= 1 "
+                         f"(or None for min(3, number of brokers))")
+    cfg = admin_settings(client_config)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg)
+    try:
+        if topic in admin.list_topics():
+            return
+        brokers = len(admin.describe_cluster().get("brokers") or ()) or 1
+        factor = min(3, brokers) if replication_factor is None else replication_factor
+        try:
+            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=factor,
+                                          topic_configs=dict(config or {}))])
+        except InvalidReplicationFactorError:
+            raise ValueError(f"topic {topic!r}: replication factor {factor} cannot be reached, the cluster at "
+                             f"{servers_string(bootstrap_servers)} has {brokers} broker(s); pass a replication "
+                             f"factor <= {brokers} (--replication-factor)") from None
+    except TopicAlreadyExistsError:
+        pass
+    finally:
+        admin.close()
+
