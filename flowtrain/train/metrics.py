@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -153,14 +154,20 @@ def scalars(metrics: dict) -> dict[str, float]:
 
 
 class MetricsLog:
-    """Appends one JSON object per line; ``truncate_after(step)`` drops lines a resume replays."""
+    """Appends one JSON object per line, each with ``time`` (wall clock, epoch seconds);
+    ``truncate_after(step)`` drops lines a resume replays. With a ``board``
+    (``flowtrain.observe.board.Board``) every record is also written to TensorBoard as scalars."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, board=None):
         self.path = Path(path)
+        self.board = board
 
     def write(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": record.get("time", time.time())}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=float) + "\n")
+        if self.board is not None:
+            self.board.record(record)
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -170,3 +177,5 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         kept = [r for r in self.read() if r.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+        if self.board is not None:
+            self.board.purge_after(step)
