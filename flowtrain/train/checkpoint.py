@@ -6,6 +6,13 @@ one whose checksum matches: a torn or corrupted file is skipped, never loaded.
 ``load_latest`` loads the newest checkpoint that verifies *and* loads, falling back to the one
 before when the newest is corrupt; ``require_latest`` makes "no loadable checkpoint" an error
 that names every file and why (a resume must never silently start over).
+
+Runs: ``save(..., run_id=ID)`` records the run in the checksum file beside the checkpoint. Pruning
+(``keep``) only ever deletes checkpoints of that same run, and ``latest`` / ``load_latest`` /
+``require_latest`` given a ``run_id`` only consider that run's checkpoints: another run's files in
+the same directory are never loaded, resumed from or deleted. A checkpoint is written as
+``ckpt-<step>.pt.tmp-<run id>`` first; a failed save removes it, and ``remove_temporaries(directory,
+run_id)`` (called when a run starts) removes those a crash of the same run left.
 """
 from __future__ import annotations
 
@@ -23,6 +30,8 @@ from connectors.atomic import fsync_dir
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _log = logging.getLogger(__name__)
+#: ``run_id`` default of the readers: any run's checkpoints (callers that keep no run id).
+ANY_RUN = object()
 
 
 class CheckpointError(ValueError):
@@ -37,27 +46,65 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3) -> Path:
-    """Write ``ckpt-<step>.pt`` and its ``.sha256`` atomically; keep the newest ``keep``."""
+def _tmp_suffix(run_id: str | None) -> str:
+    return f".tmp-{run_id}" if run_id else ".tmp"
+
+
+def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3, run_id: str | None = None) -> Path:
+    """Write ``ckpt-<step>.pt`` and its ``.sha256`` (which records ``run_id``) atomically; keep the
+    newest ``keep`` checkpoints *of this run* (another run's are never deleted)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{step:09d}.pt"
-    tmp = final.with_suffix(".pt.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    digest = _sha256(tmp)
-    os.replace(tmp, final)
+    tmp = final.with_name(final.name + _tmp_suffix(run_id))
     side = final.with_suffix(".sha256")
-    side_tmp = side.with_suffix(".sha256.tmp")
-    side_tmp.write_text(json.dumps({"file": final.name, "sha256": digest, "step": step}))
-    os.replace(side_tmp, side)
+    side_tmp = side.with_name(side.name + _tmp_suffix(run_id))
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        digest = _sha256(tmp)
+        os.replace(tmp, final)
+        side_tmp.write_text(json.dumps({"file": final.name, "sha256": digest, "step": step, "run_id": run_id}))
+        os.replace(side_tmp, side)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        side_tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(directory)
-    for old in sorted(all_checkpoints(directory))[:-keep] if keep else []:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".sha256").unlink(missing_ok=True)
+    if keep:
+        mine = [p for p in all_checkpoints(directory) if run_of(p) == run_id]
+        for old in mine[:-keep]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".sha256").unlink(missing_ok=True)
     return final
+
+
+def run_of(path: str | Path) -> str | None:
+    """The run id recorded beside checkpoint ``path`` (None: none recorded, or no readable checksum file)."""
+    try:
+        return json.loads(Path(path).with_suffix(".sha256").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def remove_temporaries(directory: str | Path, run_id: str | None) -> list[Path]:
+    """Delete the ``ckpt-*.pt.tmp-<run_id>`` (and checksum) files a crash of run ``run_id`` left."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    suffix = _tmp_suffix(run_id)
+    gone = [p for p in directory.iterdir() if p.name.startswith("ckpt-") and p.name.endswith(suffix)
+            and (p.name.endswith(".pt" + suffix) or p.name.endswith(".sha256" + suffix))]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
+def _mine(directory: str | Path, run_id) -> list[Path]:
+    files = all_checkpoints(directory)
+    return files if run_id is ANY_RUN else [p for p in files if run_of(p) == run_id]
 
 
 def all_checkpoints(directory: str | Path) -> list[Path]:
@@ -75,9 +122,9 @@ def verify(path: Path) -> bool:
         return False
 
 
-def latest(directory: str | Path) -> Path | None:
-    """The newest checkpoint whose checksum matches, or None."""
-    for path in reversed(all_checkpoints(directory)):
+def latest(directory: str | Path, *, run_id=ANY_RUN) -> Path | None:
+    """The newest checkpoint (of run ``run_id``, when given) whose checksum matches, or None."""
+    for path in reversed(_mine(directory, run_id)):
         if verify(path):
             return path
     return None
@@ -100,11 +147,12 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies and loads, with its state; None when the directory has
-    none. A corrupt newer one is skipped (logged with the reason) in favour of the one before."""
+def load_latest(directory: str | Path, *, run_id=ANY_RUN) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint (of run ``run_id``, when given) that verifies and loads, with its state;
+    None when there is none. A corrupt newer one is skipped (logged with the reason) in favour of the
+    one before."""
     skipped = []
-    for path in reversed(all_checkpoints(directory)):
+    for path in reversed(_mine(directory, run_id)):
         reason = _problem(path)
         if reason is None:
             try:
@@ -119,13 +167,20 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def require_latest(directory: str | Path) -> tuple[Path, dict[str, Any]]:
-    """``load_latest``, but no loadable checkpoint is a ``CheckpointError`` naming each file and why."""
-    found = load_latest(directory)
+def require_latest(directory: str | Path, *, run_id=ANY_RUN) -> tuple[Path, dict[str, Any]]:
+    """``load_latest``, but no loadable checkpoint is a ``CheckpointError`` naming each file and why;
+    with ``run_id``, checkpoints of another run are named as such and never loaded."""
+    found = load_latest(directory, run_id=run_id)
     if found is not None:
         return found
-    files = all_checkpoints(directory)
+    files = _mine(directory, run_id)
     if not files:
+        others = all_checkpoints(directory)
+        if others:
+            owners = sorted({str(run_of(p)) for p in others})
+            raise CheckpointError(f"{directory} holds {len(others)} checkpoint(s) ({others[-1].name}, ...) of "
+                                  f"another run (run id {', '.join(owners)}), none of this run ({run_id}); "
+                                  f"a resume never continues another run's state")
         raise CheckpointError(f"{directory} holds no checkpoint (ckpt-<step>.pt)")
     reasons = "; ".join(f"{p.name} {_problem(p) or 'cannot be loaded'}" for p in reversed(files))
     raise CheckpointError(f"none of the {len(files)} checkpoint(s) in {directory} can be loaded: {reasons}")

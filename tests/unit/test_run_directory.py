@@ -1,0 +1,174 @@
+"""The run directory (#22 items 2, 3, 6): a used --out only with --resume (same run) or --overwrite,
+checkpoints scoped by run id, final outputs written atomically and the run marked complete last,
+no checkpoint temporaries left behind."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from connectors.atomic import atomic_file, atomic_write
+from flowtrain.cli.main import main
+from flowtrain.train import checkpoint
+from flowtrain.train.rundir import RUN_MARKER, RunDirError, mark_complete, prepare_run_dir, read_marker
+from tests.synthetic_data import make_regression_run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# --- the rules, directly -----------------------------------------------------------------------------
+def test_a_non_empty_out_that_is_not_a_flowtrain_run_is_refused_even_with_overwrite(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    for kwargs in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(RunDirError, match=rf"--out {out} is not empty \(thesis.tex\) and is not a flowtrain run"):
+            prepare_run_dir(out, {"epochs": 2}, **kwargs)
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
+
+
+def test_other_options_are_refused_naming_them_and_overwrite_deletes_only_what_the_run_wrote(tmp_path):
+    out = tmp_path / "run"
+    first = prepare_run_dir(out, {"epochs": 2, "hidden": [32, 16]})
+    for name in ("model.pt", "report.md", "summary.json", "config.json"):
+        (out / name).write_text("old")
+    (out / "notes.txt").write_text("a user's file")
+    mine = checkpoint.save(out / "checkpoints", 20, {"w": torch.zeros(1)}, run_id=first.run_id)
+    other = checkpoint.save(out / "checkpoints", 30, {"w": torch.ones(1)}, run_id="someone-else")
+    with pytest.raises(RunDirError, match=r"other options \(--epochs: 2 in the run, 5 now\); give --resume to "
+                                          r"continue it, --overwrite to replace it"):
+        prepare_run_dir(out, {"epochs": 5, "hidden": [32, 16]})
+    assert (out / "report.md").read_text() == "old" and mine.exists()
+    second = prepare_run_dir(out, {"epochs": 5, "hidden": [32, 16]}, overwrite=True)
+    assert second.run_id != first.run_id and "replaced the earlier run" in second.note
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert left == ["checkpoints/ckpt-000000030.pt", "checkpoints/ckpt-000000030.sha256", "notes.txt", RUN_MARKER]
+    assert other.exists() and not mine.exists()
+    marker = read_marker(out)
+    assert marker["run_id"] == second.run_id and marker["status"] == "running" and marker["options"]["epochs"] == 5
+
+
+def test_resume_keeps_the_run_takes_its_options_and_refuses_changed_ones(tmp_path):
+    out = tmp_path / "run"
+    run = prepare_run_dir(out, {"epochs": 2, "hidden": [16, 8], "lr": 0.01})
+    with pytest.raises(RunDirError, match="--resume: .* holds no checkpoint"):
+        prepare_run_dir(out, {"epochs": 4}, resume=True)
+    checkpoint.save(out / "checkpoints", 5, {"w": torch.zeros(1)}, run_id=run.run_id)
+    mark_complete(out)
+    resumed = prepare_run_dir(out, {"epochs": 4}, resume=True)  # a larger budget: fine
+    assert resumed.run_id == run.run_id and resumed.resumed
+    assert resumed.options["hidden"] == [16, 8] and resumed.options["lr"] == 0.01 and resumed.options["epochs"] == 4
+    assert read_marker(out)["status"] == "running"
+    with pytest.raises(RunDirError, match=r"--hidden: \[16, 8\] in the run, \[64\] now"):
+        prepare_run_dir(out, {"hidden": [64]}, resume=True)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
+    out = tmp_path / "run"
+    prepare_run_dir(out, {"epochs": 2})
+    checkpoint.save(out / "checkpoints", 20, {"w": torch.zeros(1)}, run_id="an-earlier-run")
+    with pytest.raises(RunDirError, match=r"ckpt-000000020.pt, \.\.\.\) of another run \(run id an-earlier-run\)"):
+        prepare_run_dir(out, {"epochs": 2}, resume=True)
+
+
+# --- checkpoints: pruning and loading by run ---------------------------------------------------------------
+def test_pruning_keeps_another_runs_checkpoints_and_never_deletes_the_new_ones(tmp_path):
+    d = tmp_path / "checkpoints"
+    checkpoint.save(d, 20, {"w": torch.zeros(1)}, run_id="old")
+    for step in range(1, 6):  # lower step numbers than the old run's: name order would prune them at once
+        checkpoint.save(d, step, {"w": torch.full((1,), float(step))}, keep=3, run_id="new")
+    assert [p.name for p in checkpoint.all_checkpoints(d)] == [
+        "ckpt-000000003.pt", "ckpt-000000004.pt", "ckpt-000000005.pt", "ckpt-000000020.pt"]
+    path, state = checkpoint.require_latest(d, run_id="new")
+    assert path.name == "ckpt-000000005.pt" and float(state["w"]) == 5.0
+    assert checkpoint.latest(d, run_id="old").name == "ckpt-000000020.pt"
+
+
+def test_a_failed_checkpoint_save_leaves_no_temporary_and_stale_ones_of_this_run_are_removed(tmp_path):
+    d = tmp_path / "checkpoints"
+    with pytest.raises(Exception):
+        checkpoint.save(d, 1, {"w": torch.zeros(1), "bad": lambda: None}, run_id="r1")  # cannot be pickled
+    assert list(d.iterdir()) == []
+    (d / "ckpt-000000007.pt.tmp-r1").write_bytes(b"torn")  # what a crash of run r1 left
+    (d / "ckpt-000000007.pt.tmp-r2").write_bytes(b"a concurrent run's")
+    assert [p.name for p in checkpoint.remove_temporaries(d, "r1")] == ["ckpt-000000007.pt.tmp-r1"]
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt-000000007.pt.tmp-r2"]
+
+
+# --- atomic final outputs ------------------------------------------------------------------------------
+def test_a_write_that_fails_half_way_leaves_the_old_file_whole_and_no_temporary(tmp_path):
+    target = tmp_path / "model.pt"
+    atomic_write(target, b"old weights")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as fh:
+            fh.write(b"new wei")
+            raise RuntimeError("crash mid-write")
+    assert target.read_bytes() == b"old weights" and sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+
+def test_report_and_summary_writers_never_truncate_the_old_file(tmp_path, monkeypatch):
+    """A crash between writing and syncing: the old summary stays whole (in place it was truncated)."""
+    from flowtrain.train.report import write_summary
+
+    (tmp_path / "summary.json").write_text(json.dumps({"old": True}))
+
+    def crash(fd):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        write_summary(tmp_path, {"new": list(range(10))})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+# --- the batch command -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> str:
+    dataset, _ = make_regression_run(tmp_path_factory.mktemp("synthetic"), epochs=1)
+    return dataset
+
+
+def _batch(dataset: str, out: Path, *extra: str) -> list[str]:
+    return ["batch", "--dataset", dataset, "--out", str(out), "--no-progress", "--dropout", "0",
+            "--batch-size", "128", "--threads", "1", "--hidden", "8", *extra]
+
+
+def test_batch_refuses_to_mix_runs_in_one_out_and_resume_continues_only_its_own_run(synthetic, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_batch(synthetic, out, "--epochs", "2")) == 0
+    marker = read_marker(out)
+    assert marker["status"] == "complete"
+    first_ckpts = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt"))
+    report = (out / "report.md").read_text()
+    capsys.readouterr()
+    # another run into the same --out: refused, nothing touched
+    assert main(_batch(synthetic, out, "--epochs", "1", "--lr", "0.01")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a flowtrain run with other options" in err and "--lr" in err, err
+    assert (out / "report.md").read_text() == report
+    assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == first_ckpts
+    # --resume continues this run only: a stale temporary of this run goes, a concurrent run's stays
+    (out / "checkpoints" / f"ckpt-000000099.pt.tmp-{marker['run_id']}").write_bytes(b"torn")
+    (out / "checkpoints" / "ckpt-000000099.pt.tmp-another").write_bytes(b"theirs")
+    assert main(_batch(synthetic, out, "--epochs", "3", "--resume")) == 0
+    assert "resumed from " + first_ckpts[-1] in capsys.readouterr().out
+    assert read_marker(out)["run_id"] == marker["run_id"] and read_marker(out)["status"] == "complete"
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.tmp*")) == ["ckpt-000000099.pt.tmp-another"]
+
+
+def test_a_failed_rerun_never_leaves_the_old_report_beside_new_results(synthetic, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_batch(synthetic, out, "--epochs", "1")) == 0
+    (out / "notes.txt").write_text("mine")
+    # replace the run with one that fails in training (a metric a regression does not have)
+    assert main(_batch(synthetic, out, "--epochs", "1", "--select-by", "auc", "--overwrite")) == 2
+    assert "--select-by auc" in capsys.readouterr().err
+    for name in ("report.md", "summary.json", "model.pt", "fit.json", "config.json"):
+        assert not (out / name).exists(), name
+    assert read_marker(out)["status"] == "running"  # never marked complete
+    assert (out / "notes.txt").read_text() == "mine"
