@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flowtrain",
         description="Train PyTorch models straight from Apache Beam dataflows.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    from flowtrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"flowtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     kafka = sub.add_parser(
@@ -73,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_registrars():
     """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
-    from flowtrain.cli import batch, bench, flink, stream
+    from flowtrain.cli import batch, bench, flink, predict, stream
 
-    return [batch.register, bench.register, flink.register, stream.register]
+    return [batch.register, predict.register, bench.register, flink.register, stream.register]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
@@ -112,9 +115,15 @@ def _drop_import_noise(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> int:
     logging.getLogger().addFilter(_drop_import_noise)
     args, beam_args = parse(list(sys.argv[1:] if argv is None else argv))
-    if beam_args is None:
-        return int(args.func(args) or 0)
-    return int(args.func(args, beam_args) or 0)
+    from flowtrain.errors import FlowtrainError
+
+    try:
+        if beam_args is None:
+            return int(args.func(args) or 0)
+        return int(args.func(args, beam_args) or 0)
+    except FlowtrainError as err:  # a user's error: one line naming the input and the fix
+        print(f"flowtrain {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 def entry() -> None:

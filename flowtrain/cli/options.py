@@ -1,5 +1,11 @@
 """Command-line options, one way for every command: defaults, --config YAML, checks, Beam options.
 
+- **Options once.** A command whose options are a config dataclass (``BatchJob``, ``PredictJob``,
+  ``ExportJob``: fields made with ``flowtrain.fields.option``) gets its flags from ``add_fields``:
+  one flag per field (``--field-name``), its type and range from the field's parser, its choices,
+  help and default from the field. ``--config`` keys are the same names, ``config.json`` holds the
+  same keys (``flowtrain.fields.to_config``), ``--print-config`` prints them. The commands not yet
+  converted name their defaults with ``config_default`` (below).
 - **Defaults live in the config dataclasses** (``TrainConfig``, ``StreamTrainConfig``,
   ``StreamConfig``, ``LaunchConfig``). An option names its default with
   ``default=config_default("module:Class.field")``: ``--help`` shows it, the dataclass applies it.
@@ -25,15 +31,58 @@ import importlib
 import math
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
+
+from flowtrain.fields import GENERAL, OptionError, above, at_least, fraction, options_of, sizes  # noqa: F401
 
 #: Parser defaults attached by the commands; not options.
-INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help"})
+INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help", "print_config",
+                      "run_positional"})
 
 
-class OptionError(ValueError):
-    """A bad option, YAML key or input path; the message names it and says what to do."""
+# --- a config dataclass's fields as flags --------------------------------------------------------------
+def _help(opt) -> str:
+    text = opt.help.replace("%", "%%")
+    rng = getattr(opt.parse, "__name__", "")
+    if rng and any(c in rng for c in "<>=[(") and rng not in text:
+        text += f"; {rng}"
+    if opt.parse is None:
+        return text
+    default = "none" if opt.default in (None, ()) else format_value(opt.default).replace("%", "%%")
+    return f"{text} (default: {default})" if "default" not in opt.help.lower() else text
+
+
+def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per option field of config dataclass ``cls`` (``flowtrain.fields``), in sections by the
+    fields' groups, plus ``--config`` and ``--print-config``."""
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="YAML (or JSON: a run's config.json) file with any of these options, keys as the "
+                             "flags without '--' ('-' or '_'); the command line wins over it")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the effective options (defaults, --config and the command line) as YAML and stop")
+    groups: dict[str, Any] = {GENERAL: parser}
+    for opt in options_of(cls):
+        target = groups.get(opt.group) or groups.setdefault(opt.group, parser.add_argument_group(opt.group))
+        kwargs: dict[str, Any] = {"dest": opt.name, "help": _help(opt)}
+        if opt.metavar:
+            kwargs["metavar"] = opt.metavar
+        if opt.parse is None:
+            target.add_argument(opt.flag, action="store_true", default=False, **kwargs)
+        elif opt.repeat:
+            target.add_argument(opt.flag, action="append", default=None, **kwargs)
+        else:
+            target.add_argument(opt.flag, type=opt.parse, choices=opt.choices, default=opt.default, **kwargs)
+
+
+def print_config(config: Any) -> None:
+    """``--print-config``: the effective options as YAML (a valid ``--config``)."""
+    import yaml
+
+    from flowtrain.fields import to_config
+
+    print(yaml.safe_dump(to_config(config), sort_keys=False, default_flow_style=None), end="")
 
 
 # --- defaults that live in the config dataclasses ---------------------------------------------------
@@ -94,74 +143,6 @@ def format_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-# --- types that check ranges (the same for the command line and YAML) -------------------------------
-def _number(text: str, kind: type) -> float | int:
-    try:
-        value = kind(str(text).strip())
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def at_least(lo: float, kind: type = int) -> Callable[[str], Any]:
-    """A number >= ``lo`` (``kind`` int or float)."""
-    noun = "a whole number" if kind is int else "a number"
-
-    def parse(text: str):
-        value = _number(text, kind)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be {noun} >= {lo:g}, got {text}")
-        return value
-
-    parse.__name__ = f"{noun} >= {lo:g}"
-    return parse
-
-
-def above(lo: float) -> Callable[[str], float]:
-    """A number > ``lo``."""
-    def parse(text: str) -> float:
-        value = _number(text, float)
-        if value <= lo:
-            raise argparse.ArgumentTypeError(f"must be a number > {lo:g}, got {text}")
-        return value
-
-    parse.__name__ = f"a number > {lo:g}"
-    return parse
-
-
-def fraction(*, inclusive_high: bool = False) -> Callable[[str], float]:
-    """A number in [0, 1) (or [0, 1])."""
-    def parse(text: str) -> float:
-        value = _number(text, float)
-        if value < 0 or value > 1 or (value == 1 and not inclusive_high):
-            raise argparse.ArgumentTypeError(f"must be in [0, 1{']' if inclusive_high else ')'}, got {text}")
-        return value
-
-    parse.__name__ = f"a number in [0, 1{']' if inclusive_high else ')'}"
-    return parse
-
-
-def sizes(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers >= 1, e.g. hidden sizes ``256,128``."""
-    if isinstance(text, (tuple, list)):
-        text = ",".join(str(t) for t in text)
-    parts = [p.strip() for p in str(text).strip("[]()").split(",") if p.strip()]
-    out = []
-    for p in parts:
-        try:
-            out.append(int(p))
-        except ValueError:
-            out = []
-            break
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers >= 1 such as 256,128, "
-                                         f"got {text!r}")
-    return tuple(out)
 
 
 # --- which options were given, YAML, merging ----------------------------------------------------------

@@ -17,7 +17,8 @@ def train_worker(ctx, job: dict) -> None:
     import torch
 
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import TrainConfig, build_model, fit
+    from flowtrain.train.loop import TrainConfig, fit
+    from flowtrain.train.model import build_run_model
 
     data = TabularDataset(job["dataset"])
     cfg = dict(job["config"])
@@ -26,11 +27,15 @@ def train_worker(ctx, job: dict) -> None:
         cfg["threads"] = None  # the launcher (or torchrun's environment) sets threads per worker
     config = TrainConfig(**cfg)
     run_dir = Path(job["run_dir"])
-    result = fit(build_model("mlp", data, config), data, config, run_dir=run_dir, resume=bool(job.get("resume")),
+    result = fit(build_run_model(job.get("model"), data, config), data, config, run_dir=run_dir,
+                 resume=bool(job.get("resume")),
                  ctx=ctx)
-    if ctx.is_main:
-        torch.save(result.model.state_dict(), run_dir / "model.pt")
-        (run_dir / "fit.json").write_text(json.dumps({
+    if ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
+        from connectors.atomic import atomic_file, atomic_write
+
+        with atomic_file(run_dir / "model.pt") as fh:
+            torch.save(result.model.state_dict(), fh)
+        atomic_write(run_dir / "fit.json", json.dumps({
             "steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
             "stopped_early": result.stopped_early, "seconds": result.seconds,
             "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}))

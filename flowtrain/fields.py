@@ -1,0 +1,245 @@
+"""Options defined once: each option of a command is a field of that command's config dataclass.
+
+A field made with :func:`option` carries its default, its range (a checking parser such as
+``at_least(1)``), its choices and its help. From those fields come
+
+- the command line (``flowtrain.cli.options.add_fields``: one flag per field, ``--help`` with the
+  default and the range),
+- the YAML ``--config`` keys (the field names, ``-`` or ``_``), checked by the same parsers,
+- the run's ``config.json`` (:func:`to_config`: every field, a valid ``--config``),
+- the Python API's checks (:func:`check`: the same ranges and choices, one error naming the field).
+
+Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from flowtrain.errors import FlowtrainError
+
+#: ``option(..., group=...)`` names the --help section; fields without one go to the command's own.
+GENERAL = "options"
+
+
+class OptionError(FlowtrainError):
+    """A bad option, YAML key or input path; the message names it and says what to do."""
+
+
+# --- checking parsers (text or a value -> typed value; the same for the CLI, YAML and the API) --------
+def _number(text: Any, kind: type) -> float | int:
+    if isinstance(text, bool):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}")
+    try:
+        value = kind(str(text).strip())
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def whole(text: Any) -> int:
+    """Any whole number."""
+    return _number(text, int)
+
+
+whole.__name__ = "a whole number"
+
+
+def number(text: Any) -> float:
+    """Any finite number."""
+    return _number(text, float)
+
+
+number.__name__ = "a number"
+
+
+def at_least(lo: float, kind: type = int) -> Callable[[Any], Any]:
+    """A number >= ``lo`` (``kind`` int or float)."""
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(text: Any):
+        value = _number(text, kind)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {noun} >= {lo:g}, got {text}")
+        return value
+
+    parse.__name__ = f"{noun} >= {lo:g}"
+    return parse
+
+
+def above(lo: float) -> Callable[[Any], float]:
+    """A number > ``lo``."""
+    def parse(text: Any) -> float:
+        value = _number(text, float)
+        if value <= lo:
+            raise argparse.ArgumentTypeError(f"must be a number > {lo:g}, got {text}")
+        return value
+
+    parse.__name__ = f"a number > {lo:g}"
+    return parse
+
+
+def fraction(*, inclusive_high: bool = False) -> Callable[[Any], float]:
+    """A number in [0, 1) (or [0, 1])."""
+    def parse(text: Any) -> float:
+        value = _number(text, float)
+        if value < 0 or value > 1 or (value == 1 and not inclusive_high):
+            raise argparse.ArgumentTypeError(f"must be in [0, 1{']' if inclusive_high else ')'}, got {text}")
+        return value
+
+    parse.__name__ = f"a number in [0, 1{']' if inclusive_high else ')'}"
+    return parse
+
+
+def sizes(text: Any) -> tuple[int, ...]:
+    """Comma-separated whole numbers >= 1, e.g. hidden sizes ``256,128``."""
+    if isinstance(text, (tuple, list)):
+        text = ",".join(str(t) for t in text)
+    parts = [p.strip() for p in str(text).strip("[]()").split(",") if p.strip()]
+    out = []
+    for p in parts:
+        try:
+            out.append(int(p))
+        except ValueError:
+            out = []
+            break
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers >= 1 such as 256,128, "
+                                         f"got {text!r}")
+    return tuple(out)
+
+
+def names(text: Any) -> tuple[str, ...]:
+    """Comma-separated names (column names, files): ``a,b`` or a list."""
+    items = text if isinstance(text, (tuple, list)) else [text]
+    return tuple(v.strip() for item in items for v in str(item).split(",") if v.strip())
+
+
+names.__name__ = "comma-separated names"
+
+
+def text(value: Any) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        raise argparse.ArgumentTypeError(f"expected one value, got {value!r}")
+    return str(value)
+
+
+text.__name__ = "text"
+
+
+# --- the fields -------------------------------------------------------------------------------------------
+def option(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,  # noqa: A002 - argparse's word
+           choices: Iterable[Any] | None = None, group: str = GENERAL, metavar: str | None = None,
+           repeat: bool = False, flag: str | None = None) -> Any:
+    """A config dataclass field that is a command option.
+
+    ``parse``: a checking parser (``at_least(1)``, ``fraction()``, ``sizes``...; default from the
+    field's type); ``choices``: the allowed values; ``repeat``: the flag may be given several times
+    (values are also comma-split); ``flag``: the option's name when it is not ``--field-name``.
+    """
+    meta = {"help": help, "parse": parse, "choices": tuple(choices) if choices is not None else None,
+            "group": group, "metavar": metavar, "repeat": repeat, "flag": flag}
+    return dataclasses.field(default=default, metadata={"flowtrain": meta})
+
+
+class Option(NamedTuple):
+    """One option as the CLI, YAML and the API see it."""
+
+    name: str  # the field name, the YAML / config.json key
+    flag: str  # --field-name
+    default: Any
+    help: str
+    parse: Callable[[Any], Any] | None  # None: a true/false flag
+    choices: tuple | None
+    group: str
+    metavar: str | None
+    repeat: bool
+
+
+def _parser_for(tp: Any) -> Callable[[Any], Any] | None:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and len(args) == 1:
+        tp = args[0]
+    if tp is bool:
+        return None
+    if tp is int:
+        return whole
+    if tp is float:
+        return number
+    if typing.get_origin(tp) is tuple:
+        inner = typing.get_args(tp)[0] if typing.get_args(tp) else str
+        return sizes if inner is int else names
+    return text
+
+
+def options_of(cls: type) -> list[Option]:
+    """The options of config dataclass ``cls``, in field order (fields made with :func:`option`)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get("flowtrain")
+        if meta is None:
+            continue
+        parse = meta["parse"] or _parser_for(hints[f.name])
+        out.append(Option(f.name, meta["flag"] or "--" + f.name.replace("_", "-"), f.default, meta["help"],
+                          parse, meta["choices"], meta["group"], meta["metavar"], meta["repeat"]))
+    return out
+
+
+def check_value(opt: Option, value: Any) -> Any:
+    """``value`` through the option's parser and choices; an ``OptionError`` naming the option."""
+    if value is None:
+        return None
+    if opt.parse is None:
+        if not isinstance(value, bool):
+            raise OptionError(f"{opt.name}: {value!r} is not true or false ({opt.flag})")
+        return value
+    try:
+        typed = opt.parse(value)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as err:
+        raise OptionError(f"{opt.name} ({opt.flag}): {err}") from None
+    if opt.choices is not None and typed not in opt.choices:
+        raise OptionError(f"{opt.name} ({opt.flag}): {value!r} is not one of {', '.join(map(str, opt.choices))}")
+    return typed
+
+
+def check(config: Any) -> Any:
+    """A copy of ``config`` with every option checked and typed as the command line would (ranges, choices,
+    comma-separated lists); a bad value is an ``OptionError`` naming the field."""
+    return dataclasses.replace(config, **{o.name: check_value(o, getattr(config, o.name))
+                                          for o in options_of(type(config))})
+
+
+def build(cls: type, values: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """``cls`` from keyword values (``-`` or ``_`` in the keys), checked; an unknown key is an ``OptionError``
+    naming it and the close option."""
+    merged = {str(k).replace("-", "_"): v for k, v in {**(values or {}), **kwargs}.items()}
+    known = {o.name for o in options_of(cls)}
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        import difflib
+
+        hints = [k + (f" (did you mean {c[0]}?)" if (c := difflib.get_close_matches(k, sorted(known), n=1)) else "")
+                 for k in unknown]
+        raise OptionError(f"{cls.__name__}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+    return check(cls(**merged))
+
+
+def plain(value: Any) -> Any:
+    """A value as JSON / YAML writes it (tuples as lists)."""
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def to_config(config: Any) -> dict[str, Any]:
+    """Every option of ``config`` as ``{name: value}``: what ``config.json`` holds and ``--print-config``
+    prints; a valid ``--config`` of the same command."""
+    return {o.name: plain(getattr(config, o.name)) for o in options_of(type(config))}

@@ -1,0 +1,123 @@
+"""Batch prediction over files with Beam ``RunInference``::
+
+    ReadFromFiles(inputs, the feature / id / keep / label columns, file:line sources, with dead letters)
+      -> FeaturizeForPrediction   (the ETL's feature code with the training statistics; bad rows -> dead letters)
+      -> RunInference(BundleModelHandler)   (one forward per Arrow batch)
+      -> one Arrow batch of predictions per input batch
+      -> WriteToParquetBatched / WriteToText (CSV)     (one file, at --out)
+    dead letters -> WriteDeadLettersToJsonl; counts in / predictions / dead letters -> a small JSON file
+
+This module needs no flowtrain import (imports flow flowtrain -> pipelines): the caller passes ``load``, a
+picklable callable ``path -> (torch module in eval mode, version)``, as for the stream scorer.
+"""
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import apache_beam as beam
+import pyarrow as pa
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
+
+from connectors.dataset_spec import FeatureSpec
+from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
+from connectors.files import ReadFromFiles
+from pipelines.predict.rows import PredictionInput, featurize_for_prediction, forward, output_batch, read_types
+
+
+class BundleModelHandler(ModelHandler[PredictionInput, PredictionResult, Any]):
+    """A PyTorch model handler over Arrow batches: an example is one ``PredictionInput``; ``run_inference``
+    runs one forward over its rows (``pipelines.predict.rows.forward``, the code a loaded bundle's
+    ``predict`` runs too). The model comes from ``load(path)`` once per worker process."""
+
+    def __init__(self, load: Callable[[str], tuple[Any, str]], path: str, spec: FeatureSpec, kind: str,
+                 classes: Sequence[str] | None, target_scale: Sequence[float], *, device: str = "cpu",
+                 torch_threads: int | None = None):
+        super().__init__(min_batch_size=1, max_batch_size=1)  # one Arrow batch per forward
+        self._load, self._path, self._spec, self._kind = load, path, spec, kind
+        self._classes, self._scale, self._device, self._threads = classes, tuple(target_scale), device, torch_threads
+        self._version = ""
+
+    def load_model(self):
+        if self._threads:
+            import torch
+
+            torch.set_num_threads(self._threads)
+        module, version = self._load(self._path)
+        self._version = str(version)
+        return module.to(self._device)
+
+    def run_inference(self, batch: Sequence[PredictionInput], model, inference_args: dict | None = None
+                      ) -> Iterable[PredictionResult]:
+        for example in batch:
+            scores = forward(model, example.features, self._spec, self._kind, self._scale, self._device)
+            yield PredictionResult(example, output_batch(example, scores, self._kind, self._classes, self._version),
+                                   self._version)
+
+    def get_num_bytes(self, batch: Sequence[PredictionInput]) -> int:
+        return sum(b.features.nbytes for b in batch)
+
+    def get_metrics_namespace(self) -> str:
+        return "flowtrain_predict"
+
+
+class _FeaturizeFn(beam.DoFn):
+    def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str]):
+        self._spec, self._stats, self._carry = spec, stats, list(carry)
+
+    def process(self, batch: pa.RecordBatch):
+        inp, letters = featurize_for_prediction(batch, self._spec, self._stats, self._carry)
+        for letter in letters:
+            yield beam.pvalue.TaggedOutput(ERRS, letter)
+        if inp is not None:
+            yield inp
+
+
+def _csv_text(batch: pa.RecordBatch) -> str:
+    import pyarrow.csv as pacsv
+
+    buf = io.BytesIO()
+    pacsv.write_csv(batch, buf, write_options=pacsv.WriteOptions(include_header=False))
+    return buf.getvalue().decode("utf-8").rstrip("\n")
+
+
+def csv_header(schema: pa.Schema) -> str:
+    import pyarrow.csv as pacsv
+
+    buf = io.BytesIO()
+    pacsv.write_csv(schema.empty_table(), buf)
+    return buf.getvalue().decode("utf-8").rstrip("\n")
+
+
+def build_predict(p, files: Sequence[str], *, handler: BundleModelHandler, spec: FeatureSpec, stats: dict,
+                  carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str):
+    """Wire the prediction pipeline into ``p``."""
+    types = {**{c: None for c in carry}, **read_types(spec)}
+    raw, read_errs = p | "ReadFiles" >> ReadFromFiles(files, with_source=True, columns=list(types),
+                                                      column_types=types, with_errors=True)
+    inputs, errs = raw | "Featurize" >> beam.ParDo(_FeaturizeFn(spec, stats, carry)).with_outputs(ERRS, main="rows")
+    batches = (inputs | "RunInference" >> RunInference(handler)
+               | "Predictions" >> beam.Map(lambda r: r.inference.cast(schema)))
+    if out.lower().endswith(".csv"):
+        _ = (batches | "CsvText" >> beam.Map(_csv_text) | "NonEmpty" >> beam.Filter(bool)
+             | "WriteCsv" >> beam.io.WriteToText(out, shard_name_template="", header=csv_header(schema)))
+    else:
+        _ = (batches | "Tables" >> beam.Map(lambda b: pa.Table.from_batches([b], schema=schema))
+             | "WriteParquet" >> beam.io.WriteToParquetBatched(out, schema, shard_name_template="", num_shards=1))
+    _ = (read_errs, errs) | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
+
+    def total(pcoll, label, size):
+        return pcoll | f"Size{label}" >> beam.Map(size) | f"Sum{label}" >> beam.CombineGlobally(sum)
+
+    read = total(raw, "Read", lambda b: b.num_rows)
+    rejected = total(read_errs, "ReadErrs", lambda _: 1)
+    dead = total(errs, "Dead", lambda _: 1)
+    predicted = total(batches, "Predicted", lambda b: b.num_rows)
+    counts = (p | "CountsStart" >> beam.Create([None])
+              | "Counts" >> beam.Map(lambda _, r, re, d, pr: json.dumps({"in": r + re, "predictions": pr,
+                                                                          "dead_letters": re + d}),
+                                     r=beam.pvalue.AsSingleton(read), re=beam.pvalue.AsSingleton(rejected),
+                                     d=beam.pvalue.AsSingleton(dead), pr=beam.pvalue.AsSingleton(predicted)))
+    _ = counts | "WriteCounts" >> beam.io.WriteToText(counts_path, shard_name_template="")
