@@ -101,7 +101,8 @@ def test_binary_report_has_curves_thresholds_intervals_importance_and_slices(bin
     assert "## Slices by c" in md and "## Thresholds" in md
     # which model, in words
     if summary["training"]["best_step"] == 0:
-        assert "equals its linear part: no checkpoint beat it on validation auc by one standard error" in md
+        assert "equals its linear part (the fitted linear baseline): no checkpoint beat it on validation auc by one " \
+               "standard error" in md
     else:
         assert f"checkpoint at step {summary['training']['best_step']:,}" in md
 
