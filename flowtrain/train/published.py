@@ -1,35 +1,96 @@
-"""Published model versions: a trainer's checkpoint back into the model that can serve.
+"""Published model versions: what the online trainer publishes, and a published file back into a model.
 
-The online trainer publishes a version as a checkpoint file (``checkpoint.save``: SHA-256 beside
-it; ``{"model": state_dict, "architecture": {...}, "version": N, ...}``) plus a record on the
-model-updates topic. ``LoadPublishedVersion`` turns such a checkpoint into the model it holds,
-built exactly as the trainer builds it (``Architecture.build`` on the batch dataset), in eval
-mode, with its version. The checksum is verified and the weights load strictly, so a torn,
-corrupted or mismatched file is an error that says why. It is a plain picklable callable: the
-scoring pipeline (which may not import flowtrain) receives it as ``load_version``.
+Publishing (``Publisher``, used by the online trainer at each checkpoint): the version's model
+(weights, architecture, version, step, run id; no optimizer) is written atomically into
+``<run>/published/ckpt-<version>.pt`` with its SHA-256 beside it. That directory has its own
+retention (``keep``, default 10 versions), separate from the trainer's checkpoints (which keep 3),
+so a version stays loadable while a scorer may still need it; the scorer also keeps its own
+verified copy of each version it serves. The record on the model-updates topic names the file,
+its digest and size, the trainer's run id and the version, and is signed (HMAC-SHA256,
+``connectors.model_updates``) when an update key is set (``--update-key-file`` or
+``FLOWTRAIN_UPDATE_KEY``).
+
+Loading (``LoadPublishedVersion``): such a file into the model it holds, built exactly as the
+trainer builds it (``Architecture.build`` on the batch dataset), in eval mode, with its version.
+Only a regular file of bounded size is read; its digest is checked (the record's when given,
+else the ``.sha256`` beside it) and the weights load strictly, so a torn, corrupted or mismatched
+file is an error that says why. It is a plain picklable callable: the scoring pipeline (which may
+not import flowtrain) receives it as ``load_version``.
 """
 from __future__ import annotations
 
-import os
+import io
+import json
+import sys
+import uuid
 from pathlib import Path
 
 import torch
 
+from connectors.model_updates import (
+    DEFAULT_MAX_MODEL_BYTES,
+    RejectedUpdate,
+    UpdateKeySource,
+    read_regular_file,
+    sha256_hex,
+    sign_record,
+)
 from flowtrain.train import checkpoint
+
+#: Versions kept in ``<run>/published/`` (the trainer's checkpoints keep 3).
+DEFAULT_KEEP_PUBLISHED = 10
+
+
+def new_run_id() -> str:
+    """A trainer run's id: versions are numbered within it (a scorer orders versions per run)."""
+    return uuid.uuid4().hex
+
+
+class Publisher:
+    """Writes a version into ``<run>/published/`` and makes its (signed) update record."""
+
+    def __init__(self, run_dir: str | Path, *, keep: int = DEFAULT_KEEP_PUBLISHED,
+                 key_source: UpdateKeySource | None = None):
+        if keep < 1:
+            raise ValueError(f"keep_published={keep}: keep at least 1 published version")
+        self.dir = Path(run_dir) / "published"
+        self.keep = keep
+        self.key = key_source.load() if key_source is not None else None
+        self.key_source = key_source
+        self._warned = False
+
+    def publish(self, *, model: dict, architecture: dict, version: int, step: int, run_id: str,
+                **fields) -> dict:
+        """Write the version's file, then return its record (signed when a key is set)."""
+        path = checkpoint.save(self.dir, version, {"model": model, "architecture": architecture, "version": version,
+                                                   "step": step, "run_id": run_id}, keep=self.keep)
+        data = path.read_bytes()
+        record = {"version": version, "run_id": run_id, "step": step, "checkpoint": str(path.resolve()),
+                  "sha256": sha256_hex(data), "bytes": len(data), **fields}
+        record = json.loads(json.dumps(record, default=str))  # plain JSON types, as the scorer will see them
+        if self.key is None:
+            if not self._warned:
+                self._warned = True
+                print("stream train: WARNING: model versions are published UNSIGNED (no --update-key-file and no "
+                      "$FLOWTRAIN_UPDATE_KEY): any producer on the updates topic can make scorers load its file",
+                      file=sys.stderr, flush=True)
+            return record
+        return sign_record(record, self.key)
 
 
 class LoadPublishedVersion:
-    """``path -> (model in eval mode, version)`` for the models trained on ``dataset``."""
+    """``(path, sha256=None) -> (model in eval mode, version)`` for the models trained on ``dataset``."""
 
-    def __init__(self, dataset: str | Path):
+    def __init__(self, dataset: str | Path, *, max_bytes: int = DEFAULT_MAX_MODEL_BYTES):
         self.dataset = str(dataset)
+        self.max_bytes = int(max_bytes)
         self._data = None
 
     def __getstate__(self):
-        return {"dataset": self.dataset}
+        return {"dataset": self.dataset, "max_bytes": self.max_bytes}
 
     def __setstate__(self, state):
-        self.__init__(state["dataset"])
+        self.__init__(state["dataset"], max_bytes=state.get("max_bytes", DEFAULT_MAX_MODEL_BYTES))
 
     @property
     def data(self):
@@ -39,13 +100,24 @@ class LoadPublishedVersion:
             self._data = TabularDataset(self.dataset)
         return self._data
 
-    def __call__(self, path: str) -> tuple[torch.nn.Module, int]:
+    def __call__(self, path: str, sha256: str | None = None) -> tuple[torch.nn.Module, int]:
         from flowtrain.train.stream import Architecture
 
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"checkpoint {path} does not exist (removed, or not on this machine's "
-                                    f"filesystem)")
-        state = checkpoint.load(path)  # raises if the checksum does not match
+        try:
+            data = read_regular_file(path, self.max_bytes, what="checkpoint")
+        except RejectedUpdate as err:
+            raise ValueError(str(err)) from None
+        if sha256 is None:  # no digest from a record: the one the trainer wrote beside the file
+            side = Path(path).with_suffix(".sha256")
+            try:
+                sha256 = json.loads(read_regular_file(side, 64 * 1024, what="checksum file"))["sha256"]
+            except (RejectedUpdate, ValueError, KeyError, TypeError):
+                sha256 = None
+            if sha256 is None:
+                raise ValueError(f"checkpoint {path} has no readable {side.name}: its integrity cannot be checked")
+        if sha256_hex(data) != sha256:
+            raise ValueError(f"checkpoint {path} does not match its checksum; it is torn or corrupted")
+        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "version" not in state:
             raise ValueError(f"checkpoint {path} holds no 'model' and 'version': not a published model version")
         if not isinstance(state.get("architecture"), dict):
@@ -56,3 +128,6 @@ class LoadPublishedVersion:
         model.requires_grad_(False)
         model.eval()
         return model, int(state["version"])
+
+
+__all__ = ["Publisher", "LoadPublishedVersion", "DEFAULT_KEEP_PUBLISHED", "new_run_id"]

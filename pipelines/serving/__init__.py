@@ -1,0 +1,13 @@
+"""Serving: score a live Kafka stream of any dataset's events with Beam ``RunInference``.
+
+Modules by job:
+
+- ``config``: ``ScoreConfig`` and ``ScoringBatch`` (a featurized micro-batch);
+- ``versions``: the model-updates topic -> the newest valid, authenticated version
+  (``VersionTracker``, the scorer's own model copies ``ModelCache``, the ``LatestModelVersion`` side input);
+- ``handler``: ``FlowtrainModelHandler``, RunInference's model handler (hot swap, never backwards);
+- ``featurize``: raw events -> ``ScoringBatch``es with the stream pipeline's featurizer;
+- ``predictions``: ``PREDICTION_SCHEMA`` and ``WritePredictions``;
+- ``commit``: ``CommitScored``, at-least-once commits of the raw offsets;
+- ``scoring``: ``build_scoring_pipeline``, the whole pipeline.
+"""

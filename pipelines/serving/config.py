@@ -1,0 +1,81 @@
+"""The scorer's configuration and the micro-batch that flows from featurizing to the model."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from connectors.dataset_spec import FeatureSpec
+from connectors.kafka import PRODUCER_DEFAULTS, topic_max_message_bytes
+from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES, UpdateKeySource
+from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
+
+__all__ = ["ScoreConfig", "ScoringBatch", "topic_limits", "KAFKA_DEFAULT_MAX_MESSAGE_BYTES"]
+
+#: The broker's default max.message.bytes (a topic that does not say).
+KAFKA_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
+
+
+@dataclass
+class ScoreConfig:
+    bootstrap: str
+    load_version: Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
+    spec: FeatureSpec
+    stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
+    initial_model: str = ""  # ModelVersion.model_id() of the version to serve before the first tick
+    # a picklable factory of the domain's enrichment step (the flights' weather/planes join), called
+    # in each worker; None: events hold the dataset's own columns
+    enrichment: Callable[[], Any] | None = None
+    id_column: str | None = None  # an event field copied into its prediction ("id")
+    raw_topic: str = "flights-raw"
+    predictions_topic: str = "flights-predictions"
+    dead_letter_topic: str = "flights-scoring-dead-letters"
+    updates_topic: str = "flights-model-updates"
+    group_id: str = "flowtrain-scorer"
+    batch_size: int = 500
+    max_delay_s: float = 0.25  # a micro-batch closes this long after its first event (or at batch_size)
+    max_read_s: float = 0.5  # the reader hands its output on at least this often
+    swap_interval_s: float = 1.0  # serving window: how often the newest version is looked up
+    max_inference_batches: int = 16  # micro-batches RunInference stacks into one forward
+    device: str = "cpu"
+    # torch threads of the scorer's process: it shares the cores with the read, the featurizing and
+    # the Kafka clients; with 2 threads on 2 busy cores a forward ran 27x slower than with 1 (measured)
+    torch_threads: int = 1
+    target_scale: tuple[float, float] = (0.0, 1.0)  # regression: (shift, scale) of the standardized target
+    classes: list[str] | None = None  # classification: the manifest's class names, in label-code order
+    kafka_config: dict[str, Any] = field(default_factory=dict)
+    status_path: str | None = None  # prefix of per-instance JSON counters (`flowtrain stream --score`)
+    bounds: ParseBounds = DEFAULT_BOUNDS  # limits on one raw event, as in the feature pipeline
+    # model updates: the key's source (never the key: each worker reads it), the scorer's own
+    # copies of the versions it serves and their retention, the largest model file read
+    update_key: UpdateKeySource | None = None
+    model_cache_dir: str = ""
+    keep_models: int = 3
+    max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.classes or ["0", "1"]) if self.spec.task == "classification" else 0
+
+
+class ScoringBatch(NamedTuple):
+    """One micro-batch of one raw partition: its features and the offsets it covers."""
+
+    topic: str
+    partition: int
+    first_offset: int
+    last_offset: int  # every offset in [first, last] read from the partition is in this batch
+    features: pa.RecordBatch | None  # featurized valid events (+ src_partition, src_offset); None if none
+    event_ms: np.ndarray  # Kafka timestamp of each feature row
+    dead_letters: int  # events of the range rejected (already on the dead-letter topic)
+    featurized_ms: int = 0  # when the micro-batch closed (for the latency breakdown in the status)
+
+
+def topic_limits(cfg: ScoreConfig, topics: Sequence[str]) -> dict[str, int]:
+    """Each topic's max.message.bytes as the broker applies it, capped by the producer's request size."""
+    max_request = int(cfg.kafka_config.get("max_request_size", PRODUCER_DEFAULTS["max_request_size"]))
+    return {t: min(topic_max_message_bytes(cfg.bootstrap, t, client_config=cfg.kafka_config)
+                   or KAFKA_DEFAULT_MAX_MESSAGE_BYTES, max_request) for t in topics}

@@ -1,0 +1,180 @@
+"""``FlowtrainModelHandler``: Beam ``RunInference``'s model handler for flowtrain's tabular models.
+
+An example is a ``ScoringBatch`` (one micro-batch of featurized events as Arrow); RunInference
+stacks up to ``max_batch_size`` of them and ``run_inference`` runs one forward over all their rows
+(numerics and category codes taken a column at a time from Arrow, no per-row Python). The
+inference per example is ``(outputs, scored_ms)``: for binary classification the probability of
+the positive class, for K classes the (rows, K) class probabilities, for regression the value in
+the label's units (the model predicts the standardized target: ``value * scale + shift``).
+``PredictionResult.model_id`` is ``"<run id>:<version>"`` of the model that computed it.
+
+Model updates are Beam's own: ``update_model_path`` takes the side input's ``model_id`` (a
+``ModelVersion`` as JSON), ``load_model`` loads it. Two of ``_RunInferenceDoFn``'s behaviours
+shape the handler: a window whose side input is empty reloads the model "without a path" (the
+handler's current one), and a loading error would fail the bundle (on Prism, the job). So per
+process the handler keeps the most recently *published* version it has loaded and never serves
+an earlier one; a version it cannot load is logged while the newest loaded one keeps serving;
+and when nothing is loaded yet and the version it names cannot be loaded (its copy pruned, a
+file gone), it falls back to the newest valid copy in the scorer's model cache: a missing model
+never fails the job while any valid version exists.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+from connectors.dataset_spec import CAT_PREFIX, NUM_PREFIX, FeatureSpec
+from pipelines.serving.versions import ModelCache, ModelVersion
+
+__all__ = ["ServedModel", "FlowtrainModelHandler", "model_tag", "parse_model_tag"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class ServedModel:
+    """A loaded version (a plain class: Beam's ``shared.Shared`` holds it by weak reference)."""
+
+    module: Any  # torch.nn.Module in eval mode
+    version: ModelVersion
+
+
+def model_tag(version: ModelVersion) -> str:
+    """``PredictionResult.model_id``: ``"<run id>:<version>"``."""
+    return f"{version.run_id}:{version.version}"
+
+
+def parse_model_tag(tag: str) -> tuple[str, int]:
+    run, version = str(tag).rsplit(":", 1)
+    return run, int(version)
+
+
+# Per process and handler: the versions loaded (path -> ServedModel) and the newest of them.
+# _RunInferenceDoFn instances are per bundle processor; they share a process, so they share this.
+_SERVED: dict[str, dict[str, ServedModel]] = {}
+_NEWEST: dict[str, ServedModel] = {}
+_SERVED_LOCK = threading.Lock()
+
+
+class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
+    """See the module doc. ``initial`` is the ``ModelVersion`` to serve before the first side input."""
+
+    def __init__(self, load_version: Callable[..., tuple[Any, int]], initial: ModelVersion, spec: FeatureSpec, *,
+                 cache_dir: str | None = None, device: str = "cpu", max_batch_size: int = 16,
+                 target_scale: tuple[float, float] = (0.0, 1.0), n_classes: int = 2, torch_threads: int | None = 1):
+        super().__init__(min_batch_size=1, max_batch_size=max_batch_size)
+        self._load_version = load_version
+        self._want = initial
+        self._spec = spec
+        self._cache_dir = cache_dir
+        self._device = device
+        self._shift, self._scale = target_scale  # regression: the model predicts the standardized target
+        self._n_classes = n_classes
+        self._threads = torch_threads
+        self._num = [NUM_PREFIX + c for c in spec.all_numeric]
+        self._cat = [CAT_PREFIX + c for c in spec.categorical]
+        self._token = uuid.uuid4().hex  # shared by the handler's copies in every DoFn instance
+
+    def update_model_path(self, model_path: str | None = None):
+        if model_path:
+            self._want = ModelVersion.from_model_id(model_path)
+
+    def _load(self, version: ModelVersion) -> ServedModel:
+        module, loaded = self._load_version(version.path, version.sha256) if version.sha256 else \
+            self._load_version(version.path)
+        if int(loaded) != version.version:
+            raise ValueError(f"{version.path} holds version {loaded}, not {version.version}")
+        module.to(self._device)
+        return ServedModel(module, version)
+
+    def _fallback(self, err: Exception) -> ServedModel:
+        """Nothing loaded yet and the wanted version cannot be: the newest valid copy in the cache."""
+        for cand in ModelCache(self._cache_dir).listed() if self._cache_dir else []:
+            try:
+                served = self._load(cand)
+            except Exception:  # noqa: BLE001 - the next older copy, then
+                continue
+            _log.warning("model version %d at %s cannot be loaded (%s: %s); serving version %d (%s), the newest valid "
+                         "copy", self._want.version, self._want.path, type(err).__name__, err, cand.version, cand.path)
+            return served
+        raise RuntimeError(f"no model to serve: {self._want.path} cannot be loaded ({type(err).__name__}: {err}) and "
+                           f"the model cache {self._cache_dir} holds no valid version") from err
+
+    def load_model(self) -> ServedModel:
+        if self._threads:
+            import torch
+
+            torch.set_num_threads(self._threads)
+        with _SERVED_LOCK:
+            loaded = _SERVED.setdefault(self._token, {})
+            newest = _NEWEST.get(self._token)
+            if newest is not None and self._want.order <= newest.version.order:
+                return newest  # never back to an earlier publication (a late window names an older one)
+            served = loaded.get(self._want.path)
+            if served is None:
+                try:
+                    served = self._load(self._want)
+                except Exception as err:  # noqa: BLE001 - a bad or missing version must not stop serving
+                    if newest is not None:
+                        _log.warning("model at %s rejected (%s: %s); still serving version %d", self._want.path,
+                                     type(err).__name__, err, newest.version.version)
+                        return newest
+                    served = self._fallback(err)
+                _log.info("loaded model version %d of run %s from %s", served.version.version,
+                          served.version.run_id or "(unnamed)", served.version.path)
+            if newest is not None and newest.version.order >= served.version.order:
+                return newest
+            _NEWEST[self._token] = served
+            loaded.clear()  # earlier publications are never served again
+            loaded[served.version.path] = served
+            return served
+
+    def run_inference(self, batch: Sequence[Any], model: ServedModel,
+                      inference_args: dict | None = None) -> Iterable[PredictionResult]:
+        import torch
+
+        parts = [b.features for b in batch if b.features is not None and b.features.num_rows]
+        sizes = [0 if b.features is None else b.features.num_rows for b in batch]
+        k = self._n_classes if self._spec.task == "classification" else 1
+        outputs = np.zeros((0, k) if k > 2 else 0, dtype=np.float32)
+        if parts:
+            table = pa.Table.from_batches(parts)
+            x_num = _stack(table, self._num, np.float32)
+            x_cat = _stack(table, self._cat, np.int64)
+            with torch.inference_mode():
+                out = model.module(torch.from_numpy(x_num).to(self._device), torch.from_numpy(x_cat).to(self._device))
+                want = (len(table), k) if k > 2 else (len(table),)
+                if tuple(out.shape) != want:
+                    raise ValueError(f"model version {model.version.version} gives outputs of shape "
+                                     f"{tuple(out.shape)}; this dataset's task needs {want}")
+                if self._spec.task == "regression":
+                    out = out * self._scale + self._shift  # in the label's units
+                else:
+                    out = torch.softmax(out, dim=1) if k > 2 else torch.sigmoid(out)
+                outputs = out.float().cpu().numpy()
+        scored_ms = int(time.time() * 1000)
+        tag = model_tag(model.version)
+        bounds = np.cumsum([0] + sizes)
+        for b, lo, hi in zip(batch, bounds[:-1], bounds[1:]):
+            yield PredictionResult(b, (outputs[lo:hi], scored_ms), tag)
+
+    def get_num_bytes(self, batch: Sequence[Any]) -> int:
+        return sum(b.features.nbytes for b in batch if b.features is not None)
+
+    def get_metrics_namespace(self) -> str:
+        return "flowtrain_scoring"
+
+
+def _stack(table: pa.Table, names: list[str], dtype) -> np.ndarray:
+    if not names:
+        return np.zeros((table.num_rows, 0), dtype=dtype)
+    return np.ascontiguousarray(np.stack([table.column(c).to_numpy() for c in names], axis=1).astype(dtype))

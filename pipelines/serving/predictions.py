@@ -1,0 +1,157 @@
+"""Predictions: one Arrow record batch per scored micro-batch, on the predictions topic.
+
+``PREDICTION_SCHEMA``, one row per event:
+
+- ``source`` (``"raw topic/partition/offset"``), ``src_partition``, ``src_offset``: where the event was;
+- ``id``: the event's own id (the value of ``--id-column``, as text; null without that option or value);
+- ``prediction``: binary classification: the probability of the positive class (the second of the
+  manifest's classes); K classes: the probability of the predicted class; regression: the value in
+  the label's units;
+- ``predicted_class``: classification: the predicted class's *name* (the manifest's classes); null
+  for regression;
+- ``probabilities``: K > 2 classes: each class's probability, in the manifest's class order; null otherwise;
+- ``model_version``, ``model_run``: the version that computed it and its trainer run;
+- ``event_time`` (the raw record's Kafka timestamp), ``scoring_time`` (when the model computed it);
+- ``label``: the event's label when it had one (the class index, or the value), else null.
+"""
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+import pyarrow as pa
+from apache_beam.ml.inference.base import PredictionResult
+
+from connectors.arrow import encode_batches
+from connectors.dataset_spec import LABEL
+from connectors.kafka import KafkaDelivery, close_client, new_producer, value_budget
+from pipelines.flights.status import write_status
+from pipelines.serving.handler import parse_model_tag
+
+__all__ = ["PREDICTION_SCHEMA", "predictions_batch", "WritePredictions"]
+
+PREDICTION_SCHEMA = pa.schema([
+    ("source", pa.string()),
+    ("src_partition", pa.int64()),
+    ("src_offset", pa.int64()),
+    ("id", pa.string()),
+    ("prediction", pa.float32()),
+    ("predicted_class", pa.string()),
+    ("probabilities", pa.list_(pa.float32())),
+    ("model_version", pa.int64()),
+    ("model_run", pa.string()),
+    ("event_time", pa.timestamp("ms", tz="UTC")),
+    ("scoring_time", pa.timestamp("ms", tz="UTC")),
+    ("label", pa.float32()),
+])
+
+
+def predictions_batch(result: PredictionResult, task: str, classes: list[str] | None,
+                      id_column: str | None = None) -> pa.RecordBatch:
+    """One ``PREDICTION_SCHEMA`` record batch for a scored micro-batch."""
+    batch = result.example
+    outputs, scored_ms = result.inference
+    n = len(outputs)
+    if n == 0:
+        return pa.RecordBatch.from_pylist([], schema=PREDICTION_SCHEMA)
+    f = batch.features
+    run, version = parse_model_tag(result.model_id)
+    outputs = np.asarray(outputs, dtype=np.float32)
+    probabilities = pa.nulls(n, pa.list_(pa.float32()))
+    names = pa.nulls(n, pa.string())
+    if task == "classification":
+        classes = list(classes or ["0", "1"])
+        if outputs.ndim == 2:  # K classes: (rows, K) probabilities
+            best = outputs.argmax(axis=1)
+            prediction = outputs[np.arange(n), best]
+            probabilities = pa.FixedSizeListArray.from_arrays(pa.array(outputs.reshape(-1)),
+                                                              outputs.shape[1]).cast(pa.list_(pa.float32()))
+        else:
+            best = (outputs > 0.5).astype(np.int64)
+            prediction = outputs
+        names = pa.array(np.asarray(classes, dtype=object)[best], type=pa.string())
+    else:
+        prediction = outputs
+    ids = f.column(id_column).cast(pa.string()) if id_column and id_column in f.schema.names \
+        else pa.nulls(n, pa.string())
+    label = f.column(LABEL).cast(pa.float32()) if LABEL in f.schema.names else pa.nulls(n, pa.float32())
+    return pa.RecordBatch.from_arrays([
+        f.column("source").cast(pa.string()),
+        f.column("src_partition").cast(pa.int64()),
+        f.column("src_offset").cast(pa.int64()),
+        ids,
+        pa.array(prediction, type=pa.float32()),
+        names,
+        probabilities,
+        pa.array(np.full(n, version, dtype=np.int64)),
+        pa.array([run] * n, type=pa.string()),
+        pa.array(batch.event_ms.astype(np.int64), type=pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
+        pa.array(np.full(n, scored_ms, dtype=np.int64)).cast(pa.timestamp("ms", tz="UTC")),
+        label,
+    ], schema=PREDICTION_SCHEMA)
+
+
+class _WritePredictionsFn(beam.DoFn):
+    """Each scored micro-batch -> Arrow messages, acknowledged; then its offset range goes on."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def setup(self):
+        from pipelines.serving.config import topic_limits
+
+        cfg = self.cfg
+        self.limits = topic_limits(cfg, [cfg.predictions_topic])
+        self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
+        self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
+        self.totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "run_id": None,
+                       "versions": {}, "latency_ms_sum": 0, "to_featurized_ms_sum": 0}
+
+    def teardown(self):
+        if getattr(self, "producer", None) is not None:
+            close_client(self.producer)
+            self.producer = None
+
+    def process(self, result: PredictionResult):
+        batch = result.example
+        preds = predictions_batch(result, self.cfg.spec.task, self.cfg.classes, self.cfg.id_column)
+        if preds.num_rows:
+            key = str(batch.partition).encode()
+            budget = value_budget(self.limits[self.cfg.predictions_topic], key)
+            for message in encode_batches(preds, budget):
+                self.delivery.send(self.cfg.predictions_topic, message, key=key)
+            self.delivery.confirm()
+            self._count(preds, batch.featurized_ms)
+        yield (f"{batch.topic}/{batch.partition}", (batch.first_offset, batch.last_offset))
+
+    def _count(self, preds: pa.RecordBatch, featurized_ms: int) -> None:
+        t = self.totals
+        t["predictions"] += preds.num_rows
+        version = int(preds.column("model_version")[0].as_py())
+        t["version"], t["run_id"] = version, preds.column("model_run")[0].as_py()
+        t["versions"][str(version)] = t["versions"].get(str(version), 0) + preds.num_rows
+        label = preds.column("label").to_numpy(zero_copy_only=False)
+        known = ~np.isnan(label)
+        if self.cfg.spec.task == "classification" and known.any():
+            classes = list(self.cfg.classes or ["0", "1"])
+            names = np.asarray(preds.column("predicted_class").to_pylist(), dtype=object)[known]
+            want = np.asarray(classes, dtype=object)[label[known].astype(np.int64)]
+            t["labelled"] += int(known.sum())
+            t["correct"] += int((names == want).sum())
+        event = preds.column("event_time").cast(pa.int64()).to_numpy()
+        t["latency_ms_sum"] += int((preds.column("scoring_time").cast(pa.int64()).to_numpy() - event).sum())
+        t["to_featurized_ms_sum"] += int((featurized_ms - event).sum())
+        write_status(self.cfg.status_path, self, t, kind="predictions")
+
+
+class WritePredictions(beam.PTransform):
+    """``PredictionResult``s -> the predictions topic; outputs ``(partition key, (first, last))``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def expand(self, results):
+        return results | "Produce" >> beam.ParDo(_WritePredictionsFn(self.cfg))
+
+
+

@@ -1,0 +1,210 @@
+"""Authenticated model updates and published-version retention (#22 items 8 and 9), without a runner:
+the trainer's ``Publisher`` signs versions, the scorer's ``VersionTracker`` believes only what it
+can authenticate, reads only bounded regular files, orders versions per trainer run, and keeps
+its own copy of what it serves; the model handler falls back to the newest valid copy."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.synthetic_data import make_regression_run
+
+pytestmark = [pytest.mark.timeout(300)]
+KEY = b"k" * 32
+ARCH = {"kind": "mlp", "hidden": [8], "dropout": 0.0, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_regression_run(tmp_path_factory.mktemp("updates"), hidden="8", epochs=1, rows=300)[0]
+
+
+def _weights(dataset: str, seed: int) -> dict:
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.stream import Architecture
+
+    model = Architecture.from_dict(ARCH, "test").build(TabularDataset(dataset))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model.state_dict()
+
+
+class _Topic:
+    """An updates topic's records as the tracker reads them (publication order = offset)."""
+
+    def __init__(self):
+        self.records = []
+
+    def add(self, value: bytes | dict):
+        value = value if isinstance(value, bytes) else json.dumps(value).encode()
+        n = len(self.records)
+        self.records.append((f"upd/0/{n}", value, (1_700_000_000_000 + n, 0, n)))
+        return self.records[-1]
+
+
+def _key_source(tmp_path: Path, key: bytes = KEY):
+    from connectors.model_updates import UpdateKeySource
+
+    path = tmp_path / "update.key"
+    path.write_bytes(key + b"\n")
+    return UpdateKeySource.from_options(str(path))
+
+
+def _publisher(run: Path, *, keep=10, key_source=None):
+    from flowtrain.train.published import Publisher
+
+    return Publisher(run, keep=keep, key_source=key_source)
+
+
+def _publish(pub, dataset, version: int, run_id: str) -> dict:
+    return pub.publish(model=_weights(dataset, version), architecture=ARCH, version=version, step=version,
+                       run_id=run_id, time=1.5)
+
+
+def _tracker(dataset, tmp_path, key: bytes | None = KEY, **kw):
+    from flowtrain.train.published import LoadPublishedVersion
+    from pipelines.serving.versions import ModelCache, VersionTracker
+
+    return VersionTracker(LoadPublishedVersion(dataset), key=key, cache=ModelCache(tmp_path / "cache", 3), **kw)
+
+
+def test_signed_versions_serve_and_forged_unsigned_missigned_fifo_oversized_are_rejected(dataset, tmp_path):
+    from connectors.model_updates import sign_record
+
+    pub = _publisher(tmp_path / "run", key_source=_key_source(tmp_path))
+    topic = _Topic()
+    topic.add(_publish(pub, dataset, 1, "runA"))
+    tracker = _tracker(dataset, tmp_path, max_model_bytes=50_000)
+    assert tracker.offer(topic.records) and (tracker.current.version, tracker.current.run_id) == (1, "runA")
+
+    real2 = _publish(pub, dataset, 2, "runA")
+    copied = tmp_path / "copied.pt"  # a valid checkpoint copied elsewhere, named with a huge version
+    copied.write_bytes(Path(real2["checkpoint"]).read_bytes())
+    forged = {**real2, "version": 2 ** 62, "checkpoint": str(copied)}
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.pt"
+    big.write_bytes(b"x" * 100_000)
+    records = [
+        {k: v for k, v in forged.items() if k != "signature"},  # unsigned
+        forged,  # its signature was made for version 2: mis-signed
+        sign_record({k: v for k, v in forged.items() if k != "signature"}, b"another key of 32 bytes........."),
+        sign_record({**real2, "version": 3, "checkpoint": str(fifo)}, KEY),  # signed, but a FIFO
+        sign_record({**real2, "version": 4, "checkpoint": str(big), "bytes": 100_000}, KEY),  # over the bound
+        json.dumps({**real2, "pad": "x" * 70_000}).encode(),  # an oversized record
+        sign_record({**real2, "version": 5, "sha256": "0" * 64}, KEY),  # digest of another file
+        b"\xff not json",
+    ]
+    for r in records:
+        topic.add(r)
+    done = threading.Event()
+    result = {}
+
+    def offer():
+        result["changed"] = tracker.offer(topic.records)
+        done.set()
+
+    threading.Thread(target=offer, daemon=True).start()
+    assert done.wait(60), "the tracker hung (a FIFO path must never block it)"
+    assert not result["changed"] and tracker.current.version == 1
+    reasons = [r["reason"] for r in tracker.rejected]
+    assert len(reasons) == len(records) == tracker.rejected_count
+    assert reasons[0].startswith("unsigned") and reasons[1].startswith("bad signature")
+    assert reasons[2].startswith("bad signature")
+    assert any("is not a regular file" in r for r in reasons)
+    assert any("does not match the record's sha256" in r for r in reasons)
+    assert any("over the 65,536-byte bound" in r for r in reasons)  # the record
+    assert any("big.pt has 100,000 bytes, over the 50,000-byte bound" in r for r in reasons)  # the file
+    assert any("not a model-update record" in r for r in reasons)
+
+    # the file bound: a separate tracker with a small bound rejects the real file by its size
+    small = _tracker(dataset, tmp_path, max_model_bytes=100)
+    assert not small.offer([topic.records[0]]) and "over the 100-byte bound" in small.rejected[0]["reason"]
+
+    # the real next version still serves, and a replay of an older signed record is refused
+    topic.add(real2)
+    assert tracker.offer(topic.records) and tracker.current.version == 2
+    topic.add(topic.records[0][1])
+    assert not tracker.offer(topic.records) and tracker.current.version == 2
+    assert "not newer than version 2 of its run runA" in tracker.rejected[-1]["reason"]
+
+
+def test_another_runs_numbers_never_pin_the_scorer_across_restarts(dataset, tmp_path):
+    key = _key_source(tmp_path)
+    a, b = _publisher(tmp_path / "a", key_source=key), _publisher(tmp_path / "b", key_source=key)
+    topic = _Topic()
+    topic.add(_publish(a, dataset, 1, "runA"))
+    tracker = _tracker(dataset, tmp_path)
+    assert tracker.offer(topic.records) and tracker.current.run_id == "runA"
+    topic.add(_publish(b, dataset, 2 ** 62, "runB"))  # another run with a huge number: it serves ...
+    assert tracker.offer(topic.records) and tracker.current.version == 2 ** 62
+    topic.add(_publish(a, dataset, 2, "runA"))  # ... and does not block run A's next version
+    assert tracker.offer(topic.records) and (tracker.current.run_id, tracker.current.version) == ("runA", 2)
+    restarted = _tracker(dataset, tmp_path / "restart")  # a scorer reading the whole topic again
+    assert restarted.offer(topic.records) and (restarted.current.run_id, restarted.current.version) == ("runA", 2)
+    assert restarted.rejected_count == 0
+
+
+def test_without_a_key_updates_are_accepted_with_one_loud_warning(dataset, tmp_path, caplog):
+    pub = _publisher(tmp_path / "run")  # no key: unsigned records
+    topic = _Topic()
+    topic.add(_publish(pub, dataset, 1, "r"))
+    with caplog.at_level("WARNING", logger="pipelines.serving.versions"):
+        tracker = _tracker(dataset, tmp_path, key=None)
+        assert tracker.offer(topic.records)
+        signed_only = _tracker(dataset, tmp_path / "k")
+        assert not signed_only.offer(topic.records)
+    assert caplog.text.count("MODEL UPDATES ARE NOT AUTHENTICATED") == 1
+    assert signed_only.rejected[0]["reason"].startswith("unsigned")
+
+
+def test_the_key_never_on_disk_and_too_short_a_key_is_an_error(dataset, tmp_path, monkeypatch):
+    from connectors.model_updates import UpdateKeySource, check_record
+
+    monkeypatch.setenv("FLOWTRAIN_UPDATE_KEY", KEY.decode())
+    source = UpdateKeySource.from_options(None)
+    run = tmp_path / "run"
+    record = _publish(_publisher(run, key_source=source), dataset, 1, "r")
+    assert check_record(json.dumps(record).encode(), KEY).signed
+    for path in run.rglob("*"):
+        assert not path.is_file() or KEY not in path.read_bytes(), path
+    monkeypatch.setenv("FLOWTRAIN_UPDATE_KEY", "short")
+    with pytest.raises(ValueError, match="FLOWTRAIN_UPDATE_KEY: the update key has 5 bytes"):
+        _publisher(run, key_source=UpdateKeySource.from_options(None))
+
+
+def test_published_versions_have_their_own_retention_and_the_scorer_its_own_copies(dataset, tmp_path):
+    """#22.9: the trainer keeps only 2 published versions; the scorer's copy of the one it serves
+    stays loadable, and a handler whose initial version is gone falls back to the newest valid copy."""
+    from flowtrain.train.published import LoadPublishedVersion
+    from pipelines.serving.handler import FlowtrainModelHandler
+    from pipelines.serving.versions import ModelCache
+
+    pub = _publisher(tmp_path / "run", keep=2, key_source=_key_source(tmp_path))
+    topic = _Topic()
+    topic.add(_publish(pub, dataset, 1, "r"))
+    tracker = _tracker(dataset, tmp_path)
+    tracker.offer(topic.records)
+    first = tracker.current
+    for v in range(2, 6):
+        topic.add(_publish(pub, dataset, v, "r"))
+    assert len(list((tmp_path / "run" / "published").glob("ckpt-*.pt"))) == 2
+    assert not Path(json.loads(topic.records[0][1])["checkpoint"]).exists()  # the trainer pruned version 1
+    from flowtrain.train.loader import TabularDataset
+
+    spec = TabularDataset(dataset).spec
+    handler = FlowtrainModelHandler(LoadPublishedVersion(dataset), first, spec, cache_dir=str(tmp_path / "cache"))
+    assert handler.load_model().version.version == 1  # the scorer's copy of version 1
+    tracker.offer(topic.records)
+    assert tracker.current.version == 5
+    assert [v.version for v in ModelCache(tmp_path / "cache").listed()] == [5, 1]  # the copies' retention
+    Path(first.path).unlink()  # the initial copy gone too: a new handler serves the newest valid copy
+    fresh = FlowtrainModelHandler(LoadPublishedVersion(dataset), first, spec, cache_dir=str(tmp_path / "cache"))
+    assert fresh.load_model().version.version == 5
