@@ -88,7 +88,10 @@ def test_counts_reconcile_and_every_malformed_kind_is_a_dead_letter(bootstrap, d
     rows = sum(decode_batch(m.value).num_rows for m in _read_topic(bootstrap, names["features"]))
     dead = [dict(m.headers) for m in _read_topic(bootstrap, names["dead"])]
     reasons = [d["reason"].decode() for d in dead]
-    assert rows + len(dead) == 1500  # raw events = feature rows + dead letters
+    totals = _status_totals(tmp_path)
+    assert (totals["events"], totals["rows"], totals["dead_letters"]) == (1500, rows, len(dead))
+    assert totals["unlabelled"] > 0  # real flights without an arrival delay: scored, not trained, not dead letters
+    assert rows + totals["unlabelled"] + len(dead) == 1500  # raw events = training rows + unlabelled + dead letters
     by_kind = {
         "broken JSON": sum(r.startswith("broken JSON") for r in reasons),
         "missing field": sum(r.startswith("missing field") for r in reasons),
@@ -98,7 +101,17 @@ def test_counts_reconcile_and_every_malformed_kind_is_a_dead_letter(bootstrap, d
     }
     assert by_kind == injected
     assert all(d["source"].decode().startswith(names["raw"] + "/") for d in dead)
-    assert sum(r.startswith("cancelled or diverted") for r in reasons) > 0  # real-data rejects too
+    assert not any(r.startswith("cancelled or diverted") for r in reasons)  # label-optional: not dead letters
+
+
+def _status_totals(out) -> dict:
+    from pipelines.flights.status import read_status
+
+    totals: dict = {}
+    for data in read_status(str(Path(out) / "pipeline-status.json")):
+        for key in ("events", "rows", "unlabelled", "dead_letters"):
+            totals[key] = totals.get(key, 0) + data.get(key, 0)
+    return totals
 
 
 def _trainer(bootstrap, names, dataset, out, *extra):
@@ -327,7 +340,11 @@ def test_large_micro_batches_and_poison_events_every_event_is_a_row_or_a_dead_le
     rows, dead = _delivered(bootstrap, names)
     everything = {(i % 2, i // 2) for i in range(total)}  # produced round-robin over 2 partitions
     assert len(rows) == len(set(rows)) and not set(rows) & set(dead)
-    assert set(rows) | set(dead) == everything  # each raw event: one feature row or one dead letter
+    unlabelled = everything - set(rows) - set(dead)  # each raw event: a feature row, unlabelled or a dead letter
+    produced = valid[:3000] + list(poison.values()) + valid[3000:]
+    assert unlabelled and all(json.loads(produced[o * 2 + p])["arr_delay"] is None for p, o in unlabelled)
+    assert _status_totals(tmp_path) == {"events": total, "rows": len(rows), "unlabelled": len(unlabelled),
+                                        "dead_letters": len(dead)}
     assert len(rows) > 5000
     positions = {name: ((3000 + i) % 2, (3000 + i) // 2) for i, name in enumerate(poison)}
     reasons = {name: dead[pos][0].reason for name, pos in positions.items()}
@@ -343,7 +360,8 @@ def test_large_micro_batches_and_poison_events_every_event_is_a_row_or_a_dead_le
     for name in ("overflow", "not_utf8"):  # the raw bytes, as they came
         assert dead[positions[name]][1] == {} and dead[positions[name]][0].payload == poison[name]
     # the pipeline's own count is what Kafka acknowledged
-    assert f"{total:,} raw events -> {len(rows):,} feature rows + {len(dead):,} dead letters" in log
+    assert (f"{total:,} raw events -> {len(rows):,} training rows + {len(unlabelled):,} unlabelled (not trained on) "
+            f"+ {len(dead):,} dead letters") in log
 
 
 def test_undeliverable_features_stop_the_pipeline_and_a_restart_delivers_the_rest(
@@ -425,7 +443,9 @@ def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, da
     from flowtrain.local.paths import demo_tables_dir
     from flowtrain.local.runners import pipeline_options
     from pipelines.flights.batch import export_tables
-    from pipelines.flights.streaming import FlightFeaturizer, StreamConfig, build_flight_features, parse_records
+    from pipelines.flights.events import FLIGHT_EVENTS
+    from pipelines.flights.streaming import flights_stream_config
+    from pipelines.stream.pipeline import build_features, featurize_events, parse_records
 
     names = _names()
     _topics(new_topic, names, raw_partitions=2)
@@ -433,22 +453,24 @@ def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, da
     values[7], values[8] = b'{"broken', json.dumps({**json.loads(values[8]), "distance": 1e40}).encode()
     _produce(bootstrap, names["raw"], values, partitions=2)
     tables = export_tables(demo_tables_dir())
-    cfg = StreamConfig(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
-                       dead_letter_topic=names["dead"], group_id=names["group"], batch_size=150,
-                       stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
-                       planes_path=tables["planes"])
+    cfg = flights_stream_config(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
+                                dead_letter_topic=names["dead"], group_id=names["group"], batch_size=150,
+                                stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
+                                planes_path=tables["planes"])
     with TestPipeline(options=pipeline_options("batch")) as p:
         records = p | ReadFromKafka(bootstrap, names["raw"], start="committed", stop="end", group_id=names["group"])
-        build_flight_features(records, cfg, max_message_bytes=8_000)
+        build_features(records, cfg, max_message_bytes=8_000)
     messages = _read_topic(bootstrap, names["features"])
     assert len(messages) > 4 and max(len(m.value) for m in messages) <= 8_000  # split to fit
     rows, dead = _delivered(bootstrap, names)
-    expected_events, expected_letters = parse_records(_read_topic(bootstrap, names["raw"]))
-    features, bad = FlightFeaturizer.load(cfg.stats, cfg.weather_path, cfg.planes_path).featurize(expected_events)
+    expected_events, expected_letters = parse_records(_read_topic(bootstrap, names["raw"]), FLIGHT_EVENTS)
+    out = featurize_events(cfg.featurizer(), expected_events)
+    features, bad = out.training(), out.training_dead_letters
     expected_letters += bad
     assert sorted(rows) == sorted(zip(features["src_partition"].to_pylist(), features["src_offset"].to_pylist()))
     assert {k: v[0].reason for k, v in dead.items()} == {
         tuple(int(x) for x in d.source.rsplit("/", 2)[1:]): d.reason for d in expected_letters}
-    assert len(rows) + len(dead) == 400 and dead[(1, 3)][0].reason.startswith("broken JSON")
+    # raw = training rows + unlabelled (flights without an arrival delay: scored, not dead letters) + dead letters
+    assert len(rows) + out.unlabelled + len(dead) == 400 and dead[(1, 3)][0].reason.startswith("broken JSON")
     assert dead[(0, 4)][0].reason.startswith("number out of range")
     assert _committed(bootstrap, names["raw"], names["group"]) == (400, 400)  # the read's own commit branch

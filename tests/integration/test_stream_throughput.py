@@ -97,7 +97,7 @@ def test_pipeline_reads_lists_of_records_reconciles_and_its_runner_idles(bootstr
         while time.monotonic() < deadline and totals.get("events") != 3000:
             time.sleep(0.5)
             assert proc.poll() is None, (tmp_path / "pipeline.log").read_text()[-3000:]
-            totals = {"events": 0, "rows": 0, "dead_letters": 0}
+            totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0}
             for f in out.glob("pipeline-status.json.*"):
                 if not f.name.endswith(".tmp"):
                     for k, v in json.loads(f.read_text()).items():
@@ -120,7 +120,8 @@ def test_pipeline_reads_lists_of_records_reconciles_and_its_runner_idles(bootstr
     rows = sum(decode_batch(m.value).num_rows for m in _read_all(bootstrap, feat))
     letters = _read_all(bootstrap, dead)
     assert rows == totals["rows"] and len(letters) == totals["dead_letters"]
-    assert rows + len(letters) == 3000 and len(letters) >= 5 * 20  # ~150 malformed, of 5 kinds
+    # raw = training rows + unlabelled (flights without an arrival delay) + dead letters
+    assert rows + totals["unlabelled"] + len(letters) == 3000 and len(letters) >= 5 * 20  # ~150 malformed, of 5 kinds
     reasons = {dict(m.headers)["reason"].decode().split(":")[0] for m in letters}
     assert {"broken JSON", "missing field(s)", "wrong type", "NaN"} <= reasons, reasons
     # A generous bound: the spinning runner used 0.6-0.7 of a core here, the fixed one 0.06.

@@ -78,18 +78,27 @@ def test_parse_bounds_are_options():
 
 
 def test_events_that_make_the_feature_code_fail_become_dead_letters_alone():
-    from pipelines.flights.streaming import featurize_rows_apart
+    from connectors.dataset_spec import FeatureSpec
+    from pipelines.stream.featurize import StreamFeaturizer
+
+    spec = FeatureSpec(label="arr_delay", task="regression", numeric=["distance"], categorical=["carrier"])
+    stats = {"numeric": {"distance": {"mean": 1000.0, "std": 500.0}}, "vocab": {"carrier": ["UA"]}, "label_mean": 5.0}
+
+    class Unlucky:  # an enrichment that fails on one event: that event alone is a dead letter
+        from pipelines.flights.events import FLIGHT_EVENTS as events
+
+        def enrich(self, table):
+            if 13 in table["flight"].to_pylist():
+                raise OverflowError("unlucky")
+            return table
+
+        def checks(self, batch):
+            return []
 
     table = events_table([EVENT, {**EVENT, "flight": 13}, EVENT], [("raw", 0, 1), ("raw", 0, 2), ("raw", 0, 3)])
-
-    def fn(rows):
-        if rows["flight"][0].as_py() == 13:
-            raise OverflowError("unlucky")
-        return rows.num_rows
-
-    results, letters = featurize_rows_apart(fn, table, "featurizing")
-    assert results == [1, 1]
-    assert [(d.source, d.reason) for d in letters] == [("raw/0/2", "featurizing failed: OverflowError: unlucky")]
+    out = StreamFeaturizer(spec, stats, Unlucky()).featurize_table(table)
+    assert out.features["src_offset"].to_pylist() == [1, 3] and out.trainable.all()
+    assert [(d.source, d.reason) for d in out.dead_letters] == [("raw/0/2", "featurizing failed: OverflowError: unlucky")]
 
 
 def test_encode_batches_splits_to_fit_and_keeps_every_row_in_order():
