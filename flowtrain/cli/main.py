@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_registrars():
     """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
-    from flowtrain.cli import batch, bench, flink, predict, stream
+    from flowtrain.cli import batch, bench, compare, flink, predict, stream
 
-    return [batch.register, predict.register, bench.register, flink.register, stream.register]
+    return [batch.register, predict.register, bench.register, flink.register, stream.register, compare.register]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:

@@ -191,3 +191,32 @@ def test_bootstrap_intervals_and_thresholds_on_known_numbers():
     m = at_threshold(np.array([1, 1, 0, 0.0]), np.array([0.9, 0.4, 0.6, 0.1]), 0.5)
     assert (m["accuracy"], m["precision"], m["recall"], m["f1"]) == (0.5, 0.5, 0.5, 0.5)
     assert 0.2 < choose_threshold(y, good) < 0.6
+
+
+def test_compare_two_runs_prints_options_metrics_with_intervals_and_overlays_validation_curves(binary_run, tmp_path,
+                                                                                                capsys):
+    from flowtrain.cli.main import main
+
+    first, _, _ = binary_run
+    second = tmp_path / "second"
+    assert _batch(["--input", str(first.parent / "data.csv"), "--label", "y", "--task", "classification",
+                   "--numeric", "x1,x2", "--categorical", "c", "--epochs", "2", "--hidden", "8", "--lr", "0.003",
+                   "--out", str(second)]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(first), str(second), "--out", str(tmp_path / "cmp")]) == 0
+    printed = capsys.readouterr().out
+    assert "| hidden | 16 | 8 |" in printed and "| lr | 0.001 | 0.003 |" in printed
+    assert "| epochs | 3 | 2 |" in printed
+    for run, column in ((first, 0), (second, 1)):
+        auc = json.loads((run / "summary.json").read_text())["evaluation"]["intervals"]["models"]["flowtrain model"]
+        row = next(line for line in printed.splitlines() if line.startswith("| auc |"))
+        cell = row.split("|")[2 + column].strip()
+        assert cell == f"{auc['auc']['value']:.4f} [{auc['auc']['low']:.4f}, {auc['auc']['high']:.4f}]"
+    assert (tmp_path / "cmp" / "compare.md").read_text() in printed
+    png = (tmp_path / "cmp" / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert data["options"]["hidden"] == [[16], [8]]
+    # a directory that is not a finished batch run: exit 2, named
+    assert main(["compare", str(first), str(tmp_path)]) == 2
+    assert f"compare: {tmp_path}: not a finished `flowtrain batch` run (no summary.json)" in capsys.readouterr().err
