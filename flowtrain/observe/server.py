@@ -1,0 +1,218 @@
+"""Prometheus ``/metrics`` and a live status page of a running job, on 127.0.0.1.
+
+``StatusServer(port, sample)`` calls ``sample()`` every ``interval_s`` seconds in a background
+thread (never on a request: a scrape costs nothing to the job) and serves the newest snapshot:
+
+- ``/metrics``: the Prometheus text format (``prometheus_client``; families below);
+- ``/status.json``: the snapshot as JSON (state, dead letters, model versions: what is not a number);
+- ``/``: one self-contained HTML page (no CDN, no build step) polling both; see ``page.py``.
+
+A snapshot is a dict; every key is optional:
+
+``state`` (str), ``halves`` ({half: state}), ``counters`` ({name: total}; ``events``, ``rows``,
+``unlabelled``, ``dead_letters``, ``micro_batches``, ``rows_trained``, ``predictions`` ...),
+``dead_letters_by_reason`` ({reason: n}), ``lag`` ({partition: records}), ``trainer_step``,
+``train_loss``, ``prequential`` ({metric: value}), ``published_version``, ``serving_version``,
+``freshness_s`` (seconds since the newest published version was written), ``latency``
+({"count": n, "sum_s": seconds}: prediction latency, event time to scoring), ``dead_letters``
+(newest first: [{time, reason, source, payload}]), ``versions`` (newest first: [{version, state:
+published | serving | rejected, reason, time}]).
+
+Metric families (``flowtrain_`` prefix): ``<counter>_total`` for every counter,
+``dead_letters_by_reason_total{reason}``, ``consumer_lag{partition}``, ``trainer_step``,
+``train_loss``, ``prequential{metric}``, ``published_version``, ``serving_version``,
+``model_freshness_seconds``, ``prediction_latency_seconds`` (a summary: count and sum),
+``half_up{half}`` (1 while that half runs), ``sample_number`` (which snapshot this is) and
+``sample_timestamp_seconds``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+from flowtrain.observe.page import PAGE
+
+PREFIX = "flowtrain_"
+#: At most this many distinct dead-letter reasons become label values (the rest: "other").
+MAX_REASONS = 50
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class SnapshotCollector:
+    """A ``prometheus_client`` collector over the server's newest snapshot."""
+
+    def __init__(self, server: StatusServer):
+        self.server = server
+
+    def collect(self):
+        snap, number, at = self.server.snapshot_with_number()
+        yield GaugeMetricFamily(PREFIX + "sample_number", "which snapshot of the job this is (increases by one "
+                                "per sample)", value=number)
+        yield GaugeMetricFamily(PREFIX + "sample_timestamp_seconds", "when this snapshot was taken (epoch seconds)",
+                                value=at)
+        halves = GaugeMetricFamily(PREFIX + "half_up", "1 while this half of the job runs", labels=["half"])
+        for half, state in (snap.get("halves") or {}).items():
+            halves.add_metric([half], 1.0 if state == "running" else 0.0)
+        yield halves
+        for name, total in (snap.get("counters") or {}).items():
+            if _number(total) is not None:
+                yield CounterMetricFamily(PREFIX + name, f"{name.replace('_', ' ')} since the job started",
+                                          value=float(total))
+        reasons = CounterMetricFamily(PREFIX + "dead_letters_by_reason", "dead letters on the dead-letter topic "
+                                      "by reason", labels=["reason"])
+        for reason, n in (snap.get("dead_letters_by_reason") or {}).items():
+            reasons.add_metric([reason], float(n))
+        yield reasons
+        lag = GaugeMetricFamily(PREFIX + "consumer_lag", "records of the raw topic not yet committed by the "
+                                "pipeline, per partition", labels=["partition"])
+        for partition, n in sorted((snap.get("lag") or {}).items(), key=lambda kv: int(kv[0])):
+            lag.add_metric([str(partition)], float(n))
+        yield lag
+        preq = GaugeMetricFamily(PREFIX + "prequential", "the trainer's prequential metrics (each batch evaluated "
+                                 "before it is trained on) at its newest model version", labels=["metric"])
+        for metric, value in (snap.get("prequential") or {}).items():
+            if _number(value) is not None:
+                preq.add_metric([metric], float(value))
+        yield preq
+        for key, name, text in (("trainer_step", "trainer_step", "the online trainer's optimizer step"),
+                                ("train_loss", "train_loss", "the trainer's loss on its newest batch"),
+                                ("published_version", "published_version", "the newest model version published"),
+                                ("serving_version", "serving_version", "the model version the scorer serves"),
+                                ("freshness_s", "model_freshness_seconds",
+                                 "seconds since the newest published model version was written")):
+            value = _number(snap.get(key))
+            if value is not None:
+                yield GaugeMetricFamily(PREFIX + name, text, value=value)
+        latency = snap.get("latency") or {}
+        if latency.get("count"):
+            yield SummaryMetricFamily(PREFIX + "prediction_latency_seconds", "event time to scoring time of "
+                                      "the predictions", count_value=float(latency["count"]),
+                                      sum_value=float(latency["sum_s"]))
+
+
+class StatusServer:
+    """``/metrics``, ``/status.json`` and ``/`` of a job on ``host:port`` (port 0 = any free port;
+    ``.port`` tells which), fed by ``sample()`` every ``interval_s`` seconds."""
+
+    def __init__(self, port: int, sample: Callable[[], dict], *, host: str = "127.0.0.1", interval_s: float = 1.0,
+                 title: str = "flowtrain"):
+        self.sample, self.interval_s, self.title = sample, float(interval_s), title
+        self._lock = threading.Lock()
+        self._snapshot: dict = {"state": "starting"}
+        self._number, self._at = 0, time.time()
+        self._stop = threading.Event()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(self))
+        self.errors = 0
+        handler = _handler(self)
+        self.httpd = ThreadingHTTPServer((host, int(port)), handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self._threads = [threading.Thread(target=self.httpd.serve_forever, name="flowtrain-status-http",
+                                          daemon=True),
+                         threading.Thread(target=self._sample_loop, name="flowtrain-status-sample", daemon=True)]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/"
+
+    def start(self) -> StatusServer:
+        self._take()
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self, final: dict | None = None) -> None:
+        """Stop sampling and serving (``final``: a last snapshot, e.g. the state "stopped")."""
+        self._stop.set()
+        if final is not None:
+            self._set(final)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+    def snapshot_with_number(self) -> tuple[dict, int, float]:
+        with self._lock:
+            return self._snapshot, self._number, self._at
+
+    def _set(self, snap: dict) -> None:
+        with self._lock:
+            self._snapshot, self._number, self._at = snap, self._number + 1, time.time()
+
+    def _take(self) -> None:
+        try:
+            snap = self.sample()
+        except Exception as err:  # noqa: BLE001 - a failing sample must not stop the job; it shows on the page
+            self.errors += 1
+            snap = {**self.snapshot_with_number()[0], "sample_error": f"{type(err).__name__}: {err}"[:300]}
+        self._set(snap)
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._take()
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def status_json(self) -> bytes:
+        snap, number, at = self.snapshot_with_number()
+        return json.dumps({**snap, "sample_number": number, "sample_time": at, "title": self.title},
+                          default=str).encode()
+
+
+def _handler(server: StatusServer):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, kind = server.metrics_text(), "text/plain; version=0.0.4; charset=utf-8"
+            elif path == "/status.json":
+                body, kind = server.status_json(), "application/json"
+            elif path == "/favicon.ico":
+                self.send_response(204)
+                self.end_headers()
+                return
+            elif path in ("/", "/index.html"):
+                body, kind = PAGE.replace("{{title}}", server.title).encode(), "text/html; charset=utf-8"
+            else:
+                self.send_error(404, "not found: /, /metrics and /status.json are served")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # no line per request on the job's console
+            pass
+
+    return Handler
+
+
+def start_status_server(port: int | None, sample: Callable[[], dict], *, title: str = "flowtrain",
+                        interval_s: float = 1.0) -> StatusServer | None:
+    """The server on 127.0.0.1:``port``, started; None when ``port`` is 0 or None (off). A port in
+    use is a ``ValueError`` naming ``--metrics-port``."""
+    if not port:
+        return None
+    try:
+        server = StatusServer(port, sample, title=title, interval_s=interval_s)
+    except OSError as err:
+        raise ValueError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({err.strerror or err}); "
+                         f"choose another port, or 0 for none") from None
+    return server.start()
