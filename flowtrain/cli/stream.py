@@ -419,8 +419,9 @@ def _check_brokers(args, command: str) -> None:
 def _dataset(args) -> str:
     path = Path(args.dataset or "runs/demo/dataset")
     if not (path / "_manifest.json").exists():
-        raise SystemExit(f"flowtrain stream: no batch dataset at {path}; the stream's features use its statistics. "
-                         f"Run `flowtrain batch --out runs/demo` first, or pass --dataset DIR")
+        raise SystemExit(f"flowtrain stream: --dataset {path} is not a flowtrain dataset (no _manifest.json); the "
+                         f"stream reads its spec and statistics. Make one with `flowtrain batch --out DIR` and pass "
+                         f"--dataset DIR/dataset")
     return str(path.resolve())
 
 
