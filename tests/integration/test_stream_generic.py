@@ -112,7 +112,8 @@ def test_own_table_replayed_streamed_and_trained_exactly_once_across_a_kill9(boo
 
     log = _pipeline_until_caught_up(bootstrap, names, dataset, tmp_path / "p")
     features = [decode_batch(m.value) for m in _read_topic(bootstrap, names["features"])]
-    rows = Counter((p, o) for b in features for p, o in zip(b["src_partition"].to_pylist(), b["src_offset"].to_pylist()))
+    rows = Counter((p, o) for b in features
+                   for p, o in zip(b["src_partition"].to_pylist(), b["src_offset"].to_pylist()))
     dead = {}
     for m in _read_topic(bootstrap, names["dead"]):
         headers = dict(m.headers)
@@ -122,7 +123,8 @@ def test_own_table_replayed_streamed_and_trained_exactly_once_across_a_kill9(boo
     unlabelled = set(events) - set(rows) - set(dead)
     assert set(rows.values()) == {1} and not set(rows) & set(dead)
     # every raw event: a training row, an unlabelled event (no "state": not a dead letter) or a dead letter
-    no_pressure = sum(b'"state"' not in events[k] and r.startswith("numeric feature 'pressure'") for k, r in dead.items())
+    no_pressure = sum(b'"state"' not in events[k] and r.startswith("numeric feature 'pressure'")
+                      for k, r in dead.items())
     assert all(b'"state"' not in events[k] for k in unlabelled) and len(unlabelled) + no_pressure == unlabelled_sent
     assert len(rows) + len(unlabelled) + len(dead) == ROWS
     assert f"{ROWS:,} raw events -> {len(rows):,} training rows + {len(unlabelled):,} unlabelled" in log
