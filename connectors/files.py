@@ -15,6 +15,14 @@ source ``file:line``; without it the read stops with a ``FileReadError`` naming 
 line. CSV values may hold quoted newlines (lines are still counted right). A header that
 repeats a column name is a ``FileReadError`` naming the file and the names.
 
+Record bounds. A CSV record (quoted newlines included) or a JSON line may be up to
+``max_record_bytes`` long (default ``MAX_RECORD_BYTES``, 8 MiB), whatever the block size: a
+longer one is a dead letter naming its file and line (its payload: the first KiB), skipped
+without being held in memory. A CSV header longer than the bound is a ``FileReadError`` saying so.
+CSV files with declared types are cut into blocks at record ends (a newline outside quotes:
+RFC 4180 quoting; a quote inside an unquoted field is not supported) and each block is parsed
+on its own, so no record ever straddles two blocks.
+
 ``_source_row`` (``with_source=True``) is the row's line number in its file (1-based, the
 line where the record starts) for CSV and JSON-lines, and its row index (0-based) for Parquet.
 """
@@ -23,7 +31,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import apache_beam as beam
 import numpy as np
@@ -37,13 +46,21 @@ from apache_beam.io.filesystems import FileSystems
 from connectors.deadletter import ERRS, DeadLetter
 
 __all__ = ["ReadFromFiles", "FileUnit", "FileReadError", "file_format", "list_units", "read_unit", "iter_unit",
-           "csv_header", "parse_numbers", "SOURCE_FILE", "SOURCE_ROW", "CSV_NULLS"]
+           "csv_header", "parse_numbers", "SOURCE_FILE", "SOURCE_ROW", "CSV_NULLS", "MAX_RECORD_BYTES",
+           "BLOCK_BYTES", "record_end", "read_csv_header"]
 
 #: Columns added by ``with_source=True``: where each row came from (for dead letters).
 SOURCE_FILE = "_source_file"
 SOURCE_ROW = "_source_row"
 #: Strings read as null in CSV files (R's ``NA`` among them).
 CSV_NULLS = ["", "NA", "N/A", "null", "NULL", "NaN", "nan"]
+
+#: The longest CSV record or JSON line read (``--max-record-bytes``); a longer one is a dead letter.
+MAX_RECORD_BYTES = 8 << 20
+#: Bytes read at a time from a text file.
+BLOCK_BYTES = 4 << 20
+#: Bytes of an oversized record kept as its dead letter's payload.
+_SAMPLE_BYTES = 1024
 
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
             ".ndjson": "jsonl", ".json": "jsonl"}
@@ -211,12 +228,54 @@ def _conform_batch(batch: pa.RecordBatch, types: Mapping[str, pa.DataType], wher
 # ---------------------------------------------------------------------------------------------
 # CSV
 # ---------------------------------------------------------------------------------------------
-def csv_header(path: str) -> list[str]:
-    """The header's column names; a name given twice is a ``FileReadError``."""
-    with FileSystems.open(path) as fh:
-        head = fh.read(1 << 20)
-    text = head.decode("utf-8-sig", errors="replace")
-    names = next(csv.reader(io.StringIO(text)), [])
+def record_end(buf: bytes | memoryview, quoted: bool = False) -> int:
+    """The index just past the last newline of ``buf`` that ends a CSV record (outside quotes, when
+    ``buf`` starts at a record start; inside, when ``quoted``), or -1 when there is none."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    newlines = np.flatnonzero(a == 10)
+    if newlines.size == 0:
+        return -1
+    quotes = np.flatnonzero(a == 34)
+    before = np.searchsorted(quotes, newlines) + (1 if quoted else 0)  # quotes before each newline
+    ends = newlines[(before & 1) == 0]
+    return int(ends[-1]) + 1 if ends.size else -1
+
+
+def _first_record_end(buf: bytes, quoted: bool) -> tuple[int, bool]:
+    """(index past the first record-ending newline or -1, whether ``buf``'s end lies inside quotes)."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    newlines = np.flatnonzero(a == 10)
+    quotes = np.flatnonzero(a == 34)
+    if newlines.size:
+        before = np.searchsorted(quotes, newlines) + (1 if quoted else 0)
+        ends = newlines[(before & 1) == 0]
+        if ends.size:
+            return int(ends[0]) + 1, False
+    return -1, bool((quotes.size + (1 if quoted else 0)) & 1)
+
+
+def read_csv_header(fh, path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[list[str], bytes]:
+    """The header's names and the bytes read past it; a header longer than the bound is a ``FileReadError``."""
+    buf = b""
+    while True:
+        chunk = fh.read(min(BLOCK_BYTES, max_record_bytes + 1))
+        buf += chunk
+        cut, _ = _first_record_end(buf, False)
+        if cut >= 0 or not chunk:
+            break
+        if len(buf) > max_record_bytes:
+            raise FileReadError(f"{path}: the header (line 1) is longer than {max_record_bytes:,} bytes without "
+                                f"ending (a header of that size, or an unclosed quote); raise --max-record-bytes "
+                                f"if the header really is that long")
+    head, rest = (buf[:cut], buf[cut:]) if cut >= 0 else (buf, b"")
+    if len(head) > max_record_bytes:
+        raise FileReadError(f"{path}: the header (line 1) is {len(head):,} bytes, longer than {max_record_bytes:,} "
+                            f"(--max-record-bytes); raise it if the header really is that long")
+    text = head.decode("utf-8-sig", errors="replace").rstrip("\r\n")
+    csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))  # a long name is a name, not an error
+    names = next(csv.reader(io.StringIO(text)), []) if text else []
+    if not names:
+        raise FileReadError(f"{path}: the file is empty: a CSV file needs a header line naming its columns")
     seen: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         seen.setdefault(n, []).append(i + 1)
@@ -225,15 +284,72 @@ def csv_header(path: str) -> list[str]:
         said = "; ".join(f"{n!r} (columns {', '.join(map(str, pos))})" for n, pos in dup.items())
         raise FileReadError(f"{path}: the header repeats column names: {said}. Give every column its own "
                             f"name in line 1 of the file")
-    return names
+    return names, rest
+
+
+def csv_header(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> list[str]:
+    """The header's column names (a header of any size up to ``max_record_bytes``); a name given
+    twice, an empty file or a longer header is a ``FileReadError``."""
+    with FileSystems.open(path) as fh:
+        return read_csv_header(fh, path, max_record_bytes)[0]
+
+
+def _oversized(sample: bytes, size: int, bound: int, what: str) -> tuple[str, str]:
+    """(payload, reason) of the dead letter of a record longer than the bound: its start and its size."""
+    payload = sample[:_SAMPLE_BYTES].decode("utf-8", errors="replace")
+    return (f"{payload}... ({size:,} bytes)",
+            f"{what} is larger than {bound:,} bytes (--max-record-bytes); it was skipped, not read")
+
+
+def _csv_blocks(fh, rest: bytes, block_bytes: int, max_record_bytes: int) -> Iterator[tuple]:
+    """("block", bytes, first line) of whole records, and ("bad", line, payload, reason) for a
+    record longer than the bound (read on to its end without holding it)."""
+    buf, line = rest, 2
+    while True:
+        chunk = fh.read(block_bytes)
+        buf = buf + chunk if buf else chunk
+        if not chunk:
+            if buf.strip():
+                if len(buf) > max_record_bytes:
+                    yield ("bad", line, *_oversized(buf, len(buf), max_record_bytes, "CSV record"))
+                else:
+                    yield ("block", buf if buf.endswith(b"\n") else buf + b"\n", line)
+            return
+        cut = record_end(buf)
+        if cut > 0:
+            block, buf = buf[:cut], buf[cut:]
+            yield ("block", block, line)
+            line += block.count(b"\n")
+        if len(buf) <= max_record_bytes:
+            continue
+        # one record longer than the bound: read on to its end, keeping only its start
+        sample, size, newlines = buf[:_SAMPLE_BYTES], len(buf), buf.count(b"\n")
+        quoted = bool(buf.count(b'"') & 1)
+        buf = b""
+        while True:
+            chunk = fh.read(block_bytes)
+            if not chunk:
+                break
+            end, quoted = _first_record_end(chunk, quoted)
+            if end >= 0:
+                size += end
+                newlines += chunk.count(b"\n", 0, end)
+                buf = chunk[end:]
+                break
+            size += len(chunk)
+            newlines += chunk.count(b"\n")
+        yield ("bad", line, *_oversized(sample, size, max_record_bytes, "CSV record"))
+        line += newlines
+        if not chunk:
+            return
 
 
 class _CsvLines:
     """Line numbers of CSV records: pyarrow reports the record number of a rejected row (header
     = record 1); values with quoted newlines make a record span several lines."""
 
-    def __init__(self):
-        self.next_record, self.extra = 2, 0
+    def __init__(self, first_record: int = 2, extra: int = 0):
+        self.next_record, self.extra = first_record, extra
         self.invalid: dict[int, str] = {}
         self.unnumbered: list[str] = []
 
@@ -282,39 +398,52 @@ def _newlines(batch: pa.RecordBatch) -> np.ndarray:
 
 
 def _csv_items(fh, path: str, types: Mapping[str, pa.DataType] | None, convert: pacsv.ConvertOptions | None,
-               batch_rows: int, block_bytes: int) -> Iterator[tuple]:
+               batch_rows: int, block_bytes: int, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple]:
     """("rows", batch, lines) and ("bad", line, payload, reason) items of one CSV file."""
-    names = csv_header(path)
-    lines = _CsvLines()
-    parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lines.reject)
+    names, rest = read_csv_header(fh, path, max_record_bytes)
     n_fields = len(names)
-    try:
-        if types is not None:
-            # Declared types: every column read as text, in blocks, converted by ``_conform_batch``:
-            # nothing is inferred from the first block, so a late odd value cannot fail the read.
-            opts = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=CSV_NULLS,
-                                        strings_can_be_null=True, quoted_strings_can_be_null=True)
-            reader = pacsv.open_csv(fh, read_options=pacsv.ReadOptions(block_size=block_bytes, use_threads=False),
-                                    parse_options=parse, convert_options=opts)
-            batches = iter(reader)
-        else:
-            # No declared types: a whole-file read infers each column's type from all of it (a
-            # streaming reader decides on the first block and fails on a later "NA").
-            opts = convert or pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
-            table = pacsv.read_csv(fh, read_options=pacsv.ReadOptions(use_threads=False), parse_options=parse,
-                                   convert_options=opts)
-            batches = iter(table.to_batches(max_chunksize=batch_rows))
-        for batch in batches:
-            for start in range(0, batch.num_rows, batch_rows):
-                part = batch.slice(start, batch_rows)
-                line_numbers, rejected = lines.assign(_newlines(part))
-                for line, text in rejected:
-                    yield ("bad", line, text, _field_count_reason(text, n_fields))
-                if part.num_rows:
-                    yield ("rows", part, line_numbers)
-    except pa.ArrowInvalid as err:
-        raise FileReadError(f"{path}: cannot be read as CSV after line {lines.next_record + lines.extra - 1}: "
-                            f"{err}") from None
+    if types is None:
+        # No declared types: a whole-file read infers each column's type from all of it (a
+        # streaming reader decides on the first block and fails on a later "NA").
+        lines = _CsvLines(first_record=1, extra=1)  # record 1 is line 2: the header is not a record here
+        parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lines.reject)
+        opts = convert or pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
+        try:
+            table = pacsv.read_csv(io.BytesIO(rest + fh.read()), read_options=pacsv.ReadOptions(
+                use_threads=False, column_names=names), parse_options=parse, convert_options=opts)
+        except pa.ArrowInvalid as err:
+            raise FileReadError(f"{path}: cannot be read as CSV: {err}") from None
+        yield from _csv_batches(table, lines, batch_rows, n_fields)
+        return
+    # Declared types: every column read as text, in blocks cut at record ends, converted by
+    # ``_conform_batch``: nothing is inferred from a block, and no record straddles two blocks.
+    opts = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=CSV_NULLS,
+                                strings_can_be_null=True, quoted_strings_can_be_null=True)
+    for item in _csv_blocks(fh, rest, block_bytes, max_record_bytes):
+        if item[0] == "bad":
+            yield item
+            continue
+        _, block, first_line = item
+        lines = _CsvLines(first_record=1, extra=first_line - 1)
+        parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lines.reject)
+        try:
+            table = pacsv.read_csv(io.BytesIO(block), read_options=pacsv.ReadOptions(
+                use_threads=False, column_names=names, block_size=len(block) + 64), parse_options=parse,
+                convert_options=opts)
+        except pa.ArrowInvalid as err:
+            raise FileReadError(f"{path}: cannot be read as CSV after line {first_line - 1}: {err}") from None
+        yield from _csv_batches(table, lines, batch_rows, n_fields)
+
+
+def _csv_batches(table: pa.Table, lines: _CsvLines, batch_rows: int, n_fields: int) -> Iterator[tuple]:
+    for batch in table.to_batches(max_chunksize=batch_rows):
+        for start in range(0, batch.num_rows, batch_rows):
+            part = batch.slice(start, batch_rows)
+            line_numbers, rejected = lines.assign(_newlines(part))
+            for line, text in rejected:
+                yield ("bad", line, text, _field_count_reason(text, n_fields))
+            if part.num_rows:
+                yield ("rows", part, line_numbers)
     for line, text in lines.rest():
         yield ("bad", line, text, _field_count_reason(text, n_fields))
 
@@ -399,29 +528,48 @@ def _json_table(rows: list[dict], types: Mapping[str, pa.DataType] | None, colum
 
 
 def _json_items(fh, path: str, columns: Sequence[str] | None, types: Mapping[str, pa.DataType] | None,
-                batch_rows: int, block_bytes: int) -> Iterator[tuple]:
+                batch_rows: int, block_bytes: int, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple]:
+    """Blocks of whole lines; a line longer than ``max_record_bytes`` is a dead letter, read past
+    without being held (never concatenated, never parsed)."""
     rest, first_line = b"", 1
     while True:
         chunk = fh.read(block_bytes)
-        data = rest + chunk
+        data = rest + chunk if rest else chunk
         if not chunk:
             block, rest = data, b""
         else:
             cut = data.rfind(b"\n") + 1
             block, rest = (data[:cut], data[cut:]) if cut else (b"", data)
-            if not block:
-                continue
         if block:
             lines = block.split(b"\n")
             if lines and lines[-1] == b"":
                 lines.pop()
-            numbers = [first_line + i for i, raw in enumerate(lines) if raw.strip()]
-            texts = [raw for raw in lines if raw.strip()]
+            numbers, texts = [], []
+            for i, raw in enumerate(lines):
+                if len(raw) > max_record_bytes:
+                    yield ("bad", first_line + i, *_oversized(raw, len(raw), max_record_bytes, "JSON line"))
+                elif raw.strip():
+                    numbers.append(first_line + i)
+                    texts.append(raw)
             first_line += len(lines)
             if texts:
                 yield from _json_block(texts, numbers, path, columns, types, batch_rows)
         if not chunk:
             return
+        if len(rest) > max_record_bytes:  # a line longer than the bound: skip to its end
+            sample, size = rest[:_SAMPLE_BYTES], len(rest)
+            rest = b""
+            while chunk := fh.read(block_bytes):
+                end = chunk.find(b"\n")
+                if end >= 0:
+                    size += end
+                    rest = chunk[end + 1:]
+                    break
+                size += len(chunk)
+            yield ("bad", first_line, *_oversized(sample, size, max_record_bytes, "JSON line"))
+            first_line += 1
+            if not chunk:
+                return
 
 
 def _json_block(texts: list[bytes], numbers: list[int], path: str, columns, types, batch_rows: int):
@@ -459,8 +607,8 @@ def _json_block(texts: list[bytes], numbers: list[int], path: str, columns, type
 # ---------------------------------------------------------------------------------------------
 def iter_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_rows: int = 65_536,
               with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
-              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = 4 << 20
-              ) -> Iterator[pa.RecordBatch | DeadLetter]:
+              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = BLOCK_BYTES,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[pa.RecordBatch | DeadLetter]:
     """Record batches of one unit (at most ``batch_rows`` rows each) and a ``DeadLetter`` for each
     row that cannot be read or does not fit its declared type."""
     types = dict(column_types) if column_types else None
@@ -477,8 +625,9 @@ def iter_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_row
                 first += batch.num_rows
                 yield from _finish(batch, rows, types, columns, with_source, where)
             return
-        items = (_csv_items(fh, unit.path, types, csv_convert, batch_rows, block_bytes) if unit.fmt == "csv"
-                 else _json_items(fh, unit.path, columns, types, batch_rows, block_bytes))
+        items = (_csv_items(fh, unit.path, types, csv_convert, batch_rows, block_bytes, max_record_bytes)
+                 if unit.fmt == "csv" else
+                 _json_items(fh, unit.path, columns, types, batch_rows, block_bytes, max_record_bytes))
         for item in items:
             if item[0] == "bad":
                 _, line, text, reason = item
@@ -512,12 +661,13 @@ def _finish(batch: pa.RecordBatch, rows: np.ndarray, types, columns, with_source
 
 def read_unit(unit: FileUnit, *, columns: Sequence[str] | None = None, batch_rows: int = 65_536,
               with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
-              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = 4 << 20
-              ) -> Iterator[pa.RecordBatch]:
+              column_types: Mapping[str, pa.DataType] | None = None, block_bytes: int = BLOCK_BYTES,
+              max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[pa.RecordBatch]:
     """Record batches of one unit; a row that cannot be read is a ``FileReadError`` naming file and line
     (use ``ReadFromFiles(..., with_errors=True)`` to get such rows as dead letters instead)."""
     for item in iter_unit(unit, columns=columns, batch_rows=batch_rows, with_source=with_source,
-                          csv_convert=csv_convert, column_types=column_types, block_bytes=block_bytes):
+                          csv_convert=csv_convert, column_types=column_types, block_bytes=block_bytes,
+                          max_record_bytes=max_record_bytes):
         if isinstance(item, DeadLetter):
             raise FileReadError(f"{item.source}: {item.reason}: {str(item.payload)[:200]}")
         yield item
@@ -561,20 +711,24 @@ class ReadFromFiles(beam.PTransform):
         files are then read in blocks of ``block_bytes`` and a value that does not fit rejects its row.
       with_errors: return ``(batches, errs)``, ``errs`` holding a ``DeadLetter`` (source
         ``file:line``) per rejected row; without it a rejected row fails the read, naming file and line.
+      max_record_bytes: the longest CSV record or JSON line read; a longer one is rejected (a dead
+        letter holding its first KiB and its size), never held in memory whole.
     """
 
     def __init__(self, file_patterns: str | Sequence[str], *, file_format: str | None = None,
                  columns: Sequence[str] | None = None, batch_rows: int = 65_536,
                  with_source: bool = False, csv_convert: pacsv.ConvertOptions | None = None,
                  column_types: Mapping[str, pa.DataType] | None = None, with_errors: bool = False,
-                 block_bytes: int = 4 << 20):
+                 block_bytes: int = BLOCK_BYTES, max_record_bytes: int = MAX_RECORD_BYTES):
         super().__init__()
         self._patterns = [file_patterns] if isinstance(file_patterns, str) else list(file_patterns)
         self._format = file_format
         self._errors = with_errors
         self._read = {"columns": columns, "batch_rows": batch_rows, "with_source": with_source,
                       "csv_convert": csv_convert, "column_types": dict(column_types) if column_types else None,
-                      "block_bytes": block_bytes}
+                      "block_bytes": block_bytes, "max_record_bytes": int(max_record_bytes)}
+        if self._read["max_record_bytes"] < 1:
+            raise ValueError(f"max_record_bytes must be at least 1, not {max_record_bytes}")
 
     def expand(self, pbegin):
         units = (pbegin

@@ -52,7 +52,10 @@ class BatchJob:
 
     out: str | None = option(None, "run directory (default runs/batch-<time>)")
     dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory")
-    resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset)")
+    resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
+                          "the budget (--epochs/--steps/--patience) and where it runs may change")
+    overwrite: bool = option(False, "--out holds an earlier flowtrain run with other options: replace it (only the "
+                             "files flowtrain wrote are deleted; docs/runs.md)")
     input: tuple[str, ...] = option((), "CSV, Parquet or JSON-lines files or globs (repeat or comma-separate)",
                                     group=_DATA, repeat=True)
     label: str | None = option(None, "label column", group=_DATA)
@@ -77,6 +80,8 @@ class BatchJob:
                                      group=_DATA)
     min_count: int = option(1, "categories seen fewer times in training map to out-of-vocabulary",
                             parse=at_least(1), group=_DATA)
+    max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
+                                   "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
     slice_by: str | None = option(None, "report: test metrics per value of this categorical feature column",
                                   group=_DATA, metavar="COLUMN")
     model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
@@ -243,8 +248,12 @@ def _run_batch(job: BatchJob) -> dict:
     t0 = time.perf_counter()
     run_dir = run_directory(job)
     resume = job.resume
-    if resume:
-        _check_resumable(run_dir)
+    from flowtrain.train.rundir import mark_complete, prepare_run_dir
+
+    # the run-directory rules (docs/runs.md): a used --out only with --resume (same run) or --overwrite
+    run = prepare_run_dir(run_dir, to_config(job), resume=resume, overwrite=job.overwrite)
+    if run.note:
+        print(run.note, flush=True)
     launch = LaunchConfig(workers=job.workers, failure_timeout_s=job.failure_timeout)
     run_dir.mkdir(parents=True, exist_ok=True)
     beam_args = list(job.beam_args)
@@ -280,7 +289,7 @@ def _run_batch(job: BatchJob) -> dict:
                 print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
             print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
             manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
-                                       options=beam_opts)
+                                       options=beam_opts, max_record_bytes=job.max_record_bytes)
             title = ", ".join(inputs)
         c = manifest["counts"]
         print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "
@@ -318,18 +327,21 @@ def _run_batch(job: BatchJob) -> dict:
     from flowtrain.train.baselines import fit_linear
 
     linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget)
-    torch.save(linear.model.state_dict(), run_dir / "linear.pt")
+    from connectors.atomic import atomic_file, atomic_write
+
+    with atomic_file(run_dir / "linear.pt") as fh:  # final outputs: whole or not at all
+        torch.save(linear.model.state_dict(), fh)
     print(f"linear: fitted to convergence by L-BFGS ({linear.iterations} iterations, gradient norm "
           f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)
     if not job.model:
         config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"))
-    (run_dir / "config.json").write_text(json.dumps(to_config(job), indent=1) + "\n")
+    atomic_write(run_dir / "config.json", json.dumps(to_config(job), indent=1) + "\n")
     job_dict = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume, "model": job.model,
                 "config": {k: (list(v) if isinstance(v, tuple) else v)
                            for k, v in dataclasses.asdict(config).items()}}
     if job.job_only:
         job_path = run_dir / "job.json"
-        job_path.write_text(json.dumps({**job_dict, "failure_timeout_s": launch.failure_timeout_s}))
+        atomic_write(job_path, json.dumps({**job_dict, "failure_timeout_s": launch.failure_timeout_s}))
         print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
@@ -402,6 +414,7 @@ def _run_batch(job: BatchJob) -> dict:
     from flowtrain.train.bundle import write_bundle
 
     write_bundle(run_dir / "bundle", model, data, config, factory=job.model, run=run_dir.name)
+    mark_complete(run_dir)  # last: a run.json that says "running" is a run that crashed, failed or goes on
     key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "
           + ", ".join(f"{n} {m[key]:.4f}" for n, m in summary["test"]["baselines"].items()))

@@ -37,6 +37,7 @@ from typing import Any
 
 from connectors.atomic import TMP_INFIX, atomic_write
 from connectors.dataset import DatasetError, owned_files, remove_dataset
+from flowtrain.errors import FlowtrainError
 from flowtrain.train import checkpoint
 
 __all__ = ["RUN_MARKER", "RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "RunDirError", "prepare_run_dir",
@@ -55,12 +56,12 @@ RUN_FILES = ("model.pt", "linear.pt", "training.json", "fit.json", "confusion.pn
              "metric.png", "roc.png", "pr.png", "calibration.png", "residuals.png", "predicted_vs_actual.png",
              "importance.png", "report.md", "report.html", "summary.json", "config.json", "job.json",
              "dead_letters.jsonl", f".*{TMP_INFIX}*", "workers/job.json", "workers/rank-*.log", "workers/heartbeats/*",
-             "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*")
-_RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints")
+             "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*", "bundle/*")
+_RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle")
 _SECRET = re.compile(r"(?i)password|secret|token|credential|sasl|jaas|key_file|api_key")
 
 
-class RunDirError(ValueError):
+class RunDirError(FlowtrainError):
     """``--out`` cannot be used as asked; the message names the directory and what to do."""
 
 
@@ -233,9 +234,9 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
                 "dataset", path / "dataset"))).resolve()):
             raise RunDirError(f"--resume: --dataset {dataset} is not the dataset of the run in {path} "
                               f"({recorded.get('dataset') or path / 'dataset'}); a resume trains on the same data")
-        # options not given now are the run's own (taken from the marker); those given must agree
-        diffs = [d for d in _differences(recorded, {k: v for k, v in given.items() if v is not None}, may_change)
-                 if not d.endswith("(not given) now")]
+        # options not given now (None or empty) are the run's own (taken from the marker); those given must agree
+        now = {k: v for k, v in given.items() if v is not None and v not in ((), [], "")}
+        diffs = [d for d in _differences(recorded, now, may_change) if not d.endswith("(not given) now")]
         if diffs:
             raise RunDirError(f"--resume: the run in {path} was started with other options ({'; '.join(diffs)}); "
                               f"resume it with the same options, or give --overwrite to start it over")

@@ -14,79 +14,107 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import shutil
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Sequence
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from connectors.dataset import WriteDataset
-from connectors.deadletter import ERRS, PARTS_SUFFIX, WriteDeadLettersToJsonl
-from connectors.spill import SPILL_SUFFIX, ReadFromSpill, WriteToSpill, remove_spill, spill_directory
-from connectors.files import CSV_NULLS, ReadFromFiles, csv_header, file_format
-from pipelines.tabular import features as F
 from connectors.dataset_spec import SPLITS, FeatureSpec
+from connectors.deadletter import ERRS, PARTS_SUFFIX, WriteDeadLettersToJsonl
+from connectors.files import (
+    CSV_NULLS,
+    MAX_RECORD_BYTES,
+    ReadFromFiles,
+    csv_header,
+    file_format,
+    read_csv_header,
+    record_end,
+)
+from connectors.spill import SPILL_SUFFIX, ReadFromSpill, WriteToSpill, remove_spill, spill_directory
+from pipelines.tabular import features as F
 
 ExtraChecks = Callable[[pa.RecordBatch], list]
 
 
 # ---------------------------------------------------------------------------------------------
-# Pre-flight: schema of every input file, before the pipeline runs
+# Pre-flight: the columns of every input file, before the pipeline runs
 # ---------------------------------------------------------------------------------------------
 _HEAD_BYTES = 4 << 20
 
 
-def _cut_at_record_end(head: bytes) -> bytes:
-    """The head up to its last newline that is not inside a quoted CSV value."""
-    pos = head.rfind(b"\n")
-    while pos > 0 and head.count(b'"', 0, pos) % 2:
-        pos = head.rfind(b"\n", 0, pos)
-    return head[: pos + 1] if pos > 0 else head
-
-
-def file_head(path: str) -> pa.Table:
-    """The first rows of a file (the first 4 MB of a text file, the first row group of a
-    Parquet file) with the types a reader infers; rows that cannot be read are skipped here
-    (the pipeline turns them into dead letters)."""
+def file_head(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> pa.Table:
+    """The first rows of a file (the records in the first 4 MB of a text file after its header, the
+    first row group of a Parquet file) with the types a reader infers; rows that cannot be read are
+    skipped here. Only for guessing what was not declared (``infer_task``): declared types are never
+    taken from it."""
     fmt = file_format(path)
     with FileSystems.open(path) as fh:
         if fmt == "parquet":
             pf = pq.ParquetFile(fh)
             return pf.read_row_group(0) if pf.metadata.num_row_groups else pf.schema_arrow.empty_table()
-        head = fh.read(_HEAD_BYTES)
+        if fmt == "csv":
+            names, rest = read_csv_header(fh, path, max_record_bytes)  # a header of any size up to the bound
+            head = rest + fh.read(max(0, _HEAD_BYTES - len(rest)))
+        else:
+            head = fh.read(_HEAD_BYTES)
     if fmt == "csv":
-        csv_header(path)  # a repeated column name is an error naming the file
+        cut = record_end(head)
         parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lambda row: "skip")
         opts = pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
         try:
-            return pacsv.read_csv(io.BytesIO(_cut_at_record_end(head)), parse_options=parse, convert_options=opts)
+            return pacsv.read_csv(io.BytesIO(head[:cut] if cut > 0 else b""), parse_options=parse,
+                                  convert_options=opts, read_options=pacsv.ReadOptions(column_names=names))
         except pa.ArrowInvalid as err:
             raise F.SchemaError(f"{path}: cannot be read as CSV: {err}") from None
-    head = head[: head.rfind(b"\n") + 1] or head
+    rows = [obj for obj in _json_objects(head, max_record_bytes)]
     try:
-        return pajson.read_json(io.BytesIO(head))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        import json
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.table({k: pa.array([r.get(k) for r in rows], type=pa.string()) if any(
+            isinstance(r.get(k), str) for r in rows) else pa.nulls(len(rows)) for k in _keys(rows)})
 
-        rows = []
-        for line in head.splitlines():
+
+def _json_objects(head: bytes, max_record_bytes: int):
+    """The JSON objects among the whole lines of ``head`` (a bad or oversized line is skipped here)."""
+    for line in head[: head.rfind(b"\n") + 1].splitlines():
+        if line.strip() and len(line) <= max_record_bytes:
             try:
                 obj = json.loads(line)
             except Exception:  # noqa: BLE001 - a bad line is the pipeline's dead letter, not a pre-flight error
                 continue
             if isinstance(obj, dict):
-                rows.append(obj)
-        try:
-            return pa.Table.from_pylist(rows)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-            raise F.SchemaError(f"{path}: the first lines mix types in a column ({err})") from None
+                yield obj
+
+
+def _keys(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def _check_columns(names: Sequence[str], spec: FeatureSpec, where: str) -> None:
+    """Declared columns missing from a text file's header (or first JSON objects) -> ``SchemaError``;
+    their types are not checked here: a value that does not fit is its row's dead letter."""
+    missing = [c for c in spec.input_columns if c not in set(names)]
+    if missing:
+        raise F.SchemaError(f"{where}: missing declared column(s) {', '.join(missing)}; "
+                            f"the file has {', '.join(names)}")
+
+
+def _text_has_rows(path: str, fmt: str, max_record_bytes: int) -> bool:
+    with FileSystems.open(path) as fh:
+        rest = read_csv_header(fh, path, max_record_bytes)[1] if fmt == "csv" else b""
+        return bool((rest + fh.read(1 << 16)).strip())
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -129,15 +157,26 @@ def resolve_task(files: Sequence[str], spec: FeatureSpec) -> tuple[FeatureSpec, 
     return dataclasses.replace(spec, task=task), why
 
 
-def preflight(files: Sequence[str], spec: FeatureSpec) -> pa.Schema:
-    """Check every file's columns and types; raise ``SchemaError`` naming the first bad one."""
-    schema = None
+def preflight(files: Sequence[str], spec: FeatureSpec, *, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+    """Check every file has the declared columns (and a Parquet file's own column types); raise
+    ``SchemaError`` naming the first bad one. Text files' types are never inferred from their first
+    rows: the pipeline reads them with the declared types, and a value that does not fit, in line 3
+    or line 3,000,000, is that row's dead letter naming file and line."""
     nonempty = False
     for path in files:
-        head = file_head(path)
-        F.check_schema(head.schema, spec, where=path)
-        schema = schema or head.schema
-        nonempty = nonempty or head.num_rows > 0
+        fmt = file_format(path)
+        if fmt == "parquet":
+            head = file_head(path)
+            F.check_schema(head.schema, spec, where=path)  # the file's declared schema, not an inference
+            nonempty = nonempty or head.num_rows > 0
+        elif fmt == "csv":
+            _check_columns(csv_header(path, max_record_bytes), spec, where=path)
+            nonempty = nonempty or _text_has_rows(path, fmt, max_record_bytes)
+        else:
+            rows = list(_json_objects(file_head_bytes(path), max_record_bytes))
+            if rows:
+                _check_columns(_keys(rows), spec, where=path)
+            nonempty = nonempty or _text_has_rows(path, fmt, max_record_bytes)
     if not nonempty:
         raise F.SchemaError(f"the input is empty: {', '.join(files)} hold no rows")
     if spec.time_column and spec.valid_from is not None and spec.test_from is not None:
@@ -145,7 +184,12 @@ def preflight(files: Sequence[str], spec: FeatureSpec) -> pa.Schema:
         if lo > hi:
             raise F.SchemaError(f"--valid-from {spec.valid_from} is after --test-from {spec.test_from}: the "
                                 f"validation period must come before the test period")
-    return schema
+
+
+def file_head_bytes(path: str) -> bytes:
+    """The first 4 MB of a file, as bytes."""
+    with FileSystems.open(path) as fh:
+        return fh.read(_HEAD_BYTES)
 
 
 class SplitError(ValueError):
@@ -172,10 +216,12 @@ def check_splits(manifest: dict) -> None:
             f"{' (--valid-from ' + str(spec.get('valid_from')) + ')' if spec.get('valid_from') else ' (by fraction)'}, "
             f"test from {fmt(info['test_from'])}"
             f"{' (--test-from ' + str(spec.get('test_from')) + ')' if spec.get('test_from') else ' (by fraction)'}. "
-            f"Choose --valid-from/--test-from inside the column's range (train < valid-from <= valid < test-from <= test)"
+            f"Choose --valid-from/--test-from inside the column's range "
+            f"(train < valid-from <= valid < test-from <= test)"
             f"{'' if spec.get('time_format') else ', or set --time-format if the times are read wrongly'}")
     raise SplitError(f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty ({counts} rows; "
-                     f"random split {spec.get('fractions')} by --seed): the table is too small to split; give more rows")
+                     f"random split {spec.get('fractions')} by --seed): the table is too small to split; "
+                     f"give more rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,45 +483,89 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
     return manifest | "RemoveSpill" >> beam.Map(_remove_spill_then, spill_dir)
 
 
-def remove_temporaries(dataset_path: str, dead_letters_path: str | None) -> None:
-    """What a failed run leaves: the dataset's ``.tmp-*`` and ``.spill-*`` directories, the dead
-    letters' ``.parts-*`` and Beam's ``beam-temp-*``."""
+def _temporaries(dataset_path: str, dead_letters_path: str | None) -> set[str]:
+    """The temporaries an ETL into these paths makes, as they are now: the dataset's ``.tmp-*`` and
+    ``.spill-*``, the dead letters' ``.parts-*`` and ``.tmp-*``, Beam's ``beam-temp-<name>-*``."""
+    found: set[str] = set()
     if FileSystems.get_scheme(dataset_path) is None:
         dataset = Path(dataset_path).resolve()
-        for tmp in [*dataset.parent.glob(f"{dataset.name}.tmp-*"), *dataset.parent.glob(f"{dataset.name}{SPILL_SUFFIX}*")]:
-            shutil.rmtree(tmp, ignore_errors=True)
+        found |= {str(p) for p in [*dataset.parent.glob(f"{dataset.name}.tmp-*"),
+                                   *dataset.parent.glob(f"{dataset.name}{SPILL_SUFFIX}*")]}
     else:  # an object store: the spill's objects under <dataset_path>.spill-<id>/
-        for m in FileSystems.match([f"{dataset_path.rstrip('/')}{SPILL_SUFFIX}**"])[0].metadata_list:
-            FileSystems.delete([m.path])
+        found |= {m.path for m in FileSystems.match([f"{dataset_path.rstrip('/')}{SPILL_SUFFIX}**"])[0].metadata_list}
     if dead_letters_path and FileSystems.get_scheme(dead_letters_path) is None:
         dead = Path(dead_letters_path).resolve()
-        for tmp in [*dead.parent.glob("beam-temp-*"), *dead.parent.glob(f"{dead.name}{PARTS_SUFFIX}*"),
-                    *dead.parent.glob(f"{dead.name}.tmp-*")]:
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        found |= {str(p) for p in [*dead.parent.glob(f"beam-temp-{dead.name}-*"),
+                                   *dead.parent.glob(f"{dead.name}{PARTS_SUFFIX}*"),
+                                   *dead.parent.glob(f"{dead.name}.tmp-*")]}
+    return found
+
+
+def remove_temporaries(dataset_path: str, dead_letters_path: str | None, *, keep: set[str] | frozenset = frozenset()
+                       ) -> None:
+    """What a failed run leaves: the dataset's ``.tmp-*`` and ``.spill-*`` directories, the dead
+    letters' ``.parts-*`` and ``.tmp-*``, and Beam's ``beam-temp-<dead letters' name>-*``; those in
+    ``keep`` (what existed before this job started: another job's) stay."""
+    for tmp in sorted(_temporaries(dataset_path, dead_letters_path) - set(keep)):
+        if FileSystems.get_scheme(tmp) is not None:
+            FileSystems.delete([tmp])
+        elif Path(tmp).is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            Path(tmp).unlink(missing_ok=True)
+
+
+@contextmanager
+def _termination_raises():
+    """SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread while the block runs,
+    so a terminated ETL unwinds through its cleanup (a handler installed before runs first)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum, frame):
+        before = previous.get(signum)
+        if before is signal.SIG_IGN:
+            return
+        if callable(before):
+            before(signum, frame)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before if before is not None else signal.SIG_DFL)
 
 
 def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: str,
-                    dead_letters_path: str | None, options) -> dict:
+                    dead_letters_path: str | None, options, max_record_bytes: int = MAX_RECORD_BYTES) -> dict:
     """Pre-flight the files, run the ETL, return the manifest.
 
     Files are read with the declared column types (``features.read_types``): a row that cannot
-    be read or whose value does not fit becomes a dead letter naming its file and line. A
-    failure leaves no temporary directory behind; an empty split is a ``SplitError``.
+    be read or whose value does not fit becomes a dead letter naming its file and line; so does a
+    CSV record or JSON line longer than ``max_record_bytes``. A failure, SIGTERM or SIGHUP
+    included, leaves none of this job's temporary files behind (another job's stay); an empty
+    split is a ``SplitError``.
     """
     from connectors.dataset import read_manifest
 
     files = expand_inputs(inputs)
     spec, _ = resolve_task(files, spec)
-    preflight(files, spec)
+    preflight(files, spec, max_record_bytes=max_record_bytes)
+    before = _temporaries(dataset_path, dead_letters_path)
     try:
-        with beam.Pipeline(options=options) as p:
+        with _termination_raises(), beam.Pipeline(options=options) as p:
             raw, read_errs = p | "ReadFiles" >> ReadFromFiles(
                 files, with_source=True, columns=[*spec.input_columns], column_types=F.read_types(spec),
-                with_errors=True)
+                with_errors=True, max_record_bytes=max_record_bytes)
             build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
                       extra_metadata={"inputs": files}, read_errs=read_errs)
     except BaseException:
-        remove_temporaries(dataset_path, dead_letters_path)
+        remove_temporaries(dataset_path, dead_letters_path, keep=before)
         raise
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
