@@ -138,8 +138,32 @@ def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
         raise ValueError(f"--init-weights {path}: no config.json beside it, so the batch run's architecture "
                          f"(hidden sizes, dropout, seed) is unknown; give the model.pt of a `flowtrain batch` run "
                          f"directory (or one of its checkpoints)")
-    train = json.loads(run_config.read_text()).get("train", {})
+    recorded = json.loads(run_config.read_text())
+    train = recorded.get("train", recorded)  # config.json: the run's options (flat), or {"train": ...} before
+    check_same_dataset(path, Path(recorded.get("dataset") or path.parent / "dataset"), cfg.dataset)
     return Architecture.from_dict(train, f"batch run {path.parent}"), state
+
+
+def check_same_dataset(weights: Path, trained_on: Path, dataset: str) -> None:
+    """--init-weights from a batch run on another dataset (another label, columns, classes, vocabularies
+    or statistics: weights that would read the features wrongly) is an error naming both."""
+    from connectors.dataset import read_manifest
+
+    if not (trained_on / "_manifest.json").is_file():
+        return  # the run's dataset is not at hand: the weights' shapes are still checked on loading
+    theirs, mine = read_manifest(trained_on), read_manifest(dataset)
+    differ = [name for name, a, b in (("spec", theirs.get("spec"), mine.get("spec")),
+                                      ("classes", theirs["stats"].get("classes"), mine["stats"].get("classes")),
+                                      ("vocabularies", theirs["stats"].get("vocab"), mine["stats"].get("vocab")))
+              if a != b]
+    a, b = theirs["stats"].get("numeric", {}), mine["stats"].get("numeric", {})
+    if set(a) != set(b) or any(not math.isclose(a[c][k], b[c][k], rel_tol=1e-6, abs_tol=1e-9)
+                               for c in a for k in ("mean", "std")):
+        differ.append("numeric statistics")
+    if differ:
+        raise ValueError(f"--init-weights {weights}: that run was trained on the dataset {trained_on}, whose "
+                         f"{', '.join(differ)} differ from --dataset {dataset}; start from a batch run on the same "
+                         f"dataset (or leave --init-weights out)")
 
 
 class StreamTrainer:
