@@ -185,3 +185,27 @@ def test_events_of_another_table_or_no_dataset_stop_the_job_with_one_line(bootst
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "is not a flowtrain dataset" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and str(not_dataset) in proc.stderr, proc.stderr
+
+
+def test_init_weights_from_a_run_on_another_dataset_is_an_error_naming_both(bootstrap, sensor_run, tmp_path):
+    from connectors.dataset_spec import FeatureSpec
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.tabular.pipeline import run_tabular_etl
+    from tests.sensor_data import sensor_rows, write_csv
+
+    dataset, run, _ = sensor_run
+    # the same columns, classes and vocabularies, other rows: weights of the same shapes, other statistics
+    other_csv = write_csv(tmp_path / "other.csv", sensor_rows(1200, seed=5))
+    spec = FeatureSpec(label="state", task="classification", numeric=["temp", "pressure"],
+                       optional_numeric=["humidity"], categorical=["site", "machine"], time_column="ts", min_count=2)
+    run_tabular_etl([other_csv], spec, dataset_path=str(tmp_path / "other"), dead_letters_path=None,
+                    options=pipeline_options("batch"))
+    names = _names()
+    proc = subprocess.run(CLI + ["stream", "train", *_stream_args(bootstrap, names, str(tmp_path / "other"),
+                                                                  tmp_path / "t"),
+                                 "--init-weights", str(run / "model.pt"), "--idle-exit", "2"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"flowtrain stream train: --init-weights {run / 'model.pt'}: that run was trained on "
+                           f"the dataset {dataset}") and "numeric statistics" in line, proc.stderr
