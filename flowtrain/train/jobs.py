@@ -63,4 +63,5 @@ def stream_trainer_worker(ctx, job: dict) -> None:
 def stream_summary_line(summary: dict) -> str:
     return (f"stream train: stopped at step {summary['step']} (model version {summary['version']}), "
             f"{summary['rows']:,} rows trained ({summary['rows_per_s']:,.0f} rows/s from first to last message), "
-            f"{summary['dropped_duplicates']:,} duplicate rows dropped")
+            f"{summary['dropped_duplicates']:,} duplicate rows dropped, "
+            f"{sum((summary.get('rejected') or {}).values()):,} feature message(s) rejected (dead letters)")

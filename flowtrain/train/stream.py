@@ -41,17 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from connectors.arrow import decode_batch
 from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_consumer, new_producer
 from flowtrain.parallel import DistContext, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint
-from flowtrain.train.loader import TabularDataset, table_to_split
+from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog
+from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, BadFeatureMessage, FeatureMessageCheck
+from flowtrain.train.stream_rejects import InputRejects
 
 
 @dataclass
@@ -72,6 +72,9 @@ class StreamTrainConfig:
     max_steps: int | None = None
     ledger: bool = False  # test hook: trained sources, per checkpoint version, in ledger.jsonl
     kafka_config: dict[str, Any] = field(default_factory=dict)
+    # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
+    dead_letter_topic: str = "flights-dead-letters"
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES  # a feature message decoding to more is a dead letter
     device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
     # torch threads of each replica (None: torch's default). A step is one feature message (up to
     # the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared with the pipeline and
@@ -86,6 +89,7 @@ class StreamTrainConfig:
                   "checkpoint_every_s": self.checkpoint_every_s > 0,
                   "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
                   "max_steps": self.max_steps is None or self.max_steps >= 1,
+                  "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
                   "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
                   "replication_factor": self.replication_factor is None or (
                       not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
@@ -191,6 +195,12 @@ class StreamTrainer:
         self.positions: dict[int, int] = {}  # feature partition -> next offset
         self.seen: dict[int, int] = {}  # raw partition -> highest raw offset trained
         self.rows_trained = self.dropped = 0
+        # every feature message is checked against the dataset (flowtrain.train.stream_input); what fails
+        # is a dead letter with its reason, counted per kind in the checkpoint (flowtrain.train.stream_rejects)
+        self.check = FeatureMessageCheck(self.data, max_decoded_bytes=cfg.max_decoded_bytes)
+        self.rejects = InputRejects(cfg.bootstrap, cfg.kafka_config, features_topic=cfg.features_topic,
+                                    dead_letter_topic=cfg.dead_letter_topic,
+                                    replication_factor=cfg.replication_factor)
         self.pending_ledger: list[tuple[int, int]] = []
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (outputs, labels) since the last log
         self.steps_since_ckpt = 0
@@ -231,6 +241,7 @@ class StreamTrainer:
         busy = (self.last_data_t - self.first_data_t) if self.first_data_t else 0.0
         return {"step": self.step, "version": self.version, "rows": self.rows_trained,
                 "dropped_duplicates": self.dropped, "rows_per_s": self.rows_trained / busy if busy > 0 else 0.0,
+                "rejected": dict(self.rejects.counts) if self.ctx.is_main else {},
                 "resumed_from": restored, "architecture": self.architecture.to_dict()}
 
     # --- state: from the last checkpoint only ------------------------------------------------------------
@@ -255,8 +266,12 @@ class StreamTrainer:
             except RuntimeError as err:
                 raise ValueError(f"--init-weights {self.cfg.init_weights} ({self.architecture.source}) does not fit "
                                  f"the dataset {self.cfg.dataset}: {str(err).splitlines()[0]}") from None
+        if not _weights_finite(self.model):  # a model that would train and publish NaN
+            raise NonFiniteModel(f"the starting weights ({self.architecture.source}) are not finite; start from a "
+                                 f"model.pt or checkpoint whose weights are")
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
         if found is None:
+            self.rejects.restore(None, self.run_dir, is_main=self.ctx.is_main)
             self._drop_ledger_after(0)
             if self.ctx.is_main and self.log.path.exists():
                 self.log.truncate_after(0)
@@ -268,6 +283,7 @@ class StreamTrainer:
         self.step, self.version = int(state["step"]), int(state["version"])
         self.positions = {int(k): int(v) for k, v in state["positions"].items()}
         self.seen = {int(k): int(v) for k, v in state["seen"].items()}
+        self.rejects.restore(state, self.run_dir, is_main=self.ctx.is_main)
         self._drop_ledger_after(self.version)
         if self.ctx.is_main and self.log.path.exists():
             self.log.truncate_after(self.step)
@@ -308,6 +324,11 @@ class StreamTrainer:
                     self.consumer.seek(tp, self.positions[tp.partition])
                 else:
                     self.consumer.seek_to_beginning(tp)
+        self.rejects.open({tp.partition for tp in self.mine}, self.run_dir, is_main=self.ctx.is_main)
+        if self.ctx.distributed:  # no replica rejects a message before rank 0 noted where the dead letters start
+            import torch.distributed as dist
+
+            dist.barrier()
         if self.ctx.is_main:
             ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config,
                          replication_factor=cfg.replication_factor)
@@ -327,15 +348,18 @@ class StreamTrainer:
         self.last_data_t = time.monotonic()
         self.first_data_t = self.first_data_t or self.last_data_t
         self.positions[msg.partition] = msg.offset + 1
-        batch = decode_batch(msg.value)
-        split = table_to_split(pa.Table.from_batches([batch]), self.data.spec)
-        src_p, src_o = batch.column("src_partition").to_numpy(), batch.column("src_offset").to_numpy()
+        try:
+            rows = self.check(msg.value)
+        except BadFeatureMessage as bad:
+            self.rejects.reject(msg.partition, msg.offset, msg.value, bad.kind, str(bad))
+            return None
+        src_p, src_o = rows.src_partition, rows.src_offset
         fresh = _unseen(src_p, src_o, self.seen)
         self.dropped += int((~fresh).sum())
         if not fresh.any():
             return None
         idx = torch.from_numpy(np.flatnonzero(fresh))
-        return split.take(idx), src_p[fresh], src_o[fresh]
+        return rows.split.take(idx), src_p[fresh], src_o[fresh], (msg.partition, msg.offset, msg.value)
 
     def _agree(self, *, has_data: bool) -> dict:
         """Every replica's flags, reduced: the decisions below are the same on every replica."""
@@ -353,30 +377,51 @@ class StreamTrainer:
                 "checkpoint_due": due > 0}
 
     def _train_step(self, local) -> None:
-        """Evaluate (prequential), then train; a replica without data takes part with a count of 0."""
-        loss_sum, n_local = None, 0
+        """Evaluate (prequential), then train; a replica without data takes part with a count of 0.
+
+        A message whose rows give a non-finite output or loss is not trained on (it is a dead letter,
+        this replica takes part with a count of 0); a step whose reduced gradient is not finite is
+        skipped on every replica (each sends its message of the step to the dead letters)."""
+        loss_sum, n_local, scored = None, 0, None
         if local is not None:
-            b, bp, bo = local
+            b, bp, bo, message = local
             labels = b.y.numpy()
             b = move_batch(b, self.device)  # pinned memory, non-blocking copy on a GPU
             self.model.eval()
             with torch.no_grad():
-                self.window.append((self.model(b.x_num, b.x_cat).cpu().numpy(), labels))
+                scored = self.model(b.x_num, b.x_cat)
             self.model.train()
             torch.manual_seed(self.architecture.seed * 1_000_003 + self.step * 1009 + self.ctx.rank)  # dropout
             target = (b.y - self.shift) / self.scale
             loss_sum, n_local = sum_loss(self.loss_fn, self.model(b.x_num, b.x_cat), target), len(b)
+            if not bool(torch.isfinite(loss_sum) & torch.isfinite(scored).all()):  # one device-to-host copy
+                self.rejects.reject(*message, "non_finite_loss",
+                                    f"the model's output or loss on these {len(b)} finite rows is not finite "
+                                    f"(step {self.step}); the rows were not trained on")
+                loss_sum, n_local, local = None, 0, None
+        self.optimizer.zero_grad(set_to_none=True)
+        global_n, self.last_loss = self.reducer.backward(loss_sum, n_local)
+        if global_n and not _gradients_finite(self.model):  # reduced: the same answer on every replica
+            self.optimizer.zero_grad(set_to_none=True)
+            self.last_loss = None
+            if local is not None:
+                self.rejects.reject(*message, "non_finite_loss",
+                                    f"the gradient of step {self.step} is not finite; the step was skipped and "
+                                    f"these {n_local} rows were not trained on")
+            return
+        if local is not None:
+            self.window.append((scored.cpu().numpy(), labels))
             for p in np.unique(bp):  # a column at a time: one max per raw partition
                 self.seen[int(p)] = max(self.seen.get(int(p), -1), int(bo[bp == p].max()))
             if self.cfg.ledger:
                 self.pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
-        self.optimizer.zero_grad(set_to_none=True)
-        global_n, self.last_loss = self.reducer.backward(loss_sum, n_local)
         if global_n:
             self.optimizer.step()
             self.step += 1
             self.steps_since_ckpt += 1
             self.rows_trained += global_n
+            if not _weights_finite(self.model):  # before any later message is blamed for it
+                raise NonFiniteModel(self._diverged())
 
     def _should_end(self, agreed: dict) -> bool:
         return bool(agreed["stop"] or (self.cfg.max_steps and self.step >= self.cfg.max_steps)
@@ -386,23 +431,35 @@ class StreamTrainer:
     def _checkpoint(self, reason: str) -> None:
         """A collective: every replica gathers positions, seen offsets, ledger and prequential rows."""
         ctx = self.ctx
+        if not _weights_finite(self.model):  # identical on every replica
+            raise NonFiniteModel(self._diverged())
+        # before the gathers (a barrier): a dead letter sent after these offsets is one of a message
+        # past this checkpoint's positions, which a restart reads again
+        dead_letter_ends = self.rejects.end_offsets() if ctx.is_main else {}
         self.version += 1
         positions = _gather_dict(ctx, self.positions)
         seen = _gather_dict(ctx, self.seen)
         window = _gather_list(ctx, self.window)
         ledger = _gather_list(ctx, self.pending_ledger) if self.cfg.ledger else []
+        rejected_now = _gather_list(ctx, self.rejects.pending) if self.cfg.ledger else []
+        rejected = _sum_counts(_gather(ctx, dict(self.rejects.counts)))
         if ctx.is_main:
             preq = self._prequential(window)
-            if ledger:
+            if ledger or rejected_now:
                 with open(self.ledger_path, "a") as fh:
                     for p, o in ledger:
                         fh.write(json.dumps({"version": self.version, "partition": int(p), "offset": int(o)}) + "\n")
+                    for p, o, kind in rejected_now:  # feature messages (not raw sources) sent to the dead letters
+                        fh.write(json.dumps({"version": self.version, "rejected": {"partition": int(p),
+                                                                                   "offset": int(o)},
+                                             "kind": kind}) + "\n")
             path = checkpoint.save(self.ckpt_dir, self.step, cpu_state({  # opens on any machine
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
                 "architecture": self.architecture.to_dict(),
                 "positions": {str(k): v for k, v in positions.items()},
-                "seen": {str(k): v for k, v in seen.items()}}), keep=3)
+                "seen": {str(k): v for k, v in seen.items()}, "rejected": rejected,
+                "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}}), keep=3)
             # "rows": scored since the last checkpoint (absent with none), "rows_trained": in all
             self.log.write({"kind": "prequential", "step": self.step, "version": self.version,
                             "rows_trained": self.rows_trained, **preq})
@@ -411,10 +468,16 @@ class StreamTrainer:
             _plot(self.log, self.run_dir, self.task)
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": preq.get("loss"),
-                                   "positions": positions})
+                                   "positions": positions, "rejected": rejected})
+        self.rejects.checkpointed()
         self.pending_ledger.clear()
         self.window.clear()
         self.last_ckpt_t, self.steps_since_ckpt = time.monotonic(), 0
+
+    def _diverged(self) -> str:
+        return (f"the model's weights are not finite after step {self.step}: training diverged (lower --lr); "
+                f"nothing after version {self.version} was checkpointed or published, and a restart resumes "
+                f"from that version")
 
     def _publish(self, record: dict) -> None:
         """The model version on the updates topic; a send Kafka does not acknowledge is an error."""
@@ -441,7 +504,7 @@ class StreamTrainer:
             self.last_status_t = time.monotonic()
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": self.last_loss,
-                                   "positions": self.positions})
+                                   "positions": self.positions, "rejected": self.rejects.counts})
 
     def close(self) -> None:
         if self.consumer is not None:
@@ -450,6 +513,7 @@ class StreamTrainer:
             close_client(self.producer, timeout=10)
         if self.reducer is not None:
             self.reducer.close()
+        self.rejects.close()
 
 
 def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
@@ -465,6 +529,28 @@ def _unseen(partitions: np.ndarray, offsets: np.ndarray, seen: dict[int, int]) -
         rows = partitions == p
         fresh[rows] = offsets[rows] > seen.get(int(p), -1)
     return fresh
+
+
+class NonFiniteModel(ValueError):
+    """The model's weights stopped being finite: training diverged (no message is to blame)."""
+
+
+def _gradients_finite(model: torch.nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def _weights_finite(model: torch.nn.Module) -> bool:
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())  # one copy to host
+
+
+def _sum_counts(dicts: list[dict]) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 def _gather(ctx: DistContext, mine) -> list:
