@@ -234,7 +234,7 @@ class StreamSampler:
 
 def serve_stream_status(args, halves: Callable[[], dict[str, str]], *, title: str):
     """Start ``/metrics`` and the status page on 127.0.0.1:``args.metrics_port`` (None when 0: off);
-    ``stop_stream_status`` ends it. A port in use is a ``ValueError`` naming ``--metrics-port``."""
+    ``stop_stream_status`` ends it. A port in use is a ``FlowtrainError`` naming ``--metrics-port``."""
     from flowtrain.observe.server import start_status_server
 
     port = getattr(args, "metrics_port", 0)
@@ -253,3 +253,24 @@ def stop_stream_status(server) -> None:
         return
     server.stop()
     server.sampler.close()
+
+
+#: Added to the command line of the halves a whole job starts: the parent serves the port.
+CHILD_ARGS = ["--metrics-port", "0"]
+
+
+def process_states(procs: dict) -> Callable[[], dict[str, str]]:
+    """The halves' states from their processes (``procs``: half -> ``Popen``, filled in as they start)."""
+    def states() -> dict[str, str]:
+        return {half: "running" if proc.poll() is None else ("stopped" if proc.returncode == 0 else "failed")
+                for half, proc in list(procs.items())}
+    return states
+
+
+def with_stream_status(args, half: str, run: Callable[[], int]) -> int:
+    """``run()`` (one half of the job, in this process) with ``/metrics`` and the page on ``--metrics-port``."""
+    server = serve_stream_status(args, lambda: {half: "running"}, title=f"flowtrain stream {half}")
+    try:
+        return run()
+    finally:
+        stop_stream_status(server)

@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from flowtrain.errors import FlowtrainError
 from flowtrain.observe.page import PAGE
 
 PREFIX = "flowtrain_"
@@ -213,6 +214,6 @@ def start_status_server(port: int | None, sample: Callable[[], dict], *, title: 
     try:
         server = StatusServer(port, sample, title=title, interval_s=interval_s)
     except OSError as err:
-        raise ValueError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({err.strerror or err}); "
+        raise FlowtrainError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({err.strerror or err}); "
                          f"choose another port, or 0 for none") from None
     return server.start()

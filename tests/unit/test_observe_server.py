@@ -101,6 +101,7 @@ def test_a_failing_sample_keeps_the_last_snapshot_and_says_why():
 
 
 def test_metrics_port_zero_is_off_and_a_used_port_is_named():
+    from flowtrain.errors import FlowtrainError
     from flowtrain.observe.server import start_status_server
 
     assert start_status_server(0, lambda: {}) is None
@@ -108,5 +109,5 @@ def test_metrics_port_zero_is_off_and_a_used_port_is_named():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ValueError, match=rf"--metrics-port {port}: cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(FlowtrainError, match=rf"--metrics-port {port}: cannot listen on 127.0.0.1:{port}"):
             start_status_server(port, lambda: {})
