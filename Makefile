@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flowtrain-installed
 
-.PHONY: install provision test test-fast test-slow demo bench clean-venv
+.PHONY: install provision browser test test-fast test-slow test-multihost demo bench clean-venv
 
 install: $(STAMP) provision
 
@@ -21,9 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 provision: $(STAMP)
 	$(BIN)/python -m flowtrain.local.provision
 
-test: install
+# The status page's browser test drives headless Chromium: Debian's chromium + chromium-driver (apt, once).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver)
+
+test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
-	$(BIN)/python -m pytest -m "not slow" -v --durations=15
+	$(BIN)/python -m pytest -m "not slow and not multihost" -v --durations=15
 
 # The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.
 test-fast: $(STAMP)
@@ -31,6 +37,12 @@ test-fast: $(STAMP)
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow -v
+
+# Past one machine: hosts made of network namespaces (torchrun across hosts, a 3-broker Kafka cluster).
+# Needs root or CAP_NET_ADMIN: without it the lane fails with one line saying why (never a silent skip).
+test-multihost: install
+	@$(BIN)/python -m tests.multihost.hosts
+	$(BIN)/python -m pytest tests/multihost -v -p no:cacheprovider --durations=15
 
 demo: $(STAMP)
 	$(BIN)/flowtrain batch --out runs/demo

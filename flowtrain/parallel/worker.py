@@ -25,9 +25,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from flowtrain.parallel import init_from_env
 from flowtrain.parallel.device import local_world_size
 from flowtrain.parallel.launch import heartbeat, record_failure
-from flowtrain.parallel import init_from_env
+from flowtrain.parallel.peers import exchange, lost_peers, use_route_to_master
 
 
 def _threads() -> int:
@@ -65,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(_threads())
         device = job.get("device") or (job.get("config") or {}).get("device") or "auto"
+        use_route_to_master()  # across machines gloo binds this host's address, not the hostname's
         ctx = init_from_env(timeout_s=float(job.get("failure_timeout_s", 60)), device=device)
+        if ctx.distributed:
+            exchange()  # every rank's host and address, to name a lost peer
         heartbeat(every_s=0.0)  # the rendezvous is over: the slowest peer has started too
         module, name = target.split(":")
         function = getattr(importlib.import_module(module), name)
@@ -78,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             _exit_cleanly(0)
     except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
         record_failure(err)
-        print(f"flowtrain worker rank {rank} failed: {err!r}", file=sys.stderr)
+        lost = lost_peers(err)
+        print(f"flowtrain worker rank {rank} failed: " + (f"lost {lost}: " if lost else "") + f"{err!r}",
+              file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # do not wait on peers in a destroyed group
