@@ -18,6 +18,7 @@ import json
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
+from apache_beam.metrics import Metrics
 
 from connectors.dataset import WriteDataset
 from connectors.dataset_spec import SPLITS, FeatureSpec
@@ -227,12 +229,43 @@ def check_splits(manifest: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Beam steps
 # ---------------------------------------------------------------------------------------------
+#: Beam metrics of the ETL (``PipelineResult.metrics()``, the runner's UI): counters ``rows_in``
+#: (rows read, the reader's dead letters included), ``bytes_read`` (Arrow bytes of the rows read),
+#: ``rows_out`` and ``rows_out: <split>``, ``dead_letters`` and ``dead_letters: <reason>``;
+#: distributions ``validate_ms`` and ``featurize_ms`` (per record batch).
+METRICS_NAMESPACE = "flowtrain.etl"
+
+
+def _count_dead(letter) -> tuple[str, int]:
+    Metrics.counter(METRICS_NAMESPACE, "dead_letters").inc()
+    Metrics.counter(METRICS_NAMESPACE, f"dead_letters: {letter.reason}").inc()
+    return letter.reason, 1
+
+
+def _count_read_dead(letter) -> tuple[str, int]:
+    Metrics.counter(METRICS_NAMESPACE, "rows_in").inc()  # a row the reader could not read is a row in
+    return _count_dead(letter)
+
+
+def _count_out(split: str, batch: pa.RecordBatch) -> tuple[str, int]:
+    Metrics.counter(METRICS_NAMESPACE, "rows_out").inc(batch.num_rows)
+    Metrics.counter(METRICS_NAMESPACE, f"rows_out: {split}").inc(batch.num_rows)
+    return split, batch.num_rows
+
+
 class _ValidateFn(beam.DoFn):
     def __init__(self, spec: FeatureSpec, extra_checks: ExtraChecks | None):
         self._spec, self._extra = spec, extra_checks
+        self._rows_in = Metrics.counter(METRICS_NAMESPACE, "rows_in")
+        self._bytes = Metrics.counter(METRICS_NAMESPACE, "bytes_read")
+        self._ms = Metrics.distribution(METRICS_NAMESPACE, "validate_ms")
 
     def process(self, batch: pa.RecordBatch):
+        t0 = time.perf_counter()
+        self._rows_in.inc(batch.num_rows)
+        self._bytes.inc(batch.nbytes)
         good, letters = F.split_valid(batch, self._spec, self._extra(batch) if self._extra else [])
+        self._ms.update(int(1000 * (time.perf_counter() - t0)))
         if good.num_rows:
             yield good
         for letter in letters:
@@ -364,10 +397,13 @@ class _CountByKey(beam.CombineFn):
 class _FeaturizeFn(beam.DoFn):
     def __init__(self, spec: FeatureSpec):
         self._spec = spec
+        self._ms = Metrics.distribution(METRICS_NAMESPACE, "featurize_ms")
 
     def process(self, pair, stats):
         split, batch = pair
+        t0 = time.perf_counter()
         features, letters = F.featurize_rows(batch, self._spec, stats)
+        self._ms.update(int(1000 * (time.perf_counter() - t0)))
         if features.num_rows:
             yield split, features
         for letter in letters:
@@ -446,7 +482,7 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
     # Dead letters come from up to three stages. They are counted and written where they are made,
     # never flattened first: a local runner would hold every dead letter of a Flatten in memory.
     sources = {"Validate": errs, "Featurize": unknown, **({"Read": read_errs} if read_errs is not None else {})}
-    dead_counts = [letters | f"CountDead{name}" >> beam.Map(lambda d: (d.reason, 1))
+    dead_counts = [letters | f"CountDead{name}" >> beam.Map(_count_read_dead if name == "Read" else _count_dead)
                    | f"SumDead{name}" >> beam.CombinePerKey(sum) for name, letters in sources.items()]
     dead = dead_counts | "AllDeadCounts" >> beam.Flatten() | "DeadDict" >> beam.CombineGlobally(_CountByKey())
 
@@ -456,7 +492,7 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
             counts_in.append(read_errs | "CountReadErrs" >> beam.Map(lambda _: 1)
                              | "SumReadErrs" >> beam.CombineGlobally(sum))
         rows_in = counts_in | "CountsIn" >> beam.Flatten() | "SumIn" >> beam.CombineGlobally(sum)
-    rows_out = (featurized | "CountOut" >> beam.MapTuple(lambda split, b: (split, b.num_rows))
+    rows_out = (featurized | "CountOut" >> beam.MapTuple(_count_out)
                 | "OutDict" >> beam.CombineGlobally(_CountByKey()))
     extra = dict(extra_metadata or {})
 
