@@ -98,6 +98,10 @@ def test_binary_report_has_curves_thresholds_intervals_importance_and_slices(bin
     md = (run / "report.md").read_text()
     for name in ("roc.png", "pr.png", "calibration.png", "importance.png"):
         assert f"({name})" in md
+    docs = Path(__file__).resolve().parents[2] / "docs" / "img"  # the figures in docs/observability.md
+    docs.mkdir(parents=True, exist_ok=True)
+    for name in ("roc.png", "calibration.png", "importance.png"):
+        (docs / f"report-{name}").write_bytes((run / name).read_bytes())
     assert "## Slices by c" in md and "## Thresholds" in md
     # which model, in words
     if summary["training"]["best_step"] == 0:
