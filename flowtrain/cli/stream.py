@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +24,12 @@ def _add_kafka(p: argparse.ArgumentParser) -> None:
                    help="kafka-python client option for every client, e.g. security_protocol=SASL_SSL, "
                         "sasl_mechanism=PLAIN, sasl_plain_username=..., ssl_cafile=..., ssl_check_hostname=false "
                         "(repeat); values are typed like the option's default: true/false, whole numbers, "
-                        "numbers, else text")
+                        "numbers, else text; ${env:NAME} is the environment variable's value")
+    p.add_argument("--kafka-config-file", default=None, metavar="client.properties",
+                   help="Kafka client properties file, Java names as Kafka users write them (security.protocol, "
+                        "sasl.mechanism, sasl.jaas.config for PLAIN/SCRAM, ssl.* PEM locations; values may be "
+                        "${env:NAME}); --kafka-config wins over it (default: $FLOWTRAIN_KAFKA_CONFIG_FILE). Keeps "
+                        "passwords off the command line: see docs/secrets.md")
     p.add_argument("--connect-timeout", type=above(0), default=config_default(_SC + "connect_timeout_s"),
                    help="seconds to wait for a first answer from the brokers; without one the command stops "
                         "with a one-line error naming --bootstrap (default %(default)s)")
@@ -113,6 +115,9 @@ def register(sub) -> None:
                         "planes join of the flights demo), none, or auto (flights for the flights dataset; "
                         "default)")
     s.add_argument("--out", default="runs/stream", help="run directory (default runs/stream)")
+    s.add_argument("--metrics-port", type=at_least(0), default=0,
+                   help="serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job "
+                        "runs (one port for the whole job; 0: off, the default)")
     s.add_argument("--group-id", default=config_default(_SC + "group_id"),
                    help="the pipeline's consumer group (default %(default)s)")
     s.add_argument("--batch-size", type=at_least(1), default=config_default(_SC + "batch_size"),
@@ -181,15 +186,27 @@ def register(sub) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from connectors.kafka import ensure_topic
 
-    cfg = kafka_config(args.kafka_config)
+    cfg = kafka_config(args.kafka_config, args.kafka_config_file)
     try:
-        events, kinds = _table_events(args) if args.input else _flight_events(args)
+        events, kinds, oldest_ms = _table_events(args) if args.input else (*_flight_events(args), None)
     except ValueError as err:
         print(f"flowtrain replay: {err}", file=sys.stderr)
         return 2
     _check_brokers(args, "flowtrain replay")
+    # Records stamped with past event times: a topic this creates keeps them whatever their age
+    # (retention.ms -1); an existing topic must keep them until they are read.
     ensure_topic(args.bootstrap, args.topic, partitions=args.partitions, client_config=cfg,
-                 replication_factor=args.replication_factor)
+                 replication_factor=args.replication_factor,
+                 config={"retention.ms": "-1"} if oldest_ms is not None else None)
+    if oldest_ms is not None:
+        retention = _retention_ms(args.bootstrap, args.topic, cfg)
+        if retention is not None and retention >= 0 and oldest_ms < time.time() * 1000 - retention:
+            print(f"flowtrain replay: --time-column stamps records with times as old as "
+                  f"{time.strftime('%Y-%m-%d', time.gmtime(oldest_ms / 1000))}, but topic {args.topic!r} deletes "
+                  f"records older than its retention.ms {retention:,} before anyone reads them; replay into a new "
+                  f"topic (created with retention.ms -1), set the topic's retention.ms to -1, or leave "
+                  f"--time-column out", file=sys.stderr)
+            return 2
     partitions = _partitions(args.bootstrap, args.topic, cfg)
     sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
     counts = {"events": 0, "unlabelled": 0, **{k: 0 for k in kinds}}
@@ -253,6 +270,8 @@ def _flight_events(args):
 def _table_events(args):
     """--input FILES: (value, key, timestamp, kind) per row, in event-time order; kind is a
     malformed kind, "unlabelled" or None."""
+    import numpy as np
+
     from connectors.dataset import read_manifest
     from connectors.dataset_spec import FeatureSpec
     from pipelines.stream.events import ParseBounds, event_schema
@@ -300,7 +319,27 @@ def _table_events(args):
             done += 1
             yield value, key, kafka_timestamps(times, i), kind
 
-    return generate(), kinds
+    oldest = None if times is None or not np.isfinite(times).any() else float(np.nanmin(times))
+    return generate(), kinds, oldest
+
+
+def _retention_ms(bootstrap: str, topic: str, cfg: dict) -> int | None:
+    """The topic's retention.ms as the broker applies it; None when it does not say."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    from connectors.kafka import close_client
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **cfg)
+    try:
+        found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"retention.ms": None})],
+                                       config_filter="all")
+        entry = (found.get("topic", {}).get(topic) or {}).get("retention.ms") or {}
+        return int(entry.get("value"))
+    except Exception:  # noqa: BLE001 - an old broker or client: the check is skipped
+        return None
+    finally:
+        close_client(admin)
 
 
 class _ReplayError(RuntimeError):
@@ -410,7 +449,8 @@ def _check_brokers(args, command: str) -> None:
     from connectors.kafka import KafkaUnavailable, check_brokers
 
     try:
-        check_brokers(args.bootstrap, timeout_s=args.connect_timeout, client_config=kafka_config(args.kafka_config))
+        check_brokers(args.bootstrap, timeout_s=args.connect_timeout,
+                      client_config=kafka_config(args.kafka_config, args.kafka_config_file))
     except KafkaUnavailable as err:
         raise SystemExit(f"{command}: {err}") from None
 
@@ -434,7 +474,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
 
-    cfg = kafka_config(args.kafka_config)
+    cfg = kafka_config(args.kafka_config, args.kafka_config_file)
     manifest = _stream_manifest(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -453,13 +493,13 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_stream_pipeline(p, scfg)
+    from flowtrain.local.processes import StopSignals
+
+    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
     result = p.run()
     print(f"stream pipeline: {args.raw_topic} -> {args.features_topic} (+ {args.dead_letter_topic}), "
           f"group {args.group_id}; Ctrl-C stops", flush=True)
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    while not stop["now"]:
+    while not stop.is_set():
         state = str(result.state)
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
             totals = _pipeline_totals(out)
@@ -558,7 +598,7 @@ def _trainer_config(args):
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
                             seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
                             checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
-                            kafka_config=kafka_config(args.kafka_config), threads=args.threads,
+                            kafka_config=kafka_config(args.kafka_config, args.kafka_config_file), threads=args.threads,
                             replication_factor=args.replication_factor, keep_published=args.keep_published,
                             update_key_file=args.update_key_file)
     given = getattr(args, "options", {})
@@ -581,7 +621,6 @@ def _show(value) -> str:
 def _run_trainer(args) -> int:
     """The online trainer half. Ctrl-C / SIGTERM stop it with a final checkpoint: the handlers are
     installed here, the trainer only polls ``should_stop``."""
-    import threading
     from dataclasses import asdict
 
     from flowtrain.parallel.launch import WorkerFailure, spawn
@@ -593,13 +632,19 @@ def _run_trainer(args) -> int:
     except ValueError as err:
         print(f"flowtrain stream train: {err}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    from flowtrain.local.processes import StopSignals
+
+    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: a final checkpoint, then the end
     if args.workers > 1:
         try:
-            spawn(args.workers, "flowtrain.train.jobs:stream_trainer_worker", {"config": asdict(cfg)},
-                  failure_timeout_s=args.failure_timeout, workdir=Path(args.out) / "workers", stop=stop.is_set)
+            from connectors.secrets import SECRETS_ENV, split_secrets
+
+            # secrets reach the replicas through their environment, never job.json or a command line
+            public, secret = split_secrets(cfg.kafka_config)
+            spawn(args.workers, "flowtrain.train.jobs:stream_trainer_worker",
+                  {"config": {**asdict(cfg), "kafka_config": public}}, failure_timeout_s=args.failure_timeout,
+                  workdir=Path(args.out) / "workers", stop=stop.is_set,
+                  extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)
         except WorkerFailure as err:
             print(f"flowtrain stream train: {err}", file=sys.stderr)
             return 1
@@ -632,14 +677,18 @@ def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
         from flowtrain.cli.flink import with_runner
 
         beam_args = with_runner(args, beam_args, "stream")
+    from flowtrain.cli.stream_status import with_stream_status  # --metrics-port of a half run alone
+
     if args.half == "pipeline":
-        return _run_pipeline(args, beam_args)
+        return with_stream_status(args, "pipeline", lambda: _run_pipeline(args, beam_args))
     if args.half == "train":
-        return _run_trainer(args)
+        return with_stream_status(args, "trainer", lambda: _run_trainer(args))
     if args.half == "score" or args.score:
         from flowtrain.cli import score
 
-        return score.run_scorer(args, beam_args) if args.half == "score" else score.run_all(args, beam_args)
+        if args.half == "score":
+            return with_stream_status(args, "scorer", lambda: score.run_scorer(args, beam_args))
+        return score.run_all(args, beam_args)
     return _run_both(args, beam_args)
 
 
@@ -647,34 +696,30 @@ def _run_both(args, beam_args: list[str]) -> int:
     """Both halves as child processes, a live status line, Ctrl-C stops both cleanly."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = [a for a in sys.argv[2:] if a not in ("pipeline", "train", "--local-kafka")]
+    from flowtrain.cli.stream_status import CHILD_ARGS, process_states, serve_stream_status, stop_stream_status
+
+    procs: dict = {}  # --metrics-port: this process serves the whole job's /metrics and status page
+    status = serve_stream_status(args, process_states(procs), title="flowtrain stream")
+    common = [a for a in sys.argv[2:] if a not in ("pipeline", "train", "--local-kafka")] + CHILD_ARGS
     base = [sys.executable, "-m", "flowtrain.cli", "stream"]
-    pipeline = subprocess.Popen(base + ["pipeline"] + common, start_new_session=True,
-                                stdout=open(out / "pipeline.log", "ab"), stderr=subprocess.STDOUT)
-    trainer = subprocess.Popen(base + ["train"] + common, start_new_session=True,
-                               stdout=open(out / "trainer.log", "ab"), stderr=subprocess.STDOUT)
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    last = (time.monotonic(), 0)
-    try:
-        while not stop["now"] and pipeline.poll() is None and trainer.poll() is None:
-            time.sleep(2)
-            line, last = _live_line(args, out, last)
-            print(line, flush=True)
+    from flowtrain.local.processes import supervise
+
+    last = [(time.monotonic(), 0)]
+
+    def report() -> None:
+        line, last[0] = _live_line(args, out, last[0])
+        print(line, flush=True)
+
+    try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
+        # runner / writes its checkpoint), SIGKILL after 60 s
+        codes = supervise({"pipeline": (base + ["pipeline"] + common, out / "pipeline.log"),
+                           "trainer": (base + ["train"] + common, out / "trainer.log")}, report=report, procs=procs)
     finally:
-        for proc in (trainer, pipeline):
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)  # the process itself stops its runner / writes its checkpoint
-        for proc in (trainer, pipeline):
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    print(f"stream: stopped (pipeline {pipeline.returncode}, trainer {trainer.returncode}); logs in {out}")
+        stop_stream_status(status)
+    print(f"stream: stopped (pipeline {codes['pipeline']}, trainer {codes['trainer']}); logs in {out}")
     # both ended cleanly, stopped by the user or by themselves (e.g. the trainer's --idle-exit): a half
     # that fails on its way out (a final checkpoint, a Flink job not cancelled, killed) is a failure
-    return 0 if trainer.returncode == 0 and pipeline.returncode == 0 else 1
+    return 0 if codes["trainer"] == 0 and codes["pipeline"] == 0 else 1
 
 
 def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
@@ -697,7 +742,7 @@ def _lag(args) -> int | None:
         from kafka import KafkaConsumer, TopicPartition
 
         consumer = KafkaConsumer(bootstrap_servers=args.bootstrap, group_id=args.group_id,
-                                 **kafka_config(args.kafka_config))
+                                 **kafka_config(args.kafka_config, args.kafka_config_file))
         try:
             tps = [TopicPartition(args.raw_topic, p) for p in consumer.partitions_for_topic(args.raw_topic) or []]
             ends = consumer.end_offsets(tps)

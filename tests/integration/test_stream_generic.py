@@ -209,3 +209,24 @@ def test_init_weights_from_a_run_on_another_dataset_is_an_error_naming_both(boot
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"flowtrain stream train: --init-weights {run / 'model.pt'}: that run was trained on "
                            f"the dataset {dataset}") and "numeric statistics" in line, proc.stderr
+
+
+def test_replay_by_event_time_keeps_old_records_or_refuses_a_topic_that_would_delete_them(
+        bootstrap, sensor_run, new_topic, tmp_path):
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    dataset, _, csv = sensor_run
+    base = CLI + ["replay", "--bootstrap", bootstrap, "--input", csv, "--dataset", dataset, "--limit", "20"]
+    made = f"sraw-{uuid.uuid4().hex[:6]}"
+    rp = subprocess.run(base + ["--topic", made], capture_output=True, text=True, timeout=120)
+    assert rp.returncode == 0, rp.stderr[-2000:]
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, made, {"retention.ms": None})])
+    admin.close()
+    assert found.get("topic", {})[made]["retention.ms"]["value"] == "-1"  # 2024 events are kept until read
+    week = new_topic(2, config={"retention.ms": str(7 * 24 * 3600 * 1000)})
+    rp = subprocess.run(base + ["--topic", week], capture_output=True, text=True, timeout=120)
+    assert rp.returncode == 2 and len(rp.stderr.strip().splitlines()) == 1, rp.stderr
+    assert f"topic {week!r} deletes records older than its retention.ms 604,800,000" in rp.stderr
+    assert not _read_topic(bootstrap, week)  # nothing sent
