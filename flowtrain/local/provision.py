@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also resolve Beam's Flink runner and Flink 1.19 (~160 jars, ~150 MiB) with mvn")
     ap.add_argument("--only-flink", action="store_true", help="only the Flink jars")
     args = ap.parse_args(argv)
-    from flowtrain.local.flink import FlinkError, ensure_jars as ensure_flink_jars
+    from flowtrain.local.flink import FlinkError
+    from flowtrain.local.flink import ensure_jars as ensure_flink_jars
 
     try:
         if not args.only_flink:

@@ -3,8 +3,12 @@
 * ``local batch``: Beam's FnApiRunner, chosen explicitly. Beam's default (the
   SwitchingDirectRunner) first tries to download Prism from GitHub, which hangs offline.
 * ``local streaming``: Prism, built once per machine from the Go module proxy with
-  ``go install`` and passed with ``--prism_location``. It really executes unbounded
-  splittable DoFns, fires windows on a real clock and can be cancelled.
+  ``go build`` and passed with ``--prism_location``. It really executes unbounded
+  splittable DoFns, fires windows on a real clock and can be cancelled. Run by
+  :class:`LocalPrismRunner`, everything listens on 127.0.0.1 only: Prism's job server (and the
+  Fn API services it multiplexes on the same port; Prism has no option for the address, so the
+  build changes its one listen call from ``:PORT`` to ``127.0.0.1:PORT``) and the in-process SDK
+  worker pool (Beam's LOOPBACK environment binds it to every interface).
 * ``remote``: the user's own options (``--runner=FlinkRunner ...``, ``DataflowRunner``),
   passed through untouched.
 
@@ -20,12 +24,15 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.runners.portability.prism_runner import PrismRunner
 
 from flowtrain.local.paths import cache_root
 
@@ -46,13 +53,25 @@ def beam_version() -> str:
     return __version__
 
 
+#: The one file of Prism's source flowtrain's build changes, and the change: its job server (with
+#: the Fn API services multiplexed on the same listener) on 127.0.0.1 instead of every interface.
+_PRISM_SERVER = "go/pkg/beam/runners/prism/internal/jobservices/server.go"
+_PRISM_LOOPBACK = (
+    ('net.Listen("tcp", fmt.Sprintf(":%d", port))', 'net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))'),
+    ('return fmt.Sprintf("localhost:%v", port)', 'return fmt.Sprintf("127.0.0.1:%v", port)'),
+)
+
+
 def prism_path(version: str | None = None) -> Path:
     version = version or beam_version()
-    return cache_root() / "prism" / f"v{version}" / "prism"
+    return cache_root() / "prism" / f"v{version}-loopback" / "prism"
 
 
 def ensure_prism(version: str | None = None, *, quiet: bool = False) -> Path:
-    """Build Prism for this Beam version with ``go install`` once per machine."""
+    """Build Prism for this Beam version once per machine, listening on 127.0.0.1 only.
+
+    The Beam Go SDK module comes from the Go module proxy (``go mod download``); a copy of its
+    ``go`` tree is built with Prism's listen address changed (``_PRISM_LOOPBACK``)."""
     binary = prism_path(version)
     if binary.exists():
         return binary
@@ -62,19 +81,87 @@ def ensure_prism(version: str | None = None, *, quiet: bool = False) -> Path:
                           "streaming runner) with it. Install Go 1.22+ (https://go.dev/doc/install or "
                           "Debian `apt-get install golang`).")
     version = version or beam_version()
-    env = dict(os.environ, GOBIN=str(binary.parent), CGO_ENABLED="0")
+    module = f"github.com/apache/beam/sdks/v2@v{version}"
+    env = dict(os.environ, CGO_ENABLED="0")
     if not quiet:
-        print(f"prism: first streaming run on this machine: building Beam's Prism runner (go install "
-              f"github.com/apache/beam/sdks/v2/go/cmd/prism@v{version}) into {binary.parent} (once; 1-2 minutes)",
-              flush=True)
+        print(f"prism: first streaming run on this machine: building Beam's Prism runner ({module}, listening on "
+              f"127.0.0.1) into {binary.parent} (once; 1-2 minutes)", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run([go, "install", f"github.com/apache/beam/sdks/v2/go/cmd/prism@v{version}"],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0 or not binary.exists():
-        raise RunnerError(f"building Prism failed:\n{proc.stderr[-3000:]}")
+    proc = subprocess.run([go, "mod", "download", "-json", module], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise RunnerError(f"fetching {module} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    import json
+
+    source = Path(json.loads(proc.stdout)["Dir"])
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="prism-build-", dir=binary.parent) as build:
+        for name in ("go", "go.mod", "go.sum"):
+            copy = shutil.copytree if (source / name).is_dir() else shutil.copyfile
+            copy(source / name, Path(build) / name)
+        for path in Path(build).rglob("*"):  # the module cache is read-only
+            path.chmod(path.stat().st_mode | 0o200)
+        server = Path(build) / _PRISM_SERVER
+        text = server.read_text()
+        for old, new in _PRISM_LOOPBACK:
+            if text.count(old) != 1:
+                raise RunnerError(f"Prism {version}'s {_PRISM_SERVER} no longer holds `{old}`: flowtrain cannot "
+                                  f"bind its job server to 127.0.0.1 for this Beam version; update _PRISM_LOOPBACK "
+                                  f"in {__file__}")
+            text = text.replace(old, new)
+        server.write_text(text)
+        partial = binary.with_name("prism.partial")
+        proc = subprocess.run([go, "build", "-o", str(partial), "./go/cmd/prism"], cwd=build, env=env,
+                              capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0 or not partial.exists():
+            raise RunnerError(f"building Prism failed:\n{proc.stderr[-3000:]}")
+        partial.replace(binary)
     if not quiet:
         print(f"prism: built in {time.monotonic() - t0:.0f} s", flush=True)
     return binary
+
+
+class LocalPrismRunner(PrismRunner):
+    """Beam's PrismRunner with the LOOPBACK environment's worker pool on 127.0.0.1.
+
+    Beam starts that pool (the SDK harness in this process, started by the runner over gRPC) on
+    ``[::]:PORT``: a ``StartWorker`` request from any host would run the sender's code here. This
+    runner starts the same pool, the same way, bound to 127.0.0.1 (``--runner`` takes this class's
+    path: ``flowtrain.local.runners.LocalPrismRunner``)."""
+
+    @staticmethod
+    def start_and_replace_loopback_environments(pipeline, options):
+        import copy
+        import functools
+
+        import grpc
+        from apache_beam.options.pipeline_options import DebugOptions, PortableOptions
+        from apache_beam.portability import python_urns
+        from apache_beam.portability.api import beam_fn_api_pb2_grpc
+        from apache_beam.runners.worker import sdk_worker_main, worker_pool_main
+        from apache_beam.transforms import environments
+        from apache_beam.utils import thread_pool_executor
+
+        portable_options = copy.deepcopy(options.view_as(PortableOptions))
+        experiments = options.view_as(DebugOptions).experiments or []
+        cleanup = []
+        for env in pipeline.components.environments.values():
+            if env.urn != python_urns.EMBEDDED_PYTHON_LOOPBACK:
+                continue
+            server = grpc.server(thread_pool_executor.shared_unbounded_instance(),
+                                 options=[("grpc.http2.max_pings_without_data", 0), ("grpc.http2.max_ping_strikes", 0)])
+            port = server.add_insecure_port("127.0.0.1:0")
+            pool = worker_pool_main.BeamFnExternalWorkerPoolServicer(
+                state_cache_size=sdk_worker_main._get_state_cache_size_bytes(options=options),
+                data_buffer_time_limit_ms=sdk_worker_main._get_data_buffer_time_limit_ms(experiments))
+            beam_fn_api_pb2_grpc.add_BeamFnExternalWorkerPoolServicer_to_server(pool, server)
+            server.start()
+            portable_options.environment_type = "EXTERNAL"
+            portable_options.environment_config = f"127.0.0.1:{port}"
+            external = environments.ExternalEnvironment.from_options(portable_options).to_runner_api(None)
+            env.urn, env.payload = external.urn, external.payload
+            cleanup.append(functools.partial(server.stop, 1))
+        return cleanup
 
 
 class FlinkClusterOptions(PipelineOptions):
@@ -202,7 +289,8 @@ def pipeline_options(mode: Mode = "batch", beam_args: Sequence[str] = (), *, run
             # partition, and Beam 2.77's Python harness can compute that split from a NaN
             # progress (output bytes read between the element and byte counters of the first
             # output) and fail the pipeline. Checkpoints (defer_remainder) are unaffected.
-            defaults += ["--runner=PrismRunner", f"--prism_location={ensure_prism()}",
+            defaults += [f"--runner={LocalPrismRunner.__module__}.LocalPrismRunner",
+                         f"--prism_location={ensure_prism()}",
                          "--environment_type=LOOPBACK", "--experiments=prism_disable_sdf_split"]
     elif mode == "remote" and not user_runner:
         raise RunnerError("remote mode needs the runner's options, e.g. --runner=FlinkRunner "

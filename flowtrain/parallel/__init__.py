@@ -1,4 +1,5 @@
-"""Parallel training: data parallelism as map/reduce (``mapreduce``), pipeline parallelism as a
+"""Parallel training: each worker's process context (``context``: rank, device, process group on
+127.0.0.1 for local runs), data parallelism as map/reduce (``mapreduce``), pipeline parallelism as a
 staged operator graph (``schedules`` plain data, ``stages`` planning, ``pipeline`` executor),
 tensor parallelism inside layers (``tensor``: column/row pairs, vocabulary-parallel tables, the
 shard plan), the D x S x T grid of workers and its process groups (``grid``), devices
@@ -7,8 +8,8 @@ point).
 
 The map/reduce names stay importable from ``flowtrain.parallel`` as before.
 """
-from flowtrain.parallel.mapreduce import (DistContext, GradientReducer, LocalReducer, init_from_env, local_rows,
-                                          make_reducer, shard_bounds, sum_loss)
+from flowtrain.parallel.context import DistContext, gather_json, init_from_env
+from flowtrain.parallel.mapreduce import GradientReducer, LocalReducer, local_rows, make_reducer, shard_bounds, sum_loss
 
-__all__ = ["DistContext", "GradientReducer", "LocalReducer", "init_from_env", "local_rows", "make_reducer",
-           "shard_bounds", "sum_loss"]
+__all__ = ["DistContext", "GradientReducer", "LocalReducer", "gather_json", "init_from_env", "local_rows",
+           "make_reducer", "shard_bounds", "sum_loss"]

@@ -5,7 +5,14 @@ runs across machines. The launcher gives each its rank in the environment variab
 sets, one rendezvous port, and ``cores / N`` threads. It ends the whole job, within a bound,
 when a worker exits non-zero, is killed, or stops making progress (no heartbeat for
 ``failure_timeout_s``); collectives themselves time out after the same bound inside the
-workers. No worker process is left behind: all run in their own process group, killed on exit.
+workers. No worker process is left behind: the workers are children of a
+:class:`flowtrain.local.processes.Supervisor` (each in its own process group, with a parent-death
+signal), stopped on every way out, and SIGTERM, SIGHUP or SIGINT to the launching process are
+forwarded to them (then the launcher ends as the signal would have ended it).
+
+Everything the job listens on is on 127.0.0.1: the rendezvous store (``MASTER_ADDR=127.0.0.1``,
+bound to loopback by :func:`flowtrain.parallel.context.init_from_env`) and gloo's (and NCCL's)
+connections between the workers (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``).
 
 Blame goes to the cause, not to its victims: a worker killed by a signal, or stopped (SIGSTOP,
 state ``T``), is named before the peers that then failed or stalled waiting for it in a
@@ -20,11 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+from connectors.secrets import redact
 from flowtrain.local.kafka import free_port
+from flowtrain.local.processes import StopSignals, Supervisor
 
 HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
 _last_beat = 0.0
@@ -80,36 +89,56 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     ``WorkerFailure`` (after every worker is gone).
 
     ``stop`` (polled) asks for a graceful end: every worker gets SIGTERM once, and the job ends
-    when they have exited (a worker that fails meanwhile is still reported)."""
+    when they have exited (a worker that fails meanwhile is still reported). SIGTERM, SIGHUP or
+    SIGINT received while the job runs (in the main thread) do the same; when a worker then did
+    not end cleanly, the launching process ends as the signal would have ended it, after its
+    workers are gone."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="flowtrain-workers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     beats = workdir / "heartbeats"
     beats.mkdir(exist_ok=True)
     job_path = workdir / "job.json"
-    job_path.write_text(json.dumps({**job, "failure_timeout_s": failure_timeout_s}, default=str))
+    # no secret in a file (connectors.secrets): a worker gets its secrets from its environment (extra_env)
+    job_path.write_text(json.dumps(redact({**job, "failure_timeout_s": failure_timeout_s}), default=str))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
     port = free_port(below_ephemeral=True)  # a rendezvous port no client socket can be holding
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor(grace_s=5.0)
     logs: list[Path] = []
     t0 = time.monotonic()
+    signals = StopSignals(orphan_grace_s=failure_timeout_s).install()  # before the first worker exists
+    failed = False
     try:
         for rank in range(n_workers):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n_workers), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(n_workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS=str(threads), FLOWTRAIN_THREADS=str(threads), PYTHONFAULTHANDLER="1",
+                       GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",  # peers on 127.0.0.1 only
                        **{HEARTBEAT_ENV: str(beats)}, **(extra_env or {}))
             log = workdir / f"rank-{rank}.log"
             logs.append(log)
             # rank 0 shows its output (progress, epochs); the others only to their logs
             out = None if rank == 0 else open(log, "wb")
             err = open(log, "ab") if rank == 0 else subprocess.STDOUT
-            procs.append(subprocess.Popen([sys.executable, "-m", "flowtrain.parallel.worker", target, str(job_path)],
-                                          env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                          start_new_session=True))
-        _watch(procs, logs, beats, failure_timeout_s, stop)
+            try:
+                supervisor.start(f"rank-{rank}", [sys.executable, "-m", "flowtrain.parallel.worker", target,
+                                                  str(job_path)], env=env, stdout=out, stderr=err,
+                                 stdin=subprocess.DEVNULL)
+            finally:
+                for fh in (out, err):
+                    if hasattr(fh, "close"):
+                        fh.close()
+        procs = [c.proc for c in supervisor.children.values()]
+        requested = (lambda: signals.is_set() or stop()) if stop is not None else signals.is_set
+        _watch(procs, logs, beats, failure_timeout_s, requested)
         return time.monotonic() - t0
+    except BaseException:
+        failed = True
+        raise
     finally:
-        _kill_all(procs)
+        _kill_all(supervisor)
+        signals.restore()
+        if signals.received is not None and (failed or any(c.proc.returncode for c in supervisor.children.values())):
+            signals.reraise()
 
 
 def record_failure(error: BaseException) -> None:
@@ -191,6 +220,7 @@ def _watch(procs, logs, beats: Path, timeout_s: float, stop: Callable[[], bool] 
                 if proc.poll() is None:
                     try:
                         os.killpg(proc.pid, signal.SIGTERM)
+                        os.killpg(proc.pid, signal.SIGCONT)  # a stopped worker acts on it too
                     except ProcessLookupError:
                         pass
         alive = 0
@@ -214,20 +244,6 @@ def _watch(procs, logs, beats: Path, timeout_s: float, stop: Callable[[], bool] 
         time.sleep(0.1)
 
 
-def _kill_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:  # a stopped process would not act on SIGTERM until continued
-                os.killpg(proc.pid, signal.SIGKILL if _stopped(proc) else signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+def _kill_all(supervisor: Supervisor, grace_s: float = 5.0) -> None:
+    """Every worker ends: SIGTERM (a stopped one acts on it too), then SIGKILL after ``grace_s``."""
+    supervisor.stop(signal.SIGTERM, grace_s=grace_s)

@@ -25,57 +25,15 @@ BatchNorm is not exactly equivalent to one device; use ``nn.SyncBatchNorm`` or L
 """
 from __future__ import annotations
 
-import datetime as _dt
-import os
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flowtrain.parallel.device import backend_for, local_world_size, resolve_device
+from flowtrain.parallel.context import DistContext
 
-__all__ = ["DistContext", "init_from_env", "shard_bounds", "sum_loss", "GradientReducer", "LocalReducer",
-           "make_reducer"]
-
-
-@dataclass(frozen=True)
-class DistContext:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    backend: str = "none"
-    device: str = "cpu"  # where this rank's model, batches and collectives live (``--device``)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def init_from_env(*, timeout_s: float = 60.0, device: str | None = "auto") -> DistContext:
-    """Join the process group described by torchrun's / flowtrain's environment variables.
-
-    ``timeout_s`` bounds every collective: a stalled peer makes the others fail within it.
-    ``device`` (auto, cpu, cuda) picks this rank's device, ``cuda:LOCAL_RANK`` on a GPU, and the
-    backend with it: NCCL for CUDA tensors (gloo beside it for CPU ones), gloo on the CPU.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = resolve_device(device, local_rank=local_rank, local_world=local_world_size())
-    if world <= 1:
-        return DistContext(device=str(dev))
-    backend = backend_for(dev)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend, str(dev))
+__all__ = ["shard_bounds", "sum_loss", "GradientReducer", "LocalReducer", "make_reducer", "local_rows"]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -26,10 +26,18 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowtrain.local.flink.jars import (BEAM_RUNNER_VERSION, FLINK_VERSION, NO_STAGING_FACTORY, FlinkError,
-                                        ensure_jars, provisioned, require_tool)
+from flowtrain.local.flink.jars import (
+    BEAM_RUNNER_VERSION,
+    FLINK_VERSION,
+    NO_STAGING_FACTORY,
+    FlinkError,
+    ensure_jars,
+    provisioned,
+    require_tool,
+)
 from flowtrain.local.flink.worker_pool import worker_env
 from flowtrain.local.paths import cache_root
+from flowtrain.local.processes import identity, same_process, stop_recorded
 from flowtrain.local.tools import free_port, java_major, port_open
 
 #: Where `flowtrain flink` keeps the default cluster; FLOWTRAIN_FLINK_DIR picks another one
@@ -110,18 +118,8 @@ class TaskManagerMemory:
                 f"-XX:MaxMetaspaceSize={self.metaspace}m"]
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
 def _alive(proc: dict) -> bool:
-    return _start_time(proc["pid"]) == proc["started"]
+    return same_process(proc)
 
 
 def _rest(port: int, path: str, timeout: float = 3.0):
@@ -283,7 +281,7 @@ class LocalFlink:
                                     start_new_session=True, cwd=self.data_dir)
         finally:
             out.close()
-        return {"pid": proc.pid, "started": _start_time(proc.pid), "log": str(log), "popen": proc}
+        return {**identity(proc.pid), "log": str(log), "popen": proc}
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, *, timeout_s: float = 180.0, quiet: bool = False) -> dict:
@@ -336,8 +334,7 @@ class LocalFlink:
                      "--log-dir", str(self.log_dir / "sdk-workers")],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                     env=worker_env(), cwd=self.data_dir)
-            record("worker-pool", {"pid": pool.pid, "started": _start_time(pool.pid), "log": str(pool_log),
-                                   "popen": pool})
+            record("worker-pool", {**identity(pool.pid), "log": str(pool_log), "popen": pool})
             conf = ["--configDir", str(self.conf_dir)]
             record("jobmanager", self._java("jobmanager", "org.apache.flink.runtime.entrypoint."
                                             "StandaloneSessionClusterEntrypoint",
@@ -407,33 +404,10 @@ class LocalFlink:
             if not quiet:
                 print(f"flink: no cluster running in {self.data_dir}")
             return False
-        for _, p in procs:  # each runs in its own session: its process group holds its children
-            try:
-                os.killpg(p["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_alive(p) for _, p in procs):
-            self._reap(procs)
-            time.sleep(0.2)
-        for _, p in procs:
-            if _alive(p):
-                try:
-                    os.killpg(p["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        time.sleep(0.2)
-        self._reap(procs)
+        # each runs in its own session: its process group holds its children
+        stop_recorded([p for _, p in procs], sig=signal.SIGTERM, grace_s=timeout_s)
         state["complete"] = False
         self._write_state(state)
         if not quiet:
             print(f"flink: stopped {', '.join(name for name, _ in procs)} (data dir {self.data_dir})")
         return True
-
-    @staticmethod
-    def _reap(procs) -> None:
-        for _, p in procs:
-            try:
-                os.waitpid(p["pid"], os.WNOHANG)
-            except ChildProcessError:
-                pass

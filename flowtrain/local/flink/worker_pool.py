@@ -30,6 +30,8 @@ import traceback
 from concurrent import futures
 from pathlib import Path
 
+from flowtrain.local.processes import StopSignals, Supervisor
+
 _log = logging.getLogger("flowtrain.worker_pool")
 
 
@@ -63,31 +65,36 @@ def serve(port: int, *, host: str = "127.0.0.1", log_dir: str | None = None):
         stop it). Exited workers are reaped; the rest stop with the pool."""
 
         def __init__(self):
-            self.workers: list[subprocess.Popen] = []
+            # The SDK workers end with the pool, however it ends (parent-death signal).
+            self.workers = Supervisor(grace_s=10.0)
+            self.started = 0
             self.lock = threading.Lock()
             self.log_dir = Path(log_dir) if log_dir else None
 
+        def _reap(self) -> None:
+            for child in self.workers.exited():
+                del self.workers.children[child.name]
+
         def StartWorker(self, request, context):  # noqa: N802 - gRPC method name
             try:
-                proc = _start_worker(request, self.log_dir)
                 with self.lock:
-                    self.workers = [p for p in self.workers if p.poll() is None] + [proc]
-                _log.info("started SDK worker %s (pid %s)", request.worker_id, proc.pid)
+                    self._reap()
+                    self.started += 1
+                    child = _start_worker(request, self.log_dir, self.workers, f"sdk-{self.started}")
+                _log.info("started SDK worker %s (pid %s)", request.worker_id, child.pid)
                 return beam_fn_api_pb2.StartWorkerResponse()
             except Exception:  # noqa: BLE001 - the runner shows this error to the user
                 return beam_fn_api_pb2.StartWorkerResponse(error=traceback.format_exc())
 
         def StopWorker(self, request, context):  # noqa: N802
             with self.lock:
-                self.workers = [p for p in self.workers if p.poll() is None]
+                self._reap()
             _log.info("runner released SDK worker %s", request.worker_id)
             return beam_fn_api_pb2.StopWorkerResponse()
 
         def stop_all(self):
             with self.lock:
-                procs, self.workers = list(self.workers), []
-            for proc in procs:
-                _stop_process(proc)
+                self.workers.stop(signal.SIGTERM)
 
     pool = _Pool()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
@@ -109,7 +116,7 @@ def _provision_info(request):
                                      metadata=[("worker_id", request.worker_id)], timeout=60).info
 
 
-def _start_worker(request, log_dir: Path | None) -> subprocess.Popen:
+def _start_worker(request, log_dir: Path | None, workers: Supervisor, name: str):
     """What the SDK container's boot program does, without a container: options, endpoints, start."""
     from google.protobuf import json_format, text_format
 
@@ -133,21 +140,11 @@ def _start_worker(request, log_dir: Path | None) -> subprocess.Popen:
     else:
         out = subprocess.DEVNULL
     try:
-        return subprocess.Popen([sys.executable, "-m", "apache_beam.runners.worker.sdk_worker_main"],
-                                env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        return workers.start(name, [sys.executable, "-m", "apache_beam.runners.worker.sdk_worker_main"],
+                             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     finally:
         if out is not subprocess.DEVNULL:
             out.close()
-
-
-def _stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     server, pool, port = serve(args.port, host=args.host, log_dir=args.log_dir)
     _log.info("worker pool listening on %s:%s, python %s, PYTHONPATH %s", args.host, port, sys.executable,
               worker_env()["PYTHONPATH"])
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    done.wait()
+    with StopSignals() as stop:  # SIGTERM, SIGHUP, SIGINT
+        stop.wait()
     pool.stop_all()
     server.stop(5).wait()
     return 0

@@ -1,5 +1,11 @@
 """The project's local Apache Kafka broker (KRaft, from the Apache jars on Maven Central)."""
-from flowtrain.local.kafka.broker import (KAFKA_VERSION, BrokerError, LocalKafka, answers_metadata,
-                                           ensure_jars, free_port)
+from flowtrain.local.kafka.broker import (
+    KAFKA_VERSION,
+    BrokerError,
+    LocalKafka,
+    answers_metadata,
+    ensure_jars,
+    free_port,
+)
 
 __all__ = ["KAFKA_VERSION", "BrokerError", "LocalKafka", "answers_metadata", "ensure_jars", "free_port"]

@@ -3,13 +3,15 @@
 The jars come from Maven Central through ``mvn dependency:copy-dependencies`` on the
 ``pom.xml`` beside this file, into ``<cache>/kafka/<version>/libs``. The broker runs as a
 detached ``java`` process (so ``flowtrain kafka start`` can return) and leaves a
-``broker.json`` in its data directory that ``status`` and ``stop`` read.
+``broker.json`` in its data directory that ``status`` and ``stop`` read. The pid there is trusted
+only while it is still that broker (its start time and command line,
+:func:`flowtrain.local.processes.same_process`): a pid the kernel gave to another process since is
+never signalled.
 """
 from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowtrain.local.paths import cache_root
+from flowtrain.local.processes import describe, identity, same_process, stop_recorded
 from flowtrain.local.tools import free_port as _any_free_port
 from flowtrain.local.tools import java_major, port_open, require_tool
 
@@ -151,24 +154,15 @@ class LocalKafka:
         except (OSError, ValueError):
             return None
 
-    @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        # A zombie child counts as dead.
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().split()[2] != "Z"
-        except OSError:
-            return True
+    @property
+    def _marker(self) -> str:
+        """What this broker's command line holds: its own server.properties."""
+        return str(self.data_dir / "server.properties")
 
     def running_pid(self) -> int | None:
+        """The pid of this data directory's broker, if the recorded process still is that broker."""
         state = self._read_state()
-        if state and self._alive(int(state["pid"])):
+        if state and same_process(state, self._marker):
             return int(state["pid"])
         return None
 
@@ -262,7 +256,7 @@ class LocalKafka:
                                 start_new_session=True, cwd=self.data_dir)
         log.close()
         self._state_path.write_text(json.dumps({
-            "pid": proc.pid, "bootstrap": self.bootstrap, "port": self.port, "version": self.version,
+            **identity(proc.pid), "bootstrap": self.bootstrap, "port": self.port, "version": self.version,
             "jars": str(libs), "log": str(self.log_path), "started_at": time.time()}))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -282,31 +276,21 @@ class LocalKafka:
                           f"see {self.log_path}:\n{self._log_tail()}")
 
     def stop(self, *, timeout_s: float = 30.0, quiet: bool = False) -> bool:
-        """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran."""
-        pid = self.running_pid()
-        if pid is None:
+        """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran. Only the
+        process ``broker.json`` records, while it still is that broker, is signalled."""
+        state = self._read_state()
+        if not state or self.running_pid() is None:
             if not quiet:
-                print(f"kafka: no broker running for {self.data_dir}")
+                if state and state.get("pid") is not None:
+                    print(f"kafka: the broker recorded in {self._state_path} (pid {state['pid']}) is not running; "
+                          f"nothing stopped ({describe(int(state['pid']))})")
+                else:
+                    print(f"kafka: no broker running for {self.data_dir}")
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._alive(pid):
-            self._reap(pid)
-            time.sleep(0.2)
-        if self._alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            time.sleep(0.5)
-        self._reap(pid)
+        stop_recorded([state], sig=signal.SIGTERM, grace_s=timeout_s, marker=self._marker)
         if not quiet:
-            print(f"kafka: stopped broker pid {pid} on {self.bootstrap}")
+            print(f"kafka: stopped broker pid {state['pid']} on {self.bootstrap}")
         return True
-
-    @staticmethod
-    def _reap(pid: int) -> None:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
     def _log_tail(self, lines: int = 30) -> str:
         try:
