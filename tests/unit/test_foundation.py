@@ -42,7 +42,7 @@ def test_streaming_options_keep_user_flags_and_turn_off_prism_dynamic_splits():
     options = pipeline_options("streaming", ["--experiments=my_flag"])
     experiments = options.view_as(DebugOptions).experiments
     assert "prism_disable_sdf_split" in experiments and "my_flag" in experiments
-    assert options.get_all_options()["runner"] == "PrismRunner"
+    assert options.get_all_options()["runner"] == "flowtrain.local.runners.LocalPrismRunner"  # Prism on 127.0.0.1
     user = pipeline_options("streaming", ["--runner=FlinkRunner"])
     assert user.get_all_options()["runner"] == "FlinkRunner"
     assert "prism_disable_sdf_split" not in (user.view_as(DebugOptions).experiments or [])
