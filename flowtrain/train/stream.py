@@ -554,14 +554,12 @@ def _sum_counts(dicts: list[dict]) -> dict:
 
 
 def _gather(ctx: DistContext, mine) -> list:
-    """Every replica's ``mine`` (just ours without a process group)."""
+    """Every replica's ``mine`` (just ours without a process group), sent as JSON: never unpickled."""
     if not ctx.distributed:
         return [mine]
-    import torch.distributed as dist
+    from flowtrain.parallel import gather_json
 
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    return everyone
+    return gather_json(mine)
 
 
 def _gather_dict(ctx: DistContext, mine: dict) -> dict:
