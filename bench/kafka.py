@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import time
 import uuid
 
@@ -36,9 +37,13 @@ from flowtrain.local.runners import pipeline_options
 BATCH = 5000
 
 
+#: kafka-python settings of every client of the run (security, from --kafka-config-file); {} for the local broker.
+CLIENT: dict = {}
+
+
 def _topic(bootstrap: str, partitions: int) -> str:
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **CLIENT)
     admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
     admin.close()
     return name
@@ -47,7 +52,7 @@ def _topic(bootstrap: str, partitions: int) -> str:
 def produce_records(bootstrap: str, n: int, partitions: int = 3, value_bytes: int = 100) -> tuple[str, int]:
     topic = _topic(bootstrap, partitions)
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=20, batch_size=512 * 1024,
-                             compression_type=None)
+                             compression_type=None, **CLIENT)
     payload = b"x" * value_bytes
     total = 0
     for i in range(n):
@@ -62,7 +67,7 @@ def produce_records(bootstrap: str, n: int, partitions: int = 3, value_bytes: in
 def produce_arrow(bootstrap: str, n: int, rows_per_message: int = 1000, partitions: int = 3) -> tuple[str, int]:
     topic = _topic(bootstrap, partitions)
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks=1, linger_ms=20, batch_size=1024 * 1024,
-                             max_request_size=8 * 1024 * 1024)
+                             max_request_size=8 * 1024 * 1024, **CLIENT)
     total = 0
     rng = np.random.default_rng(0)
     for m, lo in enumerate(range(0, n, rows_per_message)):
@@ -80,7 +85,7 @@ def produce_arrow(bootstrap: str, n: int, rows_per_message: int = 1000, partitio
 
 def _python_consumer(bootstrap: str, topic: str, partitions: int, **cfg):
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                             fetch_max_wait_ms=100, max_partition_fetch_bytes=4 * 1024 * 1024, **cfg)
+                             fetch_max_wait_ms=100, max_partition_fetch_bytes=4 * 1024 * 1024, **CLIENT, **cfg)
     tps = [TopicPartition(topic, p) for p in range(partitions)]
     consumer.assign(tps)
     consumer.seek_to_beginning()
@@ -120,8 +125,10 @@ def raw_confluent(bootstrap: str, topic: str, partitions: int = 3) -> tuple[int,
     from confluent_kafka import Consumer, KafkaError
     from confluent_kafka import TopicPartition as CTopicPartition
 
+    from connectors.kafka import confluent_config
+
     t0 = time.perf_counter()
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench", "enable.auto.commit": False,
+    consumer = Consumer({**confluent_config(bootstrap, CLIENT), "group.id": "bench", "enable.auto.commit": False,
                          "enable.partition.eof": True, "fetch.wait.max.ms": 100,
                          "fetch.queue.backoff.ms": 10})  # the default 1000 ms stalls each queue refill
     # Explicit start offsets, as ReadFromKafka resolves them: librdkafka's OFFSET_BEGINNING
@@ -165,7 +172,7 @@ class _CountRows(beam.DoFn):
 def beam_read(bootstrap: str, topic: str, *, arrow: bool = False, **read_options) -> tuple[int, float]:
     t0 = time.perf_counter()
     p = beam.Pipeline(options=pipeline_options("batch"))
-    records = p | ReadFromKafka(bootstrap, topic, stop="end", **read_options)
+    records = p | ReadFromKafka(bootstrap, topic, stop="end", consumer_config=CLIENT, **read_options)
     if arrow:
         records, _errs = records | DecodeArrow()
     _ = records | beam.ParDo(_CountRows())
@@ -263,9 +270,19 @@ def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | Non
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bootstrap", default=None, help="use this broker instead of starting one")
+    ap.add_argument("--kafka-config-file", default=None, metavar="client.properties",
+                    help="that broker's client properties (security.protocol, sasl.jaas.config, ssl.*; "
+                         "see docs/secrets.md; default $FLOWTRAIN_KAFKA_CONFIG_FILE)")
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
     args = ap.parse_args(argv)
+    from connectors.kafka.config import KafkaConfigError, load_client_properties
+
+    properties = args.kafka_config_file or os.environ.get("FLOWTRAIN_KAFKA_CONFIG_FILE")
+    try:
+        CLIENT.update(load_client_properties(properties) if args.bootstrap and properties else {})
+    except KafkaConfigError as err:
+        raise SystemExit(f"flowtrain bench kafka: {err}") from None
     run(args.bootstrap, args.records, repeats=args.repeats)
 
 

@@ -20,7 +20,10 @@
 - **Options flowtrain does not know** must be Beam pipeline options (checked against Beam's own
   option classes) or come after ``--`` (passed to Beam unchecked, e.g. a custom runner's).
 - ``--kafka-config KEY=VALUE``: the key must be a kafka-python option every client takes; the value
-  is typed (bool, int, float or text) by the option's default.
+  is typed (bool, int, float or text) by the option's default, after ``${env:NAME}`` is replaced by
+  the environment variable. ``--kafka-config-file client.properties`` (or
+  ``$FLOWTRAIN_KAFKA_CONFIG_FILE``): a Java client properties file (``connectors.kafka.config``);
+  ``--kafka-config`` pairs win over its keys.
 """
 from __future__ import annotations
 
@@ -365,22 +368,47 @@ def typed_value(text: str, default: Any = None, *, text_only: bool = False) -> A
 def kafka_pair(text: str) -> str:
     """An argparse type: one ``KEY=VALUE`` checked as ``kafka_config`` checks it (kept as text)."""
     try:
-        kafka_config([text])
+        _kafka_pairs([text])
     except OptionError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix("--kafka-config ")) from None
     return text
 
 
-def kafka_config(pairs: Iterable[str] | dict | None) -> dict[str, Any]:
-    """``--kafka-config KEY=VALUE`` (repeated) -> kafka-python keyword arguments for every client."""
+#: The default of ``--kafka-config-file``: a client properties file for every Kafka-using command.
+KAFKA_CONFIG_FILE_ENV = "FLOWTRAIN_KAFKA_CONFIG_FILE"
+
+
+def kafka_config(pairs: Iterable[str] | dict | None, config_file: str | os.PathLike | None = None) -> dict[str, Any]:
+    """``--kafka-config-file`` (its Java properties as kafka-python options; ``$FLOWTRAIN_KAFKA_CONFIG_FILE``
+    when not given) updated by ``--kafka-config KEY=VALUE`` (repeated) -> keyword arguments for every client."""
+    from connectors.kafka.config import KafkaConfigError, load_client_properties
+
+    config_file = config_file or os.environ.get(KAFKA_CONFIG_FILE_ENV) or None
+    out: dict[str, Any] = {}
+    if config_file:
+        try:
+            out.update(load_client_properties(config_file))
+        except KafkaConfigError as err:
+            raise OptionError(str(err)) from None
+    out.update(_kafka_pairs(pairs))
+    return out
+
+
+def _kafka_pairs(pairs: Iterable[str] | dict | None) -> dict[str, Any]:
+    from connectors.kafka.config import KafkaConfigError, expand_env
+
+    out: dict[str, Any] = {}
     if not pairs:
-        return {}
+        return out
     if isinstance(pairs, dict):
         pairs = [f"{k}={format_value(v)}" for k, v in pairs.items()]
     common, owners = _client_defaults()
-    out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = str(pair).partition("=")
+        try:
+            value = expand_env(value, f"--kafka-config {key.strip()}")
+        except KafkaConfigError as err:
+            raise OptionError(str(err)) from None
         key = key.strip().replace(".", "_")
         if not sep or not key:
             raise OptionError(f"--kafka-config {pair!r}: expected KEY=VALUE with a kafka-python option name, "

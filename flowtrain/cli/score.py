@@ -55,7 +55,7 @@ def scoring_config(args, *, beam_status: str | None = None):
     from pipelines.flights.events import ParseBounds
     from pipelines.flights.scoring import ScoreConfig, wait_for_version
 
-    cfg = kafka_config(args.kafka_config)
+    cfg = kafka_config(args.kafka_config, args.kafka_config_file)
     dataset = _dataset(args)
     data = TabularDataset(dataset)
     if data.outputs != 1:
@@ -106,7 +106,7 @@ def run_scorer(args, beam_args: list[str]) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kcfg = kafka_config(args.kafka_config)
+    kcfg = kafka_config(args.kafka_config, args.kafka_config_file)
     raw_parts = _partitions(args.bootstrap, args.raw_topic, kcfg)
     rf = {"replication_factor": args.replication_factor}
     for topic in (args.predictions_topic, args.score_dead_letter_topic):

@@ -79,7 +79,7 @@ class StreamSampler:
     def __init__(self, args, halves: Callable[[], dict[str, str]]):
         self.args, self.halves = args, halves
         self.out = Path(args.out)
-        self.cfg = kafka_config(args.kafka_config)
+        self.cfg = kafka_config(args.kafka_config, args.kafka_config_file)
         self.lag_consumer = None
         self.letters = TopicTail(args.bootstrap, args.dead_letter_topic, self.cfg)
         self.updates = TopicTail(args.bootstrap, args.updates_topic, self.cfg)

@@ -328,6 +328,7 @@ def _run_batch(job: BatchJob) -> dict:
 
     linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget)
     from connectors.atomic import atomic_file, atomic_write
+    from connectors.secrets import redact
 
     with atomic_file(run_dir / "linear.pt") as fh:  # final outputs: whole or not at all
         torch.save(linear.model.state_dict(), fh)
@@ -335,13 +336,13 @@ def _run_batch(job: BatchJob) -> dict:
           f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)
     if not job.model:
         config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"))
-    atomic_write(run_dir / "config.json", json.dumps(to_config(job), indent=1) + "\n")
+    atomic_write(run_dir / "config.json", json.dumps(redact(to_config(job)), indent=1) + "\n")  # no secrets
     job_dict = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume, "model": job.model,
                 "config": {k: (list(v) if isinstance(v, tuple) else v)
                            for k, v in dataclasses.asdict(config).items()}}
     if job.job_only:
         job_path = run_dir / "job.json"
-        atomic_write(job_path, json.dumps({**job_dict, "failure_timeout_s": launch.failure_timeout_s}))
+        atomic_write(job_path, json.dumps(redact({**job_dict, "failure_timeout_s": launch.failure_timeout_s})))
         print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"

@@ -55,7 +55,11 @@ def stream_trainer_worker(ctx, job: dict) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    summary = run_stream_trainer(StreamTrainConfig(**job["config"]), ctx, should_stop=stop.is_set)
+    from connectors.secrets import secrets_from_env
+
+    config = dict(job["config"])  # the secret client settings come from the parent's environment, not job.json
+    config["kafka_config"] = {**config.get("kafka_config", {}), **secrets_from_env()}
+    summary = run_stream_trainer(StreamTrainConfig(**config), ctx, should_stop=stop.is_set)
     if ctx.is_main:
         print(stream_summary_line(summary), flush=True)
 
