@@ -85,4 +85,4 @@ def test_cli_help_describes_every_command_and_option_with_the_config_defaults(mo
                 if "%(default)s" in a.help:
                     assert f"default {format_value(a.default.value())}" in text, (name, a.option_strings)
     batch_help = " ".join(commands["batch"].format_help().split())
-    assert f"on this machine, >= 1 (default {LaunchConfig().workers})" in batch_help
+    assert f"reduced as sums and counts; a whole number >= 1 (default: {LaunchConfig().workers})" in batch_help

@@ -1,0 +1,115 @@
+"""Options once: every field of a command's config dataclass is a flag, a --config key and a config.json key,
+with a documented default; config.json is a valid --config; --print-config prints the effective options."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import flowtrain
+from flowtrain.cli.main import build_parser
+from flowtrain.cli.options import load_config
+from flowtrain.commands.batch import TRAIN_FIELDS, BatchJob
+from flowtrain.commands.predict import ExportJob, PredictJob
+from flowtrain.fields import OptionError, options_of, to_config
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = {"batch": BatchJob, "predict": PredictJob, "export": ExportJob}
+
+
+def _sub(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def _sample(opt):
+    """A valid value of the option as YAML would give it."""
+    if opt.choices:
+        return opt.choices[-1]
+    if opt.parse is None:
+        return True
+    if opt.default not in (None, ()):
+        return list(opt.default) if isinstance(opt.default, tuple) else opt.default
+    name = getattr(opt.parse, "__name__", "")
+    if "whole" in name:
+        return 2
+    if "number" in name:
+        return 0.5
+    if name == "comma-separated names":
+        return ["a", "b"]
+    return "text"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp_path):
+    cls, sub = COMMANDS[command], _sub(command)
+    actions = {a.dest: a for a in sub._actions if a.option_strings}
+    fields = options_of(cls)
+    assert {f.name for f in dataclasses.fields(cls)} == {o.name for o in fields}  # every field is an option
+    for opt in fields:
+        action = actions.get(opt.name)
+        assert action is not None and f"--{opt.name.replace('_', '-')}" in action.option_strings, opt.name
+        if opt.parse is None:
+            assert isinstance(action, argparse._StoreTrueAction) and opt.default is False, opt.name
+        else:
+            assert "default" in action.help.lower(), (opt.name, action.help)
+            shown = "none" if opt.default in (None, ()) else None
+            if shown:
+                assert "none" in action.help or "default" in opt.help.lower(), (opt.name, action.help)
+        assert opt.help.strip(), opt.name
+    values = {opt.name: _sample(opt) for opt in fields}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({k.replace("_", "-"): v for k, v in values.items()}))
+    loaded = load_config(tmp_path / "c.yaml", sub)
+    assert set(loaded) == set(values)  # every key is accepted, none dropped
+    config = flowtrain.fields.build(cls, loaded)
+    assert set(to_config(config)) == set(values)
+
+
+def test_batch_defaults_are_the_engine_defaults():
+    from flowtrain.parallel.launch import LaunchConfig
+    from flowtrain.train.loop import TrainConfig
+
+    job, train = BatchJob(), TrainConfig()
+    for name in TRAIN_FIELDS:
+        assert getattr(job, name) == getattr(train, name), name
+    assert (job.workers, job.failure_timeout) == (LaunchConfig().workers, LaunchConfig().failure_timeout_s)
+
+
+def test_config_json_is_a_valid_config_and_print_config_shows_the_effective_options(tmp_path):
+    job = BatchJob(input=("a.csv", "b.csv"), label="y", numeric=("x1",), categorical=("c",), epochs=3,
+                   hidden=(8, 4), lr=0.01, no_progress=True)
+    (tmp_path / "config.json").write_text(json.dumps(to_config(job)))
+    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--config", str(tmp_path / "config.json"),
+                           "--print-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout) == to_config(job)
+    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--config", str(tmp_path / "config.json"),
+                           "--lr", "0.5", "--print-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert yaml.safe_load(proc.stdout) == {**to_config(job), "lr": 0.5}  # the command line wins
+
+
+def test_each_command_help_shows_its_own_options():
+    batch, predict, export = (_sub(n).format_help() for n in ("batch", "predict", "export"))
+    assert "--epochs" in batch and "--id-column" not in batch
+    assert "--id-column" in predict and "--epochs" not in predict and "--keep-columns" in predict
+    assert "--out" in export and "--epochs" not in export and "--input" not in export
+
+
+def test_the_api_checks_options_as_the_cli_does(tmp_path):
+    with pytest.raises(OptionError, match=r"lr \(--lr\): must be a number > 0"):
+        flowtrain.batch(lr=-1, out=str(tmp_path / "r"))
+    with pytest.raises(OptionError, match="unknown option epoch \\(did you mean epochs\\?\\)"):
+        flowtrain.batch(epoch=3)
+    with pytest.raises(OptionError, match="schedule"):
+        flowtrain.batch(schedule="zigzag")
+    assert not (tmp_path / "r").exists()
+    proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "--version"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"flowtrain {flowtrain.__version__}"
