@@ -733,7 +733,8 @@ def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[flo
     lag = _lag(args)
     loss = trainer.get("loss")
     line = (f"events/s {rate:8,.0f} | lag {lag if lag is not None else '?':>7} | step {trainer.get('step', 0):6} "
-            f"| loss {loss if loss is None else f'{loss:.4f}'} | dead letters {pipe['dead_letters']:,}")
+            f"| loss {loss if loss is None else f'{loss:.4f}'} | unlabelled {pipe['unlabelled']:,} "
+            f"| dead letters {pipe['dead_letters']:,}")
     return line, (now, pipe["events"])
 
 

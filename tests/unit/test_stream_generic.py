@@ -142,3 +142,30 @@ def test_generic_parse_batch_equals_parse_event_row_by_row():
     row = {r["source"]: r for r in parse_batch(payloads, sources, schema)[0].to_pylist()}
     assert row["raw/2/100"]["machine"] == "3" and row["raw/2/105"]["machine"] == "3"  # "3" and 3.0 are one category
     assert row["raw/2/110"]["machine"] == "true" and row["raw/2/125"]["ts"] == "1709251200"
+
+
+def test_replay_reads_csv_parquet_and_json_lines_alike_in_event_time_order(tmp_path):
+    import datetime as dt
+
+    rows = sensor_rows(40)
+    table = pa.Table.from_pylist(rows)
+    table = table.set_column(table.schema.get_field_index("ts"), "ts",
+                             pa.array([dt.datetime.fromisoformat(r["ts"]) for r in rows], pa.timestamp("s")))
+    shuffled = table.take(pa.array(np.random.default_rng(1).permutation(40)))
+    pq.write_table(shuffled, tmp_path / "t.parquet")
+    (tmp_path / "t.jsonl").write_text("".join(
+        json.dumps({k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in r.items()}) + "\n"
+        for r in shuffled.to_pylist()))
+    write_csv(tmp_path / "t.csv", [{k: (v.isoformat() if isinstance(v, dt.datetime) else v) for k, v in r.items()}
+                                   for r in shuffled.to_pylist()])
+    outs = []
+    for name in ("t.parquet", "t.jsonl", "t.csv"):
+        ordered, ms = order_by_time(read_files([str(tmp_path / name)]), "ts")
+        events = list(table_events(ordered))
+        assert [e["ts"] for e in events] == [dt.datetime.fromisoformat(r["ts"]).strftime("%Y-%m-%dT%H:%M:%SZ")
+                                             for r in rows], name
+        assert ms[0] == dt.datetime(2024, 3, 1, tzinfo=dt.timezone.utc).timestamp() * 1000 and np.all(np.diff(ms) > 0)
+        outs.append([{k: e[k] for k in ("temp", "pressure", "humidity", "site", "machine", "state")} for e in events])
+    assert outs[0] == outs[1] == outs[2]  # the same events whatever the file format
+    with pytest.raises(ValueError, match="--time-column 'nope' is not a column"):
+        order_by_time(read_files([str(tmp_path / "t.csv")]), "nope")
