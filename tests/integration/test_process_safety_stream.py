@@ -1,0 +1,132 @@
+"""Process safety of `flowtrain stream` (issue #22 items 5 and 7), on a real broker and Prism: every
+process of a running job listens on 127.0.0.1 only, and no process of the job outlives a SIGHUP or
+a SIGKILL of the `flowtrain stream` that started it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.flights_data import make_flights_dataset
+from tests.procs import descendants, is_loopback, listening_sockets, still_running
+
+pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
+CLI = [sys.executable, "-m", "flowtrain.cli"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    return make_flights_dataset(tmp_path_factory.mktemp("psstream"), every=80)
+
+
+def _start_job(bootstrap: str, new_topic, dataset: str, out: Path) -> subprocess.Popen:
+    """`flowtrain stream --workers 2` (pipeline on Prism; trainer with two replicas) on a topic that
+    holds events, in its own session (the test signals the parent alone)."""
+    raw = new_topic(partitions=2, prefix="raw")
+    replay = subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", raw, "--limit", "400"],
+                            capture_output=True, text=True, timeout=180)
+    assert replay.returncode == 0, replay.stderr[-2000:]
+    out.mkdir(parents=True)
+    return subprocess.Popen(CLI + ["stream", "--bootstrap", bootstrap, "--raw-topic", raw,
+                                   "--features-topic", f"{raw}-features", "--dead-letter-topic", f"{raw}-dead",
+                                   "--updates-topic", f"{raw}-updates", "--group-id", f"{raw}-group",
+                                   "--dataset", dataset, "--out", str(out), "--batch-size", "50",
+                                   "--workers", "2", "--checkpoint-every", "2"],
+                            stdout=open(out / "stream-test.log", "ab"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _logs(out: Path) -> str:
+    text = ""
+    for name in ("stream-test.log", "pipeline.log", "trainer.log"):
+        try:
+            text += f"\n--- {name} ---\n" + (out / name).read_text(errors="replace")[-2500:]
+        except OSError:
+            pass
+    return text
+
+
+def _await_running(proc: subprocess.Popen, out: Path, timeout: float = 360) -> dict[int, str]:
+    """The job's processes once Prism runs the pipeline and both trainer replicas have trained a step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"flowtrain stream ended early ({proc.returncode}):{_logs(out)}"
+        tree = descendants(proc.pid)
+        prism = any("prism" in Path(f"/proc/{pid}/comm").read_text(errors="replace")
+                    for pid in tree if Path(f"/proc/{pid}/comm").exists())
+        beats = all((out / "workers" / "heartbeats" / f"rank-{r}.beat").exists() for r in (0, 1))
+        try:
+            step = json.loads((out / "trainer-status.json").read_text()).get("step", 0)
+        except (OSError, ValueError):
+            step = 0
+        if prism and beats and step >= 1:
+            return descendants(proc.pid)
+        time.sleep(1)
+    raise AssertionError(f"the stream job was not running within {timeout:.0f} s:{_logs(out)}")
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def _await_gone(proc: subprocess.Popen, tree: dict[int, str], timeout: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc.poll() is None or still_running(tree)):
+        time.sleep(0.5)
+    return still_running(tree)
+
+
+def _kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
+    for pid in still_running(tree):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def test_item7_a_running_stream_job_listens_on_loopback_only_and_item5_sighup_ends_every_child(
+        bootstrap, new_topic, dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_job(bootstrap, new_topic, dataset, out)
+    tree: dict[int, str] = {}
+    try:
+        tree = _await_running(proc, out)
+        sockets = listening_sockets([proc.pid, *tree])
+        # Prism's job server, the pipeline's SDK worker pool and the trainer's rendezvous store at least
+        assert sum(len(a) for a in sockets.values()) >= 3, f"too few listening sockets found: {sockets}"
+        exposed = {pid: ([a for a in addrs if not is_loopback(a[0])], _command(pid)) for pid, addrs in sockets.items()}
+        exposed = {pid: found for pid, found in exposed.items() if found[0]}
+        assert not exposed, f"listening beyond 127.0.0.1: {exposed} (all: {sockets})"
+
+        os.kill(proc.pid, signal.SIGHUP)  # a closed terminal: the parent only
+        left = _await_gone(proc, tree, 150)
+        assert proc.poll() is not None, "flowtrain stream still runs 150 s after SIGHUP"
+        assert not left, f"SIGHUP to flowtrain stream left processes running: {left}"
+    finally:
+        _kill_tree(proc, tree)
+
+
+def test_item5_sigkill_of_flowtrain_stream_ends_every_child(bootstrap, new_topic, dataset, tmp_path):
+    out = tmp_path / "run"
+    proc = _start_job(bootstrap, new_topic, dataset, out)
+    tree: dict[int, str] = {}
+    try:
+        tree = _await_running(proc, out)
+        assert len(tree) >= 5, f"expected pipeline, Prism, trainer and two replicas: {tree}"
+        os.kill(proc.pid, signal.SIGKILL)
+        left = _await_gone(proc, tree, 180)
+        assert not left, f"SIGKILL of flowtrain stream left processes running: {left}"
+    finally:
+        _kill_tree(proc, tree)
