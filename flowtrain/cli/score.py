@@ -5,16 +5,14 @@ Imported by ``flowtrain stream``'s parser; Beam, torch and Kafka load only when 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from flowtrain.cli.options import kafka_config
 
-_SC = "pipelines.flights.scoring:ScoreConfig."  # where the scorer's defaults live
+_SC = "pipelines.serving.config:ScoreConfig."  # where the scorer's defaults live
+_TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer's
 
 
 def add_options(s: argparse.ArgumentParser) -> None:
@@ -41,48 +39,81 @@ def add_options(s: argparse.ArgumentParser) -> None:
                    help="events per scoring micro-batch, closed by size ... (default %(default)s)")
     g.add_argument("--score-max-delay", type=above(0), default=config_default(_SC + "max_delay_s"),
                    help="... or this many seconds after its first event (default %(default)s)")
+    g.add_argument("--id-column", default=None, metavar="COL",
+                   help="an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'")
+    g.add_argument("--keep-models", type=at_least(1), default=config_default(_SC + "keep_models"),
+                   help="versions the scorer keeps its own copy of, in <out>/models (default %(default)s)")
+    g.add_argument("--max-model-bytes", type=at_least(1), default=config_default(_SC + "max_model_bytes"),
+                   help="the largest model file the scorer reads; a larger one is rejected (default %(default)s)")
+    u = s.add_argument_group("model updates (trainer and scorer)")
+    u.add_argument("--update-key-file", default=None, metavar="FILE",
+                   help="the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; "
+                        "else $FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns")
+    u.add_argument("--keep-published", type=at_least(1), default=config_default(_TC + "keep_published"),
+                   help="trainer: versions kept in <out>/published, apart from the checkpoints (default %(default)s)")
 
 
-def scoring_config(args, *, beam_status: str | None = None):
-    """A ``ScoreConfig`` from the command line (waits for the first valid model version)."""
+def update_key_source(args, command: str):
+    """``--update-key-file`` or ``$FLOWTRAIN_UPDATE_KEY`` (checked now: a bad key stops the command),
+    else None with a loud warning: model versions are then not authenticated."""
+    from connectors.model_updates import UPDATE_KEY_ENV, UpdateKeySource
+
+    source = UpdateKeySource.from_options(args.update_key_file)
+    if source is None:
+        print(f"{command}: WARNING: model updates are NOT authenticated (no --update-key-file, no "
+              f"${UPDATE_KEY_ENV}): any producer on the updates topic can make this scorer load its file",
+              file=sys.stderr, flush=True)
+        return None
+    try:
+        source.load()
+    except ValueError as err:
+        raise SystemExit(f"{command}: {err}") from None
+    return source
+
+
+def scoring_config(args, *, beam_status: str | None = None, enrichment=None):
+    """A ``ScoreConfig`` from the command line (waits for the first valid model version).
+
+    ``enrichment``: a picklable factory of the domain's enrichment step (the flights' join), else
+    the events hold the dataset's own columns."""
     from connectors.dataset import read_manifest
     from flowtrain.cli.stream import _dataset
-    from flowtrain.local.paths import demo_tables_dir
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import target_scale
     from flowtrain.train.published import LoadPublishedVersion
-    from pipelines.flights.batch import export_tables
-    from pipelines.flights.events import ParseBounds
-    from pipelines.flights.scoring import ScoreConfig, wait_for_version
+    from pipelines.serving.config import ScoreConfig
+    from pipelines.serving.versions import wait_for_version
+    from pipelines.stream.events import ParseBounds
 
-    cfg = kafka_config(args.kafka_config, args.kafka_config_file)
+    command = "flowtrain stream score"
     dataset = _dataset(args)
     data = TabularDataset(dataset)
-    if data.outputs != 1:
-        raise SystemExit(f"flowtrain stream score: the dataset's label has {data.n_classes} classes; the scorer "
-                         f"serves binary classification and regression models (one output per event)")
-    loader = LoadPublishedVersion(dataset)
-    print(f"stream score: waiting for a valid model version on {args.updates_topic} "
-          f"(up to {args.wait_model:.0f} s)", flush=True)
-    try:
-        first, tracker = wait_for_version(args.bootstrap, args.updates_topic, loader, timeout_s=args.wait_model,
-                                          kafka_config=cfg)
-    except (TimeoutError, ValueError) as err:
-        raise SystemExit(f"flowtrain stream score: {err}")
-    for r in tracker.rejected:
-        print(f"stream score: rejected version {r['version']} ({r['published_at']}): {r['reason']}", flush=True)
-    print(f"stream score: starting with model version {first.version} ({first.path})", flush=True)
-    tables = export_tables(demo_tables_dir())
-    return ScoreConfig(
-        bootstrap=args.bootstrap, load_version=loader, spec=data.spec, stats=read_manifest(dataset)["stats"],
-        weather_path=tables["weather"], planes_path=tables["planes"], initial_model=first.path,
+    cfg = ScoreConfig(
+        bootstrap=args.bootstrap, load_version=LoadPublishedVersion(dataset, max_bytes=args.max_model_bytes),
+        spec=data.spec, stats=read_manifest(dataset)["stats"], enrichment=enrichment, id_column=args.id_column,
         raw_topic=args.raw_topic, predictions_topic=args.predictions_topic,
         dead_letter_topic=args.score_dead_letter_topic, updates_topic=args.updates_topic,
         group_id=args.score_group_id, batch_size=args.score_batch_size, max_delay_s=args.score_max_delay,
-        swap_interval_s=args.swap_interval, kafka_config=cfg, status_path=beam_status,
+        swap_interval_s=args.swap_interval, kafka_config=kafka_config(args.kafka_config, args.kafka_config_file),
+        status_path=beam_status,
         target_scale=target_scale(data) if data.spec.task == "regression" else (0.0, 1.0),
+        classes=list(data.classes) if data.spec.task == "classification" else None,
         bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
-                           max_abs_number=args.max_abs_number))
+                           max_abs_number=args.max_abs_number),
+        update_key=update_key_source(args, command), model_cache_dir=str(Path(args.out).resolve() / "models"),
+        keep_models=args.keep_models, max_model_bytes=args.max_model_bytes)
+    print(f"stream score: waiting for a valid model version on {args.updates_topic} "
+          f"(up to {args.wait_model:.0f} s)", flush=True)
+    try:
+        first, tracker = wait_for_version(cfg, timeout_s=args.wait_model)
+    except (TimeoutError, ValueError) as err:
+        raise SystemExit(f"{command}: {err}") from None
+    for r in tracker.rejected:
+        print(f"stream score: rejected version {r['version']} ({r['published_at']}): {r['reason']}", flush=True)
+    print(f"stream score: starting with model version {first.version} of run {first.run_id or '(unnamed)'} "
+          f"({first.path})", flush=True)
+    cfg.initial_model = first.model_id()
+    return cfg
 
 
 def run_scorer(args, beam_args: list[str]) -> int:
@@ -94,15 +125,16 @@ def run_scorer(args, beam_args: list[str]) -> int:
     from connectors.kafka import close_all_clients, ensure_topic
     from flowtrain.cli.stream import _partitions
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
-    from pipelines.flights.scoring import build_scoring_pipeline
+    from pipelines.serving.scoring import build_scoring_pipeline
     from pipelines.flights.status import clear_status
 
     # Rejected versions and swaps are logged by the pipeline: show them (Beam set up the root logger).
-    logging.getLogger("pipelines.flights.scoring").setLevel(logging.INFO)
+    serving_log = logging.getLogger("pipelines.serving")
+    serving_log.setLevel(logging.INFO)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("stream score: %(levelname)s %(message)s"))
-    logging.getLogger("pipelines.flights.scoring").addHandler(handler)
-    logging.getLogger("pipelines.flights.scoring").propagate = False
+    serving_log.addHandler(handler)
+    serving_log.propagate = False
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,25 +145,28 @@ def run_scorer(args, beam_args: list[str]) -> int:
         ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=kcfg, **rf)
     ensure_topic(args.bootstrap, args.updates_topic, client_config=kcfg, **rf)
     clear_status(str(out / "score-status.json"))  # counters of an earlier run: the live line counts this run's
-    scfg = scoring_config(args, beam_status=str(out / "score-status.json"))
+    from flowtrain.cli.stream import _enrichment, _stream_manifest
+
+    scfg = scoring_config(args, beam_status=str(out / "score-status.json"),
+                          enrichment=_enrichment(args, _stream_manifest(args)))
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_scoring_pipeline(p, scfg)
+    from flowtrain.local.processes import StopSignals
+
+    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
     result = p.run()
     print(f"stream score: {args.raw_topic} -> RunInference -> {args.predictions_topic} "
           f"(+ {args.score_dead_letter_topic}), versions from {args.updates_topic} every "
           f"{args.swap_interval:g} s, group {args.score_group_id}; Ctrl-C stops", flush=True)
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     code = 0
-    while not stop["now"]:
+    while not stop.is_set():
         state = str(result.state)
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
             print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
             code = 1 if "FAILED" in state else 0
             break
         time.sleep(0.5)
-    if stop["now"]:
+    if stop.is_set():
         from flowtrain.local.flink.jars import FlinkError
 
         try:
@@ -184,30 +219,27 @@ def run_all(args, beam_args: list[str]) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from flowtrain.cli.stream_status import CHILD_ARGS, process_states, serve_stream_status, stop_stream_status
+
+    procs = {}  # --metrics-port: this process serves the whole job's /metrics and status page
+    status = serve_stream_status(args, process_states(procs), title="flowtrain stream")
     common = [a for a in sys.argv[2:] if a not in ("pipeline", "train", "score", "--local-kafka", "--score")]
+    common += CHILD_ARGS
     base = [sys.executable, "-m", "flowtrain.cli", "stream"]
-    procs = {}
-    for half, log in (("pipeline", "pipeline.log"), ("train", "trainer.log"), ("score", "scorer.log")):
-        procs[half] = subprocess.Popen(base + [half] + common, start_new_session=True,
-                                       stdout=open(out / log, "ab"), stderr=subprocess.STDOUT)
-    stop = {"now": False}
-    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    last = (time.monotonic(), 0)
-    try:
-        while not stop["now"] and all(p.poll() is None for p in procs.values()):
-            time.sleep(2)
-            line, last = _live_line(args, out, last)
-            print(f"{line} | {serving_line(out)}", flush=True)
+    from flowtrain.local.processes import supervise
+
+    last = [(time.monotonic(), 0)]
+
+    def report() -> None:
+        line, last[0] = _live_line(args, out, last[0])
+        print(f"{line} | {serving_line(out)}", flush=True)
+
+    try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
+        # runner / writes its checkpoint), SIGKILL after 60 s
+        codes = supervise({half: (base + [half] + common, out / log) for half, log in (
+            ("pipeline", "pipeline.log"), ("train", "trainer.log"), ("score", "scorer.log"))},
+            report=report, procs=procs)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGINT)  # each stops its runner / writes its checkpoint
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    codes = ", ".join(f"{half} {p.returncode}" for half, p in procs.items())
-    print(f"stream: stopped ({codes}); logs in {out}")
-    return 0 if all(p.returncode == 0 for p in procs.values()) else 1  # a half failing on its way out fails
+        stop_stream_status(status)
+    print(f"stream: stopped ({', '.join(f'{half} {code}' for half, code in codes.items())}); logs in {out}")
+    return 0 if all(code == 0 for code in codes.values()) else 1  # a half failing on its way out fails

@@ -12,11 +12,9 @@ from connectors.dataset_spec import FeatureSpec
 from connectors.kafka import PRODUCER_DEFAULTS, topic_max_message_bytes
 from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES, UpdateKeySource
 from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
+from pipelines.stream.pipeline import KAFKA_DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["ScoreConfig", "ScoringBatch", "topic_limits", "KAFKA_DEFAULT_MAX_MESSAGE_BYTES"]
-
-#: The broker's default max.message.bytes (a topic that does not say).
-KAFKA_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588
+__all__ = ["ScoreConfig", "ScoringBatch", "topic_limits"]
 
 
 @dataclass

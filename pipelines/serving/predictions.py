@@ -12,13 +12,15 @@
 - ``probabilities``: K > 2 classes: each class's probability, in the manifest's class order; null otherwise;
 - ``model_version``, ``model_run``: the version that computed it and its trainer run;
 - ``event_time`` (the raw record's Kafka timestamp), ``scoring_time`` (when the model computed it);
-- ``label``: the event's label when it had one (the class index, or the value), else null.
+- ``label``: the event's label when the model could be trained on it (the class index, or the value);
+  null for an unlabelled event or a class the training split never saw.
 """
 from __future__ import annotations
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from apache_beam.ml.inference.base import PredictionResult
 
 from connectors.arrow import encode_batches
@@ -73,7 +75,10 @@ def predictions_batch(result: PredictionResult, task: str, classes: list[str] | 
         prediction = outputs
     ids = f.column(id_column).cast(pa.string()) if id_column and id_column in f.schema.names \
         else pa.nulls(n, pa.string())
-    label = f.column(LABEL).cast(pa.float32()) if LABEL in f.schema.names else pa.nulls(n, pa.float32())
+    label = pa.nulls(n, pa.float32())
+    if LABEL in f.schema.names:  # NaN (the featurizer's "no label": unlabelled, unseen class) -> null
+        values = f.column(LABEL).cast(pa.float32())
+        label = pc.if_else(pc.is_nan(values), pa.scalar(None, pa.float32()), values)
     return pa.RecordBatch.from_arrays([
         f.column("source").cast(pa.string()),
         f.column("src_partition").cast(pa.int64()),

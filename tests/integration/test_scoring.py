@@ -1,9 +1,12 @@
-"""The scoring pipeline (`flowtrain stream score`) on the real broker and the real runner (Prism):
-Beam RunInference with flowtrain's model, versions hot-swapped from the model-updates topic."""
+"""The scoring pipeline (`flowtrain stream score`) on the real broker and the real runner (Prism), on a
+table made here (a 3-class machine-sensor table): Beam RunInference with flowtrain's model, class
+names from the manifest, unlabelled events predicted, versions authenticated and hot-swapped from
+the model-updates topic, the trainer's retention never taking a served version away, at-least-once
+delivery across kill -9."""
 from __future__ import annotations
 
 import json
-import random
+import os
 import signal
 import subprocess
 import sys
@@ -12,58 +15,47 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import decode_batch
-from tests.flights_data import make_flights_dataset
 from tests.procs import stop_group as _stop
+from tests.sensor_data import CLASSES, make_sensor_run, sensor_rows
 
 #: The tests that run the scorer on the broker and Prism.
-live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(300)]
+live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 SWAP_S = 1.0
 #: A generous bound: a published version serves within this many seconds (measured: 1-4 s).
-BOUND_S = 30.0
+BOUND_S = 60.0
+KEY = b"serving-test-key-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_flights_dataset(tmp_path_factory.mktemp("scoreds"), every=60)
-
-
-@pytest.fixture(scope="module")
-def events() -> list[dict]:
-    from pipelines.flights.events import events_from_table
-    from pipelines.flights.nycflights import load_table
-
-    out = []
-    for e in events_from_table(load_table("flights")):
-        out.append(e)
-        if len(out) == 4000:
-            return out
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(dataset):
-    """What the scorer must compute, computed here with the feature and model code directly."""
-    import pyarrow.parquet as pq
-
-    from connectors.dataset import read_manifest
-    from flowtrain.local.paths import demo_tables_dir
+def sensor(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("scoresensor")
+    dataset, run, _ = make_sensor_run(base, rows=1500, epochs=6)
+    key_file = base / "update.key"
+    key_file.write_bytes(KEY)
     from flowtrain.train.loader import TabularDataset
-    from pipelines.flights import features as FF
-    from pipelines.flights.batch import export_tables
 
-    from pipelines.flights.streaming import FlightFeaturizer
+    return {"dataset": dataset, "run": run, "data": TabularDataset(dataset), "key_file": str(key_file)}
 
-    tables = export_tables(demo_tables_dir())
-    data = TabularDataset(dataset)
-    featurizer = FlightFeaturizer(read_manifest(dataset)["stats"], FF.prepare_weather(pq.read_table(tables["weather"])),
-                                  FF.prepare_planes(pq.read_table(tables["planes"])))
-    return {"data": data, "featurizer": featurizer}
+
+def _events(n: int, *, seed: int = 1, unlabelled_every: int = 10, unseen_every: int = 0) -> list[dict]:
+    """Sensor events with their own id; every ``unlabelled_every``-th has no label, every
+    ``unseen_every``-th a class the training split never saw."""
+    out = []
+    for i, row in enumerate(sensor_rows(n, seed=seed)):
+        row = {"reading_id": f"r-{seed}-{i}", **row}
+        if unlabelled_every and i % unlabelled_every == 4:
+            del row["state"]
+        elif unseen_every and i % unseen_every == 7:
+            row["state"] = "exploded"
+        out.append(row)
+    return out
 
 
 def _names():
@@ -72,47 +64,40 @@ def _names():
             "group": f"sg-{tag}"}
 
 
-ARCH = {"kind": "mlp", "hidden": [32, 16], "dropout": 0.0, "seed": 0}
-
-
-def _model(reference, seed: int):
-    """flowtrain's model as the trainer builds it, with weights that differ clearly per seed."""
+def _random_weights(data, arch: dict, seed: int) -> dict:
     from flowtrain.train.stream import Architecture
 
-    model = Architecture.from_dict(ARCH, "test").build(reference["data"])
+    model = Architecture.from_dict(arch, "test").build(data)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    return model.state_dict()
 
 
-def _publish(bootstrap, names, ckpt_dir: Path, version: int, state: dict | None = None, *, corrupt: str = ""):
-    """A version published as the online trainer does: checkpoint.save, then a record on the updates topic."""
-    from flowtrain.train import checkpoint
+def _batch_model(sensor) -> tuple[dict, dict]:
+    """The batch run's trained model: (architecture, weights), as --init-weights reads them."""
+    from flowtrain.train.stream import StreamTrainConfig, initial_weights
 
-    path = checkpoint.save(ckpt_dir, version, {"model": state, "optimizer": {}, "step": version, "version": version,
-                                               "architecture": ARCH, "positions": {}, "seen": {}}, keep=0)
-    if corrupt == "truncated":  # torn after the checksum was written
-        path.write_bytes(path.read_bytes()[:200])
-    record = {"version": version, "step": version, "checkpoint": str(path), "positions": {}, "metrics": {},
-              "reason": "periodic", "time": time.time()}
+    arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=sensor["dataset"],
+                                                    init_weights=str(sensor["run"] / "model.pt")))
+    return arch.to_dict(), state
+
+
+def _send(bootstrap, topic, value: bytes, key: bytes | None = None) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    producer.send(names["updates"], key=str(version).encode(), value=json.dumps(record).encode())
-    producer.flush()
+    producer.send(topic, key=key, value=value).get(timeout=30)
     producer.close()
-    return time.time()
 
 
-def _produce(bootstrap, topic, events, *, malformed=0.0, seed=0) -> int:
-    from pipelines.flights.events import MALFORMED_KINDS, malform
-
-    rng = random.Random(seed)
+def _produce(bootstrap, topic, events, *, malformed_every: int = 0) -> int:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     for i, e in enumerate(events):
-        value = malform(e, MALFORMED_KINDS[i % len(MALFORMED_KINDS)], rng) if rng.random() < malformed \
-            else json.dumps(e).encode()
-        producer.send(topic, key=(e.get("tailnum") or "x").encode(), value=value)
+        if malformed_every and i % malformed_every == 3:
+            value = b'{"temp": 1,' if i % 2 else json.dumps({**e, "temp": "hot"}).encode()
+        else:
+            value = json.dumps(e).encode()
+        producer.send(topic, value=value)
     producer.flush()
     producer.close()
     return len(events)
@@ -123,7 +108,7 @@ def _read(bootstrap, topic):
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50)
     try:
         tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
-        if not tps:  # not created yet
+        if not tps:
             return []
         ends = c.end_offsets(tps)
         c.assign(tps)
@@ -140,8 +125,7 @@ def _read(bootstrap, topic):
 def _predictions(bootstrap, topic) -> list[dict]:
     rows = []
     for m in _read(bootstrap, topic):
-        b = decode_batch(m.value)
-        rows += b.to_pylist()
+        rows += decode_batch(m.value).to_pylist()
     return rows
 
 
@@ -149,14 +133,15 @@ def _dead(bootstrap, topic) -> list[dict]:
     return [{k: v.decode() for k, v in m.headers} for m in _read(bootstrap, topic)]
 
 
-def _scorer(bootstrap, names, dataset, out: Path) -> subprocess.Popen:
+def _scorer(bootstrap, names, dataset, out: Path, *extra) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         CLI + ["stream", "score", "--bootstrap", bootstrap, "--raw-topic", names["raw"], "--updates-topic",
                names["updates"], "--predictions-topic", names["pred"], "--score-dead-letter-topic", names["dead"],
                "--score-group-id", names["group"], "--dataset", dataset, "--out", str(out), "--swap-interval",
-               str(SWAP_S), "--wait-model", "60"],
-        stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+               str(SWAP_S), "--wait-model", "120", "--id-column", "reading_id", *extra],
+        stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={k: v for k, v in os.environ.items() if k != "FLOWTRAIN_UPDATE_KEY"})
 
 
 class _Feed:
@@ -166,10 +151,9 @@ class _Feed:
         self.bootstrap, self.names, self.events, self.n = bootstrap, names, events, start
 
     def until(self, done, proc, log: Path, *, within_s: float, then_s: float = 2.0) -> float:
-        """Feeds until ``done(predictions, scorer log)``, then ``then_s`` more; returns when done held."""
         deadline, seen = time.monotonic() + within_s, None
         while seen is None or time.time() < seen + then_s:
-            self.n += _produce(self.bootstrap, self.names["raw"], self.events[self.n:self.n + 40])
+            self.n += _produce(self.bootstrap, self.names["raw"], self.events[self.n:self.n + 30])
             time.sleep(0.3)
             if seen is None and done(_predictions(self.bootstrap, self.names["pred"]), log.read_text()):
                 seen = time.time()
@@ -187,7 +171,7 @@ def _committed(bootstrap, names) -> dict[int, int]:
         c.close()
 
 
-def _wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=120):
+def _wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=180):
     """Until predictions + dead letters cover every raw event (distinct sources); returns both."""
     deadline = time.monotonic() + timeout
     while True:
@@ -200,32 +184,47 @@ def _wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=120):
         time.sleep(0.5)
 
 
-def _expected(bootstrap, names, reference, models: dict[int, torch.nn.Module]) -> dict[str, dict[int, float]]:
-    """source -> {version: probability} computed here from the raw topic with the feature code."""
-    from connectors.kafka import KafkaRecord
-    from pipelines.flights.scoring import featurize_records
+def _expected(bootstrap, names, sensor, weights: dict[tuple[str, int], tuple[dict, dict]]) -> dict:
+    """source -> {(run, version): probabilities}, computed here from the raw topic with the stream
+    featurizer and flowtrain's model."""
+    from connectors.dataset import read_manifest
+    from flowtrain.train.loader import table_to_split
+    from flowtrain.train.stream import Architecture
+    from pipelines.stream.featurize import StreamFeaturizer
 
-    by_part: dict[int, list] = {}
-    for m in _read(bootstrap, names["raw"]):
-        by_part.setdefault(m.partition, []).append(
-            KafkaRecord(m.topic, m.partition, m.offset, m.timestamp, m.key, m.value))
-    data = reference["data"]
-    out: dict[str, dict[int, float]] = {}
-    for records in by_part.values():
-        batch, _ = featurize_records(sorted(records, key=lambda r: r.offset), reference["featurizer"])
-        if batch.features is None or not batch.features.num_rows:
-            continue
-        import pyarrow as pa
+    featurizer = StreamFeaturizer.from_manifest(read_manifest(sensor["dataset"]))
+    data = sensor["data"]
+    models = {}
+    for tag, (arch, state) in weights.items():
+        models[tag] = Architecture.from_dict(arch, "test").build(data)
+        models[tag].load_state_dict(state)
+        models[tag].eval()
+    records = _read(bootstrap, names["raw"])
+    out = featurizer.featurize_payloads([m.value for m in records], [(m.topic, m.partition, m.offset)
+                                                                     for m in records])
+    split = table_to_split(pa.Table.from_batches([out.features]), data.spec)
+    expected: dict = {}
+    for tag, model in models.items():
+        with torch.no_grad():
+            probs = torch.softmax(model(split.x_num, split.x_cat), dim=1).numpy()
+        for src, p in zip(out.features.column("source").to_pylist(), probs):
+            expected.setdefault(src, {})[tag] = p
+    return expected
 
-        from flowtrain.train.loader import table_to_split
 
-        split = table_to_split(pa.Table.from_batches([batch.features]), data.spec)
-        for version, model in models.items():
-            with torch.no_grad():
-                probs = torch.sigmoid(model(split.x_num, split.x_cat)).numpy()
-            for src, p in zip(batch.features.column("source").to_pylist(), probs):
-                out.setdefault(src, {})[version] = float(p)
-    return out
+def _publisher(sensor, run_dir: Path, keep: int = 10):
+    from connectors.model_updates import UpdateKeySource
+    from flowtrain.train.published import Publisher
+
+    return Publisher(run_dir, keep=keep, key_source=UpdateKeySource.from_options(sensor["key_file"]))
+
+
+def _publish(bootstrap, names, pub, version: int, arch: dict, state: dict, run_id: str = "run-a") -> dict:
+    """A version as the online trainer publishes it (its Publisher), then its record on the topic."""
+    record = pub.publish(model=state, architecture=arch, version=version, step=version, run_id=run_id,
+                         reason="periodic", time=time.time())
+    _send(bootstrap, names["updates"], json.dumps(record).encode(), key=str(version).encode())
+    return record
 
 
 def _apply(marks):
@@ -237,119 +236,154 @@ def _apply(marks):
 
 
 @_apply(live)
-def test_predictions_carry_their_version_and_hot_swap_without_restart(bootstrap, dataset, events, reference,
-                                                                     tmp_path, say):
-    names = _names()
+def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authenticated_hot_swap(
+        bootstrap, sensor, tmp_path, say):
     from connectors.kafka import ensure_topic
+    from connectors.model_updates import sign_record
 
+    names = _names()
     ensure_topic(bootstrap, names["raw"], partitions=2)
     ensure_topic(bootstrap, names["updates"])
-    models = {1: _model(reference, 1), 2: _model(reference, 2), 5: _model(reference, 5)}
-    ckpts = tmp_path / "ckpts"
-    _publish(bootstrap, names, ckpts, 1, models[1].state_dict())
-    n = _produce(bootstrap, names["raw"], events[:400], malformed=0.05)
-    t0 = time.monotonic()
-    proc = _scorer(bootstrap, names, dataset, tmp_path / "run")
+    arch, trained = _batch_model(sensor)
+    weights = {("run-a", 1): (arch, trained), ("run-a", 2): (arch, _random_weights(sensor["data"], arch, 2))}
+    pub = _publisher(sensor, tmp_path / "trainer")
+    _publish(bootstrap, names, pub, 1, arch, trained)
+    events = _events(3000, unseen_every=50)
+    n = _produce(bootstrap, names["raw"], events[:400], malformed_every=40)
+    proc = _scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"])
     log = tmp_path / "run" / "scorer.log"
     try:
         preds, dead = _wait_covered(bootstrap, names, n, proc, log)
-        say(f"\nscoring: first {n} events scored {time.monotonic() - t0:.1f} s after the scorer started")
         assert {p["model_version"] for p in preds} == {1}
 
-        # version 2 while the pipeline runs: scored with it within a bound, without a restart, and
-        # once it serves, every newer event gets it (never version 1 again)
+        # forged and bad records mid-stream: all rejected with their reason, version 1 keeps serving
+        real = _publish(bootstrap, names, _publisher(sensor, tmp_path / "other"), 7, arch, trained, run_id="run-b")
+        copied = tmp_path / "copied.pt"
+        copied.write_bytes(Path(real["checkpoint"]).read_bytes())
+        fifo = tmp_path / "fifo.pt"
+        os.mkfifo(fifo)
+        unsigned = {k: v for k, v in real.items() if k != "signature"}
+        bad = [json.dumps({**unsigned, "version": 2 ** 62, "checkpoint": str(copied)}).encode(),  # unsigned
+               json.dumps({**real, "version": 2 ** 62, "run_id": "run-a"}).encode(),  # mis-signed
+               json.dumps(sign_record({**unsigned, "version": 2 ** 62, "checkpoint": str(fifo)}, KEY)).encode()]
+        for value in bad:
+            _send(bootstrap, names["updates"], value)
         feed = _Feed(bootstrap, names, events, start=n)
-        t_pub2 = _publish(bootstrap, names, ckpts, 2, models[2].state_dict())
+        feed.until(lambda _, text: "is not a regular file" in text, proc, log, within_s=BOUND_S)
+        # ... version 7 of the other run (signed: believed) served; then run a's version 2, not pinned by it
+        t_pub2 = time.time()
+        _publish(bootstrap, names, pub, 2, arch, weights[("run-a", 2)][1])
         t_seen2 = feed.until(lambda p, _: any(r["model_version"] == 2 for r in p), proc, log, within_s=BOUND_S)
-        say(f"scoring: version 2 served {t_seen2 - t_pub2:.1f} s after its publication")
-        preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
-        assert {p["model_version"] for p in preds if p["event_time"].timestamp() > t_seen2} == {2}
-
-        # corrupt versions are rejected (logged with the reason); version 2 keeps serving
-        t_bad = _publish(bootstrap, names, ckpts, 3, models[1].state_dict(), corrupt="truncated")
-        from flowtrain.train.model import TabularMLP
-
-        data = reference["data"]  # the weights of another architecture than the one it names
-        _publish(bootstrap, names, ckpts, 4, TabularMLP(data.n_numeric, data.cardinalities, hidden=(8,)).state_dict())
-        feed.until(lambda _, text: "model version 4 published at" in text, proc, log, within_s=BOUND_S)
-        text = log.read_text()
-        assert "model version 3 published at" in text and "rejected: ValueError" in text and "checksum" in text
-        assert "Error(s) in loading state_dict" in text and "; serving version 2" in text
-
-        # ... and the next good version is still picked up
-        t_pub5 = _publish(bootstrap, names, ckpts, 5, models[5].state_dict())
-        t_seen5 = feed.until(lambda p, _: any(r["model_version"] == 5 for r in p), proc, log, within_s=BOUND_S)
+        say(f"\nscoring: version 2 served {t_seen2 - t_pub2:.1f} s after its publication")
         preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
         n = feed.n
-        assert {p["model_version"] for p in preds if t_bad <= p["event_time"].timestamp() < t_pub5} == {2}
-        assert {p["model_version"] for p in preds if p["event_time"].timestamp() > t_seen5} == {5}
+        text = log.read_text()
+        assert "unsigned: an update key is set" in text and "bad signature" in text
+        assert "is not a regular file" in text
     finally:
         _stop(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+    weights[("run-b", 7)] = (arch, trained)
+    assert {(p["model_run"], p["model_version"]) for p in preds} == set(weights)
 
-    # every prediction equals flowtrain's forward of the version it names, on the same features
-    expected = _expected(bootstrap, names, reference, models)
-    diffs = [abs(p["prediction"] - expected[p["source"]][p["model_version"]]) for p in preds]
-    assert len(diffs) == len(preds) and max(diffs) <= 1e-6
+    # every prediction equals the forward of the version it names; the class is its argmax's name
+    expected = _expected(bootstrap, names, sensor, weights)
+    classes = sensor["data"].classes
+    assert list(classes) == sorted(CLASSES)
+    diffs, right = [], 0
+    for p in preds:
+        want = expected[p["source"]][(p["model_run"], p["model_version"])]
+        diffs.append(np.abs(np.asarray(p["probabilities"]) - want).max())
+        assert p["predicted_class"] == classes[int(want.argmax())]
+        assert abs(p["prediction"] - want.max()) <= 1e-6
+    assert max(diffs) <= 1e-6
 
-    # counts: every raw event is exactly one prediction or one dead letter (no restart here)
+    # the trained version names the right classes (its accuracy on labelled events, by name)
+    by_id = {e["reading_id"]: e for e in events[:n]}
+    v1 = [p for p in preds if p["model_version"] == 1 and "state" in by_id[p["id"]]
+          and by_id[p["id"]]["state"] in CLASSES]
+    acc = np.mean([p["predicted_class"] == by_id[p["id"]]["state"] for p in v1])
+    majority = max(np.mean([by_id[p["id"]]["state"] == c for p in v1]) for c in CLASSES)
+    say(f"scoring: 3-class accuracy by class name {acc:.3f} over {len(v1)} events (majority class {majority:.3f})")
+    assert acc > majority + 0.1
+
+    # counts: every raw event is one prediction or one dead letter; unlabelled and unseen-class events predicted
     raw = [f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])]
     assert len(raw) == n
-    scored = [p["source"] for p in preds]
-    rejected = [d["source"] for d in dead]
-    assert sorted(scored + rejected) == sorted(raw)
-    assert len(set(scored)) == len(scored) and not set(scored) & set(rejected)
-    assert set(expected) == set(scored)  # the scorer rejected exactly what the feature code rejects
-    reasons = {d["reason"].split(":")[0] for d in dead}
-    assert {"broken JSON", "wrong type"} <= reasons
+    scored, rejected = [p["source"] for p in preds], [d["source"] for d in dead]
+    assert sorted(scored + rejected) == sorted(raw) and len(set(scored)) == len(scored)
+    assert set(expected) == set(scored)  # the scorer rejected exactly what the stream featurizer rejects
+    ids = {p["id"] for p in preds}
+    valid = [e for e in events[:n] if e["pressure"] is not None]  # a missing pressure is a dead letter
+    unlabelled = [e["reading_id"] for e in valid if "state" not in e]
+    unseen = [e["reading_id"] for e in valid if e.get("state") == "exploded"]
+    assert unlabelled and unseen and set(unlabelled) <= ids and set(unseen) <= ids
+    assert all(p["label"] is None for p in preds if p["id"] in set(unlabelled) | set(unseen))
+    reasons = {d["reason"] for d in dead}
+    assert any("broken JSON" in r for r in reasons) and any("pressure" in r for r in reasons), reasons
 
 
 @_apply(live)
-def test_scorer_killed_and_restarted_scores_every_event_at_least_once(bootstrap, dataset, events, reference,
-                                                                     tmp_path, say):
-    """At least once, precisely: after kill -9 and a restart from the committed offsets, every raw
-    event has a prediction or a dead letter, and only events at or after the offsets committed at
-    the kill are there twice."""
-    names = _names()
+def test_scorer_killed_and_restarted_while_the_trainer_publishes_more_versions_than_it_keeps(
+        bootstrap, sensor, tmp_path, say):
+    """#22.9 and at least once: the trainer keeps 2 published versions and publishes 6 while the
+    scorer runs, is killed with kill -9 and restarted (its first version's file long pruned);
+    every raw event has a prediction or a dead letter, only events at or after the offsets
+    committed at the kill are there twice, and the job never fails."""
     from connectors.kafka import ensure_topic
 
+    names = _names()
     ensure_topic(bootstrap, names["raw"], partitions=2)
     ensure_topic(bootstrap, names["updates"])
-    _publish(bootstrap, names, tmp_path / "ckpts", 1, _model(reference, 1).state_dict())
-    n = _produce(bootstrap, names["raw"], events[:600], malformed=0.02)
-    proc = _scorer(bootstrap, names, dataset, tmp_path / "run")
-    log = tmp_path / "run" / "scorer.log"
+    arch, trained = _batch_model(sensor)
+    pub = _publisher(sensor, tmp_path / "trainer", keep=2)
+    version = 1
+    _publish(bootstrap, names, pub, version, arch, trained)
+    events = _events(4000, seed=3)
+    n = _produce(bootstrap, names["raw"], events[:500], malformed_every=50)
+    run = tmp_path / "run"
+    proc = _scorer(bootstrap, names, sensor["dataset"], run, "--update-key-file", sensor["key_file"])
+    log = run / "scorer.log"
     feed = _Feed(bootstrap, names, events, start=n)
     try:
-        # events keep arriving; kill -9 once the first offsets are committed: some events are
-        # scored but not committed, others read but not scored, others not read yet
-        feed.until(lambda *_: sum(_committed(bootstrap, names).values()) > 0, proc, log, within_s=120, then_s=0)
+        feed.until(lambda *_: sum(_committed(bootstrap, names).values()) > 0, proc, log, within_s=180, then_s=0)
+        for version in range(2, 5):  # the trainer prunes versions 1 and 2 from published/
+            _publish(bootstrap, names, pub, version, arch, _random_weights(sensor["data"], arch, version))
+        feed.until(lambda p, _: any(r["model_version"] == 4 for r in p), proc, log, within_s=BOUND_S, then_s=0)
         n = feed.n + _produce(bootstrap, names["raw"], events[feed.n:feed.n + 40])  # in flight at the kill
         _stop(proc, signal.SIGKILL)
         committed = _committed(bootstrap, names)
         assert sum(committed.values()) < n
+        for version in range(5, 7):
+            _publish(bootstrap, names, pub, version, arch, _random_weights(sensor["data"], arch, version))
+        assert len(list((tmp_path / "trainer" / "published").glob("ckpt-*.pt"))) == 2
         n += _produce(bootstrap, names["raw"], events[n:n + 300])
-        proc = _scorer(bootstrap, names, dataset, tmp_path / "run")
+        proc = _scorer(bootstrap, names, sensor["dataset"], run, "--update-key-file", sensor["key_file"])
+        feed.n = n
+        feed.until(lambda p, _: any(r["model_version"] == 6 for r in p), proc, log, within_s=BOUND_S, then_s=0)
+        n = feed.n
         preds, dead = _wait_covered(bootstrap, names, n, proc, log)
-        deadline = time.monotonic() + 60  # the last commits follow the last writes
+        deadline = time.monotonic() + 90  # the last commits follow the last writes
         while sum(_committed(bootstrap, names).values()) < n and time.monotonic() < deadline:
             time.sleep(0.5)
         assert sum(_committed(bootstrap, names).values()) == n, \
             f"committed {_committed(bootstrap, names)} of {n} events\n{log.read_text()[-3000:]}"
     finally:
         _stop(proc)
+    assert "FAILED" not in log.read_text()
     raw = {f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])}
     sources = [p["source"] for p in preds] + [d["source"] for d in dead]
     assert set(sources) == raw and len(raw) == n  # nothing lost
     twice = {s for s in sources if sources.count(s) > 1}
     assert all(int(s.rsplit("/", 1)[1]) >= committed[int(s.split("/")[1])] for s in twice)
-    say(f"\nscoring: kill -9 with offsets {committed} committed; after the restart {len(twice)} of {n} events "
-        f"were scored twice, all at or after those offsets")
+    assert {p["model_version"] for p in preds} >= {1, 4, 6}
+    say(f"\nscoring: kill -9 with offsets {committed} committed, 6 versions published (2 kept); after the "
+        f"restart {len(twice)} of {n} events were scored twice, all at or after those offsets")
 
 
 # --- the pieces, without a runner ----------------------------------------------------------------
 def test_scored_ranges_commit_only_a_contiguous_prefix_and_skip_offsets_without_records():
-    from pipelines.flights.scoring import ScoredRanges
+    from pipelines.serving.commit import ScoredRanges
 
     asked = []
 
@@ -369,71 +403,63 @@ def test_scored_ranges_commit_only_a_contiguous_prefix_and_skip_offsets_without_
     assert r2.add(100, 150, first_record_at) and r2.next == 151
 
 
-def test_version_tracker_serves_the_newest_valid_version_and_rejects_bad_ones(dataset, reference, tmp_path, caplog):
-    from flowtrain.train.published import LoadPublishedVersion
-    from pipelines.flights.scoring import VersionTracker
-
-    ckpts = tmp_path / "ckpts"
-    paths = {}
-    for v in (1, 2, 3):
-        from flowtrain.train import checkpoint
-
-        paths[v] = str(checkpoint.save(ckpts, v, {"model": _model(reference, v).state_dict(), "version": v,
-                                                  "architecture": ARCH}, keep=0))
-    Path(paths[3]).write_bytes(Path(paths[3]).read_bytes()[:100])  # torn after its checksum was written
-
-    def rec(v, path=None):
-        return f"upd/0/{v}", json.dumps({"version": v, "checkpoint": path or paths[v]}).encode()
-
-    tracker = VersionTracker(LoadPublishedVersion(dataset))
-    assert tracker.offer([rec(1)]) and tracker.current.version == 1
-    with caplog.at_level("WARNING", logger="pipelines.flights.scoring"):
-        assert tracker.offer([rec(2), rec(3), ("upd/0/9", b"{not json")])  # 3 is newest but corrupt
-    assert tracker.current.version == 2
-    reasons = {r["version"]: r["reason"] for r in tracker.rejected}
-    assert "checksum" in reasons[3] and "not a model-update record" in reasons[None]
-    assert "model version 3 published at upd/0/3 rejected" in caplog.text and "; serving version 2" in caplog.text
-    assert not tracker.offer([rec(1)]) and tracker.current.version == 2  # never back to an older one
-    assert "not newer than the serving version 2" in tracker.rejected[-1]["reason"]
-    assert not tracker.offer([rec(3)])  # a rejected version is not tried again
-    assert tracker.offer([rec(4, paths[1])]) is False  # the record says 4, the checkpoint holds 1
-    assert "checkpoint holds version 1" in tracker.rejected[-1]["reason"]
-
-
-def test_model_handler_scores_arrow_batches_in_one_forward_and_never_rolls_back(dataset, reference, events,
-                                                                               tmp_path):
-    import pyarrow as pa
-
+def _handler_results(dataset: str, version, records, **kw):
+    from connectors.dataset import read_manifest
     from connectors.kafka import KafkaRecord
-    from flowtrain.train import checkpoint
-    from flowtrain.train.loader import table_to_split
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.loop import target_scale
     from flowtrain.train.published import LoadPublishedVersion
-    from pipelines.flights.scoring import FlowtrainModelHandler, featurize_records
+    from pipelines.serving.featurize import featurize_records
+    from pipelines.serving.handler import FlowtrainModelHandler
+    from pipelines.stream.featurize import StreamFeaturizer
 
-    models = {v: _model(reference, v) for v in (1, 2)}
-    paths = {v: str(checkpoint.save(tmp_path, v, {"model": m.state_dict(), "version": v, "architecture": ARCH},
-                                    keep=0)) for v, m in models.items()}
-    data = reference["data"]
-    batches = []
-    for lo in (0, 70, 130):  # three micro-batches of different sizes
-        records = [KafkaRecord("raw", 0, i, 1_700_000_000_000 + i, None, json.dumps(e).encode())
-                   for i, e in enumerate(events[lo:lo + 60 + lo // 10], start=lo)]
-        batches.append(featurize_records(records, reference["featurizer"])[0])
-    handler = FlowtrainModelHandler(LoadPublishedVersion(dataset), paths[1], data.spec)
-    served = handler.load_model()
-    results = list(handler.run_inference(batches, served))
-    assert [r.model_id for r in results] == ["1"] * 3
-    for b, r in zip(batches, results):
-        split = table_to_split(pa.Table.from_batches([b.features]), data.spec)
-        with torch.no_grad():
-            want = torch.sigmoid(models[1](split.x_num, split.x_cat)).numpy()
-        assert len(r.inference[0]) == b.features.num_rows and np.abs(r.inference[0] - want).max() <= 1e-6
-    handler.update_model_path(paths[2])
-    assert handler.load_model().version == 2
-    handler.update_model_path(paths[1])  # an older version named again (a late window): not served
-    assert handler.load_model().version == 2
-    handler.update_model_path(str(tmp_path / "gone.pt"))  # unloadable: the newest loaded one keeps serving
-    assert handler.load_model().version == 2
+    data = TabularDataset(dataset)
+    featurizer = StreamFeaturizer.from_manifest(read_manifest(dataset), keep=kw.pop("keep", ()))
+    kafka = [KafkaRecord("raw", 0, i, 1_700_000_000_000 + i, None, json.dumps(e).encode())
+             for i, e in enumerate(records)]
+    batches = [featurize_records(kafka[lo:lo + 50], featurizer)[0] for lo in range(0, len(kafka), 50)]
+    handler = FlowtrainModelHandler(LoadPublishedVersion(dataset), version, data.spec,
+                                    target_scale=target_scale(data), n_classes=len(data.classes or []), **kw)
+    return data, batches, list(handler.run_inference(batches, handler.load_model()))
+
+
+def test_regression_predictions_are_in_the_labels_units(tmp_path):
+    """A trained regression model served: predictions equal its forward un-standardized (the batch
+    job's target_scale) and are close to the labels in their own units."""
+    import pyarrow.csv as pcsv
+
+    from connectors.model_updates import check_record
+    from flowtrain.train.loader import table_to_split
+    from flowtrain.train.published import Publisher
+    from flowtrain.train.stream import StreamTrainConfig, initial_weights
+    from pipelines.serving.predictions import predictions_batch
+    from pipelines.serving.versions import ModelVersion
+    from tests.synthetic_data import make_regression_run
+
+    dataset, run = make_regression_run(tmp_path, hidden="16", epochs=20, rows=1500)
+    arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=dataset,
+                                                    init_weights=str(run / "model.pt")))
+    rec = check_record(json.dumps(Publisher(tmp_path / "t").publish(
+        model=state, architecture=arch.to_dict(), version=1, step=1, run_id="r")).encode(), None)
+    version = ModelVersion(1, "r", rec.path, rec.sha256, "upd/0/0", (0, 0, 0))
+    rows = pcsv.read_csv(tmp_path / "data.csv").to_pylist()[:400]
+    for i in range(0, 400, 5):
+        del rows[i]["y"]  # unlabelled events are scored too
+    data, batches, results = _handler_results(dataset, version, rows)
+    preds = pa.Table.from_batches([predictions_batch(r, "regression", None) for r in results])
+    assert preds.num_rows == 400 and preds.column("predicted_class").null_count == 400
+    got = preds.column("prediction").to_numpy()
+    model = arch.build(data)
+    model.load_state_dict(state)
+    model.eval()
+    split = table_to_split(pa.Table.from_batches([b.features for b in batches]), data.spec)
+    with torch.no_grad():
+        want = model(split.x_num, split.x_cat).numpy() * data.stats["label_std"] + data.stats["label_mean"]
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    y = np.array([float(r) for r in pcsv.read_csv(tmp_path / "data.csv").column("y").to_pylist()[:400]])
+    rmse = float(np.sqrt(np.mean((got - y) ** 2)))
+    assert rmse < 0.3 * float(np.std(y)), f"rmse {rmse:.3f} vs label std {np.std(y):.3f}: not in the label's units"
+    assert np.isnan(preds.column("label").to_numpy(zero_copy_only=False)[::5]).all()
 
 
 def test_serving_line_shows_the_serving_version_and_online_accuracy(tmp_path):
@@ -445,6 +471,6 @@ def test_serving_line_shows_the_serving_version_and_online_accuracy(tmp_path):
     (tmp_path / "score-status.json.predictions.1-2").write_text(json.dumps(
         {"predictions": 100, "labelled": 100, "correct": 80, "version": 4, "time": now}))
     (tmp_path / "score-status.json.versions.1-3").write_text(json.dumps(
-        {"version": 4, "rejected": [{"version": 5, "reason": "x"}], "time": now}))
-    assert serving_line(tmp_path) == "serving v4 | online acc 0.750 (200 labelled) | rejected versions 1"
+        {"version": 4, "rejected_count": 3, "rejected": [{"version": 5, "reason": "x"}], "time": now}))
+    assert serving_line(tmp_path) == "serving v4 | online acc 0.750 (200 labelled) | rejected versions 3"
     assert serving_line(tmp_path / "none") == "serving - | online acc - (0 labelled)"
