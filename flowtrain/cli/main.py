@@ -19,6 +19,8 @@ def _kafka(args: argparse.Namespace) -> int:
     broker_kwargs = {"port": args.port}
     if args.data_dir:
         broker_kwargs["data_dir"] = Path(args.data_dir)
+    if args.brokers != 1:
+        return _kafka_cluster(args, broker_kwargs)
     broker = LocalKafka(**broker_kwargs)
     try:
         if args.action == "start":
@@ -36,6 +38,34 @@ def _kafka(args: argparse.Namespace) -> int:
             else:
                 print(f"kafka: not running (data dir {status['data_dir']})")
                 return 3
+    except BrokerError as err:
+        print(f"flowtrain kafka {args.action}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _kafka_cluster(args: argparse.Namespace, cluster_kwargs: dict) -> int:
+    """``flowtrain kafka ACTION --brokers N``: a replicated KRaft cluster (flowtrain.local.kafka.cluster)."""
+    from flowtrain.local.kafka import BrokerError
+    from flowtrain.local.kafka.cluster import LocalKafkaCluster
+
+    try:
+        cluster = LocalKafkaCluster(brokers=args.brokers, **cluster_kwargs)
+        if args.action == "start":
+            cluster.start(timeout_s=args.timeout)
+        elif args.action == "stop":
+            cluster.stop()
+        else:
+            status = cluster.status()
+            if args.json:
+                print(json.dumps(status))
+            else:
+                print(f"kafka: {status['running']} of {status['brokers']} broker(s) running, bootstrap "
+                      f"{status['bootstrap']}, Kafka {status['version']}, data {status['data_dir']}")
+                for node in status["nodes"]:
+                    state = f"running (pid {node['pid']})" if node["running"] else "down"
+                    print(f"  node {node['node_id']}: {state} on {node['bootstrap']}, log {node['log']}")
+            return 0 if status["running"] == status["brokers"] else 3
     except BrokerError as err:
         print(f"flowtrain kafka {args.action}: {err}", file=sys.stderr)
         return 2
@@ -67,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument("--timeout", type=float, default=90.0,
                        help="seconds to wait for the broker to answer a metadata request (default 90)")
     kafka.add_argument("--json", action="store_true", help="status as one JSON object")
+    kafka.add_argument("--brokers", type=int, default=1,
+                       help="N > 1: a replicated cluster of N KRaft nodes (broker + controller each) on ports "
+                            "PORT, PORT+2, ...; topics flowtrain creates get replication min(3, N) and "
+                            "min.insync.replicas 2 (default 1: one broker; data default "
+                            "~/.cache/flowtrain/kafka-cluster)")
     kafka.set_defaults(func=_kafka)
 
     for register in _command_registrars():
