@@ -2,8 +2,8 @@
 ``load(bundle)`` (a ``Predictor`` in this process) and ``run_export(ExportJob)`` (``flowtrain export``).
 
 Both paths run the same code on each batch of rows (``pipelines.predict.rows``: the ETL's feature code with
-the training statistics, one forward, the same output columns), so ``load(DIR).predict(rows)`` equals
-``flowtrain predict`` on the same rows.
+the training statistics; the stream scorer's model handler for the forward; the same output columns), so
+``load(DIR).predict(rows)`` equals ``flowtrain predict`` on the same rows.
 """
 from __future__ import annotations
 
@@ -74,6 +74,14 @@ class Predictor:
         self.target_scale = tuple(self.bundle.model["target_scale"])
         self.version = self.bundle.version
         self.last_dead_letters: list = []
+        from pipelines.predict.pipeline import bundle_handler, bundle_version
+        from pipelines.serving.handler import ServedModel
+
+        # the model handler flowtrain predict (and the stream scorer) runs: the same forward, in this process
+        run = self.bundle.manifest.get("run", "")
+        self._handler = bundle_handler(None, str(self.bundle.path), run, self.spec, target_scale=self.target_scale,
+                                       n_classes=len(self.classes or []), torch_threads=None)
+        self._served = ServedModel(self.module, bundle_version(str(self.bundle.path), run))
 
     @property
     def columns(self) -> list[str]:
@@ -85,7 +93,7 @@ class Predictor:
     def predict(self, rows: Any, *, keep: tuple[str, ...] | list[str] = ()) -> Any:
         import pyarrow as pa
 
-        from pipelines.predict.rows import check_columns, featurize_for_prediction, forward, output_batch, read_types
+        from pipelines.predict.rows import check_columns, featurize_for_prediction, output_batch, read_types
         from pipelines.tabular.features import SchemaError
 
         table = _as_table(rows)
@@ -107,7 +115,8 @@ class Predictor:
         self.last_dead_letters = letters
         if inp is None:
             return pa.table({})
-        scores = forward(self.module, inp.features, self.spec, self.kind, self.target_scale)
+        (result,) = self._handler.run_inference([inp], self._served)
+        scores, _scored_ms = result.inference
         return pa.Table.from_batches([output_batch(inp, scores, self.kind, self.classes, self.version)])
 
 
@@ -173,7 +182,7 @@ def _run_predict(job: PredictJob) -> dict:
     from connectors.dataset_spec import FeatureSpec
     from flowtrain.local.runners import pipeline_options
     from flowtrain.train.bundle import load_module, read_bundle
-    from pipelines.predict.pipeline import BundleModelHandler, build_predict
+    from pipelines.predict.pipeline import build_predict, bundle_handler
     from pipelines.predict.rows import SOURCE_COLUMN, VERSION_COLUMN, check_columns, prediction_columns
     from pipelines.tabular.pipeline import expand_inputs, file_head
 
@@ -214,8 +223,9 @@ def _run_predict(job: PredictJob) -> dict:
     for path in existing:
         path.unlink()
 
-    handler = BundleModelHandler(load_module, str(bundle.path), spec, kind, classes,
-                                 bundle.model["target_scale"], device=job.device, torch_threads=job.threads)
+    handler = bundle_handler(load_module, str(bundle.path), bundle.manifest.get("run", ""), spec,
+                             target_scale=bundle.model["target_scale"], n_classes=len(classes or []),
+                             device=job.device, torch_threads=job.threads)
     options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
     import tempfile
 
@@ -227,7 +237,8 @@ def _run_predict(job: PredictJob) -> dict:
               f"{options.get_all_options()['runner']})", flush=True)
         with beam.Pipeline(options=options) as p:
             build_predict(p, files, handler=handler, spec=spec, stats=bundle.features["stats"], carry=carry,
-                          out=str(out), schema=schema, dead_letters_path=str(dead_path), counts_path=counts_path)
+                          out=str(out), schema=schema, dead_letters_path=str(dead_path), counts_path=counts_path,
+                          kind=kind, classes=classes, version=bundle.version)
         counts = json.loads(Path(counts_path).read_text())
     if counts["in"] != counts["predictions"] + counts["dead_letters"]:
         raise RuntimeError(f"row counts do not reconcile: in {counts['in']} != predictions {counts['predictions']} "

@@ -177,8 +177,7 @@ def build_module(bundle: Bundle):
     return module.eval()
 
 
-def load_module(path: str | Path) -> tuple[Any, str]:
-    """``path`` -> (the model in eval mode, its version): the model loader ``flowtrain predict``'s handler
-    calls on every worker."""
-    bundle = read_bundle(path)
-    return build_module(bundle), bundle.version
+def load_module(path: str | Path) -> tuple[Any, int]:
+    """``path`` -> (the model in eval mode, 0): the model loader of the model handler ``flowtrain predict``
+    runs on every worker (a bundle is one fixed model: version 0 of its run)."""
+    return build_module(read_bundle(path)), 0

@@ -2,7 +2,8 @@
 
     ReadFromFiles(inputs, the feature / id / keep / label columns, file:line sources, with dead letters)
       -> FeaturizeForPrediction   (the ETL's feature code with the training statistics; bad rows -> dead letters)
-      -> RunInference(BundleModelHandler)   (one forward per Arrow batch)
+      -> RunInference(FlowtrainModelHandler)   (the stream scorer's handler, one fixed model: one forward per
+                                               Arrow batch)
       -> one Arrow batch of predictions per input batch
       -> WriteToParquetBatched / WriteToText (CSV)     (one file, at --out)
     dead letters -> WriteDeadLettersToJsonl; counts in / predictions / dead letters -> a small JSON file
@@ -14,53 +15,44 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
-from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
+from apache_beam.ml.inference.base import PredictionResult, RunInference
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
 from connectors.files import ReadFromFiles
-from pipelines.predict.rows import PredictionInput, featurize_for_prediction, forward, output_batch, read_types
+from pipelines.predict.rows import featurize_for_prediction, output_batch, read_types
+from pipelines.serving.handler import FlowtrainModelHandler
+from pipelines.serving.versions import ModelVersion
 
 
-class BundleModelHandler(ModelHandler[PredictionInput, PredictionResult, Any]):
-    """A PyTorch model handler over Arrow batches: an example is one ``PredictionInput``; ``run_inference``
-    runs one forward over its rows (``pipelines.predict.rows.forward``, the code a loaded bundle's
-    ``predict`` runs too). The model comes from ``load(path)`` once per worker process."""
+def bundle_version(path: str, run: str) -> ModelVersion:
+    """The one version a bundle serves (version 0 of its run)."""
+    return ModelVersion(0, run, path, None, "", (0, 0, 0))
 
-    def __init__(self, load: Callable[[str], tuple[Any, str]], path: str, spec: FeatureSpec, kind: str,
-                 classes: Sequence[str] | None, target_scale: Sequence[float], *, device: str = "cpu",
-                 torch_threads: int | None = None):
-        super().__init__(min_batch_size=1, max_batch_size=1)  # one Arrow batch per forward
-        self._load, self._path, self._spec, self._kind = load, path, spec, kind
-        self._classes, self._scale, self._device, self._threads = classes, tuple(target_scale), device, torch_threads
-        self._version = ""
 
-    def load_model(self):
-        if self._threads:
-            import torch
+def bundle_handler(load: Callable[[str], tuple[Any, int]], path: str, run: str, spec: FeatureSpec, *,
+                   target_scale: Sequence[float], n_classes: int, device: str = "cpu",
+                   torch_threads: int | None = None) -> FlowtrainModelHandler:
+    """The stream scorer's model handler (``pipelines.serving.handler``) serving one fixed model: the bundle at
+    ``path``, loaded by ``load(path) -> (module, 0)``; one Arrow batch (a ``PredictionInput``) per forward."""
+    return FlowtrainModelHandler(load, bundle_version(path, run), spec, device=device, max_batch_size=1,
+                                 target_scale=tuple(target_scale), n_classes=n_classes, torch_threads=torch_threads)
 
-            torch.set_num_threads(self._threads)
-        module, version = self._load(self._path)
-        self._version = str(version)
-        return module.to(self._device)
 
-    def run_inference(self, batch: Sequence[PredictionInput], model, inference_args: dict | None = None
-                      ) -> Iterable[PredictionResult]:
-        for example in batch:
-            scores = forward(model, example.features, self._spec, self._kind, self._scale, self._device)
-            yield PredictionResult(example, output_batch(example, scores, self._kind, self._classes, self._version),
-                                   self._version)
+class _OutputFn(beam.DoFn):
+    """A predicted batch -> its output record batch (carried columns, predictions, model version)."""
 
-    def get_num_bytes(self, batch: Sequence[PredictionInput]) -> int:
-        return sum(b.features.nbytes for b in batch)
+    def __init__(self, kind: str, classes: Sequence[str] | None, version: str, schema: pa.Schema):
+        self._kind, self._classes, self._version, self._schema = kind, classes, version, schema
 
-    def get_metrics_namespace(self) -> str:
-        return "flowtrain_predict"
+    def process(self, result: PredictionResult):
+        outputs, _scored_ms = result.inference
+        yield output_batch(result.example, outputs, self._kind, self._classes, self._version).cast(self._schema)
 
 
 class _FeaturizeFn(beam.DoFn):
@@ -91,15 +83,16 @@ def csv_header(schema: pa.Schema) -> str:
     return buf.getvalue().decode("utf-8").rstrip("\n")
 
 
-def build_predict(p, files: Sequence[str], *, handler: BundleModelHandler, spec: FeatureSpec, stats: dict,
-                  carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str):
+def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, spec: FeatureSpec, stats: dict,
+                  carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str,
+                  kind: str, classes: Sequence[str] | None, version: str):
     """Wire the prediction pipeline into ``p``."""
     types = {**{c: None for c in carry}, **read_types(spec)}
     raw, read_errs = p | "ReadFiles" >> ReadFromFiles(files, with_source=True, columns=list(types),
                                                       column_types=types, with_errors=True)
     inputs, errs = raw | "Featurize" >> beam.ParDo(_FeaturizeFn(spec, stats, carry)).with_outputs(ERRS, main="rows")
     batches = (inputs | "RunInference" >> RunInference(handler)
-               | "Predictions" >> beam.Map(lambda r: r.inference.cast(schema)))
+               | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema)))
     if out.lower().endswith(".csv"):
         _ = (batches | "CsvText" >> beam.Map(_csv_text) | "NonEmpty" >> beam.Filter(bool)
              | "WriteCsv" >> beam.io.WriteToText(out, shard_name_template="", header=csv_header(schema)))

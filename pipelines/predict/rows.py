@@ -4,19 +4,19 @@ and of a loaded bundle's ``predict(table)`` (in process), so both give the same 
 - ``featurize_for_prediction``: the batch ETL's own feature code (``feature_checks``, ``feature_arrays``) with
   the training statistics; the label and the time column may be absent; a category never seen in training
   takes the out-of-vocabulary code 0; a row whose features fail a check is a dead letter with its reason.
-- ``forward``: one forward over a batch's rows, outputs as probabilities (binary: P(second class); K classes:
-  softmax) or values in the label's units (regression).
+- the forward is the stream scorer's model handler's (``pipelines.serving.handler.FlowtrainModelHandler``):
+  probabilities (binary: P(second class); K classes: softmax) or values in the label's units (regression).
 - ``prediction_columns``: those outputs as named Arrow columns.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
-from connectors.dataset_spec import CAT_PREFIX, NUM_PREFIX, FeatureSpec
+from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import DeadLetter
 from connectors.files import SOURCE_FILE, SOURCE_ROW
 from pipelines.tabular.features import SchemaError, feature_arrays, source_strings, split_valid
@@ -80,30 +80,6 @@ def featurize_for_prediction(batch: pa.RecordBatch, spec: FeatureSpec, stats: di
     carried = [source_strings(valid).cast(pa.string())] + [valid.column(c) for c in carry]
     return (PredictionInput(pa.RecordBatch.from_arrays(arrays, names=names),
                             pa.RecordBatch.from_arrays(carried, names=[SOURCE_COLUMN, *carry])), letters)
-
-
-def _stack(batch: pa.RecordBatch, names: list[str], dtype) -> np.ndarray:
-    if not names:
-        return np.zeros((batch.num_rows, 0), dtype=dtype)
-    return np.ascontiguousarray(np.stack([batch.column(c).to_numpy(zero_copy_only=False) for c in names],
-                                         axis=1).astype(dtype))
-
-
-def forward(module: Any, features: pa.RecordBatch, spec: FeatureSpec, kind: str,
-            target_scale: Sequence[float] = (0.0, 1.0), device: str = "cpu") -> np.ndarray:
-    """One forward of ``module`` over ``features``: ``[N]`` probabilities of the positive class (binary),
-    ``[N, K]`` class probabilities (K classes) or ``[N]`` values in the label's units (regression), float64."""
-    import torch
-
-    x_num = _stack(features, [NUM_PREFIX + c for c in spec.all_numeric], np.float32)
-    x_cat = _stack(features, [CAT_PREFIX + c for c in spec.categorical], np.int64)
-    with torch.inference_mode():
-        out = module(torch.from_numpy(x_num).to(device), torch.from_numpy(x_cat).to(device)).float().cpu()
-    if kind == "binary":
-        return torch.sigmoid(out.reshape(-1).double()).numpy()
-    if kind == "multiclass":
-        return torch.softmax(out.double(), dim=1).numpy()
-    return (out.reshape(-1).double() * float(target_scale[1]) + float(target_scale[0])).numpy()
 
 
 def prediction_columns(scores: np.ndarray, kind: str, classes: Sequence[str] | None) -> tuple[list[pa.Array],
