@@ -19,6 +19,13 @@ CAT_PREFIX = "cat__"
 LABEL = "label"
 SOURCE = "source"
 SPLITS = ("train", "valid", "test")
+#: The most classes a classification label may have (in the training split): more is almost surely a
+#: numeric target or an id. The ETL stops as soon as it sees one more, naming the label and the fix.
+MAX_CLASSES = 1000
+#: A categorical column's value counter holds at most this many times ``max_vocab`` values (a
+#: Misra-Gries heavy-hitters summary beyond that: the vocabulary is exact while a column has fewer
+#: distinct values, and every value more frequent than 1/(that many) of the rows is always kept).
+VOCAB_SKETCH_FACTOR = 4
 
 
 @dataclass
@@ -78,7 +85,7 @@ class FeatureSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FeatureSpec":
+    def from_dict(cls, data: dict) -> FeatureSpec:
         data = dict(data)
         if "fractions" in data:
             data["fractions"] = tuple(data["fractions"])

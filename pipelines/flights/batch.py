@@ -24,7 +24,7 @@ from connectors.files import FileReadError, ReadFromFiles, file_format, list_uni
 from connectors.spill import WriteToSpill, read_spill_file, remove_spill, spill_directory, write_spill_file
 from pipelines.flights import features as FF
 from pipelines.flights.nycflights import load_table
-from pipelines.tabular.pipeline import build_etl, remove_temporaries
+from pipelines.tabular.pipeline import build_etl, etl_cleanup
 from connectors.dataset_spec import FeatureSpec
 
 
@@ -153,17 +153,14 @@ def run_flights_etl(*, dataset_path: str, dead_letters_path: str | None, options
                     tables: dict[str, str], spec: FeatureSpec = FF.FLIGHTS_SPEC) -> dict:
     """Run the ETL over ``tables`` (from :func:`export_tables`) and return the dataset manifest."""
     weather_dir = spill_directory(dataset_path)  # weather partitioned by month, removed below
-    try:
-        with beam.Pipeline(options=options) as p:
+    try:  # a failure, SIGTERM or SIGHUP: this job's staging, spill and dead-letter parts are removed
+        with etl_cleanup(dataset_path, dead_letters_path), beam.Pipeline(options=options) as p:
             flights = p | "ReadFlights" >> ReadFromFiles(tables["flights"], with_source=True, batch_rows=32_768)
             joined = flights | "JoinReference" >> JoinReference(tables["weather"], tables["planes"],
                                                                 temp_dir=weather_dir)
             build_etl(joined, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
                       extra_checks=FF.impossible_values,
                       extra_metadata={"inputs": tables, "target": "arr_delay > 15 minutes (delayed)"})
-    except BaseException:
-        remove_temporaries(dataset_path, dead_letters_path)  # staging, spill, dead-letter parts
-        raise
     finally:
         remove_spill(weather_dir)
     return read_manifest(dataset_path)

@@ -21,9 +21,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.dataset_spec import CAT_PREFIX, EPOCH_FORMATS, LABEL, NUM_PREFIX, SOURCE, FeatureSpec
+from connectors.dataset_spec import (
+    CAT_PREFIX,
+    EPOCH_FORMATS,
+    LABEL,
+    MAX_CLASSES,
+    NUM_PREFIX,
+    SOURCE,
+    VOCAB_SKETCH_FACTOR,
+    FeatureSpec,
+)
 from connectors.deadletter import DeadLetter
 from connectors.files import SOURCE_FILE, SOURCE_ROW, parse_numbers
+
 
 class SchemaError(ValueError):
     """Input files do not have the declared columns or types; raised before any training."""
@@ -388,7 +398,15 @@ def encode_labels(col: pa.Array, spec: FeatureSpec, stats: dict | None = None) -
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class StatsAccumulator:
-    """Sums for mean/std and value counts for vocabularies; mergeable (a Beam CombineFn's state)."""
+    """Sums for mean/std and value counts for vocabularies; mergeable (a Beam CombineFn's state).
+
+    Memory is bounded whatever the data: a categorical column's counter keeps at most
+    ``2 * VOCAB_SKETCH_FACTOR * max_vocab`` values; past that it becomes a Misra-Gries heavy-hitters
+    summary (the smallest counts are subtracted away: ``pruned`` records by how much, the largest
+    possible undercount; 0 means the vocabulary is exact). A classification label stops the ETL as
+    soon as it has more than ``MAX_CLASSES`` distinct values (a ``SchemaError`` naming the label and
+    the fix), instead of holding millions of them.
+    """
 
     count: dict[str, int] = field(default_factory=dict)
     total: dict[str, float] = field(default_factory=dict)
@@ -399,9 +417,28 @@ class StatsAccumulator:
     label_sum: float = 0.0
     label_sq: float = 0.0
     rows: int = 0
+    capacity: int = 0  # values a categorical counter keeps (VOCAB_SKETCH_FACTOR * max_vocab); 0: not yet known
+    pruned: dict[str, int] = field(default_factory=dict)  # column -> the largest undercount of its counter
+    label_name: str = ""
 
-    def add(self, batch: pa.RecordBatch, spec: FeatureSpec) -> "StatsAccumulator":
+    def _bound(self) -> None:
+        """Shrink any counter past twice its capacity (Misra-Gries), and stop at too many classes."""
+        if self.capacity:
+            for col, counts in self.values.items():
+                if len(counts) > 2 * self.capacity:
+                    cut = sorted(counts.values(), reverse=True)[self.capacity]  # the (capacity+1)-th largest
+                    self.values[col] = {k: n - cut for k, n in counts.items() if n > cut}
+                    self.pruned[col] = self.pruned.get(col, 0) + cut
+        if len(self.label_counts) > MAX_CLASSES:
+            raise SchemaError(
+                f"label column {self.label_name!r} has more than {MAX_CLASSES:,} distinct values in the training "
+                f"split (the ETL stopped at the first {len(self.label_counts):,}): it looks like a numeric target or "
+                f"an id, not classes; pass --task regression, or --positive-above T for a binary target")
+
+    def add(self, batch: pa.RecordBatch, spec: FeatureSpec) -> StatsAccumulator:
         self.rows += batch.num_rows
+        self.capacity = max(self.capacity, VOCAB_SKETCH_FACTOR * spec.max_vocab)
+        self.label_name = spec.label
         for col in spec.all_numeric:
             vals = _floats(batch.column(col))
             vals = vals[np.isfinite(vals)]
@@ -419,7 +456,9 @@ class StatsAccumulator:
             for value, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()):
                 if value is not None:
                     self.label_counts[value] = self.label_counts.get(value, 0) + n
+            self._bound()
             return self
+        self._bound()
         labels = encode_labels(batch.column(spec.label), spec)[0].astype(np.float64)
         self.label_sum += float(labels.sum())
         self.label_sq += float(np.square(labels).sum())
@@ -431,8 +470,12 @@ class StatsAccumulator:
                 self.label_values[float(v)] = self.label_values.get(float(v), 0) + 1
         return self
 
-    def merge(self, other: "StatsAccumulator") -> "StatsAccumulator":
+    def merge(self, other: StatsAccumulator) -> StatsAccumulator:
         self.rows += other.rows
+        self.capacity = max(self.capacity, other.capacity)
+        self.label_name = self.label_name or other.label_name
+        for col, n in other.pruned.items():
+            self.pruned[col] = self.pruned.get(col, 0) + n
         self.label_sum += other.label_sum
         self.label_sq += other.label_sq
         for name in ("count", "total", "total_sq"):
@@ -447,6 +490,7 @@ class StatsAccumulator:
             self.label_values[k] = self.label_values.get(k, 0) + v
         for k, v in other.label_counts.items():
             self.label_counts[k] = self.label_counts.get(k, 0) + v
+        self._bound()
         return self
 
     def finalize(self, spec: FeatureSpec) -> dict:
@@ -463,7 +507,9 @@ class StatsAccumulator:
             kept = sorted((v for v, n in counts.items() if n >= spec.min_count),
                           key=lambda v: (-counts[v], v))[: spec.max_vocab]
             vocab[col] = kept  # code = index + 1; 0 is out-of-vocabulary / missing
-        out = {"numeric": numeric, "vocab": vocab, "train_rows": self.rows}
+        out = {"numeric": numeric, "vocab": vocab, "train_rows": self.rows,
+               # per column, the largest undercount of a value's training count (0: exact counts)
+               "vocab_count_error": {col: int(self.pruned.get(col, 0)) for col in spec.categorical}}
         if _is_classes(spec):
             classes = sort_classes(self.label_counts)
             counts = [self.label_counts[c] for c in classes]

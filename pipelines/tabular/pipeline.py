@@ -73,10 +73,12 @@ def file_head(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> pa.Table:
             head = fh.read(_HEAD_BYTES)
     if fmt == "csv":
         cut = record_end(head)
+        if cut <= 0:  # no whole record in the head (an empty file, or a first record over 4 MB)
+            return pa.table({n: pa.nulls(0) for n in names})
         parse = pacsv.ParseOptions(newlines_in_values=True, invalid_row_handler=lambda row: "skip")
         opts = pacsv.ConvertOptions(null_values=CSV_NULLS, strings_can_be_null=True)
         try:
-            return pacsv.read_csv(io.BytesIO(head[:cut] if cut > 0 else b""), parse_options=parse,
+            return pacsv.read_csv(io.BytesIO(head[:cut]), parse_options=parse,
                                   convert_options=opts, read_options=pacsv.ReadOptions(column_names=names))
         except pa.ArrowInvalid as err:
             raise F.SchemaError(f"{path}: cannot be read as CSV: {err}") from None
@@ -205,6 +207,12 @@ def check_splits(manifest: dict) -> None:
     if not empty:
         return
     counts = ", ".join(f"{s} {rows.get(s, 0):,}" for s in SPLITS)
+    tally = manifest.get("counts") or {}
+    if not tally.get("out") and tally.get("dead_letters"):  # every row rejected: say why, not "too small"
+        reasons = sorted((tally.get("dead_letters_by_reason") or {}).items(), key=lambda kv: -kv[1])
+        said = "; ".join(f"{reason} ({n:,})" for reason, n in reasons[:3])
+        raise SplitError(f"no row can be used: all {tally['dead_letters']:,} rows are dead letters ({said}); "
+                         f"see the dead letters file, and check the declared columns and types")
     info = manifest.get("split") or {}
     spec = manifest.get("spec", {})
     if info.get("time_column"):
@@ -552,11 +560,30 @@ def remove_temporaries(dataset_path: str, dead_letters_path: str | None, *, keep
 
 
 @contextmanager
+def etl_cleanup(dataset_path: str, dead_letters_path: str | None):
+    """Run an ETL into ``dataset_path`` in this block: when it fails, or SIGTERM / SIGHUP stop it, the
+    temporaries it made are removed (``remove_temporaries``; those of another job that existed before
+    stay) and a signal ends the process as ``SystemExit(128 + signal)``."""
+    before = _temporaries(dataset_path, dead_letters_path)
+    signals: list[int] = []
+    try:
+        with _termination_raises() as signals:
+            yield
+    except BaseException:
+        remove_temporaries(dataset_path, dead_letters_path, keep=before)
+        if signals:  # terminated: end as the signal asked, whatever step Beam says it stopped in
+            raise SystemExit(128 + signals[0]) from None
+        raise
+
+
+@contextmanager
 def _termination_raises():
     """SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main thread while the block runs,
-    so a terminated ETL unwinds through its cleanup (a handler installed before runs first)."""
+    so a terminated ETL unwinds through its cleanup (a handler installed before runs first). Yields
+    the list of signals received (Beam wraps an exception raised inside a step: the caller re-raises)."""
+    received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield received
         return
     previous = {}
 
@@ -564,6 +591,7 @@ def _termination_raises():
         before = previous.get(signum)
         if before is signal.SIG_IGN:
             return
+        received.append(signum)
         if callable(before):
             before(signum, frame)
         raise SystemExit(128 + signum)
@@ -571,7 +599,7 @@ def _termination_raises():
     for sig in (signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, handler)
     try:
-        yield
+        yield received
     finally:
         for sig, before in previous.items():
             signal.signal(sig, before if before is not None else signal.SIG_DFL)
@@ -592,17 +620,12 @@ def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: s
     files = expand_inputs(inputs)
     spec, _ = resolve_task(files, spec)
     preflight(files, spec, max_record_bytes=max_record_bytes)
-    before = _temporaries(dataset_path, dead_letters_path)
-    try:
-        with _termination_raises(), beam.Pipeline(options=options) as p:
-            raw, read_errs = p | "ReadFiles" >> ReadFromFiles(
-                files, with_source=True, columns=[*spec.input_columns], column_types=F.read_types(spec),
-                with_errors=True, max_record_bytes=max_record_bytes)
-            build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
-                      extra_metadata={"inputs": files}, read_errs=read_errs)
-    except BaseException:
-        remove_temporaries(dataset_path, dead_letters_path, keep=before)
-        raise
+    with etl_cleanup(dataset_path, dead_letters_path), beam.Pipeline(options=options) as p:
+        raw, read_errs = p | "ReadFiles" >> ReadFromFiles(
+            files, with_source=True, columns=[*spec.input_columns], column_types=F.read_types(spec),
+            with_errors=True, max_record_bytes=max_record_bytes)
+        build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
+                  extra_metadata={"inputs": files}, read_errs=read_errs)
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
     return manifest
