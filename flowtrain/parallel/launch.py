@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +94,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     SIGINT received while the job runs (in the main thread) do the same; when a worker then did
     not end cleanly, the launching process ends as the signal would have ended it, after its
     workers are gone."""
+    made_workdir = workdir is None  # a work directory made here (under /tmp) is removed when the job ends
     workdir = Path(workdir or tempfile.mkdtemp(prefix="flowtrain-workers-"))
     workdir.mkdir(parents=True, exist_ok=True)
     beats = workdir / "heartbeats"
@@ -136,6 +138,8 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
         raise
     finally:
         _kill_all(supervisor)
+        if made_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
         signals.restore()
         if signals.received is not None and (failed or any(c.proc.returncode for c in supervisor.children.values())):
             signals.reraise()
