@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from connectors.atomic import atomic_write
+from connectors.dataset_spec import MAX_CLASSES  # the dataset contract's bound: the ETL stops at it too
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import heartbeat
-from flowtrain.train import checkpoint
+from flowtrain.train import checkpoint, rundir
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches
@@ -232,10 +234,6 @@ def build_model(kind: str, data: TabularDataset, config: TrainConfig) -> nn.Modu
     return model
 
 
-#: More classes than this is almost surely a numeric target given ``--task classification``.
-MAX_CLASSES = 1000
-
-
 def check_label(data: TabularDataset) -> None:
     """A label the training split gives one value (or too many classes) is an error saying what to check."""
     label = data.spec.label
@@ -302,6 +300,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     writer = run_dir is not None and ctx.is_main
     log = MetricsLog(run_dir / "metrics.jsonl") if writer else None
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
+    run_id = rundir.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
+    if ckpt_dir and writer:
+        checkpoint.remove_temporaries(ckpt_dir, run_id)  # what a crash of this run left
 
     # --- state, fresh or from the last checkpoint ---------------------------------------------
     step, best_step, bad_evals = 0, 0, 0
@@ -312,7 +313,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if resume and ckpt_dir:
         # the newest checkpoint that verifies and loads (a corrupt newer one is skipped, logged);
         # none is a CheckpointError naming each file, never a silent fresh start
-        path, state = checkpoint.require_latest(ckpt_dir)
+        path, state = checkpoint.require_latest(ckpt_dir, run_id=run_id)
         engine.load(state["model"], state["optimizer"])
         torch.set_rng_state(state["rng"])
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
@@ -357,7 +358,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                                   "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
                                   "stages": config.stages},
                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-            }))
+            }), run_id=run_id)
 
     t_start = time.perf_counter()
     data_wait = step_time = 0.0
@@ -419,7 +420,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     model.load_state_dict(best_state)
     torch.set_num_threads(threads_before)
     if writer:
-        (run_dir / "training.json").write_text(json.dumps({
+        atomic_write(run_dir / "training.json", json.dumps({
             "plan": asdict(plan), "best_step": best_step, "steps": step, "stopped_early": stopped_early,
             "select_by": plan.select_by, "best_valid": best_valid}, default=float))
     spe = plan.steps_per_epoch
