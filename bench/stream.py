@@ -86,6 +86,7 @@ class Table:
     def replay_args(self, dataset: str) -> list[str]:
         if not self.input:
             return []
+        # file order, stamped when sent: the latencies are measured from the Kafka timestamps
         return [a for path in self.input for a in ("--input", path)] + ["--dataset", dataset]
 
     def rows(self) -> int | None:
@@ -256,11 +257,13 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Tab
             else:
                 raise RuntimeError(f"bench stream: the job did not catch up with {n:,} events at {rate:,}/s in 300 s; "
                                    f"see {run2}")
+            valid = _valid_count(bootstrap, names2["features"])
+            while time.monotonic() < deadline and _trained_rows(run2) < valid:  # the trainer has them all
+                time.sleep(0.5)
             time.sleep(4)  # the last checkpoint publishes
             _stop(trainer)
             _stop(pipeline)
             lat = _latencies(bootstrap, names2, run2)
-            valid = _valid_count(bootstrap, names2["features"])
             if len(lat) != valid:  # percentiles of a partial sample would drop the slow tail
                 raise RuntimeError(f"bench stream: {len(lat):,} of {valid:,} feature rows reached a published model "
                                    f"at {rate:,}/s; see {run2}")

@@ -63,10 +63,10 @@ def register(sub) -> None:
                         "read with the batch ETL's readers (default: the flights demo)")
     r.add_argument("--dataset", default=None,
                    help="with --input: the `flowtrain batch` dataset the events are for; its spec gives the default "
-                        "--label and --time-column and the fields --malformed breaks")
+                        "--label and the fields --malformed breaks")
     r.add_argument("--time-column", default=None,
                    help="with --input: order events by this column (event time) and set it as each Kafka "
-                        "record's timestamp (default: the dataset's time column, else file order)")
+                        "record's timestamp (default: file order, stamped with the time of sending)")
     r.add_argument("--key-column", default=None,
                    help="with --input: key each record by this column's value (default: no key, round robin)")
     r.add_argument("--label", default=None, help="with --input: the label column --unlabelled removes "
@@ -184,7 +184,7 @@ def register(sub) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def _replay(args: argparse.Namespace) -> int:
-    from connectors.kafka import ensure_topic
+    from connectors.kafka import ensure_topic, retry_kafka
 
     cfg = kafka_config(args.kafka_config, args.kafka_config_file)
     try:
@@ -207,7 +207,8 @@ def _replay(args: argparse.Namespace) -> int:
                   f"topic (created with retention.ms -1), set the topic's retention.ms to -1, or leave "
                   f"--time-column out", file=sys.stderr)
             return 2
-    partitions = _partitions(args.bootstrap, args.topic, cfg)
+    # a broker of a cluster may be down: its metadata request is retried on the others
+    partitions = retry_kafka(lambda: _partitions(args.bootstrap, args.topic, cfg), f"the partitions of {args.topic!r}")
     sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
     counts = {"events": 0, "unlabelled": 0, **{k: 0 for k in kinds}}
     t0 = time.monotonic()
@@ -288,7 +289,7 @@ def _table_events(args):
     label = args.label or (spec.label if spec else None)
     if args.unlabelled and not label:
         raise ValueError("--unlabelled needs the label column: --label COL or --dataset DIR")
-    time_column = args.time_column or (spec.time_column if spec else None)
+    time_column = args.time_column
     table = read_files(args.input)
     for name, col in (("--key-column", args.key_column), ("--label", label)):
         if col and col not in table.column_names:
@@ -325,21 +326,13 @@ def _table_events(args):
 
 def _retention_ms(bootstrap: str, topic: str, cfg: dict) -> int | None:
     """The topic's retention.ms as the broker applies it; None when it does not say."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import ConfigResource, ConfigResourceType
+    from connectors.kafka import topic_config
 
-    from connectors.kafka import close_client
-
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **cfg)
+    value = topic_config(bootstrap, topic, "retention.ms", client_config=cfg)
     try:
-        found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"retention.ms": None})],
-                                       config_filter="all")
-        entry = (found.get("topic", {}).get(topic) or {}).get("retention.ms") or {}
-        return int(entry.get("value"))
-    except Exception:  # noqa: BLE001 - an old broker or client: the check is skipped
+        return int(value)
+    except (TypeError, ValueError):  # an old broker or client: the check is skipped
         return None
-    finally:
-        close_client(admin)
 
 
 class _ReplayError(RuntimeError):
@@ -574,13 +567,13 @@ def _summary(totals: dict) -> str:
 
 
 def _partitions(bootstrap: str, topic: str, cfg: dict) -> int:
-    from kafka import KafkaConsumer
+    from connectors.kafka import close_client, new_consumer
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, **cfg)
+    consumer = new_consumer(bootstrap, cfg, group_id=None)
     try:
         parts = consumer.partitions_for_topic(topic)
     finally:
-        consumer.close()
+        close_client(consumer)
     if not parts:
         raise SystemExit(f"flowtrain stream: raw topic {topic!r} does not exist on {bootstrap}; "
                          f"produce events first (flowtrain replay --topic {topic})")
@@ -740,15 +733,17 @@ def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[flo
 
 def _lag(args) -> int | None:
     try:
-        from kafka import KafkaConsumer, TopicPartition
+        from kafka import TopicPartition
 
-        consumer = KafkaConsumer(bootstrap_servers=args.bootstrap, group_id=args.group_id,
-                                 **kafka_config(args.kafka_config, args.kafka_config_file))
+        from connectors.kafka import close_client, new_consumer
+
+        consumer = new_consumer(args.bootstrap, kafka_config(args.kafka_config, args.kafka_config_file),
+                                group_id=args.group_id)
         try:
             tps = [TopicPartition(args.raw_topic, p) for p in consumer.partitions_for_topic(args.raw_topic) or []]
             ends = consumer.end_offsets(tps)
             return sum(ends[tp] - (consumer.committed(tp) or 0) for tp in tps)
         finally:
-            consumer.close()
+            close_client(consumer)
     except Exception:  # noqa: BLE001 - the live line must not stop the job
         return None

@@ -93,7 +93,8 @@ def test_own_table_replayed_streamed_and_trained_exactly_once_across_a_kill9(boo
     dataset, run, csv = sensor_run
     names = _names()
     rp = subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--input", csv,
-                               "--dataset", dataset, "--partitions", "2", "--malformed", "0.05", "--unlabelled", "0.1",
+                               "--dataset", dataset, "--time-column", "ts", "--partitions", "2", "--malformed", "0.05",
+                               "--unlabelled", "0.1",
                                "--max-event-bytes", str(MAX_EVENT_BYTES)],
                         capture_output=True, text=True, timeout=180)
     assert rp.returncode == 0, rp.stderr[-2000:]
@@ -217,7 +218,8 @@ def test_replay_by_event_time_keeps_old_records_or_refuses_a_topic_that_would_de
     from kafka.admin import ConfigResource, ConfigResourceType
 
     dataset, _, csv = sensor_run
-    base = CLI + ["replay", "--bootstrap", bootstrap, "--input", csv, "--dataset", dataset, "--limit", "20"]
+    base = CLI + ["replay", "--bootstrap", bootstrap, "--input", csv, "--dataset", dataset, "--limit", "20",
+                  "--time-column", "ts"]
     made = f"sraw-{uuid.uuid4().hex[:6]}"
     rp = subprocess.run(base + ["--topic", made], capture_output=True, text=True, timeout=120)
     assert rp.returncode == 0, rp.stderr[-2000:]
