@@ -463,7 +463,7 @@ def foreign_keys(payloads: Sequence[bytes | None], schema: EventSchema, sample: 
             event = json.loads(payload) if payload is not None else None
         except Exception:  # noqa: BLE001 - a broken event is its own dead letter
             continue
-        if not isinstance(event, dict):
+        if not isinstance(event, dict) or not event:  # an empty object says nothing about its table
             continue
         if names & set(event):
             return None

@@ -169,3 +169,13 @@ def test_replay_reads_csv_parquet_and_json_lines_alike_in_event_time_order(tmp_p
     assert outs[0] == outs[1] == outs[2]  # the same events whatever the file format
     with pytest.raises(ValueError, match="--time-column 'nope' is not a column"):
         order_by_time(read_files([str(tmp_path / "t.csv")]), "nope")
+
+
+def test_foreign_keys_names_another_tables_event_only_when_no_event_has_a_field():
+    from pipelines.stream.events import foreign_keys
+
+    schema = event_schema(SPEC)
+    diamonds = [json.dumps({"carat": 0.3, "cut": "Ideal", "price": 500}).encode()] * 3
+    assert foreign_keys(diamonds + [b"{broken", b"{}", None], schema) == ["carat", "cut", "price"]
+    assert foreign_keys(diamonds + [json.dumps({"temp": 1.0}).encode()], schema) is None  # one of ours: dead letters
+    assert foreign_keys([b"{broken", b"{}"], schema) is None
