@@ -226,9 +226,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         for child in self.children.values():
-            if child.poll() is None:
-                _signal(child.pid, signal.SIGKILL, True)
-            else:  # the child is gone; what it started in its group goes too
+            # the child, or what it started in its group after it ended; a group id stays taken while
+            # its leader's pid is: with no process holding that pid, only the child's leftovers have it
+            if child.poll() is None or start_time(child.pid) is None:
                 _signal(child.pid, signal.SIGKILL, True)
         for child in self.children.values():
             try:

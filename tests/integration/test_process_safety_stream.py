@@ -96,8 +96,7 @@ def _kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
     proc.wait(timeout=30)
 
 
-def test_item7_a_running_stream_job_listens_on_loopback_only_and_item5_sighup_ends_every_child(
-        bootstrap, new_topic, dataset, tmp_path):
+def test_item7_a_running_stream_job_listens_on_loopback_only(bootstrap, new_topic, dataset, tmp_path):
     out = tmp_path / "run"
     proc = _start_job(bootstrap, new_topic, dataset, out)
     tree: dict[int, str] = {}
@@ -109,24 +108,26 @@ def test_item7_a_running_stream_job_listens_on_loopback_only_and_item5_sighup_en
         exposed = {pid: ([a for a in addrs if not is_loopback(a[0])], _command(pid)) for pid, addrs in sockets.items()}
         exposed = {pid: found for pid, found in exposed.items() if found[0]}
         assert not exposed, f"listening beyond 127.0.0.1: {exposed} (all: {sockets})"
-
-        os.kill(proc.pid, signal.SIGHUP)  # a closed terminal: the parent only
-        left = _await_gone(proc, tree, 150)
-        assert proc.poll() is not None, "flowtrain stream still runs 150 s after SIGHUP"
-        assert not left, f"SIGHUP to flowtrain stream left processes running: {left}"
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the normal stop
+            _await_gone(proc, tree, 120)
         _kill_tree(proc, tree)
 
 
-def test_item5_sigkill_of_flowtrain_stream_ends_every_child(bootstrap, new_topic, dataset, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_item5_a_signal_to_flowtrain_stream_ends_every_process_of_the_job(bootstrap, new_topic, dataset, tmp_path,
+                                                                           sig):
+    """SIGHUP (a closed terminal) or SIGKILL to the parent alone: nothing of the job runs on."""
     out = tmp_path / "run"
     proc = _start_job(bootstrap, new_topic, dataset, out)
     tree: dict[int, str] = {}
     try:
         tree = _await_running(proc, out)
         assert len(tree) >= 5, f"expected pipeline, Prism, trainer and two replicas: {tree}"
-        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, sig)
         left = _await_gone(proc, tree, 180)
-        assert not left, f"SIGKILL of flowtrain stream left processes running: {left}"
+        assert proc.poll() is not None, f"flowtrain stream still runs 180 s after {sig.name}"
+        assert not left, f"{sig.name} to flowtrain stream left processes running: {left}"
     finally:
         _kill_tree(proc, tree)

@@ -140,3 +140,46 @@ def test_item7_a_workers_2_batch_job_listens_on_loopback_only(small_dataset, tmp
         assert not exposed, f"listening beyond 127.0.0.1: {exposed} (all: {sockets})"
     finally:
         _kill_tree(proc, tree)
+
+
+_PARENT = """
+import sys, time
+from flowtrain.local.processes import supervise
+supervise({"a": (["sleep", "600"], sys.argv[1]), "b": (["sh", "-c", "sleep 600 & wait"], sys.argv[1])}, every_s=0.2)
+print("supervise returned", flush=True)
+"""
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
+def test_item5_supervised_children_and_theirs_end_with_the_parent_whatever_signal_ends_it(tmp_path, sig):
+    """The supervisor itself, without a job around it: after a stop signal to the parent its children
+    and what they started (a grandchild in a child's group) end within seconds; after the parent's
+    SIGKILL its children do (the kernel's parent-death signal; a grandchild is its parent's to stop,
+    as flowtrain's own children do: tests/integration/test_process_safety_stream.py)."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path / "children.log")],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    tree: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(tree) < 3:  # sleep, sh, and sh's sleep
+            time.sleep(0.05)
+            tree = descendants(parent.pid)
+        assert len(tree) >= 3, f"children not started: {tree}"
+        children = {pid: t for pid, t in tree.items() if _parent(pid) == parent.pid}
+        assert len(children) == 2
+        os.kill(parent.pid, sig)
+        watched = children if sig == signal.SIGKILL else tree
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and still_running(watched):
+            time.sleep(0.05)
+        assert not still_running(watched), f"{sig.name} to the parent left {still_running(watched)}"
+        parent.wait(timeout=20)
+        if sig != signal.SIGKILL:
+            assert "supervise returned" in parent.stdout.read()  # it stopped them and went on
+    finally:
+        _kill_tree(parent, tree)
