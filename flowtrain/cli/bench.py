@@ -18,6 +18,8 @@ BENCHMARKS = {
     "flink": ("bench.flink", "flights ETL on Flink (1 and 2 TaskManagers) vs FnApiRunner vs pyarrow, 1x/10x rows"),
     "serve": ("bench.serve", "scoring pipeline (RunInference) vs a PyTorch loop, produce-to-prediction latency, "
                              "model freshness"),
+    "predict": ("bench.predict", "flowtrain predict (Beam RunInference) vs pyarrow batches + the bundle's predict, "
+                                 "1x/10x flights rows/s"),
     "tabular": ("bench.tabular", "flowtrain batch on public tables vs scikit-learn linear models and HGB"),
 }
 
