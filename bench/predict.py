@@ -123,7 +123,8 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
              f"computes the metrics of the labelled rows."]
     if 10 in scales:
         ratio = summary[("predict", 10)] / summary[("plain", 10)]
-        notes.append(f"Goal predict >= 0.5x the plain script at 10x: {ratio:.2f}x, {'met' if ratio >= 0.5 else 'NOT met'}.")
+        verdict = "met" if ratio >= 0.5 else "NOT met"
+        notes.append(f"Goal predict >= 0.5x the plain script at 10x: {ratio:.2f}x, {verdict}.")
     if rows:
         notes.append(f"Cut to the first {rows:,} flights of each scale (--rows): a quick run, not the goal's size.")
     return report("predict", ["predictor", "scale", "rows", "seconds", "rows/s", "vs anchor"], table_rows,
