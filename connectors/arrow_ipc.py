@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 __all__ = ["IpcFacts", "IpcTooLarge", "NotArrowIpc", "stream_facts", "decode_bounded"]
@@ -69,11 +70,11 @@ def _batch_header(metadata: bytes) -> tuple[int, list[tuple[int, int]], bool] | 
     # table RecordBatch { length: long; nodes: [FieldNode]; buffers: [Buffer]; compression: BodyCompression }
     rows_at, buffers_at = _field_at(metadata, batch, 0), _field_at(metadata, batch, 2)
     rows = struct.unpack_from("<q", metadata, rows_at)[0] if rows_at is not None else 0
-    buffers = []
+    buffers = np.empty((0, 2), dtype=np.int64)
     if buffers_at is not None:
         vector = _follow(metadata, buffers_at)
         count = struct.unpack_from("<I", metadata, vector)[0]
-        buffers = [struct.unpack_from("<qq", metadata, vector + 4 + 16 * i) for i in range(count)]
+        buffers = np.frombuffer(metadata, dtype="<i8", count=2 * count, offset=vector + 4).reshape(count, 2)
     return rows, buffers, _field_at(metadata, batch, 3) is not None
 
 
@@ -99,16 +100,20 @@ def stream_facts(payload: bytes) -> IpcFacts:
             if message.type == "record batch":
                 rows += batch_rows
             compressed = compressed or is_compressed
-            batch_bytes = 0
-            for offset, length in buffers:
-                if offset < 0 or length < 0 or offset + length > body_size:
-                    raise NotArrowIpc(f"a buffer [{offset}, {offset + length}) lies outside its message body "
-                                      f"of {body_size} bytes")
-                if is_compressed and length >= 8:
-                    size = struct.unpack_from("<q", body, offset)[0]  # -1: this buffer is stored as it is
-                    batch_bytes += length - 8 if size == -1 else size
-                else:
-                    batch_bytes += length
+            offsets, lengths = buffers[:, 0], buffers[:, 1]
+            outside = (offsets < 0) | (lengths < 0) | (offsets + lengths > body_size)
+            if outside.any():
+                k = int(np.flatnonzero(outside)[0])
+                raise NotArrowIpc(f"a buffer [{offsets[k]}, {offsets[k] + lengths[k]}) lies outside its message "
+                                  f"body of {body_size} bytes")
+            if is_compressed:
+                batch_bytes = 0
+                for offset, length in zip(offsets.tolist(), lengths.tolist()):
+                    if length >= 8:
+                        size = struct.unpack_from("<q", body, offset)[0]  # -1: this buffer is stored as it is
+                        batch_bytes += length - 8 if size == -1 else size
+            else:
+                batch_bytes = int(lengths.sum())
             # at least a byte a value: a column without buffers (type null) still has its rows
             decoded += max(batch_bytes, batch_rows * len(schema))
     except (NotArrowIpc, IpcTooLarge):

@@ -13,7 +13,7 @@ Modules by job:
 
 The names below are the package's API: ``from connectors.kafka import ReadFromKafka``.
 """
-from connectors.kafka.admin import check_brokers, ensure_topic, topic_max_message_bytes
+from connectors.kafka.admin import check_brokers, ensure_topic, topic_config, topic_max_message_bytes
 from connectors.kafka.clients import (
                                       DEFAULT_CONNECT_TIMEOUT_S,
                                       PRODUCER_DEFAULTS,
@@ -35,6 +35,6 @@ from connectors.kafka.write import WriteToKafka
 
 __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "KafkaUnavailable",
            "KafkaReadError", "KafkaDelivery", "PartitionRead", "PartitionRange", "CLIENTS", "close_all_clients",
-           "ensure_topic", "retry_kafka", "check_brokers", "topic_max_message_bytes", "record_size", "value_budget",
-           "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
+           "ensure_topic", "topic_config", "retry_kafka", "check_brokers", "topic_max_message_bytes", "record_size",
+           "value_budget", "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
            "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message"]

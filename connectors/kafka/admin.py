@@ -17,7 +17,7 @@ from connectors.kafka.clients import (
     unavailable_message,
 )
 
-__all__ = ["check_brokers", "ensure_topic", "topic_max_message_bytes", "admin_settings"]
+__all__ = ["check_brokers", "ensure_topic", "topic_config", "topic_max_message_bytes", "admin_settings"]
 
 _log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -72,28 +72,36 @@ def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = 
         finally:
             admin.close()
 
+def topic_config(bootstrap_servers: str | Sequence[str], topic: str, name: str, *,
+                 client_config: Mapping[str, Any] | None = None) -> str | None:
+    """The topic's config ``name`` (e.g. ``retention.ms``) as the broker applies it (the topic's own or
+    the broker default); None when the topic does not exist or the broker does not say."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    admin = track_client(KafkaAdminClient(bootstrap_servers=bootstrap_servers, **admin_settings(client_config)))
+    try:
+        found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {name: None})],
+                                       config_filter="all")
+    except Exception as err:  # noqa: BLE001 - an absent topic or an old broker: nothing known
+        _log.debug("%s of %s unavailable: %s", name, topic, err)
+        return None
+    finally:
+        close_client(admin)
+    value = ((found.get("topic", {}).get(topic) or {}).get(name) or {}).get("value")
+    return None if value is None else str(value)
+
+
 def topic_max_message_bytes(bootstrap_servers: str | Sequence[str], topic: str, *,
                             client_config: Mapping[str, Any] | None = None) -> int | None:
     """The topic's ``max.message.bytes`` as the broker applies it (its own or the broker default);
     None when the topic does not exist or the broker does not say."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import ConfigResource, ConfigResourceType
-
-    cfg = admin_settings(client_config)
-    admin = track_client(KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg))
+    value = topic_config(bootstrap_servers, topic, "max.message.bytes", client_config=client_config)
     try:
-        found = admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})], config_filter="all")
-    except Exception as err:  # noqa: BLE001 - an absent topic or an old broker: no limit known
-        _log.debug("max.message.bytes of %s unavailable: %s", topic, err)
-        return None
-    finally:
-        close_client(admin)
-    entry = (found.get("topic", {}).get(topic) or {}).get("max.message.bytes") or {}
-    try:
-        return int(entry.get("value"))
+        return int(value)
     except (TypeError, ValueError):
         return None
+
 
 def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitions: int = 1,
                  replication_factor: int | None = None, config: Mapping[str, str] | None = None,

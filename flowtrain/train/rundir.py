@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from typing import Any
 
 from connectors.atomic import TMP_INFIX, atomic_write
 from connectors.dataset import DatasetError, owned_files, remove_dataset
+from connectors.secrets import REDACTED, is_secret, redact
 from flowtrain.errors import FlowtrainError
 from flowtrain.train import checkpoint
 
@@ -58,7 +58,6 @@ RUN_FILES = ("model.pt", "linear.pt", "training.json", "fit.json", "confusion.pn
              "dead_letters.jsonl", f".*{TMP_INFIX}*", "workers/job.json", "workers/rank-*.log", "workers/heartbeats/*",
              "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*", "bundle/*")
 _RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle")
-_SECRET = re.compile(r"(?i)password|secret|token|credential|sasl|jaas|key_file|api_key")
 
 
 class RunDirError(FlowtrainError):
@@ -87,8 +86,10 @@ def options_hash(options: Mapping[str, Any]) -> str:
 
 
 def _recordable(options: Mapping[str, Any]) -> dict:
-    """The options as stored in the marker: secrets replaced (they still count in the hash)."""
-    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in _identity(options, NOT_IDENTITY).items()}
+    """The options as stored in the marker: secrets replaced (they still count in the hash), by the one
+    redaction every run file goes through (connectors.secrets: also ``--s3_secret_access_key=...`` inside
+    ``beam_args``)."""
+    return redact(_identity(options, NOT_IDENTITY))
 
 
 def read_marker(path: str | Path) -> dict | None:
@@ -129,15 +130,15 @@ def mark_complete(path: str | Path) -> None:
 
 
 def _show(key: str, value) -> str:
-    return "<redacted>" if _SECRET.search(key) else ("(not given)" if value is None else repr(value))
+    return REDACTED if is_secret(key) else ("(not given)" if value is None else repr(redact(value)))
 
 
 def _differences(recorded: Mapping, given: Mapping, may_change) -> list[str]:
     keys = sorted((set(recorded) | set(given)) - set(may_change))
     out = []
     for k in keys:
-        a, b = recorded.get(k), given.get(k)
-        if a == "<redacted>":  # a secret: its value is not kept, only its part of the hash
+        a, b = recorded.get(k), redact({k: given.get(k)})[k]  # compared as recorded: secrets redacted
+        if a == REDACTED:  # a secret: its value is not kept, only its part of the hash
             continue
         if json.dumps(a, default=str, sort_keys=True) != json.dumps(b, default=str, sort_keys=True):
             out.append(f"--{k.replace('_', '-')}: {_show(k, a)} in the run, {_show(k, b)} now")

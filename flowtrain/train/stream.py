@@ -324,7 +324,9 @@ class StreamTrainer:
                     self.consumer.seek(tp, self.positions[tp.partition])
                 else:
                     self.consumer.seek_to_beginning(tp)
-        self.rejects.open({tp.partition for tp in self.mine}, self.run_dir, is_main=self.ctx.is_main)
+        heartbeat()
+        self.rejects.open({tp.partition for tp in self.mine}, self.run_dir, is_main=self.ctx.is_main,
+                          progress=heartbeat)
         if self.ctx.distributed:  # no replica rejects a message before rank 0 noted where the dead letters start
             import torch.distributed as dist
 

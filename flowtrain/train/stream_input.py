@@ -106,58 +106,57 @@ class FeatureMessageCheck:
             raise BadFeatureMessage("schema", "the message does not have the dataset's feature columns: "
                                     + "; ".join(problems))
 
-    def _column(self, table: pa.Table, name: str, dtype) -> np.ndarray:
-        column = table.column(name)
-        if column.null_count:
-            first = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-            raise BadFeatureMessage("values", f"column {name!r} has {column.null_count} null value(s), "
-                                    f"the first at row {first}")
-        values = column.to_numpy()
-        with np.errstate(over="ignore", invalid="ignore"):
-            return values.astype(dtype, copy=False)
+    def _nulls(self, columns: dict) -> None:
+        for name in self.types:
+            column = columns[name]
+            if column.null_count:
+                first = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+                raise BadFeatureMessage("values", f"column {name!r} has {column.null_count} null value(s), "
+                                        f"the first at row {first}")
+
+    @staticmethod
+    def _stack(columns: dict, names: list[str], dtype) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):  # a copy: Arrow's buffers stay read-only
+            return np.stack([columns[name].to_numpy() for name in names], axis=1).astype(dtype, copy=False)
 
     def _rows(self, table: pa.Table) -> FeatureInput:
+        # by position: a column looked up by name costs ~30 us, by position ~2
+        columns = {name: table.column(i) for i, name in enumerate(table.schema.names)}
+        self._nulls(columns)
         n = table.num_rows
-        x_num = np.empty((n, len(self.numeric)), dtype=np.float32)
-        for j, name in enumerate(self.numeric):
-            x_num[:, j] = self._finite(table, name)
-        x_cat = np.empty((n, len(self.categorical)), dtype=np.int64)
-        for j, (name, size) in enumerate(zip(self.categorical, self.cardinalities)):
-            codes = self._column(table, name, np.int64)
-            bad = (codes < 0) | (codes >= size)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise BadFeatureMessage("values", f"column {name!r} has category code {int(codes[i])} at row {i}, "
-                                        f"outside [0, {size - 1}] (the dataset's vocabulary has {size - 1} "
-                                        f"value(s); 0 is the out-of-vocabulary code)")
-            x_cat[:, j] = codes
-        y = self._finite(table, LABEL)
+        x_num = self._stack(columns, self.numeric, np.float32) if self.numeric else np.zeros((n, 0), np.float32)
+        if not np.isfinite(x_num).all():
+            self._not_finite(table, x_num, self.numeric)
+        x_cat = self._stack(columns, self.categorical, np.int64) if self.categorical else np.zeros((n, 0), np.int64)
+        bad = (x_cat < 0) | (x_cat >= np.asarray(self.cardinalities, dtype=np.int64))
+        if bad.any():
+            i, j = (int(k[0]) for k in np.nonzero(bad))
+            size = self.cardinalities[j]
+            raise BadFeatureMessage("values", f"column {self.categorical[j]!r} has category code {int(x_cat[i, j])} "
+                                    f"at row {i}, outside [0, {size - 1}] (the dataset's vocabulary has {size - 1} "
+                                    f"value(s); 0 is the out-of-vocabulary code)")
+        y = self._stack(columns, [LABEL], np.float32)
+        if not np.isfinite(y).all():
+            self._not_finite(table, y, [LABEL])
+        y = y[:, 0]
         if self.classes:
             bad = (y != np.floor(y)) | (y < 0) | (y >= self.classes)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
                 raise BadFeatureMessage("values", f"column {LABEL!r} has {float(y[i])!r} at row {i}, not a class "
                                         f"index in [0, {self.classes - 1}]")
-        sources = []
-        for name in SOURCE_COLUMNS:
-            values = self._column(table, name, np.int64)
-            if n and values.min() < 0:
-                i = int(np.flatnonzero(values < 0)[0])
-                raise BadFeatureMessage("values", f"column {name!r} has {int(values[i])} at row {i}; a source "
-                                        f"partition or offset is >= 0")
-            sources.append(values)
-        split = TabularSplit(torch.from_numpy(x_num), torch.from_numpy(x_cat), torch.from_numpy(y))
-        return FeatureInput(split, sources[0], sources[1])
+        sources = self._stack(columns, list(SOURCE_COLUMNS), np.int64)
+        if table.num_rows and sources.min() < 0:
+            i, j = (int(k[0]) for k in np.nonzero(sources < 0))
+            raise BadFeatureMessage("values", f"column {SOURCE_COLUMNS[j]!r} has {int(sources[i, j])} at row {i}; "
+                                    f"a source partition or offset is >= 0")
+        split = TabularSplit(torch.from_numpy(x_num), torch.from_numpy(x_cat), torch.from_numpy(y.copy()))
+        return FeatureInput(split, sources[:, 0].copy(), sources[:, 1].copy())
 
-    def _finite(self, table: pa.Table, name: str) -> np.ndarray:
-        values = np.ascontiguousarray(self._column(table, name, np.float32))
-        finite = np.isfinite(values)
-        if not finite.all():
-            i = int(np.flatnonzero(~finite)[0])
-            original = table.column(name)[i].as_py()
-            raise BadFeatureMessage("values", f"column {name!r} has {int((~finite).sum())} value(s) that are not "
-                                    f"finite as float32 (NaN, inf or beyond +-3.4e38), the first {original!r} at "
-                                    f"row {i}")
-        if not values.flags.writeable:
-            values = values.copy()
-        return values
+    @staticmethod
+    def _not_finite(table: pa.Table, values: np.ndarray, names: list[str]):
+        bad = ~np.isfinite(values)
+        i, j = (int(k[0]) for k in np.nonzero(bad))
+        original = table.column(names[j])[i].as_py()
+        raise BadFeatureMessage("values", f"column {names[j]!r} has {int(bad[:, j].sum())} value(s) that are not "
+                                f"finite as float32 (NaN, inf or beyond +-3.4e38), the first {original!r} at row {i}")

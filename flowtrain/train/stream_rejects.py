@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from connectors.deadletter import DeadLetter, dead_letter_record
@@ -55,6 +56,7 @@ class InputRejects:
         self._delivery: KafkaDelivery | None = None
         self._producer = None
         self._max_bytes: int | None = None
+        self._progress: Callable[[], None] = lambda: None
 
     # --- state ------------------------------------------------------------------------------------------
     def restore(self, state: dict | None, run_dir: Path, *, is_main: bool) -> None:
@@ -68,12 +70,17 @@ class InputRejects:
             ends = json.loads(start.read_text()).get("dead_letter_ends") if start.exists() else None
         self.since = {int(p): int(o) for p, o in ends.items()} if ends is not None else None
 
-    def open(self, my_partitions: set[int], run_dir: Path, *, is_main: bool) -> None:
-        """Create the topic if needed, note where a fresh run starts, and find what an earlier run sent."""
+    def open(self, my_partitions: set[int], run_dir: Path, *, is_main: bool,
+             progress: Callable[[], None] = lambda: None) -> None:
+        """Create the topic if needed, note where a fresh run starts, and find what an earlier run sent
+        (``progress`` is called while it waits on the brokers: the launcher's heartbeat)."""
+        self._progress = progress
         if is_main:
             ensure_topic(self.bootstrap, self.topic, client_config=self.kafka_config,
                          replication_factor=self.replication_factor)
+            progress()
         self._max_bytes = topic_max_message_bytes(self.bootstrap, self.topic, client_config=self.kafka_config)
+        progress()
         if self.since is None:
             if is_main:
                 _write_atomically(run_dir / START_FILE, {"dead_letter_topic": self.topic,
@@ -114,6 +121,7 @@ class InputRejects:
                 consumer.seek(tp, since.get(tp.partition, 0))
             deadline = time.monotonic() + 120
             while todo and time.monotonic() < deadline:
+                self._progress()
                 for records in consumer.poll(timeout_ms=500).values():
                     for r in records:
                         source = (r.key or b"").decode("utf-8", errors="replace")
