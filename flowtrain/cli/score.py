@@ -125,8 +125,8 @@ def run_scorer(args, beam_args: list[str]) -> int:
     from connectors.kafka import close_all_clients, ensure_topic
     from flowtrain.cli.stream import _partitions
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
-    from pipelines.serving.scoring import build_scoring_pipeline
     from pipelines.flights.status import clear_status
+    from pipelines.serving.scoring import build_scoring_pipeline
 
     # Rejected versions and swaps are logged by the pipeline: show them (Beam set up the root logger).
     serving_log = logging.getLogger("pipelines.serving")

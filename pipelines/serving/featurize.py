@@ -21,10 +21,10 @@ from apache_beam.utils.windowed_value import WindowedValue
 from connectors.deadletter import DeadLetter, dead_letter_record
 from connectors.kafka import KafkaDelivery, KafkaRecord, close_client, new_producer
 from pipelines.flights.status import write_status
-from pipelines.stream.pipeline import MicroBatcher
 from pipelines.serving.config import ScoreConfig, ScoringBatch, topic_limits
 from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
 from pipelines.stream.featurize import StreamFeaturizer
+from pipelines.stream.pipeline import MicroBatcher
 
 __all__ = ["scoring_featurizer", "featurize_records", "FeaturizeForScoring"]
 

@@ -208,3 +208,77 @@ def test_published_versions_have_their_own_retention_and_the_scorer_its_own_copi
     Path(first.path).unlink()  # the initial copy gone too: a new handler serves the newest valid copy
     fresh = FlowtrainModelHandler(LoadPublishedVersion(dataset), first, spec, cache_dir=str(tmp_path / "cache"))
     assert fresh.load_model().version.version == 5
+
+
+@pytest.mark.kafka
+def test_the_online_trainer_signs_every_version_keeps_its_run_id_on_resume_and_prunes_published(
+        bootstrap, new_topic, dataset, tmp_path):
+    """`flowtrain stream train` with $FLOWTRAIN_UPDATE_KEY and --keep-published 2: every record
+    verifies with the key and names its file's digest; a resumed run keeps its run id and numbers
+    on; published/ keeps 2 versions; the key is in no file of the run and on no command line."""
+    import subprocess
+    import sys
+
+    from connectors.model_updates import check_record, read_model_file
+    from tests.integration.test_stream_trainer import _publish_features
+
+    topic = new_topic(partitions=2)
+    out = tmp_path / "train"
+    argv = [sys.executable, "-m", "flowtrain.cli", "stream", "train", "--bootstrap", bootstrap, "--features-topic",
+            topic, "--updates-topic", f"{topic}-updates", "--dataset", dataset, "--out", str(out),
+            "--checkpoint-every", "3", "--checkpoint-seconds", "1000", "--idle-exit", "2", "--keep-published", "2",
+            "--hidden", "8"]
+    env = dict(os.environ, FLOWTRAIN_UPDATE_KEY=KEY.decode())
+
+    def train(*extra):
+        proc = subprocess.run(argv + list(extra), capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert KEY.decode() not in " ".join(argv) + proc.stdout + proc.stderr
+
+    _publish_features(bootstrap, topic, dataset, partitions=2, rows=20, cycle=(0,))
+    train()
+    first = _records(bootstrap, f"{topic}-updates")
+    _publish_features(bootstrap, topic, dataset, partitions=2, rows=20, cycle=(1,))  # new sources
+    train()  # resumed from its checkpoint: the same run
+    records = [check_record(r, KEY) for r in _records(bootstrap, f"{topic}-updates")]
+    assert len(first) >= 4 and len(records) >= 2 * len(first) - 1
+    assert all(r.signed for r in records) and len({r.run_id for r in records}) == 1
+    assert [r.version for r in records] == list(range(1, len(records) + 1))
+    assert len(list((out / "published").glob("ckpt-*.pt"))) == 2
+    read_model_file(records[-1], 1 << 30)  # the newest file is there, with the digest its record names
+    for path in out.rglob("*"):
+        assert not path.is_file() or KEY not in path.read_bytes(), path
+    with pytest.raises(Exception, match="bad signature"):
+        check_record(_records(bootstrap, f"{topic}-updates")[0], b"x" * 32)
+
+
+def _records(bootstrap: str, topic: str) -> list[bytes]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        tp = TopicPartition(topic, 0)
+        c.assign([tp])
+        c.seek_to_beginning(tp)
+        end = c.end_offsets([tp])[tp]
+        out = []
+        while c.position(tp) < end:
+            out += [r.value for r in c.poll(timeout_ms=500).get(tp, [])]
+        return out
+    finally:
+        c.close()
+
+
+def test_a_version_with_another_architectures_weights_is_rejected_with_the_reason(dataset, tmp_path):
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.model import TabularMLP
+
+    data = TabularDataset(dataset)
+    pub = _publisher(tmp_path / "run", key_source=_key_source(tmp_path))
+    topic = _Topic()
+    topic.add(_publish(pub, dataset, 1, "r"))
+    topic.add(pub.publish(model=TabularMLP(data.n_numeric, data.cardinalities, hidden=(3,)).state_dict(),
+                          architecture=ARCH, version=2, step=2, run_id="r"))
+    tracker = _tracker(dataset, tmp_path)
+    assert tracker.offer(topic.records[:1]) and not tracker.offer(topic.records)
+    assert tracker.current.version == 1 and "Error(s) in loading state_dict" in tracker.rejected[0]["reason"]

@@ -290,7 +290,7 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
     expected = _expected(bootstrap, names, sensor, weights)
     classes = sensor["data"].classes
     assert list(classes) == sorted(CLASSES)
-    diffs, right = [], 0
+    diffs = []
     for p in preds:
         want = expected[p["source"]][(p["model_run"], p["model_version"])]
         diffs.append(np.abs(np.asarray(p["probabilities"]) - want).max())
