@@ -156,20 +156,24 @@ def _run_files(path: Path, old_run_id: str | None) -> list[Path]:
     return sorted(f for f in files if f.exists())
 
 
-def _clear(path: Path, marker: dict) -> int:
+def _clear(path: Path, marker: dict, *, keep_dataset: bool = False) -> int:
     """Delete what the run of ``marker`` wrote in ``path``; returns how many files. Checks first:
-    a dataset holding anything else is an error before anything is deleted."""
+    a dataset holding anything else is an error before anything is deleted. ``keep_dataset``: the
+    new run reads ``dataset/`` (``--dataset <out>/dataset``), so it stays."""
     dataset = path / "dataset"
-    if dataset.exists():
+    if keep_dataset:
+        pass
+    elif dataset.exists():
         try:
             owned_files(dataset)
         except DatasetError as err:
             raise RunDirError(f"{path} holds an earlier flowtrain run, but {err}") from None
-    files = _run_files(path, marker.get("run_id"))
+    files = [f for f in _run_files(path, marker.get("run_id"))
+             if not (keep_dataset and f.name == "dead_letters.jsonl")]  # the dataset's own dead letters
     for f in files:
         f.unlink(missing_ok=True)
     checkpoint.remove_temporaries(path / "checkpoints", marker.get("run_id"))
-    n = len(files) + (len(remove_dataset(dataset)) if dataset.exists() else 0)
+    n = len(files) + (len(remove_dataset(dataset)) if dataset.exists() and not keep_dataset else 0)
     for pattern in _RUN_DIRS:
         for d in sorted(path.glob(pattern), key=lambda q: len(q.parts), reverse=True):
             if d.is_dir():
@@ -251,7 +255,8 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
         _write_marker(path, marker)
         return RunDir(path, marker["run_id"], merged, resumed=True)
     if overwrite or marker.get("options_hash") == options_hash(given):
-        n = _clear(path, marker)
+        reads_own = given.get("dataset") is not None and Path(str(given["dataset"])).resolve() == path / "dataset"
+        n = _clear(path, marker, keep_dataset=reads_own)
         why = "--overwrite" if overwrite else "the same options"
         return fresh(f"{path}: replaced the earlier run {marker['run_id']} ({why}; {n} file(s) it wrote deleted)")
     diffs = "; ".join(_differences(recorded, _identity(given, NOT_IDENTITY), NOT_IDENTITY)) or "options differ"

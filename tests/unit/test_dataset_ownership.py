@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 
-from connectors.dataset import MANIFEST, DatasetError, WriteDataset, read_manifest, remove_dataset, shard_paths
+from connectors.dataset import MANIFEST, DatasetError, WriteDataset, read_manifest, shard_paths
 from flowtrain.local.runners import pipeline_options
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,6 +78,8 @@ def test_the_tabular_etl_never_deletes_a_users_files_in_its_dataset_path(tmp_pat
 
 
 def test_remove_dataset_deletes_only_a_dataset_flowtrain_wrote(tmp_path):
+    from connectors.dataset import remove_dataset
+
     ds = tmp_path / "ds"
     _write(ds, [("train", _batch(0, 10))])
     (ds / "extra.txt").write_text("x")
@@ -99,6 +101,8 @@ def test_a_manifest_naming_a_shard_outside_the_dataset_is_refused_naming_the_man
     (ds / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match=rf"{ds / MANIFEST} lists shard '{bad}', which is not a relative path"):
         shard_paths(ds, "train")
+    from connectors.dataset import remove_dataset
+
     with pytest.raises(DatasetError, match="not a relative path"):
         remove_dataset(ds)  # nothing outside is ever deleted either
     assert (ds / MANIFEST).exists()

@@ -50,7 +50,8 @@ def test_a_word_in_a_numeric_column_on_line_3_is_a_dead_letter_not_a_job_stoppin
         line = 2
     manifest, dead = _etl(tmp_path, path, FeatureSpec(label="y", numeric=["x"]))
     assert manifest["counts"]["in"] == n and manifest["counts"]["out"] == n - 1
-    assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:{line}", "column 'x' holds a value that is not a number")]
+    assert [(d["source"], d["reason"]) for d in dead] == [
+        (f"{path}:{line}", "column 'x' holds a value that is not a number")]
 
 
 def test_a_csv_record_larger_than_the_4_mb_block_is_read_whole(tmp_path):
@@ -60,7 +61,8 @@ def test_a_csv_record_larger_than_the_4_mb_block_is_read_whole(tmp_path):
     assert path.stat().st_size > 6 << 20
     rows, dead = _read(path, "csv", column_types={"id": pa.float64(), "note": pa.string(), "k": pa.string()})
     assert dead == []
-    assert [(r["id"], r["k"], r["_source_row"]) for r in rows] == [(1.0, "a", 2), (2.0, "b", 3), (3.0, "c", 4 + 200_000)]
+    assert [(r["id"], r["k"], r["_source_row"]) for r in rows] == [
+        (1.0, "a", 2), (2.0, "b", 3), (3.0, "c", 4 + 200_000)]
     assert rows[1]["note"] == big
 
 

@@ -13,7 +13,6 @@ import torch
 from connectors.atomic import atomic_file, atomic_write
 from flowtrain.cli.main import main
 from flowtrain.train import checkpoint
-from flowtrain.train.rundir import RUN_MARKER, RunDirError, mark_complete, prepare_run_dir, read_marker
 from tests.synthetic_data import make_regression_run
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,6 +20,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # --- the rules, directly -----------------------------------------------------------------------------
 def test_a_non_empty_out_that_is_not_a_flowtrain_run_is_refused_even_with_overwrite(tmp_path):
+    from flowtrain.train.rundir import RunDirError, prepare_run_dir
+
     out = tmp_path / "mine"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
@@ -31,6 +32,8 @@ def test_a_non_empty_out_that_is_not_a_flowtrain_run_is_refused_even_with_overwr
 
 
 def test_other_options_are_refused_naming_them_and_overwrite_deletes_only_what_the_run_wrote(tmp_path):
+    from flowtrain.train.rundir import RUN_MARKER, RunDirError, prepare_run_dir, read_marker
+
     out = tmp_path / "run"
     first = prepare_run_dir(out, {"epochs": 2, "hidden": [32, 16]})
     for name in ("model.pt", "report.md", "summary.json", "config.json"):
@@ -52,6 +55,8 @@ def test_other_options_are_refused_naming_them_and_overwrite_deletes_only_what_t
 
 
 def test_resume_keeps_the_run_takes_its_options_and_refuses_changed_ones(tmp_path):
+    from flowtrain.train.rundir import RunDirError, mark_complete, prepare_run_dir, read_marker
+
     out = tmp_path / "run"
     run = prepare_run_dir(out, {"epochs": 2, "hidden": [16, 8], "lr": 0.01})
     with pytest.raises(RunDirError, match="--resume: .* holds no checkpoint"):
@@ -67,6 +72,8 @@ def test_resume_keeps_the_run_takes_its_options_and_refuses_changed_ones(tmp_pat
 
 
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
+    from flowtrain.train.rundir import RunDirError, prepare_run_dir
+
     out = tmp_path / "run"
     prepare_run_dir(out, {"epochs": 2})
     checkpoint.save(out / "checkpoints", 20, {"w": torch.zeros(1)}, run_id="an-earlier-run")
@@ -87,10 +94,17 @@ def test_pruning_keeps_another_runs_checkpoints_and_never_deletes_the_new_ones(t
     assert checkpoint.latest(d, run_id="old").name == "ckpt-000000020.pt"
 
 
+class _CrashWhileSaving:
+    """Fails half way through ``torch.save`` (after the file is opened and partly written)."""
+
+    def __reduce__(self):
+        raise RuntimeError("crash while saving")
+
+
 def test_a_failed_checkpoint_save_leaves_no_temporary_and_stale_ones_of_this_run_are_removed(tmp_path):
     d = tmp_path / "checkpoints"
-    with pytest.raises(Exception):
-        checkpoint.save(d, 1, {"w": torch.zeros(1), "bad": lambda: None}, run_id="r1")  # cannot be pickled
+    with pytest.raises(RuntimeError, match="crash while saving"):
+        checkpoint.save(d, 1, {"w": torch.zeros(1), "bad": _CrashWhileSaving()}, run_id="r1")
     assert list(d.iterdir()) == []
     (d / "ckpt-000000007.pt.tmp-r1").write_bytes(b"torn")  # what a crash of run r1 left
     (d / "ckpt-000000007.pt.tmp-r2").write_bytes(b"a concurrent run's")
@@ -141,8 +155,6 @@ def _batch(dataset: str, out: Path, *extra: str) -> list[str]:
 def test_batch_refuses_to_mix_runs_in_one_out_and_resume_continues_only_its_own_run(synthetic, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_batch(synthetic, out, "--epochs", "2")) == 0
-    marker = read_marker(out)
-    assert marker["status"] == "complete"
     first_ckpts = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt"))
     report = (out / "report.md").read_text()
     capsys.readouterr()
@@ -152,6 +164,10 @@ def test_batch_refuses_to_mix_runs_in_one_out_and_resume_continues_only_its_own_
     assert f"--out {out} holds a flowtrain run with other options" in err and "--lr" in err, err
     assert (out / "report.md").read_text() == report
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == first_ckpts
+    from flowtrain.train.rundir import read_marker
+
+    marker = read_marker(out)
+    assert marker["status"] == "complete"
     # --resume continues this run only: a stale temporary of this run goes, a concurrent run's stays
     (out / "checkpoints" / f"ckpt-000000099.pt.tmp-{marker['run_id']}").write_bytes(b"torn")
     (out / "checkpoints" / "ckpt-000000099.pt.tmp-another").write_bytes(b"theirs")
@@ -170,5 +186,7 @@ def test_a_failed_rerun_never_leaves_the_old_report_beside_new_results(synthetic
     assert "--select-by auc" in capsys.readouterr().err
     for name in ("report.md", "summary.json", "model.pt", "fit.json", "config.json"):
         assert not (out / name).exists(), name
+    from flowtrain.train.rundir import read_marker
+
     assert read_marker(out)["status"] == "running"  # never marked complete
     assert (out / "notes.txt").read_text() == "mine"
