@@ -77,23 +77,71 @@ def point_metrics(kind: str, y: np.ndarray, p: np.ndarray) -> dict[str, float]:
     return {"rmse": math.sqrt(mse), "mae": float(np.abs(err).mean()), "r2": 1 - mse / var if var > 0 else float("nan")}
 
 
-def resamples(n: int, b: int = BOOTSTRAP, seed: int = 0) -> np.ndarray:
-    """``b`` bootstrap resamples of ``n`` rows (row indices, ``[b, n]``), seeded."""
-    return np.random.default_rng(seed).integers(0, n, size=(b, n))
+def weighted_metrics(kind: str, y: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, float]:
+    """``point_metrics`` with a weight per row (a bootstrap resample is the rows weighted by how often
+    they were drawn), in O(N) numpy: with unit weights they equal scikit-learn's (a test checks)."""
+    total = float(w.sum())
+    if total <= 0:
+        return {k: float("nan") for k in INTERVAL_METRICS[kind]}
+    if kind == "binary":
+        pos = y > 0.5
+        eps = 1e-15
+        pc = np.clip(p, eps, 1 - eps)
+        ll = -(w * np.where(pos, np.log(pc), np.log(1 - pc))).sum() / total
+        return {"auc": _weighted_auc(p, pos, w), "accuracy": float((w * ((p > 0.5) == pos)).sum() / total),
+                "log_loss": float(ll), "brier": float((w * (p - pos) ** 2).sum() / total)}
+    if kind == "multiclass":
+        yi = y.astype(np.int64)
+        k = p.shape[1]
+        pred = p.argmax(1)
+        ll = -(w * np.log(np.clip(p[np.arange(len(yi)), yi], 1e-15, 1.0) / np.clip(p.sum(1), 1e-15, None))).sum()
+        confusion = np.bincount(yi * k + pred, weights=w, minlength=k * k).reshape(k, k)
+        tp, predicted, actual = np.diag(confusion), confusion.sum(0), confusion.sum(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            precision = np.where(predicted > 0, tp / predicted, 0.0)
+            recall = np.where(actual > 0, tp / actual, 0.0)
+            f1 = np.where(precision + recall > 0, 2 * precision * recall / (precision + recall), 0.0)
+        present = actual > 0
+        return {"accuracy": float(tp.sum() / total), "macro_f1": float(f1[present].mean()) if present.any()
+                else float("nan"), "log_loss": float(ll / total)}
+    err = p - y
+    mse = float((w * err ** 2).sum() / total)
+    mean = float((w * y).sum() / total)
+    var = float((w * (y - mean) ** 2).sum() / total)
+    return {"rmse": math.sqrt(mse), "mae": float((w * np.abs(err)).sum() / total),
+            "r2": 1 - mse / var if var > 0 else float("nan")}
+
+
+def _weighted_auc(p: np.ndarray, pos: np.ndarray, w: np.ndarray) -> float:
+    """ROC AUC with row weights: the weighted share of (positive, negative) pairs ordered right, ties half."""
+    order = np.argsort(p, kind="stable")
+    sp, spos, sw = p[order], pos[order], w[order]
+    _, start = np.unique(sp, return_index=True)  # groups of tied scores
+    group = np.cumsum(np.isin(np.arange(len(sp)), start)) - 1
+    wp = np.bincount(group, weights=sw * spos, minlength=len(start))
+    wn = np.bincount(group, weights=sw * ~spos, minlength=len(start))
+    n_pos, n_neg = wp.sum(), wn.sum()
+    if n_pos <= 0 or n_neg <= 0:
+        return float("nan")
+    below = np.cumsum(wn) - wn
+    return float((wp * (below + 0.5 * wn)).sum() / (n_pos * n_neg))
 
 
 def bootstrap(kind: str, y: np.ndarray, preds: dict[str, np.ndarray], *, b: int = BOOTSTRAP, seed: int = 0,
               difference: tuple[str, str] | None = None) -> dict:
     """Point estimates and percentile 95% intervals of every model's metrics, on the same resamples;
     with ``difference=(a, b)`` also the interval of ``a``'s metric minus ``b``'s (paired)."""
-    idx = resamples(len(y), b, seed)
+    rng = np.random.default_rng(seed)
+    n = len(y)
     draws = {name: [] for name in preds}
-    for rows in idx:
+    for _ in range(b):
+        w = np.bincount(rng.integers(0, n, size=n), minlength=n).astype(np.float64) if n else np.zeros(0)
         for name, p in preds.items():
-            draws[name].append(point_metrics(kind, y[rows], p[rows]))
+            draws[name].append(weighted_metrics(kind, y, p, w))
     out = {"resamples": b, "models": {}}
+    ones = np.ones(n)
     for name, p in preds.items():
-        point = point_metrics(kind, y, p)
+        point = weighted_metrics(kind, y, p, ones)
         out["models"][name] = {k: {"value": v, **_interval([d[k] for d in draws[name]])} for k, v in point.items()}
     if difference:
         a, c = difference
@@ -294,7 +342,7 @@ def evaluate_run(data, models: dict, test, valid, *, majority: str, select_by: s
     def score(x_num: torch.Tensor, x_cat: torch.Tensor) -> float:
         model.eval()
         out = model(x_num, x_cat) * scale[1] + scale[0]
-        return point_metrics(kind, rows.y, probabilities(out.numpy(), kind))[metric]
+        return weighted_metrics(kind, rows.y, probabilities(out.numpy(), kind), np.ones(len(rows.y)))[metric]
 
     summary["importance"] = {
         "metric": metric, "rows": int(len(rows.y)), "repeats": REPEATS,

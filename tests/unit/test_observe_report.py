@@ -224,3 +224,23 @@ def test_compare_two_runs_prints_options_metrics_with_intervals_and_overlays_val
     # a directory that is not a finished batch run: exit 2, named
     assert main(["compare", str(first), str(tmp_path)]) == 2
     assert f"compare: {tmp_path}: not a finished `flowtrain batch` run (no summary.json)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["binary", "multiclass", "regression"])
+def test_weighted_bootstrap_metrics_equal_scikit_learn_on_the_resampled_rows(kind):
+    from flowtrain.train.evaluation import point_metrics, weighted_metrics
+
+    rng = np.random.default_rng(5)
+    n = 3000
+    if kind == "binary":
+        y = (rng.random(n) < 0.3).astype(float)
+        p = np.round(np.clip(0.3 + 0.3 * (y - 0.3) + rng.normal(scale=0.2, size=n), 0.001, 0.999), 2)  # ties
+    elif kind == "multiclass":
+        y, p = rng.integers(0, 4, n).astype(float), rng.dirichlet(np.ones(4), n)
+    else:
+        y = rng.normal(size=n)
+        p = y + rng.normal(size=n)
+    assert weighted_metrics(kind, y, p, np.ones(n)) == pytest.approx(point_metrics(kind, y, p), rel=1e-9)
+    rows = rng.integers(0, n, n)  # a bootstrap resample: rows drawn with replacement = rows weighted by count
+    weights = np.bincount(rows, minlength=n).astype(float)
+    assert weighted_metrics(kind, y, p, weights) == pytest.approx(point_metrics(kind, y[rows], p[rows]), rel=1e-9)
