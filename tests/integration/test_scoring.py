@@ -381,6 +381,86 @@ def test_scorer_killed_and_restarted_while_the_trainer_publishes_more_versions_t
         f"restart {len(twice)} of {n} events were scored twice, all at or after those offsets")
 
 
+@_apply(live)
+def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that_have_not_landed(
+        bootstrap, tmp_path, say):
+    """The flights demo is the generic scorer plus its enrichment (the weather and planes join):
+    binary probabilities equal the model's forward, the predicted class is named, a flight without
+    an arrival delay yet is predicted; without an update key the scorer says loudly that updates are
+    not authenticated."""
+    from connectors.dataset import read_manifest
+    from connectors.kafka import ensure_topic
+    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.train.loader import TabularDataset, table_to_split
+    from flowtrain.train.published import Publisher
+    from flowtrain.train.stream import Architecture
+    from pipelines.flights.batch import export_tables
+    from pipelines.flights.events import events_from_table
+    from pipelines.flights.nycflights import load_table
+    from pipelines.flights.streaming import FlightReference
+    from pipelines.stream.featurize import StreamFeaturizer
+    from tests.flights_data import make_flights_dataset
+
+    dataset = make_flights_dataset(tmp_path, every=60)
+    data = TabularDataset(dataset)
+    names = _names()
+    ensure_topic(bootstrap, names["raw"], partitions=2)
+    ensure_topic(bootstrap, names["updates"])
+    arch = {"kind": "mlp", "hidden": [16], "dropout": 0.0, "seed": 0}
+    state = _random_weights(data, arch, 1)
+    record = Publisher(tmp_path / "trainer").publish(model=state, architecture=arch, version=1, step=1, run_id="f")
+    _send(bootstrap, names["updates"], json.dumps(record).encode())
+    events = []
+    for i, e in enumerate(events_from_table(load_table("flights"))):
+        if i % 7 == 2:
+            e = {**e, "arr_delay": None}  # not landed yet
+        events.append(e)
+        if len(events) == 600:
+            break
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    for e in events:
+        producer.send(names["raw"], value=json.dumps(e).encode())
+    producer.flush()
+    producer.close()
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = subprocess.Popen(
+        CLI + ["stream", "score", "--bootstrap", bootstrap, "--raw-topic", names["raw"], "--updates-topic",
+               names["updates"], "--predictions-topic", names["pred"], "--score-dead-letter-topic", names["dead"],
+               "--score-group-id", names["group"], "--dataset", dataset, "--out", str(out), "--id-column", "flight"],
+        stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={k: v for k, v in os.environ.items() if k != "FLOWTRAIN_UPDATE_KEY"})
+    log = out / "scorer.log"
+    try:
+        preds, dead = _wait_covered(bootstrap, names, len(events), proc, log)
+    finally:
+        _stop(proc)
+    assert "model updates are NOT authenticated" in log.read_text()
+    tables = export_tables(demo_tables_dir())
+    featurizer = StreamFeaturizer.from_manifest(read_manifest(dataset),
+                                                FlightReference(tables["weather"], tables["planes"])())
+    records = _read(bootstrap, names["raw"])
+    ref = featurizer.featurize_payloads([m.value for m in records], [(m.topic, m.partition, m.offset)
+                                                                     for m in records])
+    model = Architecture.from_dict(arch, "test").build(data)
+    model.load_state_dict(state)
+    model.eval()
+    split = table_to_split(pa.Table.from_batches([ref.features]), data.spec)
+    with torch.no_grad():
+        want = dict(zip(ref.features.column("source").to_pylist(),
+                        torch.sigmoid(model(split.x_num, split.x_cat)).numpy()))
+    assert set(want) == {p["source"] for p in preds} and len(preds) + len(dead) == len(events)
+    assert max(abs(p["prediction"] - want[p["source"]]) for p in preds) <= 1e-6
+    classes = data.classes
+    assert all(p["predicted_class"] == classes[int(p["prediction"] > 0.5)] for p in preds)
+    assert all(p["probabilities"] is None and p["model_version"] == 1 for p in preds)
+    assert {p["id"] for p in preds} <= {str(e["flight"]) for e in events}  # the flight number, as text
+    not_landed = sum(e["arr_delay"] is None for e in events)
+    unlabelled = sum(p["label"] is None for p in preds)
+    assert unlabelled >= 0.8 * not_landed  # the rest are dead letters for other reasons (no departure time, ...)
+    say(f"\nscoring: flights: {len(preds)} predictions ({unlabelled} without an outcome yet), {len(dead)} dead letters")
+
+
 # --- the pieces, without a runner ----------------------------------------------------------------
 def test_scored_ranges_commit_only_a_contiguous_prefix_and_skip_offsets_without_records():
     from pipelines.serving.commit import ScoredRanges
