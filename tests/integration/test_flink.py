@@ -394,3 +394,38 @@ def test_flink_master_runs_a_pipeline_through_beams_flink_runner_and_flowtrains_
     assert job["name"].startswith("flowtrain-")
     got = sorted(json.loads(line) for line in (tmp_path / "sums").read_text().splitlines())
     assert got == [[k, sum(x for x in range(300) if x % 3 == k)] for k in range(3)]
+
+
+# --- flowtrain predict ----------------------------------------------------------------------------
+@pytest.mark.timeout(480)
+def test_predict_on_flink_equals_the_local_run(flink_cluster, tmp_path):
+    """The same bundle and files: `flowtrain predict --runner flink` writes the predictions, dead letters and
+    metrics of the FnApiRunner's run."""
+    import flowtrain
+
+    rng = np.random.default_rng(4)
+    lines = ["id,x1,x2,c,y"]
+    for i in range(1500):
+        x1, x2, c = rng.normal(), rng.normal(), "abcd"[rng.integers(4)]
+        lines.append(f"{i},{'bad' if i % 97 == 5 else f'{x1:.4f}'},{x2:.4f},{c if i % 7 else 'new'},"
+                     f"{int(x1 + x2 + (c == 'a') > 0)}")
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    flowtrain.batch(input=[str(tmp_path / "t.csv")], label="y", numeric=["x1", "x2"], categorical=["c"],
+                    task="classification", steps=20, out=str(tmp_path / "run"), no_progress=True)
+    outs = {}
+    for name, extra in (("local", []), ("flink", ["--runner", "flink"])):
+        out = tmp_path / f"{name}.parquet"
+        proc = subprocess.run([*CLI, "predict", "--model", str(tmp_path / "run"), "--input", str(tmp_path / "t.csv"),
+                               "--out", str(out), "--id-column", "id", *extra], capture_output=True, text=True,
+                              timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs[name] = out
+    local, flink = pq.read_table(outs["local"]).sort_by("id"), pq.read_table(outs["flink"]).sort_by("id")
+    assert flink.num_rows == local.num_rows == 1500 - 16
+    assert flink.column("id").to_pylist() == local.column("id").to_pylist()
+    np.testing.assert_allclose(flink.column("probability").to_numpy(), local.column("probability").to_numpy(),
+                               atol=1e-6, rtol=0)
+    assert _dead_letters(f"{outs['flink']}.dead_letters.jsonl") == _dead_letters(f"{outs['local']}.dead_letters.jsonl")
+    a, b = (json.loads(Path(f"{outs[n]}.metrics.json").read_text()) for n in ("local", "flink"))
+    assert a["counts"] == b["counts"] == {"in": 1500, "predictions": 1484, "dead_letters": 16}
+    assert abs(a["metrics"]["auc"] - b["metrics"]["auc"]) <= 1e-9
