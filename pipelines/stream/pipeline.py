@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 
 import apache_beam as beam
 import pyarrow as pa
+from apache_beam.metrics import Metrics
 
 from connectors.arrow import EncodeArrow, encode_batches
 from connectors.dataset_spec import FeatureSpec
@@ -330,6 +331,27 @@ def _message_limit(cfg: StreamConfig, topic: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # The fused step the streaming job runs
 # ---------------------------------------------------------------------------------------------
+#: Beam metrics of the stream pipeline (``PipelineResult.metrics()``, the runner's UI), counted after
+#: Kafka acknowledged a micro-batch's outputs and its offsets were committed: counters ``events``,
+#: ``bytes_read``, ``rows``, ``unlabelled``, ``dead_letters`` and ``dead_letters: <reason>``,
+#: ``micro_batches``, ``feature_messages``; distribution ``micro_batch_ms`` (featurize, deliver, commit).
+METRICS_NAMESPACE = "flowtrain.stream"
+
+
+def _count_flush(items: list, rows: int, unlabelled: int, letters: list, messages: int, seconds: float) -> None:
+    counter = Metrics.counter
+    counter(METRICS_NAMESPACE, "events").inc(len(items))
+    counter(METRICS_NAMESPACE, "bytes_read").inc(sum(len(r.value or b"") for r in items))
+    counter(METRICS_NAMESPACE, "rows").inc(rows)
+    counter(METRICS_NAMESPACE, "unlabelled").inc(unlabelled)
+    counter(METRICS_NAMESPACE, "dead_letters").inc(len(letters))
+    for letter in letters:
+        counter(METRICS_NAMESPACE, f"dead_letters: {letter.reason}").inc()
+    counter(METRICS_NAMESPACE, "micro_batches").inc()
+    counter(METRICS_NAMESPACE, "feature_messages").inc(messages)
+    Metrics.distribution(METRICS_NAMESPACE, "micro_batch_ms").update(int(seconds * 1000))
+
+
 class _FusedFeaturizeFn(beam.DoFn):
     """The steps above, in order, per raw partition inside the reader's bundle; commits the raw
     offsets only after every feature row and dead letter before them is acknowledged.
@@ -390,6 +412,7 @@ class _FusedFeaturizeFn(beam.DoFn):
             raise ForeignEventsError(text)
 
     def _flush(self, topic: str, partition: int, items: list) -> tuple[int, int, int, int, int]:
+        t0 = time.perf_counter()
         payloads = [r.value for r in items]
         self._check_foreign(topic, partition, payloads)
         out = self.featurizer.featurize_payloads(payloads, [(r.topic, r.partition, r.offset) for r in items],
@@ -412,6 +435,7 @@ class _FusedFeaturizeFn(beam.DoFn):
         self.totals["dead_letters"] += len(letters)
         self.totals["batches"] += 1
         self.totals["messages"] += messages
+        _count_flush(items, rows, out.unlabelled, letters, messages, time.perf_counter() - t0)
         self._write_status()
         return partition, len(items), rows, out.unlabelled, len(letters)
 
