@@ -10,7 +10,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "compare", help="compare batch runs: options, test metrics with intervals, validation curves in one PNG",
         description="Reads the run directories of `flowtrain batch` runs and prints a table of the options that "
-                    "differ and the test metrics with their 95%% bootstrap intervals; writes compare.md, "
+                    "differ and the test metrics with their 95% bootstrap intervals; writes compare.md, "
                     "compare.json and compare.png (the validation curves overlaid) to --out.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories of `flowtrain batch` (two or more)")
     p.add_argument("--out", default=None, help="where to write compare.md, compare.json and compare.png "
