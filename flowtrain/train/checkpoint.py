@@ -19,14 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from connectors.atomic import fsync_dir
+from connectors.atomic import atomic_file
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _log = logging.getLogger(__name__)
@@ -46,6 +45,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _HashingWriter:
+    """A binary file that also hashes what is written to it (the checksum without reading the file back)."""
+
+    def __init__(self, fh):
+        self._fh, self._h = fh, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._h.update(data)
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def _tmp_suffix(run_id: str | None) -> str:
     return f".tmp-{run_id}" if run_id else ".tmp"
 
@@ -56,23 +72,14 @@ def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int =
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{step:09d}.pt"
-    tmp = final.with_name(final.name + _tmp_suffix(run_id))
     side = final.with_suffix(".sha256")
-    side_tmp = side.with_name(side.name + _tmp_suffix(run_id))
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest = _sha256(tmp)
-        os.replace(tmp, final)
-        side_tmp.write_text(json.dumps({"file": final.name, "sha256": digest, "step": step, "run_id": run_id}))
-        os.replace(side_tmp, side)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        side_tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+    # the one atomic writer (tmp beside the target, fsync, rename); a failed save removes its tmp
+    with atomic_file(final, tmp_name=final.name + _tmp_suffix(run_id)) as fh:
+        hashing = _HashingWriter(fh)
+        torch.save(state, hashing)
+    with atomic_file(side, tmp_name=side.name + _tmp_suffix(run_id)) as fh:
+        fh.write(json.dumps({"file": final.name, "sha256": hashing.hexdigest(), "step": step,
+                             "run_id": run_id}).encode())
     if keep:
         mine = [p for p in all_checkpoints(directory) if run_of(p) == run_id]
         for old in mine[:-keep]:
