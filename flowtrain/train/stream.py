@@ -201,6 +201,7 @@ class StreamTrainer:
         self.rejects = InputRejects(cfg.bootstrap, cfg.kafka_config, features_topic=cfg.features_topic,
                                     dead_letter_topic=cfg.dead_letter_topic,
                                     replication_factor=cfg.replication_factor)
+        self.rejected_total: dict[str, int] = {}  # every replica's counts, summed at each checkpoint and the end
         self.pending_ledger: list[tuple[int, int]] = []
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (outputs, labels) since the last log
         self.steps_since_ckpt = 0
@@ -229,19 +230,22 @@ class StreamTrainer:
                 if self._should_end(agreed):
                     # nothing trained since the last version: re-saving it would rewrite that
                     # version's file (named by step) under a new version number
-                    if self.steps_since_ckpt or self.version == 0:
+                    if self.steps_since_ckpt or self.version == 0 or agreed["rejects_pending"]:
                         self._checkpoint("final")
+                    # every replica's rejections, summed (the same step on every replica: a collective)
+                    self.rejected_total = _sum_counts(_gather(self.ctx, dict(self.rejects.counts)))
                     break
                 self._write_status_every_second()
-                if self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
-                                              or agreed["checkpoint_due"]):
+                if (self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
+                                               or agreed["checkpoint_due"])) \
+                        or (agreed["rejects_pending"] and agreed["checkpoint_due"]):  # only rejected messages
                     self._checkpoint("periodic")
         finally:
             self.close()
         busy = (self.last_data_t - self.first_data_t) if self.first_data_t else 0.0
         return {"step": self.step, "version": self.version, "rows": self.rows_trained,
                 "dropped_duplicates": self.dropped, "rows_per_s": self.rows_trained / busy if busy > 0 else 0.0,
-                "rejected": dict(self.rejects.counts) if self.ctx.is_main else {},
+                "rejected": self.rejected_total,
                 "resumed_from": restored, "architecture": self.architecture.to_dict()}
 
     # --- state: from the last checkpoint only ------------------------------------------------------------
@@ -368,15 +372,16 @@ class StreamTrainer:
         now = time.monotonic()
         idle = self.cfg.idle_exit_s is not None and now - self.last_data_t >= self.cfg.idle_exit_s
         flags = torch.tensor([float(has_data), float(bool(self.should_stop())), float(idle),
-                              float(now - self.last_ckpt_t >= self.cfg.checkpoint_every_s)], dtype=torch.float64,
-                             device=self.device)
+                              float(now - self.last_ckpt_t >= self.cfg.checkpoint_every_s),
+                              float(bool(self.rejects.pending))], dtype=torch.float64, device=self.device)
         if self.ctx.distributed:
             import torch.distributed as dist
 
             dist.all_reduce(flags)
-        any_data, stop, idle_count, due = flags.tolist()  # one device-to-host copy
+        any_data, stop, idle_count, due, rejected = flags.tolist()  # one device-to-host copy
+        # rejects_pending: a rejected message's position is not checkpointed yet (a checkpoint moves it)
         return {"any_data": any_data > 0, "stop": stop > 0, "all_idle": idle_count >= self.ctx.world_size,
-                "checkpoint_due": due > 0}
+                "checkpoint_due": due > 0, "rejects_pending": rejected > 0}
 
     def _train_step(self, local) -> None:
         """Evaluate (prequential), then train; a replica without data takes part with a count of 0.
@@ -442,7 +447,7 @@ class StreamTrainer:
         window = _gather_list(ctx, self.window)
         ledger = _gather_list(ctx, self.pending_ledger) if self.cfg.ledger else []
         rejected_now = _gather_list(ctx, self.rejects.pending) if self.cfg.ledger else []
-        rejected = _sum_counts(_gather(ctx, dict(self.rejects.counts)))
+        rejected = self.rejected_total = _sum_counts(_gather(ctx, dict(self.rejects.counts)))
         if ctx.is_main:
             preq = self._prequential(window)
             if ledger or rejected_now:
@@ -504,7 +509,8 @@ class StreamTrainer:
             self.last_status_t = time.monotonic()
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": self.last_loss,
-                                   "positions": self.positions, "rejected": self.rejects.counts})
+                                   "positions": self.positions,  # with replicas: the last checkpoint's sum
+                                   "rejected": self.rejected_total if self.ctx.distributed else self.rejects.counts})
 
     def close(self) -> None:
         if self.consumer is not None:

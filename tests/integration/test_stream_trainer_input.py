@@ -249,3 +249,42 @@ def test_non_finite_weights_are_never_trained_checkpointed_or_published(bootstra
                                  "--dataset", dataset, "--out", str(tmp_path / "cli"), "--init-weights",
                                  str(start / "model.pt")], capture_output=True, text=True, timeout=240, env=ENV)
     assert proc.returncode == 2 and "are not finite" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(420)
+def test_with_two_replicas_each_rejects_its_own_and_the_counts_add_up_once(bootstrap, new_topic, dataset, tmp_path):
+    table = _table(dataset)
+    topic = new_topic(partitions=2)
+    bad = _bad_messages(table, 2)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    sent, good_sources = {0: 0, 1: 0}, set()
+    expected_letters = set()
+    for i in range(4):  # per partition: good, bad, good, bad, ... (each replica reads one partition)
+        part = i % 2
+        good = _good(table, i)
+        good = _set(good, "src_partition", pa.array([part] * ROWS, pa.int32()))
+        producer.send(topic, value=encode_batch(good), partition=part).get(timeout=30)
+        good_sources.update((part, o) for o in range(i * ROWS, (i + 1) * ROWS))
+        sent[part] += 1
+        producer.send(topic, value=bad[i][1], partition=part).get(timeout=30)
+        expected_letters.add(f"{topic}/{part}/{sent[part]}")
+        sent[part] += 1
+    producer.close()
+    out = tmp_path / "run"
+    argv = CLI + ["stream", "train", "--bootstrap", bootstrap, "--features-topic", topic, "--updates-topic",
+                  f"{topic}-updates", "--dead-letter-topic", f"{topic}-dead", "--dataset", dataset, "--out", str(out),
+                  "--hidden", "16,8", "--ledger", "--device", "cpu", "--workers", "2", "--checkpoint-every", "2",
+                  "--failure-timeout", "120", "--idle-exit", "3"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "4 feature message(s) rejected" in first.stdout, first.stdout[-2000:]
+    letters = _dead_letters(bootstrap, f"{topic}-dead")
+    assert {letter.source for letter in letters} == expected_letters and len(letters) == 4
+    rows, rejected = _ledger(out)
+    assert set(rows) == good_sources and set(rows.values()) == {1}
+    assert set(rejected) == {tuple(int(x) for x in s.rsplit("/", 2)[1:]) for s in expected_letters}
+    assert set(rejected.values()) == {1}
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=ENV)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "4 feature message(s) rejected" in again.stdout  # the checkpoint's counts, none added
+    assert len(_dead_letters(bootstrap, f"{topic}-dead")) == 4
