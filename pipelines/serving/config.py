@@ -33,9 +33,12 @@ class ScoreConfig:
     dead_letter_topic: str = "flights-scoring-dead-letters"
     updates_topic: str = "flights-model-updates"
     group_id: str = "flowtrain-scorer"
-    batch_size: int = 500
+    batch_size: int = 2000  # the featurizer's cost per event falls with the micro-batch (the stream pipeline's size)
     max_delay_s: float = 0.25  # a micro-batch closes this long after its first event (or at batch_size)
     max_read_s: float = 0.5  # the reader hands its output on at least this often
+    # the raw topic read in lists of up to this many records (ReadFromKafka(batch_records=N): Beam's
+    # per-element cost once per list); None: one element per record
+    read_batch_records: int | None = 2000
     swap_interval_s: float = 1.0  # serving window: how often the newest version is looked up
     max_inference_batches: int = 16  # micro-batches RunInference stacks into one forward
     device: str = "cpu"

@@ -72,10 +72,11 @@ class _FeaturizeForScoringFn(beam.DoFn):
     def start_bundle(self):
         self.batcher = MicroBatcher(self.cfg.batch_size, self.cfg.max_delay_s)
 
-    def process(self, record: KafkaRecord):
-        closed = self.batcher.add((record.topic, record.partition), record)
-        if closed:
-            yield self._flush(closed)
+    def process(self, element: KafkaRecord | list[KafkaRecord]):
+        for record in element if isinstance(element, list) else (element,):  # a list: ReadFromKafka(batch_records=N)
+            closed = self.batcher.add((record.topic, record.partition), record)
+            if closed:
+                yield self._flush(closed)
 
     def finish_bundle(self):
         for _, items in self.batcher.drain():

@@ -65,7 +65,8 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
                          "(`flowtrain stream score` uses <out>/models)")
     raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
                                                 group_id=cfg.group_id, commit_offsets=False,
-                                                consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s)
+                                                consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s,
+                                                batch_records=cfg.read_batch_records)
     versions = pipeline | "ModelVersions" >> LatestModelVersion(cfg)
     return (raw
             | "Featurize" >> FeaturizeForScoring(cfg)
