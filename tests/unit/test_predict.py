@@ -134,7 +134,8 @@ def test_bundle_in_a_fresh_process_without_dataset_or_run_equals_predict(run, tm
                                atol=1e-6, rtol=0)
     assert a.column("class").to_pylist() == b.column("class").to_pylist()
     # the same weights: the same checksum in the version (the run's name is the copy's)
-    assert a.column("model_version").to_pylist()[0].split("@")[1] == b.column("model_version").to_pylist()[0].split("@")[1]
+    digest = [t.column("model_version").to_pylist()[0].split("@")[1] for t in (a, b)]
+    assert digest[0] == digest[1]
     # a pandas DataFrame of the same rows gives the same predictions
     frame = pacsv.read_csv(run["base"] / "unlabelled.csv").to_pandas()
     loaded = flowtrain.load(str(exported))
