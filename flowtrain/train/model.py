@@ -13,7 +13,7 @@ and training only has to add what the MLP finds beyond it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -199,7 +199,7 @@ class ModelSpec:
                 "outputs": self.outputs, "task": self.task, "classes": self.classes}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
+    def from_dict(cls, d: dict) -> ModelSpec:
         return cls(d["numeric"], d["categorical"], d["cardinalities"], d["outputs"], d["task"], d.get("classes"))
 
     def __repr__(self) -> str:
