@@ -190,3 +190,34 @@ def test_api_run_equals_cli_run(run, tmp_path):
     assert abs(cli["test"]["model"]["log_loss"] - api["test"]["model"]["log_loss"]) <= 1e-6
     assert abs(cli["test"]["baselines"]["linear model"]["auc"] - api["test"]["baselines"]["linear model"]["auc"]) \
         <= 1e-6
+
+
+@pytest.mark.parametrize("task", ["multiclass", "regression"])
+def test_k_classes_and_regression_predict_in_label_terms(task, tmp_path):
+    r = np.random.default_rng(7)
+    lines = ["x1,x2,c,k,v"]
+    for _ in range(900):
+        x1, x2, c = r.normal(), r.normal(), "abc"[r.integers(3)]
+        k = ["lo", "mid", "hi"][int(np.digitize(x1 + 0.3 * x2, [-0.5, 0.5]))]
+        lines.append(f"{x1:.3f},{x2:.3f},{c},{k},{3 * x1 - x2 + r.normal() * 0.1 + 100:.3f}")
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    label = "k" if task == "multiclass" else "v"
+    flowtrain.batch(input=[str(tmp_path / "t.csv")], label=label, numeric=["x1", "x2"], categorical=["c"],
+                    task="classification" if task == "multiclass" else "regression", steps=30,
+                    out=str(tmp_path / "run"), no_progress=True, threads=1)
+    summary = flowtrain.predict(model=str(tmp_path / "run"), input=str(tmp_path / "t.csv"),
+                                out=str(tmp_path / "p.parquet"))
+    pred = pq.read_table(tmp_path / "p.parquet")
+    order = np.argsort([int(s.rsplit(":", 1)[1]) for s in pred.column("source").to_pylist()])
+    loaded = flowtrain.load(str(tmp_path / "run")).predict(pacsv.read_csv(tmp_path / "t.csv"))
+    if task == "multiclass":
+        probs = [f"probability_{c}" for c in ("hi", "lo", "mid")]  # the classes in the training split's order
+        assert pred.column_names == ["source", "k", *probs, "class", "model_version"]
+        p = np.stack([pred.column(c).to_numpy()[order] for c in probs], 1)
+        np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(p, np.stack([loaded.column(c).to_numpy() for c in probs], 1), atol=1e-6, rtol=0)
+        assert summary["metrics"]["accuracy"] > 0.8
+    else:
+        got = pred.column("prediction").to_numpy()[order]
+        np.testing.assert_allclose(got, loaded.column("prediction").to_numpy(), atol=1e-6, rtol=0)
+        assert abs(got.mean() - 100) < 1.0 and summary["metrics"]["r2"] > 0.9  # in the label's units
