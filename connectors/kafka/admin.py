@@ -12,6 +12,7 @@ from connectors.kafka.clients import (
     KafkaUnavailable,
     close_client,
     quiet_kafka_logs,
+    retry_kafka,
     servers_string,
     track_client,
     unavailable_message,
@@ -63,7 +64,9 @@ def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = 
         except (OSError, ValueError) as err:
             raise KafkaUnavailable(unavailable_message(bootstrap_servers, timeout_s, str(err))) from None
         try:
-            brokers = max(1, len(admin.describe_cluster().get("brokers") or ()))
+            # a dead broker still in the metadata may be asked first: the others are asked next
+            brokers = max(1, len(retry_kafka(admin.describe_cluster, "describe the cluster",
+                                             deadline_s=timeout_s, pause_s=0.5).get("brokers") or ()))
             with _LOCK:
                 _ANSWERED[key] = (time.monotonic(), brokers)
             return brokers
@@ -122,13 +125,17 @@ def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitio
     cfg = admin_settings(client_config)
     admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, **cfg)
     try:
-        if topic in admin.list_topics():
+        # a dead broker of a cluster still in the metadata may be asked first: retried on the others
+        if topic in retry_kafka(admin.list_topics, f"list topics (for {topic!r})", pause_s=0.5):
             return
-        brokers = len(admin.describe_cluster().get("brokers") or ()) or 1
+        brokers = len(retry_kafka(admin.describe_cluster, "describe the cluster", pause_s=0.5).get("brokers")
+                      or ()) or 1
         factor = min(3, brokers) if replication_factor is None else replication_factor
         try:
-            admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=factor,
-                                          topic_configs=dict(config or {}))])
+            retry_kafka(lambda: admin.create_topics([NewTopic(topic, num_partitions=partitions,
+                                                              replication_factor=factor,
+                                                              topic_configs=dict(config or {}))]),
+                        f"create topic {topic!r}", pause_s=0.5)
         except InvalidReplicationFactorError:
             raise ValueError(f"topic {topic!r}: replication factor {factor} cannot be reached, the cluster at "
                              f"{servers_string(bootstrap_servers)} has {brokers} broker(s); pass a replication "

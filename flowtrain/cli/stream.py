@@ -207,7 +207,7 @@ def _replay(args: argparse.Namespace) -> int:
                   f"topic (created with retention.ms -1), set the topic's retention.ms to -1, or leave "
                   f"--time-column out", file=sys.stderr)
             return 2
-    # a broker of a cluster may be down: its metadata request is retried on the others
+    # a dead broker of a cluster still in the metadata may be asked first: retried on the others
     partitions = retry_kafka(lambda: _partitions(args.bootstrap, args.topic, cfg), f"the partitions of {args.topic!r}")
     sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
     counts = {"events": 0, "unlabelled": 0, **{k: 0 for k in kinds}}
