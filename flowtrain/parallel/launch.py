@@ -129,9 +129,8 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
                 for fh in (out, err):
                     if hasattr(fh, "close"):
                         fh.close()
-        procs = [c.proc for c in supervisor.children.values()]
         requested = (lambda: signals.is_set() or stop()) if stop is not None else signals.is_set
-        _watch(procs, logs, beats, failure_timeout_s, requested)
+        _watch(supervisor, logs, beats, failure_timeout_s, requested)
         return time.monotonic() - t0
     except BaseException:
         failed = True
@@ -213,20 +212,15 @@ def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
     return WorkerFailure(rank, _cause(rc) + note, _tail(logs[rank]))
 
 
-def _watch(procs, logs, beats: Path, timeout_s: float, stop: Callable[[], bool] | None = None) -> None:
+def _watch(supervisor: Supervisor, logs, beats: Path, timeout_s: float, stop: Callable[[], bool] | None = None) -> None:
+    procs = [child.proc for child in supervisor.children.values()]
     started = time.monotonic()
     started_wall = time.time()
     forwarded = False
     while True:
         if stop is not None and not forwarded and stop():
             forwarded = True
-            for proc in procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGTERM)
-                        os.killpg(proc.pid, signal.SIGCONT)  # a stopped worker acts on it too
-                    except ProcessLookupError:
-                        pass
+            supervisor.send(signal.SIGTERM)  # each live worker's group (with SIGCONT: a stopped one acts on it)
         alive = 0
         for proc in procs:
             rc = proc.poll()

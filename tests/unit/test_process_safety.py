@@ -109,7 +109,7 @@ def _kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
     proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_item5_a_signal_to_batch_workers_parent_ends_every_worker(small_dataset, tmp_path, sig):
     proc = _start_batch(small_dataset, tmp_path / "run")
     tree: dict[int, str] = {}
