@@ -266,9 +266,12 @@ class StopSignals:
         self._parent = os.getppid()
 
     def install(self) -> StopSignals:
+        """Install the handlers; a signal this process ignores (``nohup``'s SIGHUP, SIGINT of a
+        background job) stays ignored."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) != signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def restore(self) -> None:
