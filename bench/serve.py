@@ -245,14 +245,16 @@ def _pipeline_throughput(env: _Env) -> dict:
 
 
 def _feature_batches(env: _Env) -> tuple[list, list]:
-    """The throughput run's events as the scorer micro-batches them (500 per partition), featurized
+    """The throughput run's events as the scorer micro-batches them (ScoreConfig.batch_size per partition), featurized
     with the same code; and the raw records, for the plain-Python reference."""
     from connectors.kafka import KafkaRecord
+    from pipelines.serving.config import ScoreConfig
     from pipelines.serving.featurize import featurize_records
 
     featurizer = env.featurizer()
     records = [KafkaRecord("raw", 0, i, 0, None, v) for i, v in enumerate(env.events[:env.n_throughput])]
-    chunks = [records[i:i + 500] for i in range(0, len(records), 500)]
+    size = ScoreConfig.batch_size  # as the scorer micro-batches them
+    chunks = [records[i:i + size] for i in range(0, len(records), size)]
     return [featurize_records(c, featurizer)[0] for c in chunks], [(c, featurizer) for c in chunks]
 
 
