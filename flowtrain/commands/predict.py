@@ -52,6 +52,8 @@ class ExportJob:
     run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN")
     out: str | None = option(None, "the bundle directory to write")
     overwrite: bool = option(False, "replace an existing --out bundle")
+    torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
+                                "flowtrain (its inputs: see docs/predict.md)")
 
 
 # --- the in-process predictor ---------------------------------------------------------------------------
@@ -335,6 +337,6 @@ def run_export(job: ExportJob) -> Path:
     config = train_config(batch_job)
     model = build_run_model(batch_job.model, data, config)
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-    write_bundle(out, model, data, config, factory=batch_job.model, run=run.name)
+    write_bundle(out, model, data, config, factory=batch_job.model, run=run.name, torch_export=job.torch_export)
     read_bundle(out)  # the bundle written checks
     return out

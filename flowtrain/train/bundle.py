@@ -9,6 +9,11 @@
                            the regression target's scale
       features.json        the feature spec (label, task, numeric / categorical columns) and the training
                            statistics (means, standard deviations, vocabularies, class names)
+      model.pt2            optional (``flowtrain export --torch-export``): a ``torch.export`` program of the model
+                           for use without flowtrain: ``torch.export.load(path).module()(x_num, x_cat)`` with
+                           x_num float32 [N, numerics] (standardized with features.json's means and standard
+                           deviations) and x_cat int64 [N, categoricals] (index in the vocabulary + 1, 0 for
+                           unseen); it returns logits ([N] or [N, K]) or the standardized regression value
       bundle.json          written last: format, flowtrain version, run, and the SHA-256 of each file above
 
 ``read_bundle(DIR)`` checks every checksum and the version first; a missing or modified file, or a bundle
@@ -29,6 +34,7 @@ from flowtrain.errors import BundleError
 
 FORMAT = 1
 FILES = ("weights.safetensors", "model.json", "features.json")
+EXPORTED = "model.pt2"
 MANIFEST = "bundle.json"
 
 
@@ -52,7 +58,8 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
 
 
-def write_bundle(out: str | Path, model, data, config, *, factory: str | None = None, run: str = "") -> Path:
+def write_bundle(out: str | Path, model, data, config, *, factory: str | None = None, run: str = "",
+                 torch_export: bool = False) -> Path:
     """Write the bundle of ``model`` trained on ``data`` (a ``TabularDataset``) with ``config`` (a
     ``TrainConfig``) into ``out``: files first, ``bundle.json`` last, through a temporary directory
     renamed into place (a reader never sees half a bundle)."""
@@ -74,7 +81,11 @@ def write_bundle(out: str | Path, model, data, config, *, factory: str | None = 
                                          "target_scale": list(target_scale(data))})
         _write_json(tmp / "features.json", {"spec": data.spec.to_dict(), "stats": data.stats,
                                             "classes": data.classes, "kind": data.kind})
-        checks = {name: _sha256(tmp / name) for name in FILES}
+        names = list(FILES)
+        if torch_export:
+            _write_program(tmp / EXPORTED, model, data)
+            names.append(EXPORTED)
+        checks = {name: _sha256(tmp / name) for name in names}
         _write_json(tmp / MANIFEST, {"format": FORMAT, "flowtrain_version": __version__, "run": run,
                                      "files": checks})
         if out.exists():
@@ -92,6 +103,23 @@ def write_bundle(out: str | Path, model, data, config, *, factory: str | None = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_program(path: Path, model, data) -> None:
+    """A ``torch.export`` program of ``model`` with a dynamic batch dimension."""
+    import torch
+
+    from flowtrain.errors import FlowtrainError
+
+    model = model.eval()
+    example = (torch.zeros(2, data.n_numeric), torch.zeros(2, len(data.cardinalities), dtype=torch.long))
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        program = torch.export.export(model, example, dynamic_shapes=({0: batch}, {0: batch}))
+    except Exception as err:  # noqa: BLE001 - a user's model torch.export cannot trace: say so, name the option
+        raise FlowtrainError(f"--torch-export: torch.export cannot export this model ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}); leave out --torch-export") from None
+    torch.export.save(program, str(path))
 
 
 def bundle_dir(path: str | Path, option: str = "--model") -> Path:
@@ -140,7 +168,9 @@ def read_bundle(path: str | Path, option: str = "--model") -> Bundle:
         raise BundleError(f"{path / MANIFEST}: written by flowtrain {made_by} (bundle format "
                           f"{manifest.get('format')}), newer than this flowtrain {__version__}: upgrade flowtrain")
     files = manifest.get("files") or {}
-    for name in FILES:
+    for name in dict.fromkeys([*FILES, *files]):
+        if Path(name).name != name or name in (".", "..", MANIFEST):
+            raise BundleError(f"{path / MANIFEST}: {name!r} is not a file of the bundle; export the bundle again")
         f = path / name
         if not f.is_file():
             raise BundleError(f"{f}: missing from the bundle; export the bundle again")

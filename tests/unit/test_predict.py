@@ -221,3 +221,20 @@ def test_k_classes_and_regression_predict_in_label_terms(task, tmp_path):
         got = pred.column("prediction").to_numpy()[order]
         np.testing.assert_allclose(got, loaded.column("prediction").to_numpy(), atol=1e-6, rtol=0)
         assert abs(got.mean() - 100) < 1.0 and summary["metrics"]["r2"] > 0.9  # in the label's units
+
+
+def test_export_with_a_torch_export_program_equals_the_bundle_model(run, tmp_path):
+    from flowtrain.train.bundle import build_module, read_bundle
+
+    out = flowtrain.export(str(run["run"]), str(tmp_path / "b"), torch_export=True)
+    bundle = read_bundle(out)  # model.pt2 is checksummed like the rest
+    assert "model.pt2" in bundle.manifest["files"]
+    program = torch.export.load(str(out / "model.pt2")).module()
+    model = build_module(bundle)
+    x_num, x_cat = torch.randn(37, 2), torch.randint(0, 5, (37, 1))
+    torch.testing.assert_close(program(x_num, x_cat), model(x_num, x_cat), atol=1e-6, rtol=0)
+    data = bytearray((out / "model.pt2").read_bytes())
+    data[len(data) // 2] ^= 1
+    (out / "model.pt2").write_bytes(bytes(data))
+    with pytest.raises(flowtrain.BundleError, match="model.pt2: modified"):
+        flowtrain.load(str(out))
