@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_consumer, new_producer
+from connectors.model_updates import UpdateKeySource
 from flowtrain.parallel import DistContext, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
 from flowtrain.parallel.launch import heartbeat
@@ -51,6 +52,7 @@ from flowtrain.train import checkpoint
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog
 from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, BadFeatureMessage, FeatureMessageCheck
+from flowtrain.train.published import Publisher, new_run_id
 from flowtrain.train.stream_rejects import InputRejects
 
 
@@ -82,6 +84,9 @@ class StreamTrainConfig:
     threads: int | None = 1
     replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
 
+    # published versions: <run_dir>/published keeps this many (its own retention, apart from the checkpoints')
+    keep_published: int = 10
+    update_key_file: str | None = None  # signs each published version (else $FLOWTRAIN_UPDATE_KEY; else unsigned)
     def __post_init__(self) -> None:
         self.hidden = tuple(int(h) for h in self.hidden)
         checks = {"lr": self.lr > 0, "hidden": bool(self.hidden) and min(self.hidden) >= 1,
@@ -91,6 +96,7 @@ class StreamTrainConfig:
                   "max_steps": self.max_steps is None or self.max_steps >= 1,
                   "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
                   "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
+                  "keep_published": self.keep_published >= 1,
                   "replication_factor": self.replication_factor is None or (
                       not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
         bad = [name for name, ok in checks.items() if not ok]
@@ -214,6 +220,10 @@ class StreamTrainer:
         self.mine: list = []
 
     # --- the whole run ------------------------------------------------------------------------------
+        self.run_id = new_run_id()  # a resumed run keeps its checkpoint's: versions are numbered per run
+        self.publisher = Publisher(self.run_dir, keep=cfg.keep_published,
+                                   key_source=UpdateKeySource.from_options(cfg.update_key_file)) \
+            if self.ctx.is_main else None
     def run(self) -> dict:
         """Train until ``should_stop``, ``idle_exit_s`` or ``max_steps``; returns a summary."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,6 +297,7 @@ class StreamTrainer:
         self.step, self.version = int(state["step"]), int(state["version"])
         self.positions = {int(k): int(v) for k, v in state["positions"].items()}
         self.seen = {int(k): int(v) for k, v in state["seen"].items()}
+        self.run_id = str(state.get("run_id") or self.run_id)
         self.rejects.restore(state, self.run_dir, is_main=self.ctx.is_main)
         self._drop_ledger_after(self.version)
         if self.ctx.is_main and self.log.path.exists():
@@ -461,15 +472,18 @@ class StreamTrainer:
             path = checkpoint.save(self.ckpt_dir, self.step, cpu_state({  # opens on any machine
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
-                "architecture": self.architecture.to_dict(),
+                "architecture": self.architecture.to_dict(), "run_id": self.run_id,
                 "positions": {str(k): v for k, v in positions.items()},
                 "seen": {str(k): v for k, v in seen.items()}, "rejected": rejected,
                 "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}}), keep=3)
             # "rows": scored since the last checkpoint (absent with none), "rows_trained": in all
             self.log.write({"kind": "prequential", "step": self.step, "version": self.version,
                             "rows_trained": self.rows_trained, **preq})
-            self._publish({"version": self.version, "step": self.step, "checkpoint": str(path),
-                           "positions": positions, "metrics": preq, "reason": reason, "time": time.time()})
+            # the version the scorers load: its own file and retention (the checkpoints keep 3)
+            self._publish(self.publisher.publish(
+                model=cpu_state(self.model.state_dict()), architecture=self.architecture.to_dict(),
+                version=self.version, step=self.step, run_id=self.run_id, trainer_checkpoint=str(path),
+                positions=positions, metrics=preq, reason=reason, time=time.time()))
             _plot(self.log, self.run_dir, self.task)
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": preq.get("loss"),
