@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 #: benchmark name -> (module under bench/, one-line description)
 BENCHMARKS = {
@@ -24,8 +25,17 @@ BENCHMARKS = {
 }
 
 
+def _checkout_on_path() -> None:
+    """``bench/`` is not installed: it is found in the source checkout the command runs in (its root as the
+    working directory), which a console script does not put on ``sys.path`` by itself."""
+    cwd = Path.cwd()
+    if (cwd / "bench" / "__init__.py").is_file() and str(cwd) not in sys.path:
+        sys.path.insert(0, str(cwd))
+
+
 def _run(args: argparse.Namespace) -> int:
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    _checkout_on_path()
     for name in names:
         try:
             module = importlib.import_module(BENCHMARKS[name][0])
