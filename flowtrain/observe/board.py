@@ -10,17 +10,23 @@ Point TensorBoard at it: ``tensorboard --logdir <out>/tensorboard``.
 Every record of the run's ``metrics.jsonl`` is mirrored as scalars (``MetricsLog(board=...)``):
 a record ``{"kind": "valid", "step": 40, "auc": 0.71, ...}`` becomes the scalar ``valid/auc`` at
 step 40. A resumed run drops the events after the step it resumes from (``purge_after``), as it
-drops those lines of ``metrics.jsonl``. The writer opens lazily, on the first event: importing
-TensorBoard takes seconds, a run that writes nothing pays nothing.
+drops those lines of ``metrics.jsonl``. The writer opens on the first event; importing
+TensorBoard takes seconds, so a ``Board`` starts that import in a background thread when it is
+made, and the training loop does not wait for it at its first event.
 """
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
 #: Keys of a metrics.jsonl record that are coordinates or labels, not metrics.
 NOT_METRICS = {"kind", "model", "step", "epoch", "time"}
+
+
+def _import_summary_writer() -> None:
+    import torch.utils.tensorboard  # noqa: F401 - loaded here, used by Board.writer
 
 
 class Board:
@@ -33,6 +39,7 @@ class Board:
         self.purge_step: int | None = None
         self.last: dict[str, float] = {}  # newest value of every scalar tag (hparams' final metrics)
         self._writer = None
+        threading.Thread(target=_import_summary_writer, name="flowtrain-tensorboard-import", daemon=True).start()
 
     @property
     def writer(self):
