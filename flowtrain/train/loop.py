@@ -29,6 +29,7 @@ from torch import nn
 
 from connectors.atomic import atomic_write
 from connectors.dataset_spec import MAX_CLASSES  # the dataset contract's bound: the ETL stops at it too
+from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import heartbeat
@@ -298,7 +299,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     classes = data.classes
     engine = make_engine(model, ctx, config, loss_fn, train)
     writer = run_dir is not None and ctx.is_main
-    log = MetricsLog(run_dir / "metrics.jsonl") if writer else None
+    board = Board(run_dir) if writer else None  # TensorBoard: rank 0 mirrors metrics.jsonl, adds the rest
+    log = MetricsLog(run_dir / "metrics.jsonl", board=board) if writer else None
+    # what differs per worker (time waiting on data, step time): one TensorBoard directory per rank
+    worker_board = Board(run_dir, worker=ctx.rank) if run_dir is not None and ctx.world_size > 1 else None
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
     run_id = rundir.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
     if ckpt_dir and writer:
@@ -396,6 +400,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 bar.update(1)
                 bar.set_postfix(loss=f"{mean_loss:.4f}", rows_s=f"{global_n / max(t2 - t0, 1e-9):,.0f}",
                                 refresh=False)
+            if worker_board is not None and step % config.log_every == 0:
+                worker_board.scalars("worker", {"data_wait_fraction": data_wait / max(step_time, 1e-12),
+                                                "seconds_per_step": step_time / max(step, 1)}, step)
             if log and step % config.log_every == 0:
                 _log_train(log, name, step, plan, running, seen, t_log)
                 running, seen, t_log = 0.0, 0, time.perf_counter()
@@ -416,6 +423,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         bar.close()
     stopped_early = bad_evals >= plan.patience and step < plan.steps
     engine.close()
+    for b in (board, worker_board):
+        if b is not None:
+            b.close()
     model.to("cpu")  # the fitted model comes back on the CPU
     model.load_state_dict(best_state)
     torch.set_num_threads(threads_before)

@@ -45,14 +45,15 @@ import torch
 
 from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_consumer, new_producer
 from connectors.model_updates import UpdateKeySource
+from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext, make_reducer, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog
-from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, BadFeatureMessage, FeatureMessageCheck
 from flowtrain.train.published import Publisher, new_run_id
+from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, BadFeatureMessage, FeatureMessageCheck
 from flowtrain.train.stream_rejects import InputRejects
 
 
@@ -83,10 +84,10 @@ class StreamTrainConfig:
     # the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (the threads wait for each other).
     threads: int | None = 1
     replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
-
     # published versions: <run_dir>/published keeps this many (its own retention, apart from the checkpoints')
     keep_published: int = 10
     update_key_file: str | None = None  # signs each published version (else $FLOWTRAIN_UPDATE_KEY; else unsigned)
+
     def __post_init__(self) -> None:
         self.hidden = tuple(int(h) for h in self.hidden)
         checks = {"lr": self.lr > 0, "hidden": bool(self.hidden) and min(self.hidden) >= 1,
@@ -95,8 +96,8 @@ class StreamTrainConfig:
                   "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
                   "max_steps": self.max_steps is None or self.max_steps >= 1,
                   "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
-                  "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
                   "keep_published": self.keep_published >= 1,
+                  "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
                   "replication_factor": self.replication_factor is None or (
                       not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
         bad = [name for name, ok in checks.items() if not ok]
@@ -189,7 +190,8 @@ class StreamTrainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.ledger_path = self.run_dir / "ledger.jsonl"
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl")
+        # rank 0's metrics.jsonl, mirrored to TensorBoard (<out>/tensorboard: prequential/*, stream/*)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", board=Board(self.run_dir) if self.ctx.is_main else None)
         self.data = TabularDataset(cfg.dataset)
         self.task = self.data.spec.task
         from flowtrain.train.loop import loss_function, target_scale
@@ -218,12 +220,12 @@ class StreamTrainer:
         self.model = self.optimizer = self.reducer = self.architecture = None
         self.consumer = self.producer = self.delivery = None
         self.mine: list = []
-
-    # --- the whole run ------------------------------------------------------------------------------
         self.run_id = new_run_id()  # a resumed run keeps its checkpoint's: versions are numbered per run
         self.publisher = Publisher(self.run_dir, keep=cfg.keep_published,
                                    key_source=UpdateKeySource.from_options(cfg.update_key_file)) \
             if self.ctx.is_main else None
+
+    # --- the whole run ------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train until ``should_stop``, ``idle_exit_s`` or ``max_steps``; returns a summary."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -295,9 +297,9 @@ class StreamTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.version = int(state["step"]), int(state["version"])
+        self.run_id = str(state.get("run_id") or self.run_id)
         self.positions = {int(k): int(v) for k, v in state["positions"].items()}
         self.seen = {int(k): int(v) for k, v in state["seen"].items()}
-        self.run_id = str(state.get("run_id") or self.run_id)
         self.rejects.restore(state, self.run_dir, is_main=self.ctx.is_main)
         self._drop_ledger_after(self.version)
         if self.ctx.is_main and self.log.path.exists():
@@ -525,8 +527,17 @@ class StreamTrainer:
                                    "dropped_duplicates": self.dropped, "loss": self.last_loss,
                                    "positions": self.positions,  # with replicas: the last checkpoint's sum
                                    "rejected": self.rejected_total if self.ctx.distributed else self.rejects.counts})
+            busy = self.last_data_t - self.first_data_t if self.first_data_t else 0.0
+            self.log.board.scalars("stream", {"loss": self.last_loss, "rows_trained": self.rows_trained,
+                                              "rows_per_s": self.rows_trained / busy if busy > 0 else None,
+                                              "version": self.version, "dropped_duplicates": self.dropped}, self.step)
 
     def close(self) -> None:
+        if self.log.board is not None:  # TensorBoard: the options beside the last prequential metrics
+            board = self.log.board
+            board.hparams({k: v for k, v in vars(self.cfg).items() if k not in ("kafka_config", "bootstrap")},
+                          [t for t in board.last if t.startswith("prequential/")])
+            board.close()
         if self.consumer is not None:
             close_client(self.consumer)
         if self.producer is not None:
