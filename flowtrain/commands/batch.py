@@ -239,7 +239,8 @@ def _run_batch(job: BatchJob) -> dict:
     from flowtrain.parallel.launch import LaunchConfig
     from flowtrain.train.jobs import train_worker
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import baseline_metrics, check_label, evaluate, target_scale
+    from flowtrain.train.loader import target_scale
+    from flowtrain.train.loop import baseline_metrics, check_label, evaluate
     from flowtrain.train.metrics import MetricsLog
     from flowtrain.train.model import build_run_model, check_factory_parallelism
     from flowtrain.train.report import plot_confusion, plot_curves, write_report, write_summary

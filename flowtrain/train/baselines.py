@@ -125,7 +125,7 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
     from flowtrain.train.shards import open_split
 
     t0 = time.perf_counter()
-    from flowtrain.train.loop import target_scale  # here: loop imports this module
+    from flowtrain.train.loader import target_scale
 
     kind = data.kind
     shift, scale = target_scale(data)

@@ -66,7 +66,7 @@ def write_bundle(out: str | Path, model, data, config, *, factory: str | None = 
     from safetensors.torch import save_file
 
     from flowtrain import __version__
-    from flowtrain.train.loop import target_scale
+    from flowtrain.train.loader import target_scale
     from flowtrain.train.model import model_spec
 
     out = Path(out)

@@ -139,3 +139,11 @@ class TabularDataset:
             table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
             self._splits[name] = table_to_split(table, self.spec)
         return self._splits[name]
+
+
+def target_scale(data: TabularDataset) -> tuple[float, float]:
+    """Regression trains on a standardized target (mean 0, std 1 over the training split), so
+    learning rates do not depend on the label's units; predictions are scaled back."""
+    if data.spec.task != "regression":
+        return 0.0, 1.0
+    return float(data.stats["label_mean"]), float(data.stats.get("label_std", 1.0))

@@ -36,7 +36,7 @@ from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint, rundir
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.hybrid import GridEngine
-from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches
+from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
 from flowtrain.train.metrics import (MetricsLog, better, check_select_by, classification_metrics, clears,
                                      multiclass_metrics, regression_metrics, scalars)
 from flowtrain.train.model import LinearModel, TabularMLP, pack
@@ -184,14 +184,6 @@ def loss_function(task: str, outputs: int = 1) -> nn.Module:
     if task == "regression":
         return nn.MSELoss()
     return ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss()
-
-
-def target_scale(data: TabularDataset) -> tuple[float, float]:
-    """Regression trains on a standardized target (mean 0, std 1 over the training split), so
-    learning rates do not depend on the label's units; predictions are scaled back."""
-    if data.spec.task != "regression":
-        return 0.0, 1.0
-    return float(data.stats["label_mean"]), float(data.stats.get("label_std", 1.0))
 
 
 @torch.no_grad()

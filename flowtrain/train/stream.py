@@ -194,7 +194,8 @@ class StreamTrainer:
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", board=Board(self.run_dir) if self.ctx.is_main else None)
         self.data = TabularDataset(cfg.dataset)
         self.task = self.data.spec.task
-        from flowtrain.train.loop import loss_function, target_scale
+        from flowtrain.train.loader import target_scale
+        from flowtrain.train.loop import loss_function
 
         self.loss_fn = loss_function(self.task, self.data.outputs)  # K classes: cross-entropy over K logits
         self.shift, self.scale = target_scale(self.data)  # regression trains on a standardized target

@@ -487,7 +487,7 @@ def _handler_results(dataset: str, version, records, **kw):
     from connectors.dataset import read_manifest
     from connectors.kafka import KafkaRecord
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import target_scale
+    from flowtrain.train.loader import target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.featurize import featurize_records
     from pipelines.serving.handler import FlowtrainModelHandler
