@@ -78,8 +78,7 @@ def scoring_config(args, *, beam_status: str | None = None, enrichment=None):
     the events hold the dataset's own columns."""
     from connectors.dataset import read_manifest
     from flowtrain.cli.stream import _dataset
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loader import target_scale
+    from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.versions import wait_for_version

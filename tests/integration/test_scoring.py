@@ -486,8 +486,7 @@ def test_scored_ranges_commit_only_a_contiguous_prefix_and_skip_offsets_without_
 def _handler_results(dataset: str, version, records, **kw):
     from connectors.dataset import read_manifest
     from connectors.kafka import KafkaRecord
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loader import target_scale
+    from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.featurize import featurize_records
     from pipelines.serving.handler import FlowtrainModelHandler
