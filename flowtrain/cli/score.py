@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from flowtrain.cli.options import kafka_config
+from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 
 _SC = "pipelines.serving.config:ScoreConfig."  # where the scorer's defaults live
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer's
@@ -77,7 +78,6 @@ def scoring_config(args, *, beam_status: str | None = None, enrichment=None):
     ``enrichment``: a picklable factory of the domain's enrichment step (the flights' join), else
     the events hold the dataset's own columns."""
     from connectors.dataset import read_manifest
-    from flowtrain.cli.stream import _dataset
     from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
@@ -85,7 +85,7 @@ def scoring_config(args, *, beam_status: str | None = None, enrichment=None):
     from pipelines.stream.events import ParseBounds
 
     command = "flowtrain stream score"
-    dataset = _dataset(args)
+    dataset = dataset_path(args)
     data = TabularDataset(dataset)
     cfg = ScoreConfig(
         bootstrap=args.bootstrap, load_version=LoadPublishedVersion(dataset, max_bytes=args.max_model_bytes),
@@ -122,7 +122,6 @@ def run_scorer(args, beam_args: list[str]) -> int:
     import apache_beam as beam
 
     from connectors.kafka import close_all_clients, ensure_topic
-    from flowtrain.cli.stream import _partitions
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
     from pipelines.flights.status import clear_status
     from pipelines.serving.scoring import build_scoring_pipeline
@@ -138,16 +137,14 @@ def run_scorer(args, beam_args: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kcfg = kafka_config(args.kafka_config, args.kafka_config_file)
-    raw_parts = _partitions(args.bootstrap, args.raw_topic, kcfg)
+    raw_parts = raw_partitions(args.bootstrap, args.raw_topic, kcfg)
     rf = {"replication_factor": args.replication_factor}
     for topic in (args.predictions_topic, args.score_dead_letter_topic):
         ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=kcfg, **rf)
     ensure_topic(args.bootstrap, args.updates_topic, client_config=kcfg, **rf)
     clear_status(str(out / "score-status.json"))  # counters of an earlier run: the live line counts this run's
-    from flowtrain.cli.stream import _enrichment, _stream_manifest
-
     scfg = scoring_config(args, beam_status=str(out / "score-status.json"),
-                          enrichment=_enrichment(args, _stream_manifest(args)))
+                          enrichment=enrichment(args, stream_manifest(args)))
     p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
     build_scoring_pipeline(p, scfg)
     from flowtrain.local.processes import StopSignals
@@ -214,11 +211,15 @@ def serving_line(out: Path) -> str:
 def run_all(args, beam_args: list[str]) -> int:
     """``flowtrain stream --score``: feature pipeline, online trainer and scorer as child processes,
     one live line; Ctrl-C stops all three cleanly."""
-    from flowtrain.cli.stream import _live_line
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from flowtrain.cli.stream_status import CHILD_ARGS, process_states, serve_stream_status, stop_stream_status
+    from flowtrain.cli.stream_status import (
+        CHILD_ARGS,
+        live_line,
+        process_states,
+        serve_stream_status,
+        stop_stream_status,
+    )
 
     procs = {}  # --metrics-port: this process serves the whole job's /metrics and status page
     status = serve_stream_status(args, process_states(procs), title="flowtrain stream")
@@ -230,7 +231,7 @@ def run_all(args, beam_args: list[str]) -> int:
     last = [(time.monotonic(), 0)]
 
     def report() -> None:
-        line, last[0] = _live_line(args, out, last[0])
+        line, last[0] = live_line(args, out, last[0])
         print(f"{line} | {serving_line(out)}", flush=True)
 
     try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its

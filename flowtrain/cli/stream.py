@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from flowtrain.cli.options import (above, at_least, config_default, fraction, kafka_config, kafka_pair, sizes,
-                                   usable_dir)
+from flowtrain.cli.options import above, at_least, config_default, fraction, kafka_config, kafka_pair, sizes, usable_dir
+from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 
 _SC = "pipelines.stream.pipeline:StreamConfig."  # where the pipeline half's defaults live
 _TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
@@ -208,7 +208,8 @@ def _replay(args: argparse.Namespace) -> int:
                   f"--time-column out", file=sys.stderr)
             return 2
     # a dead broker of a cluster still in the metadata may be asked first: retried on the others
-    partitions = retry_kafka(lambda: _partitions(args.bootstrap, args.topic, cfg), f"the partitions of {args.topic!r}")
+    partitions = retry_kafka(lambda: raw_partitions(args.bootstrap, args.topic, cfg),
+                             f"the partitions of {args.topic!r}")
     sender = _ConfluentSender(args.bootstrap, cfg) if args.client == "confluent" else _PythonSender(args.bootstrap, cfg)
     counts = {"events": 0, "unlabelled": 0, **{k: 0 for k in kinds}}
     t0 = time.monotonic()
@@ -276,8 +277,16 @@ def _table_events(args):
     from connectors.dataset import read_manifest
     from connectors.dataset_spec import FeatureSpec
     from pipelines.stream.events import ParseBounds, event_schema
-    from pipelines.stream.replay import (MALFORMED_KINDS, drop_label, event_keys, kafka_timestamps, malform_event,
-                                         order_by_time, read_files, table_events)
+    from pipelines.stream.replay import (
+        MALFORMED_KINDS,
+        drop_label,
+        event_keys,
+        kafka_timestamps,
+        malform_event,
+        order_by_time,
+        read_files,
+        table_events,
+    )
 
     spec = None
     if args.dataset:
@@ -394,7 +403,8 @@ class _ConfluentSender:
             raise SystemExit(f"flowtrain replay --client confluent: {err}") from None
         for key in self._CONSUMER_ONLY:
             conf.pop(key, None)
-        conf.update({"acks": "all", "enable.idempotence": True, "partitioner": "murmur2_random", "linger.ms": 10, "batch.size": 1_000_000,
+        conf.update({"acks": "all", "enable.idempotence": True, "partitioner": "murmur2_random", "linger.ms": 10,
+                     "batch.size": 1_000_000,
                      "queue.buffering.max.messages": 200_000, "delivery.timeout.ms": 120_000})
         self.producer = Producer(conf)
         self.outstanding, self.failures, self.topic = 0, [], None
@@ -449,36 +459,28 @@ def _check_brokers(args, command: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def _dataset(args) -> str:
-    path = Path(args.dataset or "runs/demo/dataset")
-    if not (path / "_manifest.json").exists():
-        raise SystemExit(f"flowtrain stream: --dataset {path} is not a flowtrain dataset (no _manifest.json); the "
-                         f"stream reads its spec and statistics. Make one with `flowtrain batch --out DIR` and pass "
-                         f"--dataset DIR/dataset")
-    return str(path.resolve())
-
-
 def _run_pipeline(args, beam_args: list[str]) -> int:
     import apache_beam as beam
 
     from connectors.kafka import ensure_topic
+    from flowtrain.cli.stream_status import pipeline_summary, pipeline_totals
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
     from pipelines.flights.status import clear_status
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
 
     cfg = kafka_config(args.kafka_config, args.kafka_config_file)
-    manifest = _stream_manifest(args)
+    manifest = stream_manifest(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raw_parts = _partitions(args.bootstrap, args.raw_topic, cfg)
+    raw_parts = raw_partitions(args.bootstrap, args.raw_topic, cfg)
     for topic in (args.features_topic, args.dead_letter_topic):
         ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg,
                      replication_factor=args.replication_factor)
     scfg = StreamConfig(bootstrap=args.bootstrap, raw_topic=args.raw_topic, features_topic=args.features_topic,
                         dead_letter_topic=args.dead_letter_topic, group_id=args.group_id,
                         batch_size=args.batch_size, max_delay_s=args.max_delay, spec=manifest["spec"],
-                        stats=manifest["stats"], enrichment=_enrichment(args, manifest), kafka_config=cfg,
+                        stats=manifest["stats"], enrichment=enrichment(args, manifest), kafka_config=cfg,
                         status_path=str(out / "pipeline-status.json"), connect_timeout_s=args.connect_timeout,
                         read_batch_records=args.read_batch_records, read_client=args.read_client,
                         bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
@@ -495,10 +497,10 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     while not stop.is_set():
         state = str(result.state)
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
-            totals = _pipeline_totals(out)
+            totals = pipeline_totals(out)
             for error in totals["errors"]:
                 print(f"stream pipeline: stopped: {error}", file=sys.stderr)
-            print(f"stream pipeline: ended in state {state}; {_summary(totals)}", file=sys.stderr)
+            print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
             return 1 if "FAILED" in state else 0
         time.sleep(0.5)
     from flowtrain.local.flink.jars import FlinkError
@@ -513,71 +515,8 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     from connectors.kafka import close_all_clients
 
     close_all_clients()
-    print(f"stream pipeline: stopped; {_summary(_pipeline_totals(out))}", flush=True)
+    print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
     return 0
-
-
-def _stream_manifest(args) -> dict:
-    """The --dataset's manifest, which must hold the spec and statistics the stream reads."""
-    from connectors.dataset import read_manifest
-
-    dataset = _dataset(args)
-    try:
-        manifest = read_manifest(dataset)
-    except Exception as err:  # noqa: BLE001 - an unreadable or foreign manifest: one line, exit 2
-        raise SystemExit(f"flowtrain stream: --dataset {dataset} is not a flowtrain dataset "
-                         f"({type(err).__name__}: {str(err)[:200]}); make one with `flowtrain batch`") from None
-    if not isinstance(manifest.get("spec"), dict) or not isinstance(manifest.get("stats"), dict):
-        raise SystemExit(f"flowtrain stream: --dataset {dataset}: its manifest has no spec or statistics; "
-                         f"make the dataset again with `flowtrain batch`")
-    return manifest
-
-
-def _enrichment(args, manifest: dict):
-    """--enrichment: the flights' weather/planes join for the flights dataset (auto), or none."""
-    from pipelines.flights.streaming import FlightReference, is_flights_dataset
-
-    if args.enrichment == "none" or (args.enrichment == "auto" and not is_flights_dataset(manifest)):
-        return None
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
-
-    tables = export_tables(demo_tables_dir())
-    return FlightReference(tables["weather"], tables["planes"])
-
-
-def _pipeline_totals(out: Path) -> dict:
-    """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
-    acknowledged them, and the errors that stopped it."""
-    from pipelines.flights.status import read_status
-
-    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
-    for data in read_status(str(out / "pipeline-status.json")):
-        for key in ("events", "rows", "unlabelled", "dead_letters"):
-            totals[key] += data.get(key, 0)
-        if data.get("error"):
-            totals["errors"].append(data["error"])
-    return totals
-
-
-def _summary(totals: dict) -> str:
-    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
-            f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
-            f"committed")
-
-
-def _partitions(bootstrap: str, topic: str, cfg: dict) -> int:
-    from connectors.kafka import close_client, new_consumer
-
-    consumer = new_consumer(bootstrap, cfg, group_id=None)
-    try:
-        parts = consumer.partitions_for_topic(topic)
-    finally:
-        close_client(consumer)
-    if not parts:
-        raise SystemExit(f"flowtrain stream: raw topic {topic!r} does not exist on {bootstrap}; "
-                         f"produce events first (flowtrain replay --topic {topic})")
-    return len(parts)
 
 
 def _trainer_config(args):
@@ -585,7 +524,7 @@ def _trainer_config(args):
     and a --hidden/--dropout/--seed given on the command line must agree with it."""
     from flowtrain.train.stream import StreamTrainConfig, initial_weights
 
-    cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=_dataset(args),
+    cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=dataset_path(args),
                             features_topic=args.features_topic, updates_topic=args.updates_topic,
                             dead_letter_topic=args.dead_letter_topic, max_decoded_bytes=args.max_decoded_bytes,
                             init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
@@ -689,7 +628,13 @@ def _run_both(args, beam_args: list[str]) -> int:
     """Both halves as child processes, a live status line, Ctrl-C stops both cleanly."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from flowtrain.cli.stream_status import CHILD_ARGS, process_states, serve_stream_status, stop_stream_status
+    from flowtrain.cli.stream_status import (
+        CHILD_ARGS,
+        live_line,
+        process_states,
+        serve_stream_status,
+        stop_stream_status,
+    )
 
     procs: dict = {}  # --metrics-port: this process serves the whole job's /metrics and status page
     status = serve_stream_status(args, process_states(procs), title="flowtrain stream")
@@ -700,7 +645,7 @@ def _run_both(args, beam_args: list[str]) -> int:
     last = [(time.monotonic(), 0)]
 
     def report() -> None:
-        line, last[0] = _live_line(args, out, last[0])
+        line, last[0] = live_line(args, out, last[0])
         print(line, flush=True)
 
     try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
@@ -713,37 +658,3 @@ def _run_both(args, beam_args: list[str]) -> int:
     # both ended cleanly, stopped by the user or by themselves (e.g. the trainer's --idle-exit): a half
     # that fails on its way out (a final checkpoint, a Flink job not cancelled, killed) is a failure
     return 0 if codes["trainer"] == 0 and codes["pipeline"] == 0 else 1
-
-
-def _live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
-    pipe = _pipeline_totals(out)  # what Kafka acknowledged, summed over the pipeline's DoFn instances
-    try:
-        trainer = json.loads((out / "trainer-status.json").read_text())
-    except (OSError, ValueError):
-        trainer = {}
-    now = time.monotonic()
-    rate = (pipe["events"] - last[1]) / max(now - last[0], 1e-9)
-    lag = _lag(args)
-    loss = trainer.get("loss")
-    line = (f"events/s {rate:8,.0f} | lag {lag if lag is not None else '?':>7} | step {trainer.get('step', 0):6} "
-            f"| loss {loss if loss is None else f'{loss:.4f}'} | unlabelled {pipe['unlabelled']:,} "
-            f"| dead letters {pipe['dead_letters']:,}")
-    return line, (now, pipe["events"])
-
-
-def _lag(args) -> int | None:
-    try:
-        from kafka import TopicPartition
-
-        from connectors.kafka import close_client, new_consumer
-
-        consumer = new_consumer(args.bootstrap, kafka_config(args.kafka_config, args.kafka_config_file),
-                                group_id=args.group_id)
-        try:
-            tps = [TopicPartition(args.raw_topic, p) for p in consumer.partitions_for_topic(args.raw_topic) or []]
-            ends = consumer.end_offsets(tps)
-            return sum(ends[tp] - (consumer.committed(tp) or 0) for tp in tps)
-        finally:
-            close_client(consumer)
-    except Exception:  # noqa: BLE001 - the live line must not stop the job
-        return None

@@ -274,3 +274,61 @@ def with_stream_status(args, half: str, run: Callable[[], int]) -> int:
         return run()
     finally:
         stop_stream_status(server)
+
+
+# --- the live line a whole job prints each second ---------------------------------------------------------
+def pipeline_totals(out: Path) -> dict:
+    """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
+    acknowledged them, and the errors that stopped it."""
+    from pipelines.flights.status import read_status
+
+    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
+    for data in read_status(str(out / "pipeline-status.json")):
+        for key in ("events", "rows", "unlabelled", "dead_letters"):
+            totals[key] += data.get(key, 0)
+        if data.get("error"):
+            totals["errors"].append(data["error"])
+    return totals
+
+
+def pipeline_summary(totals: dict) -> str:
+    """``pipeline_totals`` as the line the pipeline half prints when it stops."""
+    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
+            f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
+            f"committed")
+
+
+def live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
+    """The pipeline's and the trainer's progress in one line; ``last``: (time, events) of the previous line."""
+    pipe = pipeline_totals(out)  # what Kafka acknowledged, summed over the pipeline's DoFn instances
+    try:
+        trainer = json.loads((out / "trainer-status.json").read_text())
+    except (OSError, ValueError):
+        trainer = {}
+    now = time.monotonic()
+    rate = (pipe["events"] - last[1]) / max(now - last[0], 1e-9)
+    lag = raw_lag(args)
+    loss = trainer.get("loss")
+    line = (f"events/s {rate:8,.0f} | lag {lag if lag is not None else '?':>7} | step {trainer.get('step', 0):6} "
+            f"| loss {loss if loss is None else f'{loss:.4f}'} | unlabelled {pipe['unlabelled']:,} "
+            f"| dead letters {pipe['dead_letters']:,}")
+    return line, (now, pipe["events"])
+
+
+def raw_lag(args) -> int | None:
+    """Events on the raw topic the pipeline's consumer group has not committed (None: unknown)."""
+    try:
+        from kafka import TopicPartition
+
+        from connectors.kafka import close_client, new_consumer
+
+        consumer = new_consumer(args.bootstrap, kafka_config(args.kafka_config, args.kafka_config_file),
+                                group_id=args.group_id)
+        try:
+            tps = [TopicPartition(args.raw_topic, p) for p in consumer.partitions_for_topic(args.raw_topic) or []]
+            ends = consumer.end_offsets(tps)
+            return sum(ends[tp] - (consumer.committed(tp) or 0) for tp in tps)
+        finally:
+            close_client(consumer)
+    except Exception:  # noqa: BLE001 - the live line must not stop the job
+        return None
