@@ -178,7 +178,7 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     common = ["--bootstrap", boot, "--raw-topic", names["raw"], "--features-topic", names["features"],
               "--dead-letter-topic", names["dead"], "--updates-topic", names["updates"], "--group-id",
               names["group"], "--dataset", dataset]
-    backlog, streamed, late = 1500, 1200, 300
+    backlog, streamed, late = 1500, 1200, 1500
     _replay(boot, names["raw"], backlog)
     pipe_out, run = tmp_path / "pipeline", tmp_path / "trainer"
     pipe_out.mkdir()
@@ -217,17 +217,21 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
         assert stream.wait(timeout=400) == 0, (tmp_path / "replay-stream.log").read_text()[-3000:]
 
         # two brokers down while the job has a backlog: no controller quorum, no in-sync majority. The job
-        # waits (both processes stay up, nothing is skipped) and resumes when one broker returns.
-        _replay(boot, names["raw"], late, skip=backlog + streamed)  # a backlog the job has not read yet
-        done, end = committed(boot, names["raw"], names["group"])
-        down = [cluster.node(n) for n in (1, 2)]
-        for node in down:
-            node.stop(timeout_s=30, quiet=True)
-        say(f"two brokers stopped with {end - done} raw events not yet committed by the pipeline")
-        stalled_rows = _ledger_rows(run)
-        during = _replay(boot, names["raw"], late, skip=backlog + streamed + late, background=True,
-                         log=tmp_path / "replay-during.log")  # a producer that must wait for the majority
+        # waits (both processes stay up, nothing is skipped) and resumes when one broker returns; the producer
+        # of the events not yet sent waits for the in-sync majority too.
+        _, end0 = committed(boot, names["raw"], names["group"])
+        during = _replay(boot, names["raw"], late, skip=backlog + streamed, background=True,
+                         log=tmp_path / "replay-during.log")
         replays.append(during)
+        _wait(lambda: committed(boot, names["raw"], names["group"])[1] >= end0 + late // 3, 120,
+              "a third of the late events produced", every=0.05)
+        down = [cluster.node(n) for n in (1, 2)]
+        done, end = committed(boot, names["raw"], names["group"])
+        for node in down:
+            os.kill(node.running_pid(), signal.SIGKILL)  # both at once: no controlled shutdown
+        for node in down:
+            _wait(lambda n=node: n.running_pid() is None, 30, f"node {node.node_id} gone")
+        stalled_rows = _ledger_rows(run)
         time.sleep(20)
         for proc, log in alive:
             assert proc.poll() is None, f"{log.name} exited while two brokers were down:\n{log.read_text()[-3000:]}"
@@ -237,12 +241,14 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
         _wait(lambda: _ledger_rows(run) > waited_rows, 400, "training resumed after a broker returned",
               every=0.1, alive=alive)
         resumed = time.monotonic() - back
-        say(f"two brokers down for 20 s: trained rows {stalled_rows} -> {waited_rows}; one back: next trained row "
+        say(f"two brokers killed with {end - done} raw events produced but not yet committed by the pipeline; "
+            f"down for 20 s: trained rows {stalled_rows} -> {waited_rows}; one back: next trained row "
             f"{resumed:.1f} s after its start was called")
+        assert end > done  # the job had work when the brokers died: it waited, then did it
         assert during.wait(timeout=300) == 0, (tmp_path / "replay-during.log").read_text()[-3000:]
         down[1].start(timeout_s=240, quiet=True)
 
-        total = backlog + streamed + 2 * late
+        total = backlog + streamed + late
         _wait(lambda: _caught_up(boot, names), 600, "the pipeline caught up", every=1, alive=alive)
         features = _read(boot, names["features"])
         sources = [(p, o) for m in features for p, o in zip(decode_batch(m.value)["src_partition"].to_pylist(),
