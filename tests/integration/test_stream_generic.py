@@ -221,8 +221,11 @@ def test_replay_by_event_time_keeps_old_records_or_refuses_a_topic_that_would_de
     base = CLI + ["replay", "--bootstrap", bootstrap, "--input", csv, "--dataset", dataset, "--limit", "20",
                   "--time-column", "ts"]
     made = f"sraw-{uuid.uuid4().hex[:6]}"
-    rp = subprocess.run(base + ["--topic", made], capture_output=True, text=True, timeout=120)
+    rp = subprocess.run(base + ["--topic", made, "--key-column", "site"], capture_output=True, text=True, timeout=120)
     assert rp.returncode == 0, rp.stderr[-2000:]
+    records = _read_topic(bootstrap, made)
+    assert len(records) == 20 and all(m.key == json.loads(m.value)["site"].encode() for m in records)
+    assert all(len({m.partition for m in records if m.key == k}) == 1 for k in {m.key for m in records})
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, made, {"retention.ms": None})])
     admin.close()
