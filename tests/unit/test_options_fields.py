@@ -17,10 +17,11 @@ from flowtrain.cli.main import build_parser
 from flowtrain.cli.options import load_config
 from flowtrain.commands.batch import TRAIN_FIELDS, BatchJob
 from flowtrain.commands.predict import ExportJob, PredictJob
+from flowtrain.commands.stream import ReplayJob, StreamJob
 from flowtrain.fields import OptionError, options_of, to_config
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = {"batch": BatchJob, "predict": PredictJob, "export": ExportJob}
+COMMANDS = {"batch": BatchJob, "predict": PredictJob, "export": ExportJob, "replay": ReplayJob, "stream": StreamJob}
 
 
 def _sub(name: str) -> argparse.ArgumentParser:
@@ -44,6 +45,8 @@ def _sample(opt):
         return 0.5
     if name == "comma-separated names":
         return ["a", "b"]
+    if name == "key-value pairs":
+        return ["client_id=a"]
     return "text"
 
 

@@ -1,0 +1,276 @@
+"""The options of ``flowtrain replay`` and ``flowtrain stream`` (each field is a flag, a ``--config`` key and a
+``config.json`` key; ``flowtrain.fields``).
+
+``flowtrain stream`` runs three parts: the feature pipeline (``stream pipeline``), the online trainer
+(``stream train``) and the scorer (``stream score``, or ``stream --score`` with the other two). Each part's
+options are one config dataclass (``StreamPipelineJob``, ``StreamTrainJob``, ``StreamScoreJob``), composed
+from the option sets below; ``StreamJob`` (the whole job) is their union, and every part accepts the
+whole job's options (a whole job's ``config.json`` is a valid ``--config`` of each part).
+
+The defaults are the engine's (``pipelines.stream.pipeline.StreamConfig``, ``pipelines.stream.events.ParseBounds``,
+``flowtrain.train.stream.StreamTrainConfig``, ``flowtrain.parallel.launch.LaunchConfig``,
+``pipelines.serving.config.ScoreConfig``): a unit test checks they agree. Stdlib only, so ``--help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from flowtrain.fields import above, at_least, fraction, names, option, sizes
+
+#: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
+#: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
+CLIENTS = ("kafka-python", "confluent")
+
+PIPELINE = "feature pipeline (`stream pipeline`)"
+EVENTS = "raw events (feature pipeline and scorer)"
+TRAINER = "online trainer (`stream train`)"
+SCORING = "scoring (`stream score`, `stream --score`)"
+UPDATES = "model updates (trainer and scorer)"
+RUNNER = "where the Beam pipeline runs"
+
+
+def kafka_pairs(value: Any) -> tuple[str, ...]:
+    """``KEY=VALUE`` pairs (a list, or one text); each is checked in full when the clients are made."""
+    pairs = names(value) if not isinstance(value, str) else (value,)
+    bad = [p for p in pairs if "=" not in p or not p.partition("=")[0].strip()]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a kafka-python option name, e.g. "
+                                         f"security_protocol=SASL_SSL, got {bad[0]!r}")
+    return tuple(pairs)
+
+
+kafka_pairs.__name__ = "key-value pairs"
+
+
+# --- option sets ------------------------------------------------------------------------------------------
+@dataclass
+class KafkaOptions:
+    """The brokers and how every client reaches them."""
+
+    bootstrap: str = option("127.0.0.1:9092", "Kafka bootstrap servers")
+    kafka_config: tuple[str, ...] = option(
+        (), "kafka-python client option for every client, e.g. security_protocol=SASL_SSL, sasl_mechanism=PLAIN, "
+            "sasl_plain_username=..., ssl_cafile=..., ssl_check_hostname=false (repeat); values are typed like the "
+            "option's default: true/false, whole numbers, numbers, else text; ${env:NAME} is the environment "
+            "variable's value", parse=kafka_pairs, repeat=True, metavar="KEY=VALUE")
+    kafka_config_file: str | None = option(
+        None, "Kafka client properties file, Java names as Kafka users write them (security.protocol, "
+              "sasl.mechanism, sasl.jaas.config for PLAIN/SCRAM, ssl.* PEM locations; values may be ${env:NAME}); "
+              "--kafka-config wins over it (default: $FLOWTRAIN_KAFKA_CONFIG_FILE). Keeps passwords off the "
+              "command line: see docs/secrets.md", metavar="client.properties")
+    connect_timeout: float = option(
+        30.0, "seconds to wait for a first answer from the brokers; without one the command stops with a one-line "
+              "error naming --bootstrap", parse=above(0))
+    replication_factor: int | None = option(
+        None, "replication factor of the topics this command creates (default: min(3, brokers))", parse=at_least(1))
+
+
+@dataclass
+class StreamCommon(KafkaOptions):
+    """What every part of the streaming job reads: topics, the dataset, the run directory, the status page."""
+
+    raw_topic: str = option("flights-raw", "raw JSON events")
+    features_topic: str = option("flights-features", "feature batches")
+    dead_letter_topic: str = option(
+        "flights-dead-letters", "rejected events, and feature messages the trainer rejects, with their reason")
+    updates_topic: str = option("flights-model-updates", "published model versions")
+    group_id: str = option("flowtrain-features",
+                           "the pipeline's consumer group (its lag is on the live line and the status page)")
+    local_kafka: bool = option(False, "start the project's broker on --bootstrap's port")
+    dataset: str | None = option(
+        None, "the `flowtrain batch` dataset whose spec (event fields, label), statistics and vocabularies the "
+              "stream uses: events are JSON objects keyed by its column names (default runs/demo/dataset, the "
+              "flights demo)")
+    out: str = option("runs/stream", "run directory")
+    metrics_port: int = option(
+        0, "serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job runs (one port "
+           "for the whole job; 0: off)", parse=at_least(0))
+
+
+@dataclass
+class EventOptions:
+    """How raw events are read: by the feature pipeline and by the scorer."""
+
+    enrichment: str = option(
+        "auto", "a domain's reference-data step before the features: flights (the weather and planes join of the "
+                "flights demo), none, or auto (flights for the flights dataset; default)",
+        choices=("auto", "flights", "none"), group=EVENTS)
+    max_event_bytes: int = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
+                                  group=EVENTS)
+    max_json_depth: int = option(32, "a raw event nesting objects/arrays deeper than this is a dead letter",
+                                 parse=at_least(1), group=EVENTS)
+    max_abs_number: float = option(9007199254740992.0, "a raw event with a number beyond +-this is a dead letter",
+                                   parse=above(0), group=EVENTS)
+
+
+@dataclass
+class PipelineOptions:
+    """The feature pipeline's micro-batches and reader."""
+
+    batch_size: int = option(2000, "events per micro-batch (closed by size ...)", parse=at_least(1), group=PIPELINE)
+    max_delay: float = option(1.0, "... or by this many seconds after its first event", parse=above(0),
+                              group=PIPELINE)
+    read_batch_records: int = option(
+        2000, "read the raw topic in lists of up to N records per fetched chunk (ReadFromKafka(batch_records=N)) "
+              "instead of one element per record", parse=at_least(1), group=PIPELINE)
+    read_client: str = option("kafka-python", "Kafka client of the raw topic's reader (confluent: the extra "
+                                              "flowtrain[kafka-confluent])", choices=CLIENTS, group=PIPELINE)
+
+
+@dataclass
+class TrainerOptions:
+    """The online trainer: replicas, model, optimizer, checkpoints."""
+
+    workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
+                          parse=at_least(1), group=TRAINER)
+    failure_timeout: float = option(
+        60.0, "with --workers N: seconds within which the job ends when a replica dies or stalls", parse=above(0),
+        group=TRAINER)
+    init_weights: str | None = option(
+        None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
+              "kind, seed) comes from that run's config.json", group=TRAINER)
+    hidden: tuple[int, ...] = option((128, 64), "hidden sizes without --init-weights", parse=sizes, group=TRAINER)
+    dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=TRAINER)
+    seed: int = option(0, "seed of the initial weights and dropout", group=TRAINER)
+    lr: float = option(0.001, "Adam learning rate", parse=above(0), group=TRAINER)
+    device: str = option("auto", "where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica its "
+                                 "own GPU, NCCL between them)", choices=("auto", "cpu", "cuda"), group=TRAINER)
+    threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "
+                             "more threads on cores shared with the pipeline and the broker)", parse=at_least(1),
+                          group=TRAINER)
+    checkpoint_every: int = option(50, "checkpoint and publish every K steps ...", parse=at_least(1), group=TRAINER)
+    checkpoint_seconds: float = option(10.0, "... or every T seconds", parse=above(0), group=TRAINER)
+    max_decoded_bytes: int = option(
+        67108864, "a feature message that decodes to more bytes than this is a dead letter (checked from its "
+                  "metadata before decompressing)", parse=at_least(1), group=TRAINER)
+    idle_exit: float | None = option(
+        None, "stop (with a final checkpoint) after this many seconds without data on any replica (default: never)",
+        parse=above(0), group=TRAINER)
+    ledger: bool = option(False, "record trained sources per model version (ledger.jsonl; an audit and test hook)",
+                          group=TRAINER)
+    keep_published: int = option(10, "trainer: versions kept in <out>/published, apart from the checkpoints",
+                                 parse=at_least(1), group=UPDATES)
+
+
+@dataclass
+class UpdateOptions:
+    """Model versions between the trainer and the scorer."""
+
+    update_key_file: str | None = option(
+        None, "the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; else "
+              "$FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns (default: none)",
+        metavar="FILE", group=UPDATES)
+
+
+@dataclass
+class ScoreOptions:
+    """The scoring pipeline: RunInference with the newest published version."""
+
+    predictions_topic: str = option("flights-predictions", "predictions, one Arrow record batch per message",
+                                    group=SCORING)
+    score_dead_letter_topic: str = option("flights-scoring-dead-letters",
+                                          "events the scorer rejects, with their reason", group=SCORING)
+    score_group_id: str = option("flowtrain-scorer", "the scorer's consumer group on the raw topic", group=SCORING)
+    swap_interval: float = option(
+        1.0, "seconds between look-ups of the newest model version; also the serving window, about the longest an "
+             "event waits for its model", parse=above(0), group=SCORING)
+    wait_model: float = option(120.0, "seconds the scorer waits at start for a first valid version on the updates "
+                                      "topic", parse=above(0), group=SCORING)
+    score_batch_size: int = option(2000, "events per scoring micro-batch, closed by size ...", parse=at_least(1),
+                                   group=SCORING)
+    score_max_delay: float = option(0.25, "... or this many seconds after its first event", parse=above(0),
+                                    group=SCORING)
+    id_column: str | None = option(
+        None, "an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'",
+        metavar="COL", group=SCORING)
+    keep_models: int = option(3, "versions the scorer keeps its own copy of, in <out>/models", parse=at_least(1),
+                              group=SCORING)
+    max_model_bytes: int = option(1073741824, "the largest model file the scorer reads; a larger one is rejected",
+                                  parse=at_least(1), group=SCORING)
+
+
+@dataclass
+class RunnerOptions:
+    """Where a Beam pipeline of the job runs (``flowtrain.cli.flink.with_runner``)."""
+
+    runner: str | None = option(
+        None, "flink: the local Flink cluster of `flowtrain flink start` (its directory from $FLOWTRAIN_FLINK_DIR), "
+              "or --flink-master's; any other value is Beam's --runner (FnApiRunner, PrismRunner, DataflowRunner, "
+              "...). Default: Beam's FnApiRunner for batch ETL, Prism for streaming", group=RUNNER)
+    flink_master: str | None = option(
+        None, "with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam starts its Flink "
+              "job server from flowtrain's jars. Give the SDK workers' environment too: --environment_type=EXTERNAL "
+              "--environment_config=HOST:PORT (a worker pool on every TaskManager host: python -m "
+              "flowtrain.local.flink.worker_pool) or PROCESS (default: none)", metavar="HOST:PORT", group=RUNNER)
+
+
+# --- the commands -----------------------------------------------------------------------------------------
+@dataclass
+class ReplayJob(KafkaOptions):
+    """The options of ``flowtrain replay``."""
+
+    input: tuple[str, ...] = option(
+        (), "files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), read with "
+            "the batch ETL's readers (default: the flights demo)", repeat=True, metavar="FILES")
+    dataset: str | None = option(
+        None, "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default --label "
+              "and the fields --malformed breaks (default: none)")
+    time_column: str | None = option(
+        None, "with --input: order events by this column (event time) and set it as each Kafka record's timestamp "
+              "(default: file order, stamped with the time of sending)")
+    key_column: str | None = option(None, "with --input: key each record by this column's value (default: no key, "
+                                          "round robin)")
+    label: str | None = option(None, "with --input: the label column --unlabelled removes (default: the dataset's "
+                                     "label)")
+    unlabelled: float = option(
+        0.0, "fraction of (valid) events sent without their label, as events a scorer sees before the outcome is "
+             "known", parse=fraction(inclusive_high=True))
+    max_event_bytes: int | None = option(
+        None, "the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made just beyond "
+              "it (left out without it: the default 1 MiB exceeds Kafka's message size)", parse=at_least(1))
+    topic: str = option("flights-raw", "topic to produce to")
+    partitions: int = option(3, "partitions if the topic is created", parse=at_least(1))
+    rate: float = option(0.0, "events per second (0: as fast as possible)", parse=at_least(0, float))
+    limit: int | None = option(None, "produce at most this many events (default: all)", parse=at_least(0))
+    skip: int = option(0, "start after this many events", parse=at_least(0))
+    malformed: float = option(
+        0.0, "fraction of events replaced by bad ones, for demos and tests: flights: broken JSON, missing field, "
+             "wrong type, NaN, impossible value; --input: broken JSON, missing field, wrong type, NaN, infinite, too "
+             "deep, not UTF-8 (and too large with --max-event-bytes)", parse=fraction(inclusive_high=True))
+    seed: int = option(0, "seed of which events --malformed replaces")
+    client: str = option(
+        "kafka-python", "producer client: kafka-python (~10k events/s on one core here) or confluent (confluent-kafka "
+                        "on librdkafka, the extra flowtrain[kafka-confluent]; several times faster: what `bench "
+                        "stream` uses to offer more than 10k events/s). Both send with acks=all, idempotent, and "
+                        "confirm every event before the count is printed", choices=CLIENTS)
+
+
+@dataclass
+class StreamPipelineJob(RunnerOptions, PipelineOptions, EventOptions, StreamCommon):
+    """The options of ``flowtrain stream pipeline``: Kafka raw events -> Beam features -> Kafka."""
+
+
+@dataclass
+class StreamTrainJob(UpdateOptions, TrainerOptions, StreamCommon):
+    """The options of ``flowtrain stream train``: the online trainer on the features topic."""
+
+
+@dataclass
+class StreamScoreJob(RunnerOptions, UpdateOptions, ScoreOptions, EventOptions, StreamCommon):
+    """The options of ``flowtrain stream score``: the scoring pipeline."""
+
+
+@dataclass
+class StreamJob(RunnerOptions, UpdateOptions, ScoreOptions, TrainerOptions, PipelineOptions, EventOptions,
+                StreamCommon):
+    """The options of ``flowtrain stream``: the feature pipeline and the online trainer (and with ``--score`` the
+    scorer) as one job; every part's options."""
+
+    score: bool = option(False, "also run the scoring pipeline: Beam RunInference on the raw events with the newest "
+                                "published model version, hot-swapped without a restart", group=SCORING)
+
+
+#: ``flowtrain stream HALF``: the options of that part.
+HALVES: dict[str, type] = {"pipeline": StreamPipelineJob, "train": StreamTrainJob, "score": StreamScoreJob}
