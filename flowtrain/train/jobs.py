@@ -28,7 +28,7 @@ def train_worker(ctx, job: dict) -> None:
     config = TrainConfig(**cfg)
     run_dir = Path(job["run_dir"])
     result = fit(build_run_model(job.get("model"), data, config), data, config, run_dir=run_dir,
-                 resume=bool(job.get("resume")),
+                 resume=bool(job.get("resume")) or restarted_with_checkpoint(run_dir),
                  ctx=ctx)
     if ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
         from connectors.atomic import atomic_file, atomic_write
@@ -39,6 +39,18 @@ def train_worker(ctx, job: dict) -> None:
             "steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
             "stopped_early": result.stopped_early, "seconds": result.seconds,
             "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}))
+
+
+def restarted_with_checkpoint(run_dir: Path) -> bool:
+    """Under torchrun ``--max-restarts``, a restarted worker group (``TORCHELASTIC_RESTART_COUNT`` > 0)
+    continues from the run's last checkpoint, when one exists, instead of training again from the start."""
+    import os
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return False
+    from flowtrain.train import checkpoint, rundir
+
+    return checkpoint.latest(run_dir / "checkpoints", run_id=rundir.run_id_of(run_dir)) is not None
 
 
 def stream_trainer_worker(ctx, job: dict) -> None:
