@@ -203,5 +203,6 @@ def run_all(args, beam_args: list[str]) -> int:
             report=report, procs=procs)
     finally:
         stop_stream_status(status)
+        os.environ.pop(JOB_PART_ENV, None)
     print(f"stream: stopped ({', '.join(f'{half} {code}' for half, code in codes.items())}); logs in {out}")
     return 0 if all(code == 0 for code in codes.values()) else 1  # a half failing on its way out fails

@@ -587,6 +587,7 @@ def _run_both(args, beam_args: list[str]) -> int:
                            "trainer": (base + ["train"] + common, out / "trainer.log")}, report=report, procs=procs)
     finally:
         stop_stream_status(status)
+        os.environ.pop(JOB_PART_ENV, None)
     print(f"stream: stopped (pipeline {codes['pipeline']}, trainer {codes['trainer']}); logs in {out}")
     # both ended cleanly, stopped by the user or by themselves (e.g. the trainer's --idle-exit): a half
     # that fails on its way out (a final checkpoint, a Flink job not cancelled, killed) is a failure
