@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from flowtrain.cli.options import kafka_config
-from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.cli.stream_status import JOB_PART_ENV
+from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 
 
 def update_key_source(args, command: str):

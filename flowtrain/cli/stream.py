@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from flowtrain.cli.options import add_fields, kafka_config, kafka_pair, print_config, usable_dir
-from flowtrain.cli.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.cli.stream_status import JOB_PART_ENV
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob
+from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.fields import build, options_of, to_config
 
 __all__ = ["CLIENTS", "register"]

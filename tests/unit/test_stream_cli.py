@@ -28,9 +28,9 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
 def test_the_scorer_cli_does_not_import_the_stream_cli_and_nobody_imports_its_privates():
     score = _imports(CLI / "score.py")
     assert not [m for m, _ in score if m == "flowtrain.cli.stream"], "score.py imports flowtrain.cli.stream"
-    for name in ("stream.py", "score.py", "stream_status.py", "stream_inputs.py"):
-        private = [(m, n) for m, names in _imports(CLI / name) for n in names
-                   if m.startswith("flowtrain.cli.") and n.startswith("_")]
+    for name in ("cli/stream.py", "cli/score.py", "cli/stream_status.py", "commands/stream_inputs.py"):
+        private = [(m, n) for m, names in _imports(CLI.parent / name) for n in names
+                   if m.startswith("flowtrain.") and n.startswith("_")]
         assert not private, f"{name} imports private names {private}"
 
 
