@@ -21,9 +21,9 @@ from torch import nn
 
 from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
+from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
 from flowtrain.parallel.launch import spawn
 from flowtrain.train.model import TabularMLP
-from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
 
 #: Workers send no heartbeats while timing (that would be timed too): the launcher's stall bound
 #: is set past the longest run on a busy machine instead of its 60 s default.
@@ -136,15 +136,15 @@ def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: i
 
     for model_name in ("flights", "mlp1m"):
         n_params = sum(p.numel() for p in build(model_name)[0].parameters())
-        cases = {f"{case}-{engine}": (lambda c=case, e=engine: spawned(model_name, c, e))
+        cases = {f"{case}-{engine}": (lambda c=case, e=engine: spawned(model_name, c, e))  # noqa: B023 - run now
                  for case in ("even", "uneven") for engine in ("flowtrain", "ddp")}
-        cases["single"] = lambda: single_process(model_name, steps, global_batch)
+        cases["single"] = lambda: single_process(model_name, steps, global_batch)  # noqa: B023 - run now
         runs = interleaved(cases, repeats=repeats)
         rates = {name: median(r) for name, r in runs.items()}
         top = {name: best(r, higher_is_better=True) for name, r in runs.items()}
         label = f"{model_name} ({n_params / 1e6:.2f}M params)"
 
-        def row(case_label, engine_label, key, anchor):
+        def row(case_label, engine_label, key, anchor, label=label, rates=rates, top=top):
             return (label, case_label, engine_label, rates[key], top[key], rates[key] / rates[anchor])
 
         rows += [

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench.table import report
-from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note, measure_child
+from bench.timing import MIN_REPEATS, check_repeats, interleaved, measure_child, median, repeats_note
 
 ENGINES = ("pyarrow", "beam")
 NAMES = {"pyarrow": "plain pyarrow script (anchor)", "beam": "flowtrain flights ETL, Beam FnApiRunner"}

@@ -185,8 +185,9 @@ def beam_read(bootstrap: str, topic: str, *, arrow: bool = False, **read_options
 
 def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | None = "bench/results",
         repeats: int = MIN_REPEATS) -> str:
-    from flowtrain.local.kafka import LocalKafka, free_port
     import tempfile
+
+    from flowtrain.local.kafka import LocalKafka, free_port
 
     check_repeats(repeats)
     confluent = importlib.util.find_spec("confluent_kafka") is not None

@@ -24,14 +24,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from connectors.dataset import shard_paths
-from flowtrain.train.loader import TabularDataset, iter_batches
-from flowtrain.train.shards import StreamedSplit, open_split
-from flowtrain.local.runners import pipeline_options
-from flowtrain.train.loop import TrainConfig, build_model, fit
-from flowtrain.local.paths import demo_tables_dir
-from pipelines.flights.batch import export_tables, run_flights_etl
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
-
+from flowtrain.local.paths import demo_tables_dir
+from flowtrain.local.runners import pipeline_options
+from flowtrain.train.loader import TabularDataset, iter_batches
+from flowtrain.train.loop import TrainConfig, build_model, fit
+from flowtrain.train.shards import StreamedSplit, open_split
+from pipelines.flights.batch import export_tables, run_flights_etl
 
 #: A budget below the training split's size: (d) streams it (the split needs ~80 MiB to load).
 STREAM_BUDGET = "32MB"

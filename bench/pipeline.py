@@ -20,8 +20,8 @@ from torch import nn
 
 from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
-from flowtrain.parallel.launch import spawn
 from flowtrain.parallel import DistContext
+from flowtrain.parallel.launch import spawn
 from flowtrain.parallel.pipeline import StageWorker, grid_position
 from flowtrain.parallel.schedules import SCHEDULES, bubble_fraction
 from flowtrain.parallel.stages import plan_with_bounds, stage_module

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 __all__ = ["MIN_REPEATS", "check_repeats", "interleaved", "median", "median_rows", "best", "spread", "time_it",
            "repeats_note"]

@@ -7,7 +7,7 @@ the expected one is rejected with both schemas named: a dead letter in a pipelin
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import apache_beam as beam
 import pyarrow as pa

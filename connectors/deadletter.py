@@ -10,7 +10,8 @@ import hashlib
 import json
 import os
 import uuid
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes

@@ -18,7 +18,7 @@ spill works on any runner whose workers reach the output location.
 from __future__ import annotations
 
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import apache_beam as beam
 import pyarrow as pa

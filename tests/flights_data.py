@@ -11,8 +11,8 @@ def make_flights_dataset(base, *, every: int) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flowtrain.local.runners import pipeline_options
     from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.runners import pipeline_options
     from pipelines.flights.batch import export_tables, run_flights_etl
 
     base = Path(base)

@@ -36,9 +36,7 @@ def register(sub) -> None:
 
 
 def _flink(args: argparse.Namespace) -> int:
-    from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink
-
-    from flowtrain.local.flink import TaskManagerMemory
+    from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink, TaskManagerMemory
 
     memory = {k: v for k, v in {"task_heap": args.task_heap_mb, "managed": args.managed_mb,
                                 "task_off_heap": args.task_off_heap_mb}.items() if v is not None}

@@ -238,8 +238,7 @@ def _run_batch(job: BatchJob) -> dict:
     from flowtrain.parallel import DistContext
     from flowtrain.parallel.launch import LaunchConfig
     from flowtrain.train.jobs import train_worker
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loader import target_scale
+    from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.loop import baseline_metrics, check_label, evaluate
     from flowtrain.train.metrics import MetricsLog
     from flowtrain.train.model import build_run_model, check_factory_parallelism

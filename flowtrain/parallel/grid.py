@@ -76,7 +76,7 @@ class Grid:
                 raise GridError(f"{name} must be at least 1 (got {value})")
 
     @classmethod
-    def from_world(cls, world_size: int, *, stages: int = 1, tensor: int = 1) -> "Grid":
+    def from_world(cls, world_size: int, *, stages: int = 1, tensor: int = 1) -> Grid:
         """The grid of ``world_size`` ranks with S stages and T shards (D = world / (S*T))."""
         per_replica = stages * tensor
         if stages < 1 or tensor < 1 or world_size % per_replica:

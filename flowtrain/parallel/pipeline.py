@@ -25,8 +25,8 @@ Exit: every send a stage starts is waited for before its step returns (and again
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

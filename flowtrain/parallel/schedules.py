@@ -13,8 +13,8 @@ how ``validate`` simulates them, in one process and without any worker.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "add_communication", "format_schedule",
            "parse_schedule", "validate", "ScheduleError", "SCHEDULES", "bubble_fraction", "microbatch_sizes",
@@ -33,7 +33,7 @@ class Action:
         return f"{self.comm}{self.kind}{self.microbatch}"
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         m = _PATTERN.match(text.strip())
         if not m:
             raise ValueError(f"not an action: {text!r} (expected F3, B3, sF3, rF3, sB3 or rB3)")

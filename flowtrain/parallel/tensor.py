@@ -132,7 +132,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.hi - self.lo)) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tg: TensorGroup) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, tg: TensorGroup) -> ColumnParallelLinear:
         layer = cls(linear.in_features, linear.out_features, tg, bias=linear.bias is not None)
         with torch.no_grad():
             layer.weight = nn.Parameter(linear.weight[layer.lo:layer.hi].detach().clone())
@@ -159,7 +159,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, tg: TensorGroup) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, tg: TensorGroup) -> RowParallelLinear:
         layer = cls(linear.in_features, linear.out_features, tg, bias=linear.bias is not None)
         with torch.no_grad():
             layer.weight = nn.Parameter(linear.weight[:, layer.lo:layer.hi].detach().clone())
@@ -186,7 +186,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.hi - self.lo, embedding_dim))
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, tg: TensorGroup) -> "VocabParallelEmbedding":
+    def from_embedding(cls, emb: nn.Embedding, tg: TensorGroup) -> VocabParallelEmbedding:
         if emb.padding_idx is not None or emb.max_norm is not None or emb.sparse:
             raise ValueError("vocabulary-parallel embeddings take plain tables (no padding_idx, max_norm, sparse)")
         layer = cls(emb.num_embeddings, emb.embedding_dim, tg)
@@ -222,7 +222,7 @@ class VocabParallelTabularInput(nn.Module):
         self.embeddings = nn.ModuleList(tables)
 
     @classmethod
-    def from_module(cls, module: nn.Module, tg: TensorGroup) -> "VocabParallelTabularInput":
+    def from_module(cls, module: nn.Module, tg: TensorGroup) -> VocabParallelTabularInput:
         return cls(module.n_numeric, [VocabParallelEmbedding.from_embedding(e, tg) for e in module.embeddings], tg)
 
     @property
@@ -472,7 +472,7 @@ class ShardedSequential(nn.Sequential):
     """A shard's layers (the model's child names kept); a failing layer raises
     ``TensorParallelError`` with the plan and that layer marked."""
 
-    def __init__(self, layers: "OrderedDict[str, nn.Module]", plan: ShardPlan, tg: TensorGroup):
+    def __init__(self, layers: OrderedDict[str, nn.Module], plan: ShardPlan, tg: TensorGroup):
         super().__init__(layers)
         self.plan, self.tg = plan, tg
 
@@ -511,7 +511,7 @@ def shard_module(model: nn.Sequential, plan: ShardPlan, tg: TensorGroup) -> Shar
     children = list(model._modules.items())
     if len(children) != len(plan.layers):
         raise ValueError(f"the plan has {len(plan.layers)} layers, the module {len(children)}")
-    out: "OrderedDict[str, nn.Module]" = OrderedDict()
+    out: OrderedDict[str, nn.Module] = OrderedDict()
     for layer, (name, child) in zip(plan.layers, children):
         replace = {}
         for path in layer.targets:

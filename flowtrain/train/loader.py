@@ -8,9 +8,9 @@ no DataLoader workers to feed. The permutation of epoch ``e`` depends only on
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +29,7 @@ class Batch:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
-    def take(self, index: torch.Tensor) -> "Batch":
+    def take(self, index: torch.Tensor) -> Batch:
         return Batch(self.x_num.index_select(0, index), self.x_cat.index_select(0, index),
                      self.y.index_select(0, index))
 

@@ -37,8 +37,16 @@ from flowtrain.train import checkpoint, rundir
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
-from flowtrain.train.metrics import (MetricsLog, better, check_select_by, classification_metrics, clears,
-                                     multiclass_metrics, regression_metrics, scalars)
+from flowtrain.train.metrics import (
+    MetricsLog,
+    better,
+    check_select_by,
+    classification_metrics,
+    clears,
+    multiclass_metrics,
+    regression_metrics,
+    scalars,
+)
 from flowtrain.train.model import LinearModel, TabularMLP, pack
 
 

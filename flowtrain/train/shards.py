@@ -23,9 +23,9 @@ import os
 import queue
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -146,7 +146,7 @@ def plan_stream(budget_bytes: int, bytes_per_row: int) -> StreamPlan:
 
 
 def open_split(data: TabularDataset, name: str, *, memory_budget: int | float | str | None = None
-               ) -> TabularSplit | "StreamedSplit":
+               ) -> TabularSplit | StreamedSplit:
     """The split in memory when it fits ``memory_budget`` (see ``memory_budget_bytes``), else streamed."""
     budget = memory_budget_bytes(memory_budget)
     rows = int(data.manifest.get("rows", {}).get(name, 0))

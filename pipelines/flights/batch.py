@@ -20,12 +20,12 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from connectors.dataset import read_manifest
+from connectors.dataset_spec import FeatureSpec
 from connectors.files import FileReadError, ReadFromFiles, file_format, list_units, read_unit
 from connectors.spill import WriteToSpill, read_spill_file, remove_spill, spill_directory, write_spill_file
 from pipelines.flights import features as FF
 from pipelines.flights.nycflights import load_table
 from pipelines.tabular.pipeline import build_etl, etl_cleanup
-from connectors.dataset_spec import FeatureSpec
 
 
 def export_tables(directory: str | Path, *, flights_limit: int | None = None) -> dict[str, str]:

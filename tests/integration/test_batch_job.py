@@ -17,9 +17,9 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from connectors.dataset import read_manifest
 from connectors.files import ReadFromFiles
+from flowtrain.local.paths import demo_tables_dir
 from flowtrain.local.runners import pipeline_options
 from pipelines.flights import features as FF
-from flowtrain.local.paths import demo_tables_dir
 from pipelines.flights.batch import JoinReference, export_tables, run_flights_etl
 from pipelines.flights.nycflights import load_table
 from pipelines.tabular.pipeline import build_etl
@@ -211,6 +211,6 @@ def test_generic_csv_with_bad_rows_runs_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["counts"] == {**summary["counts"], "in": 3003, "out": 3000, "dead_letters": 3}
     assert summary["test"]["model"]["rmse"] < summary["test"]["baselines"]["training mean"]["rmse"] / 2
-    reasons = {json.loads(l)["reason"] for l in open(tmp_path / "run" / "dead_letters.jsonl")}
+    reasons = {json.loads(line)["reason"] for line in open(tmp_path / "run" / "dead_letters.jsonl")}
     assert reasons == {"numeric feature 'x' is missing or not a finite number", "label 'y' is missing",
                        "label 'y' is not a finite number"}

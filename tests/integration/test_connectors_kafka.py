@@ -262,9 +262,8 @@ def test_ensure_topic_replication_factor_defaults_to_the_brokers_and_is_an_optio
 
 
 def test_read_from_kafka_without_a_broker_fails_fast_naming_the_servers():
-    from flowtrain.local.kafka import free_port
-
     from connectors.kafka import KafkaUnavailable
+    from flowtrain.local.kafka import free_port
 
     nobody = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()

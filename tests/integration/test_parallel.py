@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from flowtrain.local.kafka import free_port
-from flowtrain.parallel.launch import WorkerFailure, spawn
 from flowtrain.parallel import shard_bounds
-from tests.flights_data import make_flights_dataset
+from flowtrain.parallel.launch import WorkerFailure, spawn
 from tests.dp_jobs import reference
+from tests.flights_data import make_flights_dataset
 from tests.procs import worker_pids as _worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent

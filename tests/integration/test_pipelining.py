@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from flowtrain.parallel.launch import WorkerFailure, spawn
-from flowtrain.parallel.schedules import (ScheduleError, add_communication, format_schedule, gpipe, one_f_one_b,
-                                 parse_schedule, peak_in_flight, validate)
+from flowtrain.parallel.schedules import (
+    ScheduleError,
+    add_communication,
+    format_schedule,
+    gpipe,
+    one_f_one_b,
+    parse_schedule,
+    peak_in_flight,
+    validate,
+)
 from flowtrain.parallel.stages import merge_stage_states, partition, plan_stages
 from tests.pp_jobs import build_model, reference
 
@@ -114,7 +122,6 @@ def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
 
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.model import TabularMLP
-
     from tests.flights_data import make_flights_dataset
 
     make_flights_dataset(tmp_path, every=40)

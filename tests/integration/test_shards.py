@@ -19,8 +19,7 @@ import torch
 from connectors.dataset import finalize_dataset
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
 from flowtrain.train.loader import TabularDataset, TabularSplit, iter_batches
-from flowtrain.train.shards import (StreamedSplit, StreamPlan, open_split, parse_memory_budget, plan_stream,
-                                    row_bytes)
+from flowtrain.train.shards import StreamedSplit, StreamPlan, open_split, parse_memory_budget, plan_stream, row_bytes
 
 ID_SCALE = 32768.0  # ids are stored as id / 2**15: exact in float32, small enough to train on
 

@@ -254,8 +254,8 @@ def test_broker_stopped_and_restarted_mid_stream_loses_nothing(dataset, tmp_path
 
 def _tail(path: Path, n: int = 40) -> str:
     """The log's last lines, without kafka-python's reconnect chatter."""
-    lines = [l for l in Path(path).read_text(errors="replace").splitlines()
-             if "kafka.cluster" not in l and "kafka.net" not in l and "kafka.consumer.fetcher" not in l]
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines()
+             if "kafka.cluster" not in line and "kafka.net" not in line and "kafka.consumer.fetcher" not in line]
     return "\n".join(lines[-n:])
 
 
@@ -425,7 +425,7 @@ def test_no_broker_every_streaming_command_fails_fast_with_one_line(dataset, tmp
     try:
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=90)
-            lines = [l for l in err.splitlines() if l.strip() and "apitools" not in l]  # Beam's import warning
+            lines = [line for line in err.splitlines() if line.strip() and "apitools" not in line]  # Beam's import warning
             assert proc.returncode not in (0, None), (name, err)
             assert len(lines) == 1 and "Traceback" not in err, (name, err)
             assert lines[0].startswith(f"flowtrain {name}: no Kafka broker answered at {nobody} within 3 s"), lines

@@ -59,8 +59,8 @@ def test_decode_arrow_dead_letters_reconcile(tmp_path):
         total = counts | beam.Flatten() | beam.CombineGlobally(sum)
         assert_that(total, equal_to([len(payloads)]), label="in = out + dead letters")
         _ = errs | WriteDeadLettersToJsonl(str(tmp_path / "dead.jsonl"))
-    lines = [json.loads(l) for l in open(tmp_path / "dead.jsonl")]
-    assert len(lines) == 2 and all(set(l) == {"source", "reason", "payload"} for l in lines)
+    lines = [json.loads(line) for line in open(tmp_path / "dead.jsonl")]
+    assert len(lines) == 2 and all(set(r) == {"source", "reason", "payload"} for r in lines)
 
 
 def test_encode_then_decode_in_pipeline():
@@ -153,8 +153,8 @@ def _read_all(path, **kw):
 
 
 def test_a_late_bad_value_past_the_first_blocks_is_a_dead_letter_naming_file_and_line(tmp_path):
-    from pipelines.tabular.pipeline import run_tabular_etl
     from connectors.dataset_spec import FeatureSpec
+    from pipelines.tabular.pipeline import run_tabular_etl
 
     n, bad_at = 260_000, 250_000  # ~4.8 MB: the bad value lies past the first 4 MB pre-flight reads
     lines = [f"{i * 0.123456789:.8f},{'ab'[i % 2]},{i % 7}" for i in range(n)]
@@ -212,9 +212,9 @@ def test_quoted_newlines_in_a_large_csv_are_read_and_lines_counted(tmp_path):
 
 
 def test_duplicate_header_names_are_an_error_naming_the_file(tmp_path):
+    from connectors.dataset_spec import FeatureSpec
     from connectors.files import FileReadError, csv_header
     from pipelines.tabular.pipeline import preflight
-    from connectors.dataset_spec import FeatureSpec
 
     path = tmp_path / "dup.csv"
     path.write_text("x,y,x\n1,2,3\n")
@@ -225,8 +225,8 @@ def test_duplicate_header_names_are_an_error_naming_the_file(tmp_path):
 
 
 def test_a_file_that_fails_the_pipeline_names_itself_and_leaves_no_temporaries(tmp_path):
-    from pipelines.tabular.pipeline import run_tabular_etl
     from connectors.dataset_spec import FeatureSpec
+    from pipelines.tabular.pipeline import run_tabular_etl
 
     path = tmp_path / "latin1.csv"  # valid UTF-8 for the first 4 MB pre-flight reads, then a Latin-1 byte
     path.write_bytes(b"x,c,y\n" + b"".join(b"%d,abcdefghij,%d\n" % (i, i % 5) for i in range(250_000))

@@ -1,12 +1,19 @@
 """The streaming job's pure pieces: event parsing, bad-event kinds, the seen-source filter."""
+import hashlib
+import io
 import json
 import random
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 
-from connectors.deadletter import DeadLetter
+from connectors.arrow import decode_batch, encode_batch, encode_batches
+from connectors.deadletter import DeadLetter, dead_letter_from_record, dead_letter_record
+from connectors.kafka import record_size
 from flowtrain.train.stream import _unseen
-from pipelines.flights.events import MALFORMED_KINDS, events_table, malform, parse_event
+from pipelines.flights.events import MALFORMED_KINDS, ParseBounds, events_table, malform, parse_event
 
 EVENT = {"year": 2013, "month": 1, "day": 1, "hour": 5, "minute": 15, "sched_dep_time": 515, "sched_arr_time": 819,
          "carrier": "UA", "flight": 1545, "tailnum": "N14228", "origin": "EWR", "dest": "IAH", "distance": 1400.0,
@@ -38,18 +45,6 @@ def test_unseen_filters_by_highest_offset_per_raw_partition():
 
 
 # --- poison events, bounds, sizes, the dead-letter wire format (issue 16) ----------------------
-import hashlib
-import io
-
-import pyarrow as pa
-import pyarrow.parquet as pq
-import pytest
-
-from connectors.arrow import decode_batch, encode_batch, encode_batches
-from connectors.deadletter import dead_letter_from_record, dead_letter_record
-from connectors.kafka import record_size
-from pipelines.flights.events import ParseBounds
-
 
 @pytest.mark.parametrize("payload, reason", [
     (('{"a":' * 100_000 + "1" + "}" * 100_000).encode(), "too deeply nested JSON"),  # RecursionError before
@@ -196,8 +191,8 @@ class _MemoryFileSystem(FileSystem):
 
 def test_reference_tables_are_read_through_beam_filesystems():
     from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
     from pipelines.flights import features as FF
+    from pipelines.flights.batch import export_tables
     from pipelines.flights.streaming import load_reference_tables
 
     tables = export_tables(demo_tables_dir())
