@@ -17,7 +17,7 @@ from pathlib import Path
 from flowtrain.cli.options import add_fields, kafka_config, kafka_pair, print_config, usable_dir
 from flowtrain.cli.stream_status import JOB_PART_ENV
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob
-from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
+from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
 from flowtrain.fields import build, options_of, to_config
 
 __all__ = ["CLIENTS", "register"]
@@ -425,74 +425,26 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     return 0
 
 
-def _trainer_config(args):
-    """The trainer half's StreamTrainConfig; with --init-weights the architecture is the batch run's,
-    and a --hidden/--dropout/--seed given on the command line must agree with it."""
-    from flowtrain.train.stream import StreamTrainConfig, initial_weights
-
-    cfg = StreamTrainConfig(bootstrap=args.bootstrap, run_dir=args.out, dataset=dataset_path(args),
-                            features_topic=args.features_topic, updates_topic=args.updates_topic,
-                            dead_letter_topic=args.dead_letter_topic, max_decoded_bytes=args.max_decoded_bytes,
-                            init_weights=args.init_weights, lr=args.lr, hidden=args.hidden, dropout=args.dropout,
-                            seed=args.seed, device=args.device, checkpoint_every_steps=args.checkpoint_every,
-                            checkpoint_every_s=args.checkpoint_seconds, idle_exit_s=args.idle_exit, ledger=args.ledger,
-                            kafka_config=kafka_config(args.kafka_config, args.kafka_config_file), threads=args.threads,
-                            replication_factor=args.replication_factor, keep_published=args.keep_published,
-                            update_key_file=args.update_key_file)
-    given = getattr(args, "options", {})
-    if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
-        arch, _ = initial_weights(cfg)
-        mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}
-        theirs = {"hidden": arch.hidden, "dropout": arch.dropout, "seed": arch.seed}
-        clash = [f"--{k} {_show(mine[k])} (the run has {_show(theirs[k])})" for k in mine
-                 if k in given and mine[k] != theirs[k]]
-        if clash:
-            raise ValueError(f"--init-weights {cfg.init_weights}: the architecture comes from {arch.source}, which "
-                             f"disagrees with {', '.join(clash)}; leave those options out")
-    return cfg
-
-
-def _show(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
-
-
 def _run_trainer(args) -> int:
-    """The online trainer half. Ctrl-C / SIGTERM stop it with a final checkpoint: the handlers are
-    installed here, the trainer only polls ``should_stop``."""
-    from dataclasses import asdict
-
-    from flowtrain.parallel.launch import WorkerFailure, spawn
-    from flowtrain.train.jobs import stream_summary_line
-    from flowtrain.train.stream import run_stream_trainer
-
-    try:
-        cfg = _trainer_config(args)
-    except ValueError as err:
-        print(f"flowtrain stream train: {err}", file=sys.stderr)
-        return 2
+    """The online trainer half (``flowtrain.commands.stream_train``). Ctrl-C / SIGTERM stop it with a final
+    checkpoint: the handlers are installed here, the trainer only polls ``should_stop``."""
+    from flowtrain.commands.stream_train import run_stream_train
     from flowtrain.local.processes import StopSignals
+    from flowtrain.parallel.launch import WorkerFailure
+    from flowtrain.train.jobs import stream_summary_line
 
     stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: a final checkpoint, then the end
-    if args.workers > 1:
-        try:
-            from connectors.secrets import SECRETS_ENV, split_secrets
-
-            # secrets reach the replicas through their environment, never job.json or a command line
-            public, secret = split_secrets(cfg.kafka_config)
-            spawn(args.workers, "flowtrain.train.jobs:stream_trainer_worker",
-                  {"config": {**asdict(cfg), "kafka_config": public}}, failure_timeout_s=args.failure_timeout,
-                  workdir=Path(args.out) / "workers", stop=stop.is_set,
-                  extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)
-        except WorkerFailure as err:
-            print(f"flowtrain stream train: {err}", file=sys.stderr)
-            return 1
-        return 0
     try:
-        summary = run_stream_trainer(cfg, should_stop=stop.is_set)
-    except ValueError as err:  # the features topic is missing, no loadable checkpoint, weights do not fit
+        summary = run_stream_train(job_of(args), given=getattr(args, "options", {}), should_stop=stop.is_set)
+    except ValueError as err:  # a clash with --init-weights, the features topic is missing, no loadable
+        # checkpoint, weights do not fit
         print(f"flowtrain stream train: {err}", file=sys.stderr)
         return 2
-    print(stream_summary_line(summary), flush=True)
+    except WorkerFailure as err:
+        print(f"flowtrain stream train: {err}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(stream_summary_line(summary), flush=True)
     return 0
 
 

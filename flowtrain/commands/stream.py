@@ -17,7 +17,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from flowtrain.fields import above, at_least, fraction, names, option, sizes
+from flowtrain.fields import above, at_least, fraction, option, sizes
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
 #: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
@@ -32,8 +32,9 @@ RUNNER = "where the Beam pipeline runs"
 
 
 def kafka_pairs(value: Any) -> tuple[str, ...]:
-    """``KEY=VALUE`` pairs (a list, or one text); each is checked in full when the clients are made."""
-    pairs = names(value) if not isinstance(value, str) else (value,)
+    """``KEY=VALUE`` pairs (a list, or one text; a value may hold commas); each is checked in full when the clients
+    are made."""
+    pairs = tuple(str(v).strip() for v in (value if isinstance(value, (list, tuple)) else [value]))
     bad = [p for p in pairs if "=" not in p or not p.partition("=")[0].strip()]
     if bad:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a kafka-python option name, e.g. "

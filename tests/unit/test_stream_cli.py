@@ -139,3 +139,22 @@ def test_bad_stream_options_are_one_line_errors_naming_them():
                        (["replay", "--client", "other"], "--client")):
         proc = subprocess.run(cli + argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and flag in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
+    from flowtrain.commands.stream import StreamTrainJob
+    from flowtrain.commands.stream_train import stream_train_config
+    from flowtrain.fields import build
+
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "_manifest.json").write_text("{}")
+    job = build(StreamTrainJob, {"dataset": str(tmp_path / "ds"), "out": str(tmp_path / "run"), "lr": 0.5,
+                                 "checkpoint-every": 7, "checkpoint_seconds": 3, "idle_exit": 9, "hidden": "8,4",
+                                 "kafka_config": ["sasl_plain_password=pa,ss", "client_id=t"],
+                                 "keep_published": 2, "threads": 2, "features_topic": "f"})
+    cfg = stream_train_config(job)
+    assert (cfg.lr, cfg.checkpoint_every_steps, cfg.checkpoint_every_s, cfg.idle_exit_s, tuple(cfg.hidden)) == (
+        0.5, 7, 3.0, 9.0, (8, 4))
+    assert (cfg.keep_published, cfg.threads, cfg.features_topic, cfg.run_dir) == (2, 2, "f", str(tmp_path / "run"))
+    assert cfg.kafka_config == {"sasl_plain_password": "pa,ss", "client_id": "t"}  # commas stay in a value
+    assert cfg.dataset == str((tmp_path / "ds").resolve())

@@ -1,0 +1,69 @@
+"""``flowtrain stream train`` as a Python call: the online trainer of a ``StreamTrainJob``.
+
+``run_stream_train(job)`` trains until ``should_stop()`` (or the job's ``idle_exit``) with one replica in this
+process, or ``job.workers`` replicas in their own processes. The command line installs the signal handlers
+(Ctrl-C / SIGTERM: a final checkpoint, then the end) and passes their flag as ``should_stop``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import asdict
+from pathlib import Path
+
+from flowtrain.commands.stream import StreamTrainJob
+from flowtrain.commands.stream_inputs import dataset_path
+
+
+def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
+    """The engine's ``StreamTrainConfig`` of ``job``. With ``init_weights`` the architecture is the batch run's: a
+    ``hidden``/``dropout``/``seed`` named in ``given`` (the options the user set) must agree with it, else a
+    ``ValueError`` naming them."""
+    from flowtrain.cli.options import kafka_config
+    from flowtrain.train.stream import StreamTrainConfig, initial_weights
+
+    cfg = StreamTrainConfig(bootstrap=job.bootstrap, run_dir=job.out, dataset=dataset_path(job),
+                            features_topic=job.features_topic, updates_topic=job.updates_topic,
+                            dead_letter_topic=job.dead_letter_topic, max_decoded_bytes=job.max_decoded_bytes,
+                            init_weights=job.init_weights, lr=job.lr, hidden=job.hidden, dropout=job.dropout,
+                            seed=job.seed, device=job.device, checkpoint_every_steps=job.checkpoint_every,
+                            checkpoint_every_s=job.checkpoint_seconds, idle_exit_s=job.idle_exit, ledger=job.ledger,
+                            kafka_config=kafka_config(job.kafka_config, job.kafka_config_file), threads=job.threads,
+                            replication_factor=job.replication_factor, keep_published=job.keep_published,
+                            update_key_file=job.update_key_file)
+    if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
+        arch, _ = initial_weights(cfg)
+        mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}
+        theirs = {"hidden": arch.hidden, "dropout": arch.dropout, "seed": arch.seed}
+        clash = [f"--{k} {_show(mine[k])} (the run has {_show(theirs[k])})" for k in mine
+                 if k in given and mine[k] != theirs[k]]
+        if clash:
+            raise ValueError(f"--init-weights {cfg.init_weights}: the architecture comes from {arch.source}, which "
+                             f"disagrees with {', '.join(clash)}; leave those options out")
+    return cfg
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def run_stream_train(job: StreamTrainJob, *, given: Collection[str] = (),
+                     should_stop: Callable[[], bool] | None = None) -> dict | None:
+    """Run the online trainer of ``job``; returns its summary (one replica), or None after ``job.workers`` > 1
+    replicas ended. ``ValueError``: a bad option, topic, checkpoint or weights (one line naming it);
+    ``flowtrain.parallel.launch.WorkerFailure``: a replica died or stalled."""
+    cfg = stream_train_config(job, given)
+    if job.workers > 1:
+        from connectors.secrets import SECRETS_ENV, split_secrets
+        from flowtrain.parallel.launch import spawn
+
+        # secrets reach the replicas through their environment, never job.json or a command line
+        public, secret = split_secrets(cfg.kafka_config)
+        spawn(job.workers, "flowtrain.train.jobs:stream_trainer_worker",
+              {"config": {**asdict(cfg), "kafka_config": public}}, failure_timeout_s=job.failure_timeout,
+              workdir=Path(job.out) / "workers", stop=should_stop,
+              extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)
+        return None
+    from flowtrain.train.stream import run_stream_trainer
+
+    return run_stream_trainer(cfg, should_stop=should_stop)
