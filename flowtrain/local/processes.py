@@ -189,6 +189,9 @@ class Supervisor:
     """
 
     grace_s: float = 60.0
+    #: 0: no parent-death signal, and no ``preexec_fn`` at all. For a parent running gRPC threads (Beam's
+    #: worker pool): Python code between fork and exec there can hang or crash the child (gRPC skips its
+    #: fork handlers while other threads call into it), which lost an SDK worker of every Flink job.
     death_signal: int = signal.SIGTERM
     children: dict[str, Child] = field(default_factory=dict)
 
@@ -196,8 +199,8 @@ class Supervisor:
         """Start ``argv`` (keyword arguments go to ``subprocess.Popen``) as child ``name``."""
         if name in self.children:
             raise ValueError(f"a child named {name!r} was started already")
-        proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=die_with_parent(self.death_signal),
-                                **popen)
+        preexec = die_with_parent(self.death_signal) if self.death_signal else None
+        proc = subprocess.Popen(list(argv), start_new_session=True, preexec_fn=preexec, **popen)
         child = Child(name, proc, start_time(proc.pid))
         self.children[name] = child
         return child

@@ -429,3 +429,57 @@ def test_predict_on_flink_equals_the_local_run(flink_cluster, tmp_path):
     a, b = (json.loads(Path(f"{outs[n]}.metrics.json").read_text()) for n in ("local", "flink"))
     assert a["counts"] == b["counts"] == {"in": 1500, "predictions": 1484, "dead_letters": 16}
     assert abs(a["metrics"]["auc"] - b["metrics"]["auc"]) <= 1e-9
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(600)
+def test_generic_stream_pipeline_on_flink_reconciles_on_a_table_of_its_own(bootstrap, flink_cluster, tmp_path, say):
+    """The generic stream (not the flights) on Flink: a sensor table made here, replayed with every
+    malformed kind and unlabelled events; raw = training rows + unlabelled + dead letters, exactly."""
+    from connectors.arrow import decode_batch
+    from tests.sensor_data import make_sensor_run
+
+    dataset, _, csv = make_sensor_run(tmp_path, rows=1200, epochs=1)
+    tag = uuid.uuid4().hex[:6]
+    raw, feats, dead, group = f"graw-{tag}", f"gfeat-{tag}", f"gdead-{tag}", f"gg-{tag}"
+    rp = subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", raw, "--input", csv, "--dataset",
+                               dataset, "--partitions", "2", "--malformed", "0.05", "--unlabelled", "0.1",
+                               "--max-event-bytes", "50000"], capture_output=True, text=True, timeout=180)
+    assert rp.returncode == 0, rp.stderr[-2000:]
+    out = tmp_path / "flink-run"
+    out.mkdir()
+    proc = subprocess.Popen(CLI + ["stream", "pipeline", "--bootstrap", bootstrap, "--raw-topic", raw,
+                                   "--features-topic", feats, "--dead-letter-topic", dead, "--group-id", group,
+                                   "--dataset", dataset, "--out", str(out), "--batch-size", "200",
+                                   "--max-event-bytes", "50000", "--runner", "flink"],
+                            stdout=open(out / "pipeline.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            done, end = _committed(bootstrap, raw, group)
+            if end == 1200 and done == end:
+                break
+            assert proc.poll() is None, (out / "pipeline.log").read_text()[-3000:]
+            time.sleep(1)
+        else:
+            raise AssertionError(f"{done} of 1200 committed; {(out / 'pipeline.log').read_text()[-2000:]}")
+    finally:
+        _stop(proc)
+        _cancel_active_jobs(flink_cluster)
+    rows = Counter()
+    for m in _read_topic(bootstrap, feats):
+        b = decode_batch(m.value)
+        rows.update(zip(b["src_partition"].to_pylist(), b["src_offset"].to_pylist()))
+    letters = {}
+    for m in _read_topic(bootstrap, dead):
+        headers = dict(m.headers)
+        _, part, off = headers["source"].decode().rsplit("/", 2)
+        letters[(int(part), int(off))] = headers["reason"].decode()
+    events = {(m.partition, m.offset): m.value for m in _read_topic(bootstrap, raw)}
+    unlabelled = set(events) - set(rows) - set(letters)
+    assert set(rows.values()) == {1} and not set(rows) & set(letters) and len(events) == 1200
+    assert unlabelled and all(b'"state"' not in events[k] for k in unlabelled)
+    reasons = {r.split(":")[0] for r in letters.values()}
+    assert {"broken JSON", "missing field(s)", "wrong type", "NaN", "too deeply nested JSON",
+            "event too large"} <= reasons, reasons
+    say(f"flink generic stream: {len(rows)} training rows + {len(unlabelled)} unlabelled + {len(letters)} dead letters")

@@ -65,8 +65,10 @@ def serve(port: int, *, host: str = "127.0.0.1", log_dir: str | None = None):
         stop it). Exited workers are reaped; the rest stop with the pool."""
 
         def __init__(self):
-            # The SDK workers end with the pool, however it ends (parent-death signal).
-            self.workers = Supervisor(grace_s=10.0)
+            # The SDK workers stop with the pool (stop_all). No parent-death signal: its preexec_fn would run
+            # Python in a child forked from gRPC's threads (that lost a worker of every job); a worker whose
+            # pool was killed ends when its runner closes the control stream.
+            self.workers = Supervisor(grace_s=10.0, death_signal=0)
             self.started = 0
             self.lock = threading.Lock()
             self.log_dir = Path(log_dir) if log_dir else None
