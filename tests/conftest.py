@@ -71,3 +71,28 @@ def new_topic(bootstrap):
     yield make
     admin.close()
 
+
+@pytest.fixture(scope="session")
+def flink_cluster(tmp_path_factory, say):
+    """A real local Flink session cluster (jars from Maven) for the session; `--runner flink` finds it."""
+    import os
+
+    from flowtrain.local.flink import DIR_ENV, LocalFlink
+    from flowtrain.local.tools import free_port
+
+    cluster = LocalFlink(taskmanagers=2, slots=1, rest_port=free_port(), job_port=free_port(),
+                         data_dir=tmp_path_factory.mktemp("flink"))
+    previous = os.environ.get(DIR_ENV)
+    os.environ[DIR_ENV] = str(cluster.data_dir)  # --runner flink (here and in CLI children) finds it
+    try:
+        status = cluster.start(timeout_s=240, quiet=True)
+        say(f"\nflink: session cluster {status['versions']} with {status['taskmanagers']} TaskManagers, "
+            f"{status['slots']} slots, started from jars in {status.get('start_seconds', 0):.1f} s; REST "
+            f"{status['rest']}, job server {status['job_endpoint']}, logs {status['logs']}")
+        yield cluster
+    finally:
+        cluster.stop(timeout_s=30, quiet=True)
+        if previous is None:
+            os.environ.pop(DIR_ENV, None)
+        else:
+            os.environ[DIR_ENV] = previous

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -28,32 +27,11 @@ import pytest
 
 from connectors.dataset import read_manifest, read_shard, shard_paths
 from flowtrain.local.flink import DIR_ENV, LocalFlink
-from flowtrain.local.tools import free_port
 from tests.kafka_checks import committed as _committed
 from tests.procs import stop_group as _stop
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 pytestmark = [pytest.mark.flink, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="session")
-def flink_cluster(tmp_path_factory, say):
-    cluster = LocalFlink(taskmanagers=2, slots=1, rest_port=free_port(), job_port=free_port(),
-                         data_dir=tmp_path_factory.mktemp("flink"))
-    previous = os.environ.get(DIR_ENV)
-    os.environ[DIR_ENV] = str(cluster.data_dir)  # --runner flink (here and in CLI children) finds it
-    try:
-        status = cluster.start(timeout_s=240, quiet=True)
-        say(f"\nflink: session cluster {status['versions']} with {status['taskmanagers']} TaskManagers, "
-            f"{status['slots']} slots, started from jars in {status.get('start_seconds', 0):.1f} s; REST "
-            f"{status['rest']}, job server {status['job_endpoint']}, logs {status['logs']}")
-        yield cluster
-    finally:
-        cluster.stop(timeout_s=30, quiet=True)
-        if previous is None:
-            os.environ.pop(DIR_ENV, None)
-        else:
-            os.environ[DIR_ENV] = previous
 
 
 def _jobs(cluster: LocalFlink) -> list[dict]:
