@@ -73,22 +73,6 @@ def _flink(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- the runner options of the pipeline commands --------------------------------------------------
-def add_runner_options(parser: argparse.ArgumentParser) -> None:
-    """``--runner`` and ``--flink-master`` for a command that runs Beam pipelines."""
-    g = parser.add_argument_group("where the Beam pipeline runs")
-    g.add_argument("--runner", default=None,
-                   help="flink: the local Flink cluster of `flowtrain flink start` (its directory from "
-                        "$FLOWTRAIN_FLINK_DIR), or --flink-master's; any other value is Beam's --runner "
-                        "(FnApiRunner, PrismRunner, DataflowRunner, ...). Default: Beam's FnApiRunner for batch "
-                        "ETL, Prism for streaming")
-    g.add_argument("--flink-master", default=None, metavar="HOST:PORT",
-                   help="with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam "
-                        "starts its Flink job server from flowtrain's jars. Give the SDK workers' environment too: "
-                        "--environment_type=EXTERNAL --environment_config=HOST:PORT (a worker pool on every "
-                        "TaskManager host: python -m flowtrain.local.flink.worker_pool) or PROCESS")
-
-
 def with_runner(args: argparse.Namespace, beam_args: list[str], command: str) -> list[str]:
     """``beam_args`` with the Beam options that ``--runner`` / ``--flink-master`` stand for in front."""
     from flowtrain.local.runners import RunnerError, runner_args

@@ -124,7 +124,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
 
     ours, passthrough = options.split_passthrough(argv)  # after `--`: Beam's, unchecked
     parser = build_parser()
-    args, unknown = parser.parse_known_args(ours, namespace=options.Options())
+    args, unknown = parser.parse_known_args(ours, namespace=argparse.Namespace())
     sub = getattr(args, "options_parser", None) or parser
     try:
         if getattr(args, "options_parser", None) is not None:

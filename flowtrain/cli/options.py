@@ -4,11 +4,8 @@
   ``ExportJob``: fields made with ``flowtrain.fields.option``) gets its flags from ``add_fields``:
   one flag per field (``--field-name``), its type and range from the field's parser, its choices,
   help and default from the field. ``--config`` keys are the same names, ``config.json`` holds the
-  same keys (``flowtrain.fields.to_config``), ``--print-config`` prints them. The commands not yet
-  converted name their defaults with ``config_default`` (below).
-- **Defaults live in the config dataclasses** (``TrainConfig``, ``StreamTrainConfig``,
-  ``StreamConfig``, ``LaunchConfig``). An option names its default with
-  ``default=config_default("module:Class.field")``: ``--help`` shows it, the dataclass applies it.
+  same keys (``flowtrain.fields.to_config``), ``--print-config`` prints them. Every default is the
+  field's, in one place.
 - **The command line wins over --config, but only for what it says.** An option counts as given
   when it appears on the command line; a ``store_true`` flag that is absent does not turn a YAML
   ``resume: true`` off.
@@ -28,9 +25,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import importlib
 import math
 import os
 import re
@@ -86,56 +81,6 @@ def print_config(config: Any) -> None:
     from flowtrain.fields import to_config
 
     print(yaml.safe_dump(to_config(config), sort_keys=False, default_flow_style=None), end="")
-
-
-# --- defaults that live in the config dataclasses ---------------------------------------------------
-class ConfigDefault:
-    """An argparse default that only *names* a dataclass field's default.
-
-    ``--help`` prints it (``%(default)s``); as a parsed value it means "not given", and the code
-    that builds the dataclass lets the dataclass apply it. The module is imported only when the
-    value is needed, so ``flowtrain --help`` stays fast.
-    """
-
-    def __init__(self, ref: str):
-        module, sep, attr = ref.partition(":")
-        if not sep or "." not in attr:
-            raise ValueError(f"config_default({ref!r}): expected 'module:Class.field'")
-        self.ref, self.module, (self.cls, self.field) = ref, module, attr.split(".", 1)
-
-    def value(self) -> Any:
-        cls = getattr(importlib.import_module(self.module), self.cls)
-        for f in dataclasses.fields(cls):
-            if f.name == self.field:
-                if f.default is not dataclasses.MISSING:
-                    return f.default
-                if f.default_factory is not dataclasses.MISSING:
-                    return f.default_factory()
-                raise ValueError(f"{self.ref} has no default")
-        raise ValueError(f"{self.ref}: no such field")
-
-    def __str__(self) -> str:
-        return format_value(self.value())
-
-    def __repr__(self) -> str:
-        return f"config_default({self.ref!r})"
-
-
-class Options(argparse.Namespace):
-    """The parsed options; an option left at its ``config_default`` reads as the dataclass's value
-    (imported on first access, so a command imports only the configs it uses)."""
-
-    def __getattribute__(self, name: str) -> Any:
-        value = super().__getattribute__(name)
-        if isinstance(value, ConfigDefault):
-            value = value.value()
-            setattr(self, name, value)
-        return value
-
-
-def config_default(ref: str) -> ConfigDefault:
-    """``default=config_default("flowtrain.train.loop:TrainConfig.epochs")``."""
-    return ConfigDefault(ref)
 
 
 def format_value(value: Any) -> str:
