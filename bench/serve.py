@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.stream import add_table_options, table_from_options
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
 
@@ -400,30 +401,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="how long events are produced at --rate (default 20)")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
-    g = ap.add_argument_group("your own table (default: the flights demo)")
-    g.add_argument("--input", action="append", default=None, help="score this table's rows (CSV, Parquet, JSON lines)")
-    g.add_argument("--dataset", default=None, help="its `flowtrain batch` dataset (else the ETL below makes one)")
-    g.add_argument("--label", help="label column")
-    g.add_argument("--task", choices=["classification", "regression"], default=None)
-    g.add_argument("--numeric", default="", help="numeric columns, comma-separated")
-    g.add_argument("--optional-numeric", default="", help="numeric columns that may be missing")
-    g.add_argument("--categorical", default="", help="categorical columns")
-    g.add_argument("--time-column", default=None, help="time column")
+    add_table_options(ap, "score this table's rows (CSV, Parquet, JSON lines)")
     a = ap.parse_args(argv)
-    table = None
-    if a.input:
-        from bench.stream import Table
-
-        if not a.dataset and not a.label:
-            ap.error("--input needs --dataset DIR, or the spec (--label and the feature columns) for the ETL")
-        cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
-        spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
-        if spec and spec["task"] is None:
-            from pipelines.tabular.pipeline import file_head, infer_task
-
-            spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
-        table = Table(a.input, a.dataset, spec)
-    run(out_dir=a.out_dir, events=a.events, rate=a.rate, seconds=a.seconds, repeats=a.repeats, table=table)
+    run(out_dir=a.out_dir, events=a.events, rate=a.rate, seconds=a.seconds, repeats=a.repeats,
+        table=table_from_options(ap, a))
 
 
 if __name__ == "__main__":

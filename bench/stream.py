@@ -346,8 +346,20 @@ def main(argv=None) -> None:
                     help="seconds of events replayed at each latency row's rate")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
+    add_table_options(ap, "replay this table (CSV, Parquet, JSON lines)")
+    a = ap.parse_args(argv)
+    run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats,
+        table=table_from_options(ap, a))
+
+
+if __name__ == "__main__":
+    main()
+
+
+def add_table_options(ap: argparse.ArgumentParser, input_help: str) -> None:
+    """``--input FILE`` and its spec (or ``--dataset``): the benchmark on a table of your own."""
     g = ap.add_argument_group("your own table (default: the flights demo)")
-    g.add_argument("--input", action="append", default=None, help="replay this table (CSV, Parquet, JSON lines)")
+    g.add_argument("--input", action="append", default=None, help=input_help)
     g.add_argument("--dataset", default=None, help="its `flowtrain batch` dataset (else the ETL below makes one)")
     g.add_argument("--label", help="label column")
     g.add_argument("--task", choices=["classification", "regression"], default=None)
@@ -355,20 +367,18 @@ def main(argv=None) -> None:
     g.add_argument("--optional-numeric", default="", help="numeric columns that may be missing")
     g.add_argument("--categorical", default="", help="categorical columns")
     g.add_argument("--time-column", default=None, help="time column (the events' order and Kafka timestamps)")
-    a = ap.parse_args(argv)
-    table = None
-    if a.input:
-        if not a.dataset and not a.label:
-            ap.error("--input needs --dataset DIR, or the spec (--label and the feature columns) for the ETL")
-        cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
-        spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
-        if spec and spec["task"] is None:
-            from pipelines.tabular.pipeline import file_head, infer_task
-
-            spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
-        table = Table(a.input, a.dataset, spec)
-    run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats, table=table)
 
 
-if __name__ == "__main__":
-    main()
+def table_from_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Table | None:
+    """The :class:`Table` that ``add_table_options``' options name; None: the flights demo."""
+    if not a.input:
+        return None
+    if not a.dataset and not a.label:
+        ap.error("--input needs --dataset DIR, or the spec (--label and the feature columns) for the ETL")
+    cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
+    spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
+    if spec and spec["task"] is None:
+        from pipelines.tabular.pipeline import file_head, infer_task
+
+        spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
+    return Table(a.input, a.dataset, spec)
