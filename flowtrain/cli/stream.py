@@ -154,25 +154,8 @@ def _flight_events(args):
     if args.unlabelled:
         raise ValueError("--unlabelled is for --input FILES")
 
-    def generate():
-        rng = random.Random(args.seed)
-        done = made = 0
-        for i, event in enumerate(events_from_table(load_table("flights"))):
-            if i < args.skip:
-                continue
-            if args.limit is not None and done >= args.limit:
-                return
-            kind = None
-            if args.malformed and rng.random() < args.malformed:
-                kind = MALFORMED_KINDS[made % len(MALFORMED_KINDS)]
-                made += 1
-                value = malform(event, kind, rng)
-            else:
-                value = json.dumps(event).encode()
-            done += 1
-            yield value, (event.get("tailnum") or "unknown").encode(), None, kind
-
-    return generate(), MALFORMED_KINDS
+    rows = ((event, (event.get("tailnum") or "unknown").encode()) for event in events_from_table(load_table("flights")))
+    return _replayed(args, rows, MALFORMED_KINDS, malform), MALFORMED_KINDS
 
 
 def _table_events(args):
@@ -185,9 +168,7 @@ def _table_events(args):
     from pipelines.stream.events import ParseBounds, event_schema
     from pipelines.stream.replay import (
         MALFORMED_KINDS,
-        drop_label,
         event_keys,
-        kafka_timestamps,
         malform_event,
         order_by_time,
         read_files,
@@ -215,28 +196,38 @@ def _table_events(args):
     kinds = tuple(k for k in MALFORMED_KINDS if k != "too large" or args.max_event_bytes)
     bounds = ParseBounds(max_event_bytes=args.max_event_bytes) if args.max_event_bytes else ParseBounds()
 
-    def generate():
-        rng = random.Random(args.seed)
-        done = made = 0
-        for i, (event, key) in enumerate(event_keys(table_events(table), args.key_column)):
-            if i < args.skip:
-                continue
-            if args.limit is not None and done >= args.limit:
-                return
-            kind = None
-            if args.malformed and rng.random() < args.malformed:
-                kind = kinds[made % len(kinds)]
-                made += 1
-                value = malform_event(event, kind, rng, schema, bounds)
-            else:
-                if args.unlabelled and rng.random() < args.unlabelled:
-                    event, kind = drop_label(event, label), "unlabelled"
-                value = json.dumps(event).encode()
-            done += 1
-            yield value, key, kafka_timestamps(times, i), kind
+    def malformed(event, kind, rng):
+        return malform_event(event, kind, rng, schema, bounds)
 
+    rows = event_keys(table_events(table), args.key_column)
     oldest = None if times is None or not np.isfinite(times).any() else float(np.nanmin(times))
-    return generate(), kinds, oldest
+    return _replayed(args, rows, kinds, malformed, label=label, times=times), kinds, oldest
+
+
+def _replayed(args, rows, kinds, malform, *, label=None, times=None):
+    """(value, key, Kafka timestamp, kind) per (event, key) row after --skip, up to --limit: --malformed F of
+    them malformed (the kinds in turn, by ``malform(event, kind, rng)``), --unlabelled F without their label;
+    kind is the malformed kind, "unlabelled" or None. One seeded generator: the same flags, the same events."""
+    from pipelines.stream.replay import drop_label, kafka_timestamps
+
+    rng = random.Random(args.seed)
+    done = made = 0
+    for i, (event, key) in enumerate(rows):
+        if i < args.skip:
+            continue
+        if args.limit is not None and done >= args.limit:
+            return
+        kind = None
+        if args.malformed and rng.random() < args.malformed:
+            kind = kinds[made % len(kinds)]
+            made += 1
+            value = malform(event, kind, rng)
+        else:
+            if args.unlabelled and rng.random() < args.unlabelled:
+                event, kind = drop_label(event, label), "unlabelled"
+            value = json.dumps(event).encode()
+        done += 1
+        yield value, key, kafka_timestamps(times, i), kind
 
 
 def _retention_ms(bootstrap: str, topic: str, cfg: dict) -> int | None:
