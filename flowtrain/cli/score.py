@@ -117,7 +117,12 @@ def run_scorer(args, beam_args: list[str]) -> int:
           f"{args.swap_interval:g} s, group {args.score_group_id}; Ctrl-C stops", flush=True)
     code = 0
     while not stop.is_set():
-        state = str(result.state)
+        try:
+            state = str(result.state)
+        except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
+            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
+                break
+            raise
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
             print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
             code = 1 if "FAILED" in state else 0

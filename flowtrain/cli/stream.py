@@ -392,7 +392,12 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     print(f"stream pipeline: {args.raw_topic} -> {args.features_topic} (+ {args.dead_letter_topic}), "
           f"group {args.group_id}; Ctrl-C stops", flush=True)
     while not stop.is_set():
-        state = str(result.state)
+        try:
+            state = str(result.state)
+        except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
+            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
+                break
+            raise
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
             totals = pipeline_totals(out)
             for error in totals["errors"]:

@@ -11,7 +11,7 @@ import pytest
 
 from flowtrain.parallel.launch import WorkerFailure, spawn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def _alive(pid: int) -> bool:

@@ -19,7 +19,7 @@ from tests.dp_jobs import reference
 from tests.flights_data import make_flights_dataset
 from tests.procs import worker_pids as _worker_pids
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 ENV = {"PYTHONPATH": str(ROOT)}
 pytestmark = pytest.mark.timeout(300)
 

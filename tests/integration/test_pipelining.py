@@ -20,7 +20,7 @@ from flowtrain.parallel.schedules import (
 from flowtrain.parallel.stages import merge_stage_states, partition, plan_stages
 from tests.pp_jobs import build_model, reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 ENV = {"PYTHONPATH": str(ROOT)}
 
 

@@ -271,6 +271,7 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
         feed = _Feed(bootstrap, names, events, start=n)
         feed.until(lambda _, text: "is not a regular file" in text, proc, log, within_s=BOUND_S)
         # ... version 7 of the other run (signed: believed) served; then run a's version 2, not pinned by it
+        feed.until(lambda p, _: any(r["model_run"] == "run-b" for r in p), proc, log, within_s=BOUND_S)
         t_pub2 = time.time()
         _publish(bootstrap, names, pub, 2, arch, weights[("run-a", 2)][1])
         t_seen2 = feed.until(lambda p, _: any(r["model_version"] == 2 for r in p), proc, log, within_s=BOUND_S)

@@ -29,7 +29,7 @@ from connectors.arrow import decode_batch, encode_batch
 from connectors.dataset import read_manifest
 
 pytestmark = [pytest.mark.kafka]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 

@@ -25,7 +25,7 @@ from tests.procs import worker_pids as _worker_pids
 from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 

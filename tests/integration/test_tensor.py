@@ -22,7 +22,7 @@ from flowtrain.parallel.tensor import (
 )
 from tests.tp_jobs import batches, build_model, reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 ENV = {"PYTHONPATH": str(ROOT)}
 pytestmark = pytest.mark.timeout(300)
 

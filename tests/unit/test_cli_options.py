@@ -17,7 +17,7 @@ from flowtrain.cli.main import main, parse
 from flowtrain.cli.options import kafka_config
 from tests.synthetic_data import make_regression_run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 pytestmark = pytest.mark.timeout(300)
 
 
