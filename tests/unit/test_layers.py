@@ -46,3 +46,13 @@ def test_import_contracts_hold():
     lint = Path(sys.executable).with_name("lint-imports")
     result = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_test_module_basenames_are_unique():
+    """tests/ has no __init__.py, so pytest imports each test file by its basename: two files of one name in
+    different folders stop the whole collection ("import file mismatch") on a clean clone."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    dupes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not dupes, f"test files sharing a basename (rename one): {dupes}"
