@@ -5,6 +5,7 @@ a command runs.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -83,7 +84,7 @@ def run_scorer(args, beam_args: list[str]) -> int:
     import apache_beam as beam
 
     from connectors.kafka import close_all_clients, ensure_topic
-    from flowtrain.local.runners import cancel_pipeline, pipeline_options
+    from flowtrain.local.runners import pipeline_options
     from pipelines.flights.status import clear_status
     from pipelines.serving.scoring import build_scoring_pipeline
 
@@ -115,29 +116,17 @@ def run_scorer(args, beam_args: list[str]) -> int:
     print(f"stream score: {args.raw_topic} -> RunInference -> {args.predictions_topic} "
           f"(+ {args.score_dead_letter_topic}), versions from {args.updates_topic} every "
           f"{args.swap_interval:g} s, group {args.score_group_id}; Ctrl-C stops", flush=True)
-    code = 0
-    while not stop.is_set():
-        try:
-            state = str(result.state)
-        except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
-            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
-                break
-            raise
-        if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
-            print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
-            code = 1 if "FAILED" in state else 0
-            break
-        time.sleep(0.5)
-    if stop.is_set():
-        from flowtrain.local.flink.jars import FlinkError
+    from connectors.atomic import atomic_write
+    from flowtrain.local.runners import beam_counters, watch_pipeline
+    from pipelines.serving.predictions import METRICS_NAMESPACE
 
-        try:
-            cancel_pipeline(result, p.options)  # on Flink also the Flink job
-        except FlinkError as err:  # the Flink job runs on: never report it stopped
-            print(f"stream score: the Flink job was not cancelled: {err}", file=sys.stderr, flush=True)
-            code = 1
-        except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
-            print(f"stream score: the runner was already gone ({type(err).__name__})", flush=True)
+    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
+        counts = beam_counters(result, METRICS_NAMESPACE)
+        atomic_write(out / "score-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
+
+    state, code = watch_pipeline(result, p.options, stop, what="stream score", every=save_metrics)
+    if state not in ("CANCELLED", "RUNNING"):
+        print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
     close_all_clients()
     print("stream score: stopped", flush=True)
     return code

@@ -361,7 +361,7 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
 
     from connectors.kafka import ensure_topic
     from flowtrain.cli.stream_status import pipeline_summary, pipeline_totals
-    from flowtrain.local.runners import cancel_pipeline, pipeline_options
+    from flowtrain.local.runners import pipeline_options
     from pipelines.flights.status import clear_status
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
@@ -391,32 +391,25 @@ def _run_pipeline(args, beam_args: list[str]) -> int:
     result = p.run()
     print(f"stream pipeline: {args.raw_topic} -> {args.features_topic} (+ {args.dead_letter_topic}), "
           f"group {args.group_id}; Ctrl-C stops", flush=True)
-    while not stop.is_set():
-        try:
-            state = str(result.state)
-        except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
-            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
-                break
-            raise
-        if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
-            totals = pipeline_totals(out)
-            for error in totals["errors"]:
-                print(f"stream pipeline: stopped: {error}", file=sys.stderr)
-            print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
-            return 1 if "FAILED" in state else 0
-        time.sleep(0.5)
-    from flowtrain.local.flink.jars import FlinkError
-
-    try:
-        cancel_pipeline(result, p.options)  # on Flink also the Flink job (Beam's cancel leaves it running)
-    except FlinkError as err:  # the Flink job runs on: never report it stopped
-        print(f"stream pipeline: the Flink job was not cancelled: {err}", file=sys.stderr, flush=True)
-        return 1
-    except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
-        print(f"stream pipeline: the runner was already gone ({type(err).__name__})", flush=True)
+    from connectors.atomic import atomic_write
     from connectors.kafka import close_all_clients
+    from flowtrain.local.runners import beam_counters, watch_pipeline
+    from pipelines.stream.pipeline import METRICS_NAMESPACE
 
+    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
+        counts = beam_counters(result, METRICS_NAMESPACE)
+        atomic_write(out / "pipeline-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
+
+    state, code = watch_pipeline(result, p.options, stop, what="stream pipeline", every=save_metrics)
     close_all_clients()
+    if state == "RUNNING":  # a Flink job that could not be cancelled: said already
+        return code
+    if state != "CANCELLED":  # ended by itself
+        totals = pipeline_totals(out)
+        for error in totals["errors"]:
+            print(f"stream pipeline: stopped: {error}", file=sys.stderr)
+        print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
+        return code
     print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
     return 0
 

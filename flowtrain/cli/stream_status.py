@@ -148,10 +148,15 @@ class StreamSampler:
 
         prefix = str(self.out / "score-status.json")
         predictions = latency_ms = 0
+        bounds, buckets = None, None
         serving, newest = None, -1.0
         for data in read_status(prefix, "predictions"):
             predictions += int(data.get("predictions", 0) or 0)
             latency_ms += int(data.get("latency_ms_sum", 0) or 0)
+            counts = data.get("latency_buckets")
+            if counts and (bounds is None or data.get("latency_buckets_s") == bounds):
+                bounds = data.get("latency_buckets_s")
+                buckets = [a + int(b) for a, b in zip(buckets or [0] * len(counts), counts)]
             if data.get("version") is not None and data.get("time", 0) > newest:
                 newest, serving = data["time"], data["version"]
         rejected = []
@@ -162,6 +167,9 @@ class StreamSampler:
         if predictions or serving is not None or rejected:
             snap["counters"]["predictions"] = predictions
             snap["latency"] = {"count": predictions, "sum_s": latency_ms / 1000.0}
+            if bounds and buckets and sum(buckets) == predictions:
+                cumulative = [sum(buckets[:i + 1]) for i in range(len(bounds))]
+                snap["latency"]["buckets"] = [[float(b), c] for b, c in zip(bounds, cumulative)]
             snap["serving_version"] = serving
             snap["rejected_versions"] = rejected[-NEWEST:]
 

@@ -233,6 +233,69 @@ def cancel_pipeline(result, options: PipelineOptions, *, timeout_s: float = 60.0
             cancel_flink_jobs(rest, job_name, timeout_s=timeout_s)
 
 
+def beam_counters(result, namespace: str) -> dict[str, int]:
+    """The counters of ``namespace`` a (running or finished) pipeline reports, summed over steps:
+    committed where the runner keeps them, else attempted (Prism's attempted counts of a running
+    streaming job lag its committed ones, and were seen at 0). Empty when the runner reports none."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    found = result.metrics().query(MetricsFilter().with_namespace(namespace))
+    out: dict[str, int] = {}
+    for counter in found["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        out[counter.key.metric.name] = out.get(counter.key.metric.name, 0) + int(value or 0)
+    return out
+
+
+def watch_pipeline(result, options: PipelineOptions, stop, *, what: str, every=None,
+                   every_s: float = 5.0) -> tuple[str, int]:
+    """Poll a streaming pipeline until it ends by itself or ``stop`` (a ``threading.Event``-like, set by
+    a signal handler) is set; then cancel it (on Flink also the Flink job). ``every()`` runs every
+    ``every_s`` seconds while it runs and once more before the cancel (e.g. saving the runner's
+    metrics: a Ctrl-C sent to the terminal's whole process group may end a local runner before
+    the cancel, so what is saved while it runs is what survives). Returns ``(state, exit code)``:
+    the runner's final state and 1 if it FAILED, or ``("CANCELLED", 0)``, or ``("RUNNING", 1)`` when the
+    Flink job could not be cancelled (it runs on: never reported stopped). ``what`` names the job in
+    the lines printed."""
+    import sys
+
+    def run_every() -> None:
+        if every is None:
+            return
+        try:
+            every()
+        except Exception as err:  # noqa: BLE001 - a runner going away mid-call: the job's state decides
+            if not stop.is_set():
+                print(f"{what}: {type(err).__name__}: {err}"[:300], flush=True)
+
+    next_at = time.monotonic() + every_s
+    while not stop.is_set():
+        try:
+            state = str(result.state)
+        except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
+            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
+                break
+            raise
+        if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):
+            run_every()
+            return state, 1 if "FAILED" in state else 0
+        if time.monotonic() >= next_at:
+            run_every()
+            next_at = time.monotonic() + every_s
+        time.sleep(0.5)
+    run_every()
+    from flowtrain.local.flink.jars import FlinkError
+
+    try:
+        cancel_pipeline(result, options)  # on Flink also the Flink job (Beam's cancel leaves it running)
+    except FlinkError as err:  # the Flink job runs on: never report it stopped
+        print(f"{what}: the Flink job was not cancelled: {err}", file=sys.stderr, flush=True)
+        return "RUNNING", 1
+    except Exception as err:  # noqa: BLE001 - a terminal's Ctrl-C also reaches (and ends) the runner
+        print(f"{what}: the runner was already gone ({type(err).__name__})", flush=True)
+    return "CANCELLED", 0
+
+
 def _flink_rest(options: PipelineOptions) -> str | None:
     """The REST address of the Flink cluster ``options`` run on, if they run on Flink."""
     from apache_beam.options.pipeline_options import FlinkRunnerOptions, PortableOptions, StandardOptions

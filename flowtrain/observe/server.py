@@ -14,14 +14,15 @@ A snapshot is a dict; every key is optional:
 ``dead_letters_by_reason`` ({reason: n}), ``lag`` ({partition: records}), ``trainer_step``,
 ``train_loss``, ``prequential`` ({metric: value}), ``published_version``, ``serving_version``,
 ``freshness_s`` (seconds since the newest published version was written), ``latency``
-({"count": n, "sum_s": seconds}: prediction latency, event time to scoring), ``dead_letters``
+({"count": n, "sum_s": seconds, "buckets": [[upper bound s, cumulative count], ...]}: prediction
+latency, event time to scoring; without buckets, a summary), ``dead_letters``
 (newest first: [{time, reason, source, payload}]), ``versions`` (newest first: [{version, state:
 published | serving | rejected, reason, time}]).
 
 Metric families (``flowtrain_`` prefix): ``<counter>_total`` for every counter,
 ``dead_letters_by_reason_total{reason}``, ``consumer_lag{partition}``, ``trainer_step``,
 ``train_loss``, ``prequential{metric}``, ``published_version``, ``serving_version``,
-``model_freshness_seconds``, ``prediction_latency_seconds`` (a summary: count and sum),
+``model_freshness_seconds``, ``prediction_latency_seconds`` (a histogram; a summary without buckets),
 ``half_up{half}`` (1 while that half runs), ``sample_number`` (which snapshot this is) and
 ``sample_timestamp_seconds``.
 """
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from flowtrain.errors import FlowtrainError
 from flowtrain.observe.page import PAGE
@@ -97,7 +98,12 @@ class SnapshotCollector:
             if value is not None:
                 yield GaugeMetricFamily(PREFIX + name, text, value=value)
         latency = snap.get("latency") or {}
-        if latency.get("count"):
+        if latency.get("count") and latency.get("buckets"):
+            buckets = [(repr(float(bound)), float(n)) for bound, n in latency["buckets"]]
+            yield HistogramMetricFamily(PREFIX + "prediction_latency_seconds", "event time to scoring time of "
+                                        "the predictions", buckets=buckets + [("+Inf", float(latency["count"]))],
+                                        sum_value=float(latency["sum_s"]))
+        elif latency.get("count"):
             yield SummaryMetricFamily(PREFIX + "prediction_latency_seconds", "event time to scoring time of "
                                       "the predictions", count_value=float(latency["count"]),
                                       sum_value=float(latency["sum_s"]))

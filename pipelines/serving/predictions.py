@@ -21,6 +21,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import PredictionResult
 
 from connectors.arrow import encode_batches
@@ -29,7 +30,18 @@ from connectors.kafka import KafkaDelivery, close_client, new_producer, value_bu
 from pipelines.flights.status import write_status
 from pipelines.serving.handler import parse_model_tag
 
-__all__ = ["PREDICTION_SCHEMA", "predictions_batch", "WritePredictions"]
+__all__ = ["PREDICTION_SCHEMA", "LATENCY_BUCKETS_S", "METRICS_NAMESPACE", "predictions_batch", "WritePredictions"]
+
+#: Upper bounds (seconds) of the prediction-latency histogram (event time to scoring time) the scorer
+#: keeps in its status (``latency_buckets``: counts per bucket, the last one above the last bound);
+#: ``/metrics`` serves it as the histogram ``flowtrain_prediction_latency_seconds``.
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+_BUCKET_MS = np.asarray([b * 1000 for b in LATENCY_BUCKETS_S])
+#: Beam metrics of the scorer (``PipelineResult.metrics()``, the runner's UI), counted after Kafka
+#: acknowledged a micro-batch's predictions: counters ``predictions``, ``scored_batches``, ``labelled``,
+#: ``correct``; distribution ``batch_latency_ms`` (each scored micro-batch's mean event-time-to-scoring
+#: latency: one update per batch, so counting costs nothing per event).
+METRICS_NAMESPACE = "flowtrain.serving"
 
 PREDICTION_SCHEMA = pa.schema([
     ("source", pa.string()),
@@ -109,7 +121,12 @@ class _WritePredictionsFn(beam.DoFn):
         self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "run_id": None,
-                       "versions": {}, "latency_ms_sum": 0, "to_featurized_ms_sum": 0}
+                       "versions": {}, "latency_ms_sum": 0, "to_featurized_ms_sum": 0,
+                       "latency_buckets_s": list(LATENCY_BUCKETS_S),
+                       "latency_buckets": [0] * (len(LATENCY_BUCKETS_S) + 1)}
+        self.metrics = {name: Metrics.counter(METRICS_NAMESPACE, name)
+                        for name in ("predictions", "scored_batches", "labelled", "correct")}
+        self.latency = Metrics.distribution(METRICS_NAMESPACE, "batch_latency_ms")
 
     def teardown(self):
         if getattr(self, "producer", None) is not None:
@@ -131,6 +148,7 @@ class _WritePredictionsFn(beam.DoFn):
     def _count(self, preds: pa.RecordBatch, featurized_ms: int) -> None:
         t = self.totals
         t["predictions"] += preds.num_rows
+        labelled_before, correct_before = t["labelled"], t["correct"]
         version = int(preds.column("model_version")[0].as_py())
         t["version"], t["run_id"] = version, preds.column("model_run")[0].as_py()
         t["versions"][str(version)] = t["versions"].get(str(version), 0) + preds.num_rows
@@ -143,8 +161,17 @@ class _WritePredictionsFn(beam.DoFn):
             t["labelled"] += int(known.sum())
             t["correct"] += int((names == want).sum())
         event = preds.column("event_time").cast(pa.int64()).to_numpy()
-        t["latency_ms_sum"] += int((preds.column("scoring_time").cast(pa.int64()).to_numpy() - event).sum())
+        latency_ms = preds.column("scoring_time").cast(pa.int64()).to_numpy() - event
+        t["latency_ms_sum"] += int(latency_ms.sum())
         t["to_featurized_ms_sum"] += int((featurized_ms - event).sum())
+        # bucket i counts latencies in (bound[i-1], bound[i]]; the last, those above the last bound
+        counts = np.bincount(np.searchsorted(_BUCKET_MS, latency_ms, side="left"), minlength=len(_BUCKET_MS) + 1)
+        t["latency_buckets"] = [int(a + b) for a, b in zip(t["latency_buckets"], counts)]
+        self.metrics["predictions"].inc(preds.num_rows)
+        self.metrics["scored_batches"].inc()
+        self.metrics["labelled"].inc(t["labelled"] - labelled_before)
+        self.metrics["correct"].inc(t["correct"] - correct_before)
+        self.latency.update(int(latency_ms.mean()))
         write_status(self.cfg.status_path, self, t, kind="predictions")
 
 

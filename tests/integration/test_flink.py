@@ -48,6 +48,29 @@ def _job_vertices(cluster: LocalFlink, jid: str) -> list[dict]:
         return json.loads(resp.read())["vertices"]
 
 
+def _flink_user_counters(cluster: LocalFlink, jid: str, namespace: str) -> dict[str, int]:
+    """The Beam counters of ``namespace`` as Flink's web UI shows them: the job's Accumulators tab
+    (REST ``/jobs/<id>/accumulators``) holds Beam's ``__metricscontainers``, its MonitoringInfos as
+    JSON (a user counter: urn ``beam:metric:user:sum_int64:v1``, payload a base64 varint)."""
+    import base64
+    import urllib.request
+
+    with urllib.request.urlopen(f"{cluster.status()['rest']}/jobs/{jid}/accumulators", timeout=10) as resp:
+        accumulators = json.loads(resp.read())["user-task-accumulators"]
+    containers = [a for a in accumulators if a["name"] == "__metricscontainers"]
+    assert containers, f"no Beam metrics among the job's accumulators: {[a['name'] for a in accumulators]}"
+    out: dict[str, int] = {}
+    for info in json.loads(containers[0]["value"])["metrics"]["attempted"]:
+        if info["urn"] != "beam:metric:user:sum_int64:v1" or info["labels"].get("NAMESPACE") != namespace:
+            continue
+        value, shift = 0, 0
+        for byte in base64.b64decode(info["payload"]):
+            value |= (byte & 0x7F) << shift
+            shift += 7
+        out[info["labels"]["NAME"]] = out.get(info["labels"]["NAME"], 0) + value
+    return out
+
+
 def _new_finished_job(cluster: LocalFlink, before: set[str]) -> dict:
     new = [j for j in _jobs(cluster) if j["jid"] not in before]
     assert len(new) == 1, f"expected one new Flink job, got {new}"
@@ -150,10 +173,16 @@ def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_ru
     _batch_job_only(inputs, tmp_path / "fnapi")
     before = {j["jid"] for j in _jobs(flink_cluster)}
     printed = _batch_job_only(inputs, tmp_path / "flink", "--runner", "flink")
-    _new_finished_job(flink_cluster, before)
+    job = _new_finished_job(flink_cluster, before)
     assert "PortableRunner" in printed or "etl:" in printed
     manifest = _assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
     assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
+    # the ETL's Beam counters in Flink's web UI (the job's accumulators) equal the manifest's counts
+    counters = _flink_user_counters(flink_cluster, job["jid"], "flowtrain.etl")
+    assert counters["rows_in"] == manifest["counts"]["in"] == 3000, counters
+    assert counters["dead_letters"] == manifest["counts"]["dead_letters"], counters
+    assert counters["rows_out"] == manifest["counts"]["in"] - manifest["counts"]["dead_letters"], counters
+    assert sum(v for k, v in counters.items() if k.startswith("rows_out: ")) == counters["rows_out"], counters
     assert _dead_letters(tmp_path / "flink" / "dead_letters.jsonl") == _dead_letters(
         tmp_path / "fnapi" / "dead_letters.jsonl")
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import apache_beam as beam
 import pytest
-from apache_beam.metrics.metric import MetricsFilter
 
 from tests.kafka_checks import committed
 
@@ -27,14 +26,10 @@ def flights_dataset(tmp_path_factory) -> str:
 
 
 def _counters(result) -> dict:
+    from flowtrain.local.runners import beam_counters
     from pipelines.stream.pipeline import METRICS_NAMESPACE
 
-    found = result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))
-    out: dict = {}
-    for c in found["counters"]:
-        value = c.committed if c.committed is not None else c.attempted
-        out[c.key.metric.name] = out.get(c.key.metric.name, 0) + (value or 0)
-    return out
+    return beam_counters(result, METRICS_NAMESPACE)
 
 
 def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_topic, flights_dataset):

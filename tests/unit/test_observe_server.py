@@ -18,7 +18,8 @@ def _snapshot(i: int) -> dict:
             "counters": {"events": 100 * i, "rows": 90 * i, "dead_letters": 3},
             "dead_letters_by_reason": {'bad "json"\nline': 2, "missing field dep_delay": 1},
             "lag": {"1": 7, "0": 5}, "trainer_step": i, "train_loss": 0.25, "prequential": {"auc": 0.75},
-            "published_version": 4, "serving_version": 3, "freshness_s": 1.5, "latency": {"count": 10, "sum_s": 2.5},
+            "published_version": 4, "serving_version": 3, "freshness_s": 1.5, "latency": {"count": 10, "sum_s": 2.5,
+                                                                                          "buckets": [[0.5, 4], [1.0, 9]]},
             "dead_letters": [{"time": 1.0, "reason": "bad json", "source": "raw/0@5", "payload": "{x"}],
             "versions": [{"version": 4, "state": "published"}, {"version": 2, "state": "rejected",
                                                                  "reason": "bad signature"}]}
@@ -64,6 +65,9 @@ def test_metrics_status_and_page_serve_the_newest_snapshot():
         assert samples[("flowtrain_published_version", ())] == 4 and samples[("flowtrain_serving_version", ())] == 3
         assert samples[("flowtrain_prediction_latency_seconds_count", ())] == 10
         assert samples[("flowtrain_prediction_latency_seconds_sum", ())] == 2.5
+        assert samples[("flowtrain_prediction_latency_seconds_bucket", (("le", "0.5"),))] == 4
+        assert samples[("flowtrain_prediction_latency_seconds_bucket", (("le", "1.0"),))] == 9
+        assert samples[("flowtrain_prediction_latency_seconds_bucket", (("le", "+Inf"),))] == 10
         assert samples[("flowtrain_model_freshness_seconds", ())] == 1.5
         status = json.loads(_get(server.url + "status.json"))
         assert status["versions"][1] == {"version": 2, "state": "rejected", "reason": "bad signature"}
