@@ -116,6 +116,10 @@ class BatchJob:
                           "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
     failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
                                     parse=above(0), group=_PAR)
+    max_restarts: int = option(0, "with --workers (or --stages/--tensor-parallel) > 1: when a worker dies, fails "
+                               "or stalls, restart the whole group from the run's last checkpoint, up to this "
+                               "many times (torchrun's --max-restarts on one machine); then the job stops naming "
+                               "each failure", parse=at_least(0), group=_PAR)
     bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=_PAR)
     stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own worker "
                          "(with --workers D: a D x S grid of D*S workers)", parse=at_least(1), group=_PAR)
@@ -156,6 +160,33 @@ def user_errors():
 
     return (SchemaError, SplitError, DatasetError, FileReadError, CheckpointError, DeviceError, GridError,
             ScheduleError, RunnerError, WorkerFailure, FileNotFoundError)
+
+
+def train_with_restarts(run_group, max_restarts: int) -> None:
+    """``run_group(attempt)`` (a local worker group), run again after a ``WorkerFailure`` up to
+    ``max_restarts`` times: attempt k > 0 is a restarted group (``TORCHELASTIC_RESTART_COUNT=k``,
+    as torchrun's elastic agent sets it), which resumes from the run's last checkpoint. After the
+    last allowed failure, a ``WorkerFailure`` naming every failure in order."""
+    from flowtrain.parallel.launch import WorkerFailure
+
+    failures: list[WorkerFailure] = []
+    for attempt in range(max_restarts + 1):
+        try:
+            run_group(attempt)
+            return
+        except WorkerFailure as err:
+            failures.append(err)
+            if attempt == max_restarts:
+                break
+            print(f"train: worker rank {err.rank} {err.cause}; restarting the worker group from the last "
+                  f"checkpoint (restart {attempt + 1} of {max_restarts})", flush=True)
+    last = failures[-1]
+    if len(failures) == 1:
+        raise last
+    history = "; ".join(f"{i + 1}) rank {f.rank} {f.cause}" for i, f in enumerate(failures))
+    raise WorkerFailure(last.rank, f"{last.cause}; the job failed {len(failures)} times, more than --max-restarts "
+                                   f"{max_restarts} allows: {history}",
+                        last.log_tail)
 
 
 def user_error(err: BaseException) -> FlowtrainError:
@@ -356,8 +387,11 @@ def _run_batch(job: BatchJob) -> dict:
                   f"tensor shard(s)" if workers > launch.workers else f"{workers} data-parallel workers")
         print(f"train: {layout} on 127.0.0.1 ({device.type}, {backend_for(device)}), "
               f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
-        spawn(workers, "flowtrain.train.jobs:train_worker", job_dict,
-              failure_timeout_s=launch.failure_timeout_s, workdir=run_dir / "workers")
+        from flowtrain.train.jobs import RESTART_ENV
+
+        train_with_restarts(lambda attempt: spawn(
+            workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=launch.failure_timeout_s,
+            workdir=run_dir / "workers", extra_env={RESTART_ENV: str(attempt)}), job.max_restarts)
     else:
         train_worker(DistContext(), job_dict)
     fitted = json.loads((run_dir / "fit.json").read_text())

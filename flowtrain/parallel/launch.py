@@ -51,7 +51,7 @@ class WorkerFailure(RuntimeError):
     """A worker failed; the message names its rank and the cause."""
 
     def __init__(self, rank: int, cause: str, log_tail: str = ""):
-        self.rank, self.cause = rank, cause
+        self.rank, self.cause, self.log_tail = rank, cause, log_tail
         super().__init__(f"worker rank {rank} {cause}" + (f"\n--- rank {rank} log ---\n{log_tail}" if log_tail else ""))
 
 

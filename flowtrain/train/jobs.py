@@ -41,12 +41,16 @@ def train_worker(ctx, job: dict) -> None:
             "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}))
 
 
+#: Set by torchrun's elastic agent (and by ``flowtrain batch --max-restarts``) in a restarted worker group.
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
 def restarted_with_checkpoint(run_dir: Path) -> bool:
     """Under torchrun ``--max-restarts``, a restarted worker group (``TORCHELASTIC_RESTART_COUNT`` > 0)
     continues from the run's last checkpoint, when one exists, instead of training again from the start."""
     import os
 
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+    if int(os.environ.get(RESTART_ENV, "0") or 0) == 0:
         return False
     from flowtrain.train import checkpoint, rundir
 
