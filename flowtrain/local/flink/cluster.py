@@ -1,4 +1,4 @@
-"""A local Apache Flink session cluster on 127.0.0.1, Beam's Flink job server and a worker pool.
+"""An Apache Flink session cluster (on 127.0.0.1, or across hosts), Beam's Flink job server and a worker pool.
 
 Everything runs from the jars :mod:`flowtrain.local.flink.jars` resolves (no Flink
 distribution, no Docker), as detached processes that ``flowtrain flink start`` leaves running:
@@ -10,12 +10,21 @@ distribution, no Docker), as detached processes that ``flowtrain flink start`` l
 * a worker pool (:mod:`flowtrain.local.flink.worker_pool`) that starts the Python SDK workers
   (``--environment_type=EXTERNAL``) with this Python, so they import flowtrain's code.
 
+Across hosts (``bind``: the address every Flink process listens on and advertises), the
+JobManager's host runs the JobManager, the job server and any local TaskManagers; each other host
+runs ``taskmanagers`` TaskManagers with its own worker pool against that JobManager
+(``jobmanager="HOST:RPC_PORT"``). The worker pool of every host listens on 127.0.0.1 at the same
+``pool_port``: a job names one ``--environment_config`` for all its TaskManagers, and Beam's
+TaskManager side advertises its Fn API services to the SDK workers as ``localhost``, so each
+TaskManager must find a pool on its own host at that one address.
+
 ``<data_dir>/cluster.json`` records the processes (pid and start time, so a recycled pid is
 never signalled), ports and logs; ``status`` and ``stop`` read it, and ``beam_args`` turns it
 into the Beam options that run a pipeline there.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -47,6 +56,12 @@ DIR_ENV = "FLOWTRAIN_FLINK_DIR"
 # C1 only: on a couple of busy cores the C2 compiler's threads cost more CPU than its code saves
 # for these processes (the data path is the Python SDK workers; the JVMs move bytes, schedule, translate).
 _JVM_FLAGS = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
+LOOPBACK = "127.0.0.1"
+#: Across hosts the ports must be known in advance (every TaskManager host names the JobManager's RPC
+#: port, every worker pool listens on the port the jobs name): Flink's and Beam's conventional ones.
+DEFAULT_RPC_PORT = 6123
+DEFAULT_POOL_PORT = 50000
+
 # Java 17 closes the JDK internals Flink 1.19 reflects on; its start scripts pass these.
 _JAVA_OPENS = [
     "-XX:+IgnoreUnrecognizedVMOptions",
@@ -118,12 +133,19 @@ class TaskManagerMemory:
                 f"-XX:MaxMetaspaceSize={self.metaspace}m"]
 
 
+def _logged(path: Path, text: str) -> bool:
+    try:
+        return text in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def _alive(proc: dict) -> bool:
     return same_process(proc)
 
 
-def _rest(port: int, path: str, timeout: float = 3.0):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+def _rest(port: int, path: str, timeout: float = 3.0, host: str = LOOPBACK):
+    with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -158,7 +180,15 @@ def cancel_flink_jobs(rest_url: str, job_name: str, *, timeout_s: float = 60.0) 
 
 @dataclass
 class LocalFlink:
-    """A Flink session cluster with ``taskmanagers`` x ``slots`` slots, a job server and a worker pool."""
+    """A Flink session cluster with ``taskmanagers`` x ``slots`` slots, a job server and a worker pool.
+
+    ``bind``: the address every process listens on and advertises (127.0.0.1 by default).
+    ``jobmanager`` ("HOST:RPC_PORT"): start only ``taskmanagers`` TaskManagers and a worker pool on this
+    host, registering with that JobManager (another host's ``flowtrain flink start --bind``).
+    ``taskmanagers=0`` on the JobManager's host: only the JobManager and the job server, TaskManagers join
+    from other hosts; ``parallelism`` (the jobs' default) is then required. ``rpc_port`` / ``pool_port``:
+    free ports on loopback, 6123 / 50000 with another ``bind`` (every host must agree on them).
+    """
 
     taskmanagers: int = 2
     slots: int = 1
@@ -168,11 +198,39 @@ class LocalFlink:
     memory: TaskManagerMemory = field(default_factory=TaskManagerMemory)
     jobmanager_heap_mb: int = 512
     job_server_heap_mb: int = 512
+    bind: str = LOOPBACK
+    jobmanager: str | None = None
+    rpc_port: int | None = None
+    pool_port: int | None = None
+    parallelism: int | None = None
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().resolve()
-        if self.taskmanagers < 1 or self.slots < 1:
-            raise FlinkError(f"--taskmanagers and --slots must be at least 1 (got {self.taskmanagers}, {self.slots})")
+        least = 1 if self.jobmanager else 0
+        if self.taskmanagers < least or self.slots < 1:
+            raise FlinkError(f"--taskmanagers must be at least {least} and --slots at least 1 (got "
+                             f"{self.taskmanagers}, {self.slots})")
+        try:
+            ipaddress.ip_address(self.bind)
+        except ValueError:
+            raise FlinkError(f"--bind {self.bind!r} is not an IP address; give this host's address on the network "
+                             f"the other hosts reach (e.g. 10.0.0.2), or leave it out for 127.0.0.1") from None
+        if self.bind in ("0.0.0.0", "::"):
+            raise FlinkError(f"--bind {self.bind} would listen on every interface and advertise an address no other "
+                             f"host can reach; give this host's own address")
+        if self.jobmanager is not None:
+            host, sep, port = self.jobmanager.rpartition(":")
+            if not (sep and host and port.isdigit()):
+                raise FlinkError(f"--taskmanager-of {self.jobmanager!r} is not HOST:RPC_PORT (the JobManager's "
+                                 f"address and RPC port, as its `flowtrain flink start --bind` printed)")
+            self._jm_host, self._jm_port = host.strip("[]"), int(port)
+        joinable = self.bind != LOOPBACK or self.jobmanager is not None
+        if self.pool_port is None and joinable:
+            self.pool_port = DEFAULT_POOL_PORT
+        if self.rpc_port is None and self.bind != LOOPBACK and self.jobmanager is None:
+            self.rpc_port = DEFAULT_RPC_PORT
+        if self.parallelism is None and self.jobmanager is None and self.taskmanagers:
+            self.parallelism = self.taskmanagers * self.slots
 
     # -- paths and state -----------------------------------------------------------------
     @property
@@ -198,6 +256,11 @@ class LocalFlink:
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self._state_path)
 
+    @property
+    def role(self) -> str:
+        """"cluster" (a JobManager, a job server and any local TaskManagers) or "taskmanagers" (joining one)."""
+        return "taskmanagers" if self.jobmanager else "cluster"
+
     def running(self) -> bool:
         """True when every process of the recorded cluster is alive."""
         state = self.read_state()
@@ -208,17 +271,23 @@ class LocalFlink:
         procs = state.get("processes", {})
         out = {
             "running": self.running(),
+            "role": state.get("role", self.role),
             "data_dir": str(self.data_dir),
             "logs": str(self.log_dir),
-            "rest": state.get("rest", f"http://127.0.0.1:{self.rest_port}"),
+            "bind": state.get("bind", self.bind),
+            "rest": state.get("rest", f"http://{self.bind}:{self.rest_port}"),
             "job_endpoint": state.get("job_endpoint"),
             "worker_pool": state.get("worker_pool"),
             "versions": {"flink": state.get("flink_version"), "beam_runner": BEAM_RUNNER_VERSION},
             "processes": {name: {"pid": p["pid"], "alive": _alive(p), "log": p["log"]} for name, p in procs.items()},
         }
-        if out["running"]:
+        if state.get("role") == "taskmanagers":
+            out["jobmanager"] = state.get("jobmanager")
+            out.pop("rest")
+        elif out["running"]:
+            out["jobmanager"] = state.get("jobmanager")
             try:
-                overview = _rest(state["rest_port"], "/overview")
+                overview = _rest(state["rest_port"], "/overview", host=state.get("bind", LOOPBACK))
                 out.update(taskmanagers=overview["taskmanagers"], slots=overview["slots-total"],
                            slots_available=overview["slots-available"], jobs_running=overview["jobs-running"])
             except (OSError, ValueError, KeyError):
@@ -232,6 +301,10 @@ class LocalFlink:
             raise FlinkError(f"no local Flink cluster is running in {self.data_dir}. Start one with "
                              f"`flowtrain flink start` (set {DIR_ENV} for another directory), or pass "
                              f"--flink-master HOST:PORT to use another Flink cluster")
+        if state.get("role") == "taskmanagers":
+            raise FlinkError(f"{self.data_dir} holds TaskManagers of the JobManager at {state['jobmanager']}, no job "
+                             f"server: run pipelines against the JobManager host's cluster directory (its "
+                             f"`flowtrain flink start --bind` printed the job server)")
         # environment_cache_millis: keep a TaskManager's SDK worker between the stages of a job.
         # Without it every batch stage (a Flink task) starts a fresh Python worker (imports of
         # Beam, pyarrow and the pipeline: seconds each on 2 cores), ~10 per TaskManager per ETL.
@@ -243,18 +316,18 @@ class LocalFlink:
         return args
 
     # -- config --------------------------------------------------------------------------
-    def _flink_conf(self, rpc_port: int) -> str:
+    def _flink_conf(self, jm_host: str, rpc_port: int) -> str:
         conf = {
-            "jobmanager.rpc.address": "127.0.0.1",
+            "jobmanager.rpc.address": jm_host,
             "jobmanager.rpc.port": rpc_port,
-            "jobmanager.bind-host": "127.0.0.1",
-            "rest.address": "127.0.0.1",
-            "rest.bind-address": "127.0.0.1",
+            "jobmanager.bind-host": self.bind,
+            "rest.address": self.bind,
+            "rest.bind-address": self.bind,
             "rest.port": self.rest_port,
-            "taskmanager.host": "127.0.0.1",
-            "taskmanager.bind-host": "127.0.0.1",
+            "taskmanager.host": self.bind,
+            "taskmanager.bind-host": self.bind,
             "taskmanager.numberOfTaskSlots": self.slots,
-            "parallelism.default": self.taskmanagers * self.slots,
+            "parallelism.default": self.parallelism or self.taskmanagers * self.slots,
             # The TaskManagers run with Beam's runner on their classpath; jobs stage no jars
             # (or, without the helper, the same ones): load Beam's classes from the one copy.
             "classloader.resolve-order": "parent-first",
@@ -285,7 +358,8 @@ class LocalFlink:
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, *, timeout_s: float = 180.0, quiet: bool = False) -> dict:
-        """Start the cluster unless it runs already; return its status. Idempotent."""
+        """Start the cluster (or, with ``jobmanager``, this host's TaskManagers) unless it runs already;
+        return its status. Idempotent."""
         if self.running():
             state = self.read_state()
             if not quiet:
@@ -293,32 +367,53 @@ class LocalFlink:
                 if (state.get("taskmanagers"), state.get("slots")) != (self.taskmanagers, self.slots):
                     note = (f" with {state.get('taskmanagers')} TaskManager(s) x {state.get('slots')} slot(s); "
                             f"`flowtrain flink stop` first to change that")
-                print(f"flink: already running{note}; REST {state['rest']}, job server {state['job_endpoint']}, "
-                      f"logs {self.log_dir}")
+                if state.get("role") == "taskmanagers":
+                    print(f"flink: already running{note}: TaskManagers of {state['jobmanager']} on {state['bind']}, "
+                          f"logs {self.log_dir}")
+                else:
+                    print(f"flink: already running{note}; REST {state['rest']}, job server {state['job_endpoint']}, "
+                          f"logs {self.log_dir}")
             return self.status()
+        if not self.parallelism and not self.jobmanager:
+            raise FlinkError("--taskmanagers 0 (TaskManagers join from other hosts) needs --parallelism N: "
+                             "the jobs' default parallelism, the slots those TaskManagers will offer")
         if self.read_state():
             self.stop(quiet=True)  # leftovers of a cluster that partly died
         java = require_tool("java", "to run Flink and Beam's Flink job server",
                             "Install a Java 11+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).")
         if java_major(java) < 11:
             raise FlinkError("Flink 1.19 needs Java 11 or newer; `java -version` reports an older one.")
-        for port, what in ((self.rest_port, "--rest-port"), (self.job_port, "--job-port")):
-            if port_open(port):
-                raise FlinkError(f"port {port} on 127.0.0.1 is taken by another process; choose another with {what}")
+        ports = [] if self.jobmanager else [(self.rest_port, "--rest-port", self.bind), (self.job_port, "--job-port",
+                                                                                           self.bind)]
+        if self.rpc_port is not None and not self.jobmanager:
+            ports.append((self.rpc_port, "--rpc-port", self.bind))
+        if self.pool_port is not None and self.taskmanagers:
+            ports.append((self.pool_port, "--pool-port", LOOPBACK))
+        for port, what, host in ports:
+            if port_open(port, host):
+                raise FlinkError(f"port {port} on {host} is taken by another process; choose another with {what}")
         t0 = time.monotonic()
         libs = ensure_jars(quiet=quiet)
         no_staging = bool((provisioned(libs) or {}).get("no_staging_helper"))
         for d in (self.conf_dir, self.log_dir, self.data_dir / "tmp", self.data_dir / "artifacts"):
             d.mkdir(parents=True, exist_ok=True)
-        rpc_port, pool_port = free_port(), free_port()
-        artifact_port, expansion_port = free_port(), free_port()
-        (self.conf_dir / "flink-conf.yaml").write_text(self._flink_conf(rpc_port))
+        pool_port = self.pool_port or free_port()
+        if self.jobmanager:
+            jm_host, rpc_port = self._jm_host, self._jm_port
+        else:
+            jm_host, rpc_port = self.bind, self.rpc_port or free_port()
+        (self.conf_dir / "flink-conf.yaml").write_text(self._flink_conf(jm_host, rpc_port))
         (self.conf_dir / "log4j2.properties").write_text(_LOG4J)
-        state = {"complete": False, "rest_port": self.rest_port, "rest": f"http://127.0.0.1:{self.rest_port}",
-                 "job_endpoint": f"127.0.0.1:{self.job_port}", "worker_pool": f"127.0.0.1:{pool_port}",
+        state = {"complete": False, "role": self.role, "bind": self.bind, "jobmanager": f"{jm_host}:{rpc_port}",
                  "taskmanagers": self.taskmanagers, "slots": self.slots, "flink_version": FLINK_VERSION,
                  "beam_runner": BEAM_RUNNER_VERSION, "jars": str(libs), "no_staging": no_staging,
                  "python": sys.executable, "started_at": time.time(), "processes": {}}
+        if self.taskmanagers:
+            state["worker_pool"] = f"{LOOPBACK}:{pool_port}"
+        if not self.jobmanager:
+            state.update(rest_port=self.rest_port, rest=f"http://{self.bind}:{self.rest_port}",
+                         job_endpoint=f"{self.bind}:{self.job_port}", worker_pool=f"{LOOPBACK}:{pool_port}",
+                         parallelism=self.parallelism)
         popens: dict[str, subprocess.Popen] = {}
 
         def record(name: str, proc: dict) -> None:
@@ -327,31 +422,38 @@ class LocalFlink:
             self._write_state(state)
 
         try:
-            pool_log = self.log_dir / "worker-pool.log"
-            with open(pool_log, "ab") as out:
-                pool = subprocess.Popen(
-                    [sys.executable, "-m", "flowtrain.local.flink.worker_pool", "--port", str(pool_port),
-                     "--log-dir", str(self.log_dir / "sdk-workers")],
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                    env=worker_env(), cwd=self.data_dir)
-            record("worker-pool", {**identity(pool.pid), "log": str(pool_log), "popen": pool})
+            if self.taskmanagers:
+                pool_log = self.log_dir / "worker-pool.log"
+                with open(pool_log, "ab") as out:
+                    pool = subprocess.Popen(
+                        [sys.executable, "-m", "flowtrain.local.flink.worker_pool", "--port", str(pool_port),
+                         "--log-dir", str(self.log_dir / "sdk-workers")],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                        env=worker_env(), cwd=self.data_dir)
+                record("worker-pool", {**identity(pool.pid), "log": str(pool_log), "popen": pool})
             conf = ["--configDir", str(self.conf_dir)]
-            record("jobmanager", self._java("jobmanager", "org.apache.flink.runtime.entrypoint."
-                                            "StandaloneSessionClusterEntrypoint",
-                                            [f"-Xmx{self.jobmanager_heap_mb}m"], conf, libs, java))
+            if not self.jobmanager:
+                record("jobmanager", self._java("jobmanager", "org.apache.flink.runtime.entrypoint."
+                                                "StandaloneSessionClusterEntrypoint",
+                                                [f"-Xmx{self.jobmanager_heap_mb}m"], conf, libs, java))
             tm_opts = [x for k, v in {"taskmanager.cpu.cores": self.slots,
                                       **self.memory.flink_options(self.slots)}.items() for x in ("-D", f"{k}={v}")]
+            # resource ids name a TaskManager in the whole cluster: the host's address keeps them unique
+            prefix = f"tm-{self.bind}-" if self.jobmanager else "tm-"
             for i in range(1, self.taskmanagers + 1):
                 record(f"taskmanager-{i}", self._java(
                     f"taskmanager-{i}", "org.apache.flink.runtime.taskexecutor.TaskManagerRunner",
-                    self.memory.jvm_options(self.slots), [*conf, *tm_opts, "-D", f"taskmanager.resource-id=tm-{i}"],
+                    self.memory.jvm_options(self.slots), [*conf, *tm_opts, "-D", f"taskmanager.resource-id={prefix}{i}"],
                     libs, java))
-            record("job-server", self._java(
-                "job-server", "org.apache.beam.runners.flink.FlinkJobServerDriver", [f"-Xmx{self.job_server_heap_mb}m"],
-                ["--flink-master", f"127.0.0.1:{self.rest_port}", "--flink-conf-dir", str(self.conf_dir),
-                 "--job-host", "127.0.0.1", "--job-port", str(self.job_port), "--artifact-port", str(artifact_port),
-                 "--expansion-port", str(expansion_port), "--artifacts-dir", str(self.data_dir / "artifacts")],
-                libs, java))
+            if not self.jobmanager:
+                artifact_port, expansion_port = free_port(), free_port()
+                record("job-server", self._java(
+                    "job-server", "org.apache.beam.runners.flink.FlinkJobServerDriver",
+                    [f"-Xmx{self.job_server_heap_mb}m"],
+                    ["--flink-master", f"{self.bind}:{self.rest_port}", "--flink-conf-dir", str(self.conf_dir),
+                     "--job-host", self.bind, "--job-port", str(self.job_port), "--artifact-port", str(artifact_port),
+                     "--expansion-port", str(expansion_port), "--artifacts-dir", str(self.data_dir / "artifacts")],
+                    libs, java))
             self._await_ready(popens, pool_port, timeout_s)
         except BaseException:
             self.stop(quiet=True)
@@ -360,11 +462,21 @@ class LocalFlink:
         state["start_seconds"] = round(time.monotonic() - t0, 1)
         self._write_state(state)
         if not quiet:
-            print(f"flink: session cluster (Flink {FLINK_VERSION}, Beam runner {BEAM_RUNNER_VERSION}) started in "
-                  f"{state['start_seconds']:.1f} s: {self.taskmanagers} TaskManager(s) x {self.slots} slot(s)\n"
-                  f"  REST        {state['rest']}\n  job server  {state['job_endpoint']}\n"
-                  f"  worker pool {state['worker_pool']} (python {sys.executable})\n  logs        {self.log_dir}",
-                  flush=True)
+            pool_line = (f"  worker pool {state['worker_pool']} (python {sys.executable})\n" if self.taskmanagers
+                         else "")
+            if self.jobmanager:
+                print(f"flink: {self.taskmanagers} TaskManager(s) x {self.slots} slot(s) on {self.bind} (Flink "
+                      f"{FLINK_VERSION}) registered with the JobManager at {state['jobmanager']} in "
+                      f"{state['start_seconds']:.1f} s\n{pool_line}  logs        {self.log_dir}", flush=True)
+            else:
+                join = (f"  TaskManagers of other hosts join with: flowtrain flink start --bind THEIR_ADDRESS "
+                        f"--taskmanager-of {state['jobmanager']} --pool-port {pool_port}\n"
+                        if self.bind != LOOPBACK else "")
+                print(f"flink: session cluster (Flink {FLINK_VERSION}, Beam runner {BEAM_RUNNER_VERSION}) started in "
+                      f"{state['start_seconds']:.1f} s: {self.taskmanagers} TaskManager(s) x {self.slots} slot(s)\n"
+                      f"  REST        {state['rest']}\n  job server  {state['job_endpoint']}\n"
+                      f"  JobManager  {state['jobmanager']} (RPC)\n{pool_line}{join}  logs        {self.log_dir}",
+                      flush=True)
         return self.status() | {"start_seconds": state["start_seconds"]}
 
     def _await_ready(self, popens: dict[str, subprocess.Popen], pool_port: int, timeout_s: float) -> None:
@@ -376,16 +488,28 @@ class LocalFlink:
                 if proc.poll() is not None:
                     raise FlinkError(f"the {name} process exited with code {proc.returncode} during start; see "
                                      f"{self.log_dir}/{name}.log and .out:\n{self._tail(name)}")
-            try:
-                registered = _rest(self.rest_port, "/overview", timeout=2)
-            except (OSError, ValueError):
-                registered = None
-            if (registered and registered.get("slots-total", 0) >= want and port_open(self.job_port)
-                    and port_open(pool_port)):
-                return
+            pool_ready = not self.taskmanagers or port_open(pool_port)
+            if self.jobmanager:  # no REST port known here: each TaskManager logs its registration
+                registered = [i for i in range(1, self.taskmanagers + 1) if _logged(
+                    self.log_dir / f"taskmanager-{i}.log", "Successful registration at resource manager")]
+                if len(registered) == self.taskmanagers and pool_ready:
+                    return
+            else:
+                try:
+                    registered = _rest(self.rest_port, "/overview", timeout=2, host=self.bind)
+                except (OSError, ValueError):
+                    registered = None
+                if (registered and registered.get("slots-total", 0) >= want
+                        and port_open(self.job_port, self.bind) and pool_ready):
+                    return
             time.sleep(0.5)
+        if self.jobmanager:
+            raise FlinkError(f"the TaskManagers on {self.bind} did not register with the JobManager at "
+                             f"{self.jobmanager} within {timeout_s:.0f} s (registered: {registered}); is it running "
+                             f"with --bind on that address, and reachable from here? Logs in {self.log_dir}")
         raise FlinkError(f"the Flink cluster was not ready within {timeout_s:.0f} s (REST overview: {registered}, "
-                         f"job server port {self.job_port} open: {port_open(self.job_port)}); logs in {self.log_dir}")
+                         f"job server port {self.job_port} open: {port_open(self.job_port, self.bind)}); logs in "
+                         f"{self.log_dir}")
 
     def _tail(self, name: str, lines: int = 25) -> str:
         text = ""

@@ -1,0 +1,238 @@
+"""Flink across hosts: the JobManager (with Beam's job server) on host 0, one TaskManager with its own worker pool
+on each of hosts 1 and 2, every process on its host's LAN address (``flowtrain flink start --bind``, TaskManagers
+with ``--taskmanager-of``).
+
+The tabular batch ETL, submitted from host 0 with ``flowtrain batch --runner flink``, writes the same dataset as
+the local FnApiRunner run, with tasks and SDK workers on both TaskManager hosts. Then a bigger ETL runs and host
+2's TaskManager is killed -9 mid-job: Flink's default for a job without checkpointing is no restart, so the job
+FAILS, ``flowtrain batch`` exits non-zero naming the lost TaskManager, and no dataset is published.
+The data directories and the dataset are in a tmp directory every host sees (the shared filesystem).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from connectors.dataset import MANIFEST, read_manifest, read_shard, shard_paths
+
+CLI = [sys.executable, "-m", "flowtrain.cli"]
+REST_PORT, JOB_PORT, RPC_PORT, POOL_PORT = 8081, 8099, 6123, 50000
+pytestmark = [pytest.mark.flink, pytest.mark.timeout(1200)]
+
+
+# --- the ETL and comparing datasets (as tests/integration/test_flink.py) --------------------------
+def _tabular_inputs(base: Path, n: int = 3000) -> list[str]:
+    rng = np.random.default_rng(12)
+    x1 = rng.normal(size=n)
+    x1[rng.random(n) < 0.03] = np.nan  # a required value missing: a dead letter
+    x2 = rng.uniform(0, 10, n)
+    c = rng.choice(["red", "green", "blue", "grey"], n)
+    y = 2 * x1 + 0.5 * x2 + (c == "green") + rng.normal(0, 0.1, n)
+    table = pa.table({"x1": x1, "x2": x2, "c": c, "y": y})
+    base.mkdir(parents=True, exist_ok=True)
+    pacsv.write_csv(table.slice(0, n * 14 // 30), base / "part-a.csv")
+    pq.write_table(table.slice(n * 14 // 30), base / "part-b.parquet", row_group_size=400)
+    return [str(base / "part-a.csv"), str(base / "part-b.parquet")]
+
+
+def _batch_argv(inputs: list[str], out: Path, *runner: str) -> list[str]:
+    return CLI + ["batch", "--input", inputs[0], "--input", inputs[1], "--label", "y", "--task", "regression",
+                  "--numeric", "x1,x2", "--categorical", "c", "--job-only", "--no-progress", "--out", str(out),
+                  *runner]
+
+
+def _close(a, b, path="stats") -> None:
+    """Equal structure; floats within 1e-9 relative (Flink combines partial sums in another order)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: {a.keys()} != {b.keys()}"
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{path}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _row_multiset(table: pa.Table) -> Counter:
+    def norm(v):
+        return float(f"{v:.9g}") if isinstance(v, float) else v
+
+    return Counter(tuple(norm(v) for v in row) for row in zip(*(table.column(c).to_pylist()
+                                                                for c in table.column_names)))
+
+
+def _assert_same_dataset(reference: Path, flink: Path) -> dict:
+    ref, got = read_manifest(reference), read_manifest(flink)
+    assert got["counts"] == ref["counts"] and got["rows"] == ref["rows"]
+    assert got["schema"] == ref["schema"] and got["spec"] == ref["spec"]
+    assert got["stats"]["vocab"] == ref["stats"]["vocab"]
+    _close(ref["stats"], got["stats"])
+    for split in ref["splits"]:
+        a = pa.concat_tables([read_shard(f) for f in shard_paths(reference, split)])
+        b = pa.concat_tables([read_shard(f) for f in shard_paths(flink, split)])
+        assert b.num_rows == a.num_rows > 0
+        assert _row_multiset(b) == _row_multiset(a), f"split {split}: rows differ"
+    return ref
+
+
+# --- the hosts ----------------------------------------------------------------------------------
+def _rest(lan, path: str):
+    """GET the JobManager's REST API from host 0 (the LAN is not reachable from the test's own namespace)."""
+    code = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+    proc = lan.run(0, [sys.executable, "-c", code, f"http://{lan.addresses[0]}:{REST_PORT}{path}"], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _pid(data_dir: Path, name: str) -> int:
+    return json.loads((data_dir / "cluster.json").read_text())["processes"][name]["pid"]
+
+
+def _listening(lan, k: int) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of host ``k``'s listening TCP sockets; IPv4-mapped addresses as IPv4."""
+    rows = []
+    for addr, port, what in lan.listening(k):
+        match = re.search(r"pid=(\d+)", what)
+        rows.append((addr.removeprefix("::ffff:"), port, int(match.group(1)) if match else -1))
+    return rows
+
+
+def _sdk_workers_started(data_dir: Path) -> int:
+    try:
+        return (data_dir / "log" / "worker-pool.log").read_text(errors="replace").count("started SDK worker")
+    except OSError:
+        return 0
+
+
+def _wait(what: str, check, timeout: float, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate(timeout=30)
+            pytest.fail(f"{what}: the process ended first (exit {proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"{what}: not within {timeout:.0f} s")
+
+
+def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fails_the_job(make_hosts, tmp_path):
+    lan = make_hosts(3)
+    jm, tms = lan.addresses[0], [1, 2]
+    dirs = {k: tmp_path / f"flink-host{k}" for k in range(3)}
+    started: list[int] = []
+    try:
+        # 1. JobManager + job server on host 0, no local TaskManager; one TaskManager on each of hosts 1 and 2
+        t0 = time.monotonic()
+        proc = lan.run(0, CLI + ["flink", "start", "--bind", jm, "--taskmanagers", "0", "--parallelism", "2",
+                                 "--rest-port", str(REST_PORT), "--job-port", str(JOB_PORT), "--rpc-port",
+                                 str(RPC_PORT), "--data-dir", str(dirs[0]), "--timeout", "300"], timeout=420)
+        started.append(0)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert f"--taskmanager-of {jm}:{RPC_PORT}" in proc.stdout, proc.stdout
+        joins = {}
+        for k in tms:
+            joins[k] = lan.popen(k, CLI + ["flink", "start", "--bind", lan.addresses[k], "--taskmanager-of",
+                                           f"{jm}:{RPC_PORT}", "--taskmanagers", "1", "--pool-port", str(POOL_PORT),
+                                           "--data-dir", str(dirs[k]), "--timeout", "300"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            started.append(k)
+        for k, join in joins.items():
+            out, err = join.communicate(timeout=420)
+            assert join.returncode == 0, f"host {k}: {out[-2000:]}{err[-3000:]}"
+            assert f"registered with the JobManager at {jm}:{RPC_PORT}" in out, out
+        start_s = time.monotonic() - t0
+        overview = _rest(lan, "/overview")
+        assert overview["taskmanagers"] == 2 and overview["slots-total"] == 2, overview
+        registered = {tm["id"] for tm in _rest(lan, "/taskmanagers")["taskmanagers"]}
+        assert registered == {f"tm-{lan.addresses[k]}-1" for k in tms}, registered
+
+        # every Flink process listens on its host's LAN address only; the worker pools on loopback only. Beam's
+        # job server is the exception: Beam's gRPC ServerFactory binds its ports on every interface (by port
+        # only), advertising --job-host (docs/cluster-rehearsal.md says so)
+        jm_pid = _pid(dirs[0], "jobmanager")
+        listening0 = _listening(lan, 0)
+        assert {(jm, port) for port in (REST_PORT, RPC_PORT)} <= {(a, p) for a, p, pid in listening0 if pid == jm_pid}
+        assert [p for a, p, pid in listening0 if pid == _pid(dirs[0], "job-server") and p == JOB_PORT], listening0
+        assert all(a == jm for a, p, pid in listening0 if pid == jm_pid), listening0
+        for k in tms:
+            sockets = _listening(lan, k)
+            tm = [(a, p) for a, p, pid in sockets if pid == _pid(dirs[k], "taskmanager-1")]
+            assert tm and all(a == lan.addresses[k] for a, _ in tm), (k, sockets)
+            pool = [(a, p) for a, p, pid in sockets if pid == _pid(dirs[k], "worker-pool")]
+            assert pool == [("127.0.0.1", POOL_PORT)], (k, sockets)
+            to_jm = [(la, pa, pp) for la, _, pa, pp, _ in lan.connected(k)
+                     if la.removeprefix("::ffff:") == lan.addresses[k] and (pa.removeprefix("::ffff:"), pp) == (jm, RPC_PORT)]
+            assert to_jm, f"host {k}'s TaskManager has no connection to the JobManager's RPC port: {lan.connected(k)}"
+
+        # 2. the same ETL locally (FnApiRunner) and on the three hosts, submitted from host 0
+        inputs = _tabular_inputs(tmp_path / "inputs")
+        t1 = time.monotonic()
+        local = subprocess.run(_batch_argv(inputs, tmp_path / "fnapi"), capture_output=True, text=True, timeout=600)
+        local_s = time.monotonic() - t1
+        assert local.returncode == 0, local.stdout[-2000:] + local.stderr[-3000:]
+        env = {**os.environ, "FLOWTRAIN_FLINK_DIR": str(dirs[0])}
+        t2 = time.monotonic()
+        remote = lan.run(0, _batch_argv(inputs, tmp_path / "flink", "--runner", "flink"), timeout=600, env=env)
+        flink_s = time.monotonic() - t2
+        assert remote.returncode == 0, remote.stdout[-2000:] + remote.stderr[-3000:]
+        manifest = _assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
+        assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
+        assert Counter((tmp_path / "flink" / "dead_letters.jsonl").read_text().splitlines()) == Counter(
+            (tmp_path / "fnapi" / "dead_letters.jsonl").read_text().splitlines())
+        jobs = _rest(lan, "/jobs/overview")["jobs"]
+        assert len(jobs) == 1 and jobs[0]["state"] == "FINISHED", jobs
+        vertices = _rest(lan, f"/jobs/{jobs[0]['jid']}")["vertices"]
+        assert max(v["parallelism"] for v in vertices) == 2, vertices
+        for k in tms:  # both TaskManager hosts ran the job's Python code, each with its own worker pool
+            assert _sdk_workers_started(dirs[k]) >= 1, f"no SDK worker started on host {k}"
+
+        # 3. a bigger ETL; host 2's TaskManager killed -9 once its tasks run there
+        big = _tabular_inputs(tmp_path / "big", n=150_000)
+        before = _sdk_workers_started(dirs[2])
+        t3 = time.monotonic()
+        job = lan.popen(0, _batch_argv(big, tmp_path / "killed", "--runner", "flink"), env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait("an SDK worker of the second job on host 2", lambda: _sdk_workers_started(dirs[2]) > before, 300, job)
+        os.kill(_pid(dirs[2], "taskmanager-1"), signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = job.communicate(timeout=600)
+        failed_s = time.monotonic() - killed_at
+        assert job.returncode != 0, f"the job survived the lost TaskManager:\n{out[-2000:]}\n{err[-3000:]}"
+        lost = f"tm-{lan.addresses[2]}-1"
+        message = out + err
+        assert "FAILED" in message and lost in message, message[-4000:]
+        jobs = {j["jid"]: j for j in _rest(lan, "/jobs/overview")["jobs"]}
+        failed = [j for j in jobs.values() if j["state"] != "FINISHED"]
+        assert len(failed) == 1 and failed[0]["state"] == "FAILED", jobs
+        root = _rest(lan, f"/jobs/{failed[0]['jid']}/exceptions")
+        assert lost in json.dumps(root), root
+        assert not (tmp_path / "killed" / "dataset" / MANIFEST).exists(), "a failed job published a dataset"
+        print(f"\nflink across hosts: cluster of 3 hosts up in {start_s:.1f} s; tabular ETL (3000 rows) "
+              f"{flink_s:.1f} s on Flink (2 TaskManager hosts) vs {local_s:.1f} s local FnApiRunner; "
+              f"TaskManager killed {killed_at - t3:.1f} s into a 150k-row job, job failed {failed_s:.1f} s later")
+    finally:
+        for k in reversed(started):  # the hosts' teardown kills whatever this leaves
+            try:
+                lan.run(k, CLI + ["flink", "stop", "--data-dir", str(dirs[k])], timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
