@@ -229,7 +229,8 @@ def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fa
         assert not (tmp_path / "killed" / "dataset" / MANIFEST).exists(), "a failed job published a dataset"
         print(f"\nflink across hosts: cluster of 3 hosts up in {start_s:.1f} s; tabular ETL (3000 rows) "
               f"{flink_s:.1f} s on Flink (2 TaskManager hosts) vs {local_s:.1f} s local FnApiRunner; "
-              f"TaskManager killed {killed_at - t3:.1f} s into a 150k-row job, job failed {failed_s:.1f} s later")
+              f"TaskManager killed {killed_at - t3:.1f} s into a 150k-row job, job failed {failed_s:.1f} s later; "
+              f"flowtrain batch said: {[line for line in message.splitlines() if lost in line][:2]}")
     finally:
         for k in reversed(started):  # the hosts' teardown kills whatever this leaves
             try:
