@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
-import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from flowtrain.commands.kafka_options import format_value
 from flowtrain.fields import GENERAL, OptionError, above, at_least, fraction, options_of, sizes  # noqa: F401
 
 #: Parser defaults attached by the commands; not options.
@@ -81,16 +79,6 @@ def print_config(config: Any) -> None:
     from flowtrain.fields import to_config
 
     print(yaml.safe_dump(to_config(config), sort_keys=False, default_flow_style=None), end="")
-
-
-def format_value(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 # --- which options were given, YAML, merging ----------------------------------------------------------
@@ -256,142 +244,3 @@ def check_beam_args(tokens: list[str], ours: Iterable[str] = ()) -> None:
     raise OptionError(f"unknown {kind}{'s' if len(names) > 1 else ''} {', '.join(names)}: neither a flowtrain "
                       f"option (see --help) nor a Beam pipeline option. Pass options of a runner Beam does not "
                       f"know after `--`, e.g. `flowtrain batch ... -- --my_runner_option=1`")
-
-
-# --- Kafka client options -------------------------------------------------------------------------------
-_TEXT_KEYS = re.compile(r"(_password|_username|_file|_name|_url|_proxy|_id|_mechanism|_protocol|_cafile|"
-                        r"_certfile|_keyfile|_crlfile|_ciphers)$")
-
-
-def _client_defaults() -> tuple[dict[str, Any], dict[str, set[str]]]:
-    """kafka-python's option defaults common to every client flowtrain makes, and who takes the rest."""
-    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-
-    clients = {"consumer": KafkaConsumer.DEFAULT_CONFIG, "producer": KafkaProducer.DEFAULT_CONFIG,
-               "admin": KafkaAdminClient.DEFAULT_CONFIG}
-    common = set.intersection(*(set(c) for c in clients.values()))
-    owners: dict[str, set[str]] = {}
-    for name, cfg in clients.items():
-        for key in cfg:
-            owners.setdefault(key, set()).add(name)
-    return {k: KafkaConsumer.DEFAULT_CONFIG[k] for k in common}, owners
-
-
-def typed_value(text: str, default: Any = None, *, text_only: bool = False) -> Any:
-    """``true``/``false`` -> bool, ``12`` -> int, ``1.5`` -> float, else text; an option whose
-    default is a bool/int/float must get that type."""
-    raw = text.strip()
-    lowered = raw.lower()
-    if text_only:
-        return raw
-    if isinstance(default, bool):
-        if lowered in ("true", "false"):
-            return lowered == "true"
-        raise ValueError("expects true or false")
-    if isinstance(default, int):
-        if re.fullmatch(r"[+-]?\d+", raw):
-            return int(raw)
-        raise ValueError("expects a whole number")
-    if isinstance(default, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError("expects a number") from None
-    if isinstance(default, str):
-        return raw
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if re.fullmatch(r"[+-]?\d+", raw):
-        return int(raw)
-    try:
-        value = float(raw)
-    except ValueError:
-        return raw
-    return value if math.isfinite(value) else raw
-
-
-def kafka_pair(text: str) -> str:
-    """An argparse type: one ``KEY=VALUE`` checked as ``kafka_config`` checks it (kept as text)."""
-    try:
-        _kafka_pairs([text])
-    except OptionError as err:
-        raise argparse.ArgumentTypeError(str(err).removeprefix("--kafka-config ")) from None
-    return text
-
-
-#: The default of ``--kafka-config-file``: a client properties file for every Kafka-using command.
-KAFKA_CONFIG_FILE_ENV = "FLOWTRAIN_KAFKA_CONFIG_FILE"
-
-
-def kafka_config(pairs: Iterable[str] | dict | None, config_file: str | os.PathLike | None = None) -> dict[str, Any]:
-    """``--kafka-config-file`` (its Java properties as kafka-python options; ``$FLOWTRAIN_KAFKA_CONFIG_FILE``
-    when not given) updated by ``--kafka-config KEY=VALUE`` (repeated) -> keyword arguments for every client."""
-    from connectors.kafka.config import KafkaConfigError, load_client_properties
-
-    config_file = config_file or os.environ.get(KAFKA_CONFIG_FILE_ENV) or None
-    out: dict[str, Any] = {}
-    if config_file:
-        try:
-            out.update(load_client_properties(config_file))
-        except KafkaConfigError as err:
-            raise OptionError(str(err)) from None
-    out.update(_kafka_pairs(pairs))
-    return out
-
-
-def _kafka_pairs(pairs: Iterable[str] | dict | None) -> dict[str, Any]:
-    from connectors.kafka.config import KafkaConfigError, expand_env
-
-    out: dict[str, Any] = {}
-    if not pairs:
-        return out
-    if isinstance(pairs, dict):
-        pairs = [f"{k}={format_value(v)}" for k, v in pairs.items()]
-    common, owners = _client_defaults()
-    for pair in pairs:
-        key, sep, value = str(pair).partition("=")
-        try:
-            value = expand_env(value, f"--kafka-config {key.strip()}")
-        except KafkaConfigError as err:
-            raise OptionError(str(err)) from None
-        key = key.strip().replace(".", "_")
-        if not sep or not key:
-            raise OptionError(f"--kafka-config {pair!r}: expected KEY=VALUE with a kafka-python option name, "
-                              f"e.g. security_protocol=SASL_SSL")
-        if key == "bootstrap_servers":
-            raise OptionError("--kafka-config bootstrap_servers: give the brokers with --bootstrap")
-        if key not in common:
-            if key in owners:
-                raise OptionError(f"--kafka-config {key}: only the kafka-python {', '.join(sorted(owners[key]))} "
-                                  f"takes it, and --kafka-config goes to every client (consumer, producer, admin): "
-                                  f"give connection and security options here")
-            close = difflib.get_close_matches(key, sorted(common), n=1)
-            raise OptionError(f"--kafka-config {key}: not a kafka-python client option"
-                              + (f" (did you mean {close[0]}?)" if close else ""))
-        try:
-            out[key] = typed_value(value, common[key], text_only=bool(_TEXT_KEYS.search(key)))
-        except ValueError as err:
-            raise OptionError(f"--kafka-config {key}={value}: {key} {err} (kafka-python's default is "
-                              f"{common[key]!r})") from None
-    return out
-
-
-# --- paths ------------------------------------------------------------------------------------------------
-def usable_dir(path: str | Path, option: str = "--out") -> Path:
-    """A directory we can create or write: an existing file, or a parent we cannot write, is an error."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise OptionError(f"{option} {path} is a file, not a directory: give the path of a new or an existing "
-                          f"run directory")
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise OptionError(f"{option} {path}: {probe} is a file, so the directory cannot be created there; "
-                          f"choose another path")
-    target = path if path.exists() else probe
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path}: {target} is not writable; choose a directory you can write")
-    return path

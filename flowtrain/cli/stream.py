@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from flowtrain.cli.options import add_fields, kafka_config, kafka_pair, print_config, usable_dir
+from flowtrain.cli.options import add_fields, print_config
 from flowtrain.cli.stream_status import JOB_PART_ENV
+from flowtrain.commands.kafka_options import kafka_config, kafka_pair
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob
-from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
+from flowtrain.commands.stream_inputs import raw_partitions
 from flowtrain.fields import build, options_of, to_config
 
 __all__ = ["CLIENTS", "register"]
@@ -357,61 +358,21 @@ def _check_brokers(args, command: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def _run_pipeline(args, beam_args: list[str]) -> int:
-    import apache_beam as beam
-
-    from connectors.kafka import ensure_topic
-    from flowtrain.cli.stream_status import pipeline_summary, pipeline_totals
-    from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.status import clear_status
-    from pipelines.stream.events import ParseBounds
-    from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
-
-    cfg = kafka_config(args.kafka_config, args.kafka_config_file)
-    manifest = stream_manifest(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    raw_parts = raw_partitions(args.bootstrap, args.raw_topic, cfg)
-    for topic in (args.features_topic, args.dead_letter_topic):
-        ensure_topic(args.bootstrap, topic, partitions=raw_parts, client_config=cfg,
-                     replication_factor=args.replication_factor)
-    scfg = StreamConfig(bootstrap=args.bootstrap, raw_topic=args.raw_topic, features_topic=args.features_topic,
-                        dead_letter_topic=args.dead_letter_topic, group_id=args.group_id,
-                        batch_size=args.batch_size, max_delay_s=args.max_delay, spec=manifest["spec"],
-                        stats=manifest["stats"], enrichment=enrichment(args, manifest), kafka_config=cfg,
-                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=args.connect_timeout,
-                        read_batch_records=args.read_batch_records, read_client=args.read_client,
-                        bounds=ParseBounds(max_event_bytes=args.max_event_bytes, max_depth=args.max_json_depth,
-                                           max_abs_number=args.max_abs_number))
-    clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
-    p = beam.Pipeline(options=pipeline_options("streaming", beam_args))
-    build_stream_pipeline(p, scfg)
+    """The feature pipeline half (``flowtrain.commands.stream_pipeline``); Ctrl-C / SIGTERM cancel it."""
+    from flowtrain.commands.stream_pipeline import run_stream_pipeline
     from flowtrain.local.processes import StopSignals
 
     stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
-    result = p.run()
-    print(f"stream pipeline: {args.raw_topic} -> {args.features_topic} (+ {args.dead_letter_topic}), "
-          f"group {args.group_id}; Ctrl-C stops", flush=True)
-    from connectors.atomic import atomic_write
-    from connectors.kafka import close_all_clients
-    from flowtrain.local.runners import beam_counters, watch_pipeline
-    from pipelines.stream.pipeline import METRICS_NAMESPACE
+    return run_stream_pipeline(job_of(args), beam_args, should_stop=stop.is_set)
 
-    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
-        counts = beam_counters(result, METRICS_NAMESPACE)
-        atomic_write(out / "pipeline-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
 
-    state, code = watch_pipeline(result, p.options, stop, what="stream pipeline", every=save_metrics)
-    close_all_clients()
-    if state == "RUNNING":  # a Flink job that could not be cancelled: said already
-        return code
-    if state != "CANCELLED":  # ended by itself
-        totals = pipeline_totals(out)
-        for error in totals["errors"]:
-            print(f"stream pipeline: stopped: {error}", file=sys.stderr)
-        print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
-        return code
-    print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
-    return 0
+def _run_scorer(args, beam_args: list[str]) -> int:
+    """The scorer (``flowtrain.commands.score``); Ctrl-C / SIGTERM cancel it."""
+    from flowtrain.commands.score import run_score
+    from flowtrain.local.processes import StopSignals
+
+    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
+    return run_score(job_of(args), beam_args, should_stop=stop.is_set)
 
 
 def _run_trainer(args) -> int:
@@ -463,6 +424,8 @@ def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
         print_config(job)
         return 0
     try:
+        from flowtrain.train.rundir import usable_dir
+
         usable_dir(args.out)
     except ValueError as err:
         print(f"flowtrain stream: {err}", file=sys.stderr)
@@ -492,7 +455,7 @@ def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
         from flowtrain.cli import score
 
         if args.half == "score":
-            return with_stream_status(args, "scorer", lambda: score.run_scorer(args, beam_args))
+            return with_stream_status(args, "scorer", lambda: _run_scorer(args, beam_args))
         return score.run_all(args, beam_args)
     return _run_both(args, beam_args)
 

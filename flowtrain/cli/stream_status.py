@@ -20,7 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from flowtrain.cli.options import kafka_config
+from flowtrain.commands.kafka_options import kafka_config
+from flowtrain.commands.stream_pipeline import pipeline_totals
 
 #: Distinct dead-letter reasons kept as label values; more are counted as "(other reasons)".
 MAX_REASONS = 50
@@ -287,27 +288,6 @@ def with_stream_status(args, half: str, run: Callable[[], int]) -> int:
 
 
 # --- the live line a whole job prints each second ---------------------------------------------------------
-def pipeline_totals(out: Path) -> dict:
-    """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
-    acknowledged them, and the errors that stopped it."""
-    from pipelines.flights.status import read_status
-
-    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
-    for data in read_status(str(out / "pipeline-status.json")):
-        for key in ("events", "rows", "unlabelled", "dead_letters"):
-            totals[key] += data.get(key, 0)
-        if data.get("error"):
-            totals["errors"].append(data["error"])
-    return totals
-
-
-def pipeline_summary(totals: dict) -> str:
-    """``pipeline_totals`` as the line the pipeline half prints when it stops."""
-    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
-            f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
-            f"committed")
-
-
 def live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[float, int]]:
     """The pipeline's and the trainer's progress in one line; ``last``: (time, events) of the previous line."""
     pipe = pipeline_totals(out)  # what Kafka acknowledged, summed over the pipeline's DoFn instances

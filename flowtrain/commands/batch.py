@@ -256,7 +256,7 @@ def train_config(job: BatchJob):
 
 
 def run_directory(job: BatchJob) -> Path:
-    from flowtrain.cli.options import usable_dir
+    from flowtrain.train.rundir import usable_dir
 
     return usable_dir(job.out or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 

@@ -19,7 +19,7 @@ def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     """The engine's ``StreamTrainConfig`` of ``job``. With ``init_weights`` the architecture is the batch run's: a
     ``hidden``/``dropout``/``seed`` named in ``given`` (the options the user set) must agree with it, else a
     ``ValueError`` naming them."""
-    from flowtrain.cli.options import kafka_config
+    from flowtrain.commands.kafka_options import kafka_config
     from flowtrain.train.stream import StreamTrainConfig, initial_weights
 
     cfg = StreamTrainConfig(bootstrap=job.bootstrap, run_dir=job.out, dataset=dataset_path(job),

@@ -247,10 +247,10 @@ def beam_counters(result, namespace: str) -> dict[str, int]:
     return out
 
 
-def watch_pipeline(result, options: PipelineOptions, stop, *, what: str, every=None,
+def watch_pipeline(result, options: PipelineOptions, should_stop, *, what: str, every=None,
                    every_s: float = 5.0) -> tuple[str, int]:
-    """Poll a streaming pipeline until it ends by itself or ``stop`` (a ``threading.Event``-like, set by
-    a signal handler) is set; then cancel it (on Flink also the Flink job). ``every()`` runs every
+    """Poll a streaming pipeline until it ends by itself or ``should_stop()`` (e.g. a signal handler's
+    flag); then cancel it (on Flink also the Flink job). ``every()`` runs every
     ``every_s`` seconds while it runs and once more before the cancel (e.g. saving the runner's
     metrics: a Ctrl-C sent to the terminal's whole process group may end a local runner before
     the cancel, so what is saved while it runs is what survives). Returns ``(state, exit code)``:
@@ -265,15 +265,18 @@ def watch_pipeline(result, options: PipelineOptions, stop, *, what: str, every=N
         try:
             every()
         except Exception as err:  # noqa: BLE001 - a runner going away mid-call: the job's state decides
-            if not stop.is_set():
+            if not should_stop():
                 print(f"{what}: {type(err).__name__}: {err}"[:300], flush=True)
 
     next_at = time.monotonic() + every_s
-    while not stop.is_set():
+    while not should_stop():
         try:
             state = str(result.state)
         except Exception:  # noqa: BLE001 - a stop signal sent to the whole group also ends the runner mid-call
-            if stop.wait(5.0):  # the signal's handler runs once the failed call has returned
+            waited = time.monotonic() + 5.0  # the signal's handler runs once the failed call has returned
+            while not should_stop() and time.monotonic() < waited:
+                time.sleep(0.05)
+            if should_stop():
                 break
             raise
         if any(s in state for s in ("FAILED", "DONE", "CANCELLED")):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from connectors.atomic import TMP_INFIX, atomic_write
 from connectors.dataset import DatasetError, owned_files, remove_dataset
 from connectors.secrets import REDACTED, is_secret, redact
 from flowtrain.errors import FlowtrainError
+from flowtrain.fields import OptionError
 from flowtrain.train import checkpoint
 
 __all__ = ["RUN_MARKER", "RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "RunDirError", "prepare_run_dir",
@@ -262,3 +264,23 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
     diffs = "; ".join(_differences(recorded, _identity(given, NOT_IDENTITY), NOT_IDENTITY)) or "options differ"
     raise RunDirError(f"--out {path} holds a flowtrain run with other options ({diffs}); "
                       f"give --resume to continue it, --overwrite to replace it, or choose another --out")
+
+
+def usable_dir(path: str | Path, option: str = "--out") -> Path:
+    """A directory we can create or write: an existing file, or a parent we cannot write, is an error."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OptionError(f"{option} {path} is a file, not a directory: give the path of a new or an existing "
+                          f"run directory")
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise OptionError(f"{option} {path}: {probe} is a file, so the directory cannot be created there; "
+                          f"choose another path")
+    target = path if path.exists() else probe
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise OptionError(f"{option} {path}: {target} is not writable; choose a directory you can write")
+    return path

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flowtrain.cli.main import main, parse
-from flowtrain.cli.options import kafka_config
+from flowtrain.commands.kafka_options import kafka_config
 from tests.synthetic_data import make_regression_run
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository

@@ -1,0 +1,97 @@
+"""``flowtrain stream pipeline`` as a Python call: the feature pipeline of a ``StreamPipelineJob``.
+
+``run_stream_pipeline(job, beam_args, should_stop=...)`` reads the raw topic with Beam, parses and
+featurizes each event with the dataset's spec and statistics, and writes Arrow feature batches (and
+dead letters) until ``should_stop()``; counters go to ``<out>/pipeline-status.json.*`` and the
+runner's Beam metrics to ``<out>/pipeline-metrics.json``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from flowtrain.commands.kafka_options import kafka_config
+from flowtrain.commands.stream import StreamJob, StreamPipelineJob
+from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
+
+
+def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[str] = (), *,
+                        should_stop: Callable[[], bool]) -> int:
+    """Run the feature pipeline of ``job`` (a ``StreamPipelineJob``, or a whole ``StreamJob``) until
+    ``should_stop()`` (the command line passes its Ctrl-C / SIGTERM flag; install it before calling:
+    the runner starts here) or the runner ends; returns the exit code (1: the runner failed, or a Flink
+    job could not be cancelled)."""
+    import apache_beam as beam
+
+    from connectors.kafka import ensure_topic
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.flights.status import clear_status
+    from pipelines.stream.events import ParseBounds
+    from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
+
+    cfg = kafka_config(job.kafka_config, job.kafka_config_file)
+    manifest = stream_manifest(job)
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw_parts = raw_partitions(job.bootstrap, job.raw_topic, cfg)
+    for topic in (job.features_topic, job.dead_letter_topic):
+        ensure_topic(job.bootstrap, topic, partitions=raw_parts, client_config=cfg,
+                     replication_factor=job.replication_factor)
+    scfg = StreamConfig(bootstrap=job.bootstrap, raw_topic=job.raw_topic, features_topic=job.features_topic,
+                        dead_letter_topic=job.dead_letter_topic, group_id=job.group_id,
+                        batch_size=job.batch_size, max_delay_s=job.max_delay, spec=manifest["spec"],
+                        stats=manifest["stats"], enrichment=enrichment(job, manifest), kafka_config=cfg,
+                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=job.connect_timeout,
+                        read_batch_records=job.read_batch_records, read_client=job.read_client,
+                        bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
+                                           max_abs_number=job.max_abs_number))
+    clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
+    p = beam.Pipeline(options=pipeline_options("streaming", list(beam_args)))
+    build_stream_pipeline(p, scfg)
+    result = p.run()
+    print(f"stream pipeline: {job.raw_topic} -> {job.features_topic} (+ {job.dead_letter_topic}), "
+          f"group {job.group_id}; Ctrl-C stops", flush=True)
+    from connectors.atomic import atomic_write
+    from connectors.kafka import close_all_clients
+    from flowtrain.local.runners import beam_counters, watch_pipeline
+    from pipelines.stream.pipeline import METRICS_NAMESPACE
+
+    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
+        counts = beam_counters(result, METRICS_NAMESPACE)
+        atomic_write(out / "pipeline-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
+
+    state, code = watch_pipeline(result, p.options, should_stop, what="stream pipeline", every=save_metrics)
+    close_all_clients()
+    if state == "RUNNING":  # a Flink job that could not be cancelled: said already
+        return code
+    if state != "CANCELLED":  # ended by itself
+        totals = pipeline_totals(out)
+        for error in totals["errors"]:
+            print(f"stream pipeline: stopped: {error}", file=sys.stderr)
+        print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
+        return code
+    print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
+    return 0
+
+
+def pipeline_totals(out: Path) -> dict:
+    """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
+    acknowledged them, and the errors that stopped it."""
+    from pipelines.flights.status import read_status
+
+    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
+    for data in read_status(str(out / "pipeline-status.json")):
+        for key in ("events", "rows", "unlabelled", "dead_letters"):
+            totals[key] += data.get(key, 0)
+        if data.get("error"):
+            totals["errors"].append(data["error"])
+    return totals
+
+
+def pipeline_summary(totals: dict) -> str:
+    """``pipeline_totals`` as the line the pipeline half prints when it stops."""
+    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
+            f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
+            f"committed")
