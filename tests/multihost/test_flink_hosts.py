@@ -3,7 +3,8 @@ on each of hosts 1 and 2, every process on its host's LAN address (``flowtrain f
 with ``--taskmanager-of``).
 
 The tabular batch ETL, submitted from host 0 with ``flowtrain batch --runner flink``, writes the same dataset as
-the local FnApiRunner run, with tasks and SDK workers on both TaskManager hosts. Then a bigger ETL runs and host
+the local FnApiRunner run, with tasks and SDK workers on both TaskManager hosts; ``flowtrain predict --runner
+flink`` writes the local run's predictions, dead letters and metrics. Then a bigger ETL runs and host
 2's TaskManager is killed -9 mid-job: Flink's default for a job without checkpointing is no restart, so the job
 FAILS, ``flowtrain batch`` exits non-zero naming the lost TaskManager, and no dataset is published.
 The data directories and the dataset are in a tmp directory every host sees (the shared filesystem).
@@ -135,7 +136,54 @@ def _wait(what: str, check, timeout: float, proc: subprocess.Popen | None = None
     pytest.fail(f"{what}: not within {timeout:.0f} s")
 
 
-def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fails_the_job(make_hosts, tmp_path):
+def _assert_predict_on_hosts_equals_local(lan, tmp_path: Path, env: dict) -> tuple[float, float]:
+    """`flowtrain predict --runner flink` from host 0 writes the predictions, dead letters and metrics of the local
+    run (as tests/integration/test_flink.py's single-host test); returns (local, Flink) seconds."""
+    import flowtrain
+
+    rng = np.random.default_rng(4)
+    lines = ["id,x1,x2,c,y"]
+    for i in range(1500):
+        x1, x2, c = rng.normal(), rng.normal(), "abcd"[rng.integers(4)]
+        lines.append(f"{i},{'bad' if i % 97 == 5 else f'{x1:.4f}'},{x2:.4f},{c if i % 7 else 'new'},"
+                     f"{int(x1 + x2 + (c == 'a') > 0)}")
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    flowtrain.batch(input=[str(tmp_path / "t.csv")], label="y", numeric=["x1", "x2"], categorical=["c"],
+                    task="classification", steps=20, out=str(tmp_path / "run"), no_progress=True)
+    outs = {name: tmp_path / f"{name}.parquet" for name in ("local", "flink")}
+    argv = [*CLI, "predict", "--model", str(tmp_path / "run"), "--input", str(tmp_path / "t.csv"), "--id-column", "id"]
+    t0 = time.monotonic()
+    proc = subprocess.run([*argv, "--out", str(outs["local"])], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t1 = time.monotonic()
+    proc = lan.run(0, [*argv, "--out", str(outs["flink"]), "--runner", "flink"], timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seconds = (t1 - t0, time.monotonic() - t1)
+    local, flink = pq.read_table(outs["local"]).sort_by("id"), pq.read_table(outs["flink"]).sort_by("id")
+    assert flink.num_rows == local.num_rows == 1500 - 16
+    assert flink.column("id").to_pylist() == local.column("id").to_pylist()
+    np.testing.assert_allclose(flink.column("probability").to_numpy(), local.column("probability").to_numpy(),
+                               atol=1e-6, rtol=0)
+    assert Counter(Path(f"{outs['flink']}.dead_letters.jsonl").read_text().splitlines()) == Counter(
+        Path(f"{outs['local']}.dead_letters.jsonl").read_text().splitlines())
+    a, b = (json.loads(Path(f"{outs[n]}.metrics.json").read_text()) for n in ("local", "flink"))
+    assert a["counts"] == b["counts"] == {"in": 1500, "predictions": 1484, "dead_letters": 16}
+    assert abs(a["metrics"]["auc"] - b["metrics"]["auc"]) <= 1e-9
+    return seconds
+
+
+def test_flink_start_across_hosts_rejects_unusable_addresses_in_one_line(tmp_path):
+    for argv, says in ((["--bind", "0.0.0.0"], "every interface"), (["--bind", "host-a"], "not an IP address"),
+                       (["--bind", "10.0.0.3", "--taskmanager-of", "10.0.0.2"], "is not HOST:RPC_PORT"),
+                       (["--bind", "10.0.0.2", "--taskmanagers", "0"], "needs --parallelism")):
+        proc = subprocess.run(CLI + ["flink", "start", *argv, "--data-dir", str(tmp_path / "flink")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr, (argv, proc.stdout, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "flink" / "cluster.json").exists()
+
+
+def test_batch_etl_and_predict_across_hosts_equal_the_local_runs_and_a_killed_taskmanager_fails_the_job(make_hosts, tmp_path):
     lan = make_hosts(3)
     jm, tms = lan.addresses[0], [1, 2]
     dirs = {k: tmp_path / f"flink-host{k}" for k in range(3)}
@@ -160,6 +208,11 @@ def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fa
             out, err = join.communicate(timeout=420)
             assert join.returncode == 0, f"host {k}: {out[-2000:]}{err[-3000:]}"
             assert f"registered with the JobManager at {jm}:{RPC_PORT}" in out, out
+            status = lan.run(k, CLI + ["flink", "status", "--json", "--data-dir", str(dirs[k])], timeout=120)
+            got = json.loads(status.stdout.strip().splitlines()[-1])
+            assert status.returncode == 0 and got["running"] and got["role"] == "taskmanagers", status.stdout
+            assert got["jobmanager"] == f"{jm}:{RPC_PORT}" and set(got["processes"]) == {"worker-pool",
+                                                                                          "taskmanager-1"}, got
         start_s = time.monotonic() - t0
         overview = _rest(lan, "/overview")
         assert overview["taskmanagers"] == 2 and overview["slots-total"] == 2, overview
@@ -206,7 +259,10 @@ def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fa
         for k in tms:  # both TaskManager hosts ran the job's Python code, each with its own worker pool
             assert _sdk_workers_started(dirs[k]) >= 1, f"no SDK worker started on host {k}"
 
-        # 3. a bigger ETL; host 2's TaskManager killed -9 once its tasks run there
+        # 3. flowtrain predict: the same bundle and file on the three hosts as locally
+        predict_s = _assert_predict_on_hosts_equals_local(lan, tmp_path, env)
+
+        # 4. a bigger ETL; host 2's TaskManager killed -9 once its tasks run there
         big = _tabular_inputs(tmp_path / "big", n=150_000)
         before = _sdk_workers_started(dirs[2])
         t3 = time.monotonic()
@@ -228,7 +284,8 @@ def test_batch_etl_across_hosts_equals_the_local_run_and_a_killed_taskmanager_fa
         assert lost in json.dumps(root), root
         assert not (tmp_path / "killed" / "dataset" / MANIFEST).exists(), "a failed job published a dataset"
         print(f"\nflink across hosts: cluster of 3 hosts up in {start_s:.1f} s; tabular ETL (3000 rows) "
-              f"{flink_s:.1f} s on Flink (2 TaskManager hosts) vs {local_s:.1f} s local FnApiRunner; "
+              f"{flink_s:.1f} s on Flink (2 TaskManager hosts) vs {local_s:.1f} s local FnApiRunner; predict (1500 rows) "
+              f"{predict_s[1]:.1f} s on Flink vs {predict_s[0]:.1f} s local; "
               f"TaskManager killed {killed_at - t3:.1f} s into a 150k-row job, job failed {failed_s:.1f} s later; "
               f"flowtrain batch said: {[line for line in message.splitlines() if lost in line][:2]}")
     finally:
