@@ -10,7 +10,6 @@ raw events = feature rows + unlabelled + dead letters across a cancel and a rest
 from __future__ import annotations
 
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -21,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from connectors.dataset import read_manifest, read_shard, shard_paths
 from flowtrain.local.flink import DIR_ENV, LocalFlink
+from tests.dataset_checks import assert_same_dataset, tabular_inputs
 from tests.kafka_checks import committed as _committed
 from tests.procs import stop_group as _stop
 
@@ -79,44 +77,6 @@ def _new_finished_job(cluster: LocalFlink, before: set[str]) -> dict:
 
 
 # --- comparing datasets -------------------------------------------------------------------------
-def _close(a, b, path="stats") -> None:
-    """Equal structure; floats within 1e-9 relative (Flink combines partial sums in another order)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: {a.keys()} != {b.keys()}"
-        for k in a:
-            _close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), f"{path}: {a} != {b}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) or isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), f"{path}: {a} != {b}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def _row_multiset(table: pa.Table) -> Counter:
-    def norm(v):
-        return float(f"{v:.9g}") if isinstance(v, float) else v
-
-    return Counter(tuple(norm(v) for v in row) for row in zip(*(table.column(c).to_pylist()
-                                                                for c in table.column_names)))
-
-
-def _assert_same_dataset(reference: str | Path, flink: str | Path) -> dict:
-    ref, got = read_manifest(reference), read_manifest(flink)
-    assert got["counts"] == ref["counts"] and got["rows"] == ref["rows"]
-    assert got["schema"] == ref["schema"] and got["spec"] == ref["spec"]
-    assert got["stats"]["vocab"] == ref["stats"]["vocab"]  # vocabularies exactly
-    _close(ref["stats"], got["stats"])
-    for split in ref["splits"]:
-        a = pa.concat_tables([read_shard(f) for f in shard_paths(reference, split)])
-        b = pa.concat_tables([read_shard(f) for f in shard_paths(flink, split)])
-        assert b.num_rows == a.num_rows > 0
-        assert _row_multiset(b) == _row_multiset(a), f"split {split}: rows differ"
-    return ref
-
-
 def _dead_letters(path: str | Path) -> Counter:
     return Counter(Path(path).read_text().splitlines())
 
@@ -140,23 +100,9 @@ def test_flights_etl_on_flink_writes_the_same_dataset_as_the_fnapi_runner(flink_
                     options=pipeline_options("batch", runner="flink"), tables=tables)
     job = _new_finished_job(flink_cluster, before)
     assert max(v["parallelism"] for v in _job_vertices(flink_cluster, job["jid"])) == 2  # both TaskManagers
-    manifest = _assert_same_dataset(tmp_path / "fnapi", tmp_path / "flink")
+    manifest = assert_same_dataset(tmp_path / "fnapi", tmp_path / "flink")
     assert manifest["counts"]["in"] == len(range(0, flights.num_rows, 40))
     assert _dead_letters(tmp_path / "flink-dead.jsonl") == _dead_letters(tmp_path / "fnapi-dead.jsonl")
-
-
-def _tabular_inputs(base: Path) -> list[str]:
-    rng = np.random.default_rng(12)
-    n = 3000
-    x1 = rng.normal(size=n)
-    x1[rng.random(n) < 0.03] = np.nan  # a required value missing: a dead letter
-    x2 = rng.uniform(0, 10, n)
-    c = rng.choice(["red", "green", "blue", "grey"], n)
-    y = 2 * x1 + 0.5 * x2 + (c == "green") + rng.normal(0, 0.1, n)
-    table = pa.table({"x1": x1, "x2": x2, "c": c, "y": y})
-    pacsv.write_csv(table.slice(0, 1400), base / "part-a.csv")
-    pq.write_table(table.slice(1400), base / "part-b.parquet", row_group_size=400)
-    return [str(base / "part-a.csv"), str(base / "part-b.parquet")]
 
 
 def _batch_job_only(inputs: list[str], out: Path, *runner: str) -> str:
@@ -169,13 +115,13 @@ def _batch_job_only(inputs: list[str], out: Path, *runner: str) -> str:
 
 @pytest.mark.timeout(360)
 def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_runner(flink_cluster, tmp_path):
-    inputs = _tabular_inputs(tmp_path)
+    inputs = tabular_inputs(tmp_path)
     _batch_job_only(inputs, tmp_path / "fnapi")
     before = {j["jid"] for j in _jobs(flink_cluster)}
     printed = _batch_job_only(inputs, tmp_path / "flink", "--runner", "flink")
     job = _new_finished_job(flink_cluster, before)
     assert "PortableRunner" in printed or "etl:" in printed
-    manifest = _assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
+    manifest = assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
     assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
     # the ETL's Beam counters in Flink's web UI (the job's accumulators) equal the manifest's counts
     counters = _flink_user_counters(flink_cluster, job["jid"], "flowtrain.etl")

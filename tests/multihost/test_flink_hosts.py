@@ -12,7 +12,6 @@ The data directories and the dataset are in a tmp directory every host sees (the
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -23,12 +22,11 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from connectors.dataset import MANIFEST, read_manifest, read_shard, shard_paths
+from connectors.dataset import MANIFEST
+from tests.dataset_checks import assert_same_dataset, tabular_inputs
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 REST_PORT, JOB_PORT, RPC_PORT, POOL_PORT = 8081, 8099, 6123, 50000
@@ -36,62 +34,10 @@ pytestmark = [pytest.mark.flink, pytest.mark.timeout(1200)]
 
 
 # --- the ETL and comparing datasets (as tests/integration/test_flink.py) --------------------------
-def _tabular_inputs(base: Path, n: int = 3000) -> list[str]:
-    rng = np.random.default_rng(12)
-    x1 = rng.normal(size=n)
-    x1[rng.random(n) < 0.03] = np.nan  # a required value missing: a dead letter
-    x2 = rng.uniform(0, 10, n)
-    c = rng.choice(["red", "green", "blue", "grey"], n)
-    y = 2 * x1 + 0.5 * x2 + (c == "green") + rng.normal(0, 0.1, n)
-    table = pa.table({"x1": x1, "x2": x2, "c": c, "y": y})
-    base.mkdir(parents=True, exist_ok=True)
-    pacsv.write_csv(table.slice(0, n * 14 // 30), base / "part-a.csv")
-    pq.write_table(table.slice(n * 14 // 30), base / "part-b.parquet", row_group_size=400)
-    return [str(base / "part-a.csv"), str(base / "part-b.parquet")]
-
-
 def _batch_argv(inputs: list[str], out: Path, *runner: str) -> list[str]:
     return CLI + ["batch", "--input", inputs[0], "--input", inputs[1], "--label", "y", "--task", "regression",
                   "--numeric", "x1,x2", "--categorical", "c", "--job-only", "--no-progress", "--out", str(out),
                   *runner]
-
-
-def _close(a, b, path="stats") -> None:
-    """Equal structure; floats within 1e-9 relative (Flink combines partial sums in another order)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: {a.keys()} != {b.keys()}"
-        for k in a:
-            _close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), f"{path}: {a} != {b}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _close(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) or isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), f"{path}: {a} != {b}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def _row_multiset(table: pa.Table) -> Counter:
-    def norm(v):
-        return float(f"{v:.9g}") if isinstance(v, float) else v
-
-    return Counter(tuple(norm(v) for v in row) for row in zip(*(table.column(c).to_pylist()
-                                                                for c in table.column_names)))
-
-
-def _assert_same_dataset(reference: Path, flink: Path) -> dict:
-    ref, got = read_manifest(reference), read_manifest(flink)
-    assert got["counts"] == ref["counts"] and got["rows"] == ref["rows"]
-    assert got["schema"] == ref["schema"] and got["spec"] == ref["spec"]
-    assert got["stats"]["vocab"] == ref["stats"]["vocab"]
-    _close(ref["stats"], got["stats"])
-    for split in ref["splits"]:
-        a = pa.concat_tables([read_shard(f) for f in shard_paths(reference, split)])
-        b = pa.concat_tables([read_shard(f) for f in shard_paths(flink, split)])
-        assert b.num_rows == a.num_rows > 0
-        assert _row_multiset(b) == _row_multiset(a), f"split {split}: rows differ"
-    return ref
 
 
 # --- the hosts ----------------------------------------------------------------------------------
@@ -238,7 +184,7 @@ def test_batch_etl_and_predict_across_hosts_equal_the_local_runs_and_a_killed_ta
             assert to_jm, f"host {k}'s TaskManager has no connection to the JobManager's RPC port: {lan.connected(k)}"
 
         # 2. the same ETL locally (FnApiRunner) and on the three hosts, submitted from host 0
-        inputs = _tabular_inputs(tmp_path / "inputs")
+        inputs = tabular_inputs(tmp_path / "inputs")
         t1 = time.monotonic()
         local = subprocess.run(_batch_argv(inputs, tmp_path / "fnapi"), capture_output=True, text=True, timeout=600)
         local_s = time.monotonic() - t1
@@ -248,7 +194,7 @@ def test_batch_etl_and_predict_across_hosts_equal_the_local_runs_and_a_killed_ta
         remote = lan.run(0, _batch_argv(inputs, tmp_path / "flink", "--runner", "flink"), timeout=600, env=env)
         flink_s = time.monotonic() - t2
         assert remote.returncode == 0, remote.stdout[-2000:] + remote.stderr[-3000:]
-        manifest = _assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
+        manifest = assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
         assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
         assert Counter((tmp_path / "flink" / "dead_letters.jsonl").read_text().splitlines()) == Counter(
             (tmp_path / "fnapi" / "dead_letters.jsonl").read_text().splitlines())
@@ -263,7 +209,7 @@ def test_batch_etl_and_predict_across_hosts_equal_the_local_runs_and_a_killed_ta
         predict_s = _assert_predict_on_hosts_equals_local(lan, tmp_path, env)
 
         # 4. a bigger ETL; host 2's TaskManager killed -9 once its tasks run there
-        big = _tabular_inputs(tmp_path / "big", n=150_000)
+        big = tabular_inputs(tmp_path / "big", n=150_000)
         before = _sdk_workers_started(dirs[2])
         t3 = time.monotonic()
         job = lan.popen(0, _batch_argv(big, tmp_path / "killed", "--runner", "flink"), env=env,
