@@ -5,11 +5,17 @@ a skipped infrastructure test would let CI go green while testing nothing.
 """
 from __future__ import annotations
 
+import signal
 import uuid
 
 import pytest
 
 from flowtrain.local.kafka import LocalKafka, free_port
+
+# The process tests send SIGHUP to what they start and expect it to stop. A suite started under
+# `nohup` (SIGHUP ignored, and inherited as ignored by every child) would test nothing there: flowtrain
+# leaves an ignored SIGHUP ignored, as nohup asks. The tests' children get the default disposition.
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
