@@ -1,10 +1,11 @@
 """A replicated Kafka cluster (``flowtrain kafka start --brokers 3``) under the streaming job, with brokers killed.
 
-Real brokers (three KRaft nodes, each broker and controller, on 127.0.0.1), the real stream pipeline (Prism)
-and the real stream trainer with ``--ledger``. Events are replayed while one broker at a time is killed -9 and
+Real brokers (three KRaft nodes, each broker and controller, on 127.0.0.1), the real stream pipeline (Prism),
+the real stream trainer with ``--ledger`` and the real scorer (Prism, serving the versions the trainer publishes). Events are replayed while one broker at a time is killed -9 and
 started again (twice), then two brokers are stopped together (no quorum, no in-sync majority) and one brought
 back. Every valid event is trained exactly once, every replayed event reaches the raw topic exactly once (the
-producer confirmed it or failed loudly), and the time a failover costs is measured.
+producer confirmed it or failed loudly), every event is scored or dead-lettered by the scorer (at least once;
+exactly one of the two), and the time a failover costs is measured.
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     boot = cluster.bootstrap
     tag = uuid.uuid4().hex[:6]
     names = {"raw": f"raw-{tag}", "features": f"feat-{tag}", "dead": f"dead-{tag}", "updates": f"upd-{tag}",
-             "group": f"g-{tag}"}
+             "group": f"g-{tag}", "pred": f"pred-{tag}", "sdead": f"sdead-{tag}", "sgroup": f"sg-{tag}"}
     common = ["--bootstrap", boot, "--raw-topic", names["raw"], "--features-topic", names["features"],
               "--dead-letter-topic", names["dead"], "--updates-topic", names["updates"], "--group-id",
               names["group"], "--dataset", dataset]
@@ -189,7 +190,15 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     trainer = subprocess.Popen(CLI + ["stream", "train", *common, "--out", str(run), "--ledger",
                                       "--checkpoint-every", "5"],
                                stdout=open(train_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    alive = [(pipeline, pipe_log), (trainer, train_log)]
+    score_out = tmp_path / "scorer"
+    score_out.mkdir()
+    score_log = score_out / "scorer.log"
+    scorer = subprocess.Popen(CLI + ["stream", "score", *common, "--out", str(score_out), "--predictions-topic",
+                                     names["pred"], "--score-dead-letter-topic", names["sdead"], "--score-group-id",
+                                     names["sgroup"], "--wait-model", "900", "--swap-interval", "2"],
+                              stdout=open(score_log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env={k: v for k, v in os.environ.items() if k != "FLOWTRAIN_UPDATE_KEY"})
+    alive = [(pipeline, pipe_log), (trainer, train_log), (scorer, score_log)]
     replays = []
     failovers, restarts = [], []
     try:
@@ -255,9 +264,12 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
                                                                decode_batch(m.value)["src_offset"].to_pylist())]
         valid = set(sources)
         _wait(lambda: _ledger_rows(run) >= len(valid), 600, "every valid event trained", every=1, alive=alive)
+        _wait(lambda: _scored_or_dead(boot, names) >= total, 600, "every event scored or dead-lettered", every=2,
+              alive=alive)
     finally:
         for proc in replays:
             stop_group(proc, signal.SIGKILL, timeout=10)
+        stop_group(scorer, signal.SIGINT, timeout=60)
         stop_group(trainer, signal.SIGINT, timeout=90)
         stop_group(pipeline, signal.SIGINT, timeout=60)
 
@@ -274,6 +286,15 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     assert totals["events"] == total, totals
     assert (totals["rows"], totals["dead_letters"]) == (len(sources), len(dead)), totals
     assert totals["rows"] + totals["unlabelled"] + totals["dead_letters"] == total, totals
+    # the scorer, through the same failovers: every raw event predicted or dead-lettered (at least once: a
+    # replay of a micro-batch after a failover may repeat predictions, never drop one), never both
+    raw_sources = {f"{m.topic}/{m.partition}/{m.offset}" for m in raw}
+    predicted = [r["source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()]
+    rejected = [dict(m.headers)["source"].decode() for m in _read(boot, names["sdead"])]
+    assert set(predicted) | set(rejected) == raw_sources
+    assert not set(predicted) & set(rejected)
+    say(f"scorer: {len(set(predicted))} events predicted ({len(predicted) - len(set(predicted))} repeated after a "
+        f"failover), {len(set(rejected))} dead letters, served {_served_versions(boot, names)}")
     say(f"{total} events: {len(valid)} trained once each ({len(sources) - len(valid)} duplicate feature rows "
         f"dropped by the trainer), {len(dead)} dead letters; failovers {[f'{s:.2f}' for s in failovers]} s, "
         f"restarts {[f'{s:.1f}' for s in restarts]} s, resume after quorum back {resumed:.1f} s")
@@ -288,6 +309,17 @@ def _status_totals(out: Path) -> dict:
         for key in totals:
             totals[key] += data.get(key, 0)
     return totals
+
+
+def _scored_or_dead(boot, names) -> int:
+    """Distinct raw events the scorer predicted or dead-lettered so far."""
+    predicted = {r["source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()}
+    rejected = {dict(m.headers)["source"].decode() for m in _read(boot, names["sdead"])}
+    return len(predicted | rejected)
+
+
+def _served_versions(boot, names) -> list[int]:
+    return sorted({r["model_version"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()})
 
 
 def _caught_up(boot, names) -> bool:
