@@ -5,6 +5,7 @@
          stream pipeline's ``StreamFeaturizer`` (the batch dataset's statistics and vocabularies);
          bad events to the dead-letter topic, confirmed before the micro-batch moves on
       -> Reshuffle                                            (a stage of its own, see below)
+      -> NotBeforeFirstTick: a micro-batch stamped before the versions' first tick moves to its window (below)
       -> WindowInto(FixedWindows(swap_interval))              (the serving windows)
       -> RunInference(FlowtrainModelHandler, model_metadata_pcoll=versions)
            versions = PeriodicImpulse(swap_interval) -> WindowInto(the same FixedWindows)
@@ -28,14 +29,32 @@ consumers, and the read's input (after its partition impulse) is at the end of t
 side-input consumer fused with the read never runs (measured: no output at all); after the
 reshuffle the scoring stage's input watermark is the read's output.
 
+Why ``NotBeforeFirstTick``: the ticks start in the serving window that holds the time the
+pipeline is built, and a micro-batch is stamped with its newest Kafka timestamp, so a backlog (events
+produced before the scorer started, a replay with its own event times, a producer whose clock is
+behind) falls in windows that have no tick. Prism reads such a window's side input as empty (the
+handler then serves the newest version it has loaded), but Flink's portable runner never does:
+``DoFnOperator`` pushes an element back until the side input holds a value *for its window*
+(``SideInputHandler.isReady``) and releases pushed-back elements otherwise only when the side
+input's watermark reaches the end of time (``processWatermark1`` / ``emitAllPushedBackData``), so
+those events would wait forever and hold the job's watermark (measured on Flink 1.19 with Beam
+2.62: every subtask RUNNING, the backlog's micro-batches at the scoring stage, no prediction).
+Moved to the first tick's window, they have a side input on every runner; a live event keeps its
+Kafka timestamp, which Prism's side-input timing above relies on (measured: with every micro-batch
+stamped with the time it was featurized, a newly published version did not serve within 60 s on
+Prism). Predictions carry each event's own ``event_time`` either way.
+
 This package needs no flowtrain import (imports flow flowtrain -> pipelines): the caller passes
 ``load_version``, a picklable callable ``(path, sha256=None) -> (torch module in eval mode, version)``.
 """
 from __future__ import annotations
 
+import time
+
 import apache_beam as beam
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.transforms import window
+from apache_beam.utils.timestamp import Timestamp
 
 from connectors.kafka import ReadFromKafka
 from pipelines.serving.commit import CommitScored
@@ -43,7 +62,7 @@ from pipelines.serving.config import ScoreConfig
 from pipelines.serving.featurize import FeaturizeForScoring
 from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.predictions import WritePredictions
-from pipelines.serving.versions import WINDOW_OFFSET_S, LatestModelVersion, ModelVersion
+from pipelines.serving.versions import WINDOW_OFFSET_S, LatestModelVersion, ModelVersion, first_tick
 
 __all__ = ["build_scoring_pipeline", "model_handler"]
 
@@ -53,6 +72,16 @@ def model_handler(cfg: ScoreConfig) -> FlowtrainModelHandler:
                                  cache_dir=cfg.model_cache_dir or None, device=cfg.device,
                                  max_batch_size=cfg.max_inference_batches, target_scale=cfg.target_scale,
                                  n_classes=cfg.n_classes, torch_threads=cfg.torch_threads)
+
+
+class _NotBeforeFirstTick(beam.DoFn):
+    """A micro-batch stamped before the first tick moves to the first tick's window (see the module doc)."""
+
+    def __init__(self, first_tick_s: float):
+        self.first = Timestamp.of(first_tick_s)
+
+    def process(self, batch, timestamp=beam.DoFn.TimestampParam):
+        yield batch if timestamp >= self.first else window.TimestampedValue(batch, self.first)
 
 
 def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
@@ -67,10 +96,12 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
                                                 group_id=cfg.group_id, commit_offsets=False,
                                                 consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s,
                                                 batch_records=cfg.read_batch_records)
-    versions = pipeline | "ModelVersions" >> LatestModelVersion(cfg)
+    start = time.time()
+    versions = pipeline | "ModelVersions" >> LatestModelVersion(cfg, start=start)
     return (raw
             | "Featurize" >> FeaturizeForScoring(cfg)
             | "ToScorers" >> beam.Reshuffle()
+            | "NotBeforeFirstTick" >> beam.ParDo(_NotBeforeFirstTick(first_tick(start, cfg.swap_interval_s)))
             | "ServingWindows" >> beam.WindowInto(window.FixedWindows(cfg.swap_interval_s, offset=WINDOW_OFFSET_S))
             | "Score" >> RunInference(model_handler(cfg), model_metadata_pcoll=versions)
             | "WritePredictions" >> WritePredictions(cfg)

@@ -49,7 +49,7 @@ from connectors.model_updates import (
 from pipelines.flights.status import write_status
 
 __all__ = ["ModelVersion", "UpdateMessage", "VersionTracker", "ModelCache", "read_updates", "updates_consumer",
-           "new_tracker", "wait_for_version", "LatestModelVersion", "WINDOW_OFFSET_S"]
+           "new_tracker", "wait_for_version", "LatestModelVersion", "first_tick", "WINDOW_OFFSET_S"]
 
 _log = logging.getLogger(__name__)
 
@@ -286,7 +286,10 @@ def wait_for_version(cfg, *, timeout_s: float) -> tuple[ModelVersion, VersionTra
 
 
 class _LatestVersionFn(beam.DoFn):
-    """Tick -> ``ModelMetadata`` of the newest valid version (one per serving window)."""
+    """Tick -> ``ModelMetadata`` of the newest valid version, exactly one per serving window: until
+    this worker's tracker has read a version, the version the scorer started with (``initial_model``,
+    found and authenticated by ``wait_for_version``). Flink's portable runner holds an element
+    until its window's side input has a value, so a window without one would never be scored."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -314,10 +317,19 @@ class _LatestVersionFn(beam.DoFn):
                       current.run_id or "(unnamed)", current.path)
         if current is not None:
             yield ModelMetadata(model_id=current.model_id(), model_name=f"v{current.version}")
+        elif self.cfg.initial_model:  # the first look-ups can come before the consumer's first fetch
+            initial = ModelVersion.from_model_id(self.cfg.initial_model)
+            yield ModelMetadata(model_id=self.cfg.initial_model, model_name=f"v{initial.version}")
+
+
+def first_tick(start: float, interval_s: float) -> float:
+    """The time of ``LatestModelVersion``'s first tick: the start of the serving window holding ``start``."""
+    return (start // interval_s) * interval_s + WINDOW_OFFSET_S
 
 
 class LatestModelVersion(beam.PTransform):
-    """Beam's slowly-updating side input: the newest valid version on the updates topic per window."""
+    """Beam's slowly-updating side input: the newest valid version on the updates topic per window,
+    one tick in each serving window from the one holding ``start`` (default: now) on."""
 
     def __init__(self, cfg, *, start: float | None = None):
         super().__init__()
@@ -326,8 +338,7 @@ class LatestModelVersion(beam.PTransform):
 
     def expand(self, pbegin):
         n = self.cfg.swap_interval_s
-        now = time.time() if self.start is None else self.start
-        first = (now // n) * n + WINDOW_OFFSET_S  # one tick in each serving window
+        first = first_tick(time.time() if self.start is None else self.start, n)
         return (pbegin
                 | "Tick" >> PeriodicImpulse(start_timestamp=Timestamp.of(first), fire_interval=n)
                 | "TickWindows" >> beam.WindowInto(window.FixedWindows(n, offset=WINDOW_OFFSET_S))

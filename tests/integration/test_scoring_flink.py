@@ -1,0 +1,83 @@
+"""The scoring pipeline (`flowtrain stream score --runner flink`) on the local Flink session cluster
+and the real broker: the same pipeline as on Prism (test_scoring.py), its model versions a side
+input of Beam's RunInference."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.procs import stop_group
+from tests.scoring_helpers import (
+    apply_marks,
+    batch_model,
+    events,
+    expected,
+    make_sensor,
+    predictions,
+    produce,
+    publish,
+    publisher,
+    random_weights,
+    scorer,
+    topic_names,
+    wait_covered,
+)
+
+live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.flink, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def sensor(tmp_path_factory) -> dict:
+    return make_sensor(tmp_path_factory.mktemp("scoreflink"))
+
+
+@apply_marks(live)
+def test_the_scorer_on_the_local_flink_cluster(bootstrap, flink_cluster, sensor, tmp_path, say):
+    """Events produced before the scorer starts and while it runs: every event a prediction (equal
+    to the forward of the version it names, its class name right) or a dead letter; then a version
+    published mid-stream serves; then the Flink job is cancelled by Ctrl-C."""
+    from connectors.kafka import ensure_topic
+
+    names = topic_names()
+    ensure_topic(bootstrap, names["raw"], partitions=2)
+    ensure_topic(bootstrap, names["updates"])
+    arch, trained = batch_model(sensor)
+    pub = publisher(sensor, tmp_path / "trainer")
+    publish(bootstrap, names, pub, 1, arch, trained)
+    evs = events(3000, seed=5)
+    n = produce(bootstrap, names["raw"], evs[:400], malformed_every=40)
+    t0 = time.monotonic()
+    proc = scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"],
+                  "--runner", "flink")
+    log = tmp_path / "run" / "scorer.log"
+    try:
+        preds, dead = wait_covered(bootstrap, names, n, proc, log, timeout=400)
+        say(f"\nscoring on flink: {len(preds)} predictions + {len(dead)} dead letters of {n} events "
+            f"{time.monotonic() - t0:.0f} s after the scorer started")
+        assert {p["model_version"] for p in preds} == {1}
+        # a second version mid-stream: events produced after it serve with it
+        arch2, trained2 = arch, random_weights(sensor["data"], arch, 2)
+        publish(bootstrap, names, pub, 2, arch2, trained2)
+        t_pub2 = time.monotonic()
+        deadline = t_pub2 + 120
+        while not any(p["model_version"] == 2 for p in predictions(bootstrap, names["pred"])):
+            n += produce(bootstrap, names["raw"], evs[n:n + 10])
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline and n < len(evs), "version 2 never served\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
+        say(f"scoring on flink: version 2 served {time.monotonic() - t_pub2:.1f} s after its publication")
+        preds, dead = wait_covered(bootstrap, names, n, proc, log, timeout=300)
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    want = expected(bootstrap, names, sensor, {("run-a", 1): (arch, trained), ("run-a", 2): (arch2, trained2)})
+    classes = sensor["data"].classes
+    assert {p["source"] for p in preds} == set(want)
+    assert len({p["source"] for p in preds}) + len({d["source"] for d in dead}) == n
+    assert {p["model_version"] for p in preds} == {1, 2}
+    for p in preds:
+        probs = want[p["source"]][(p["model_run"], p["model_version"])]
+        assert np.abs(np.asarray(p["probabilities"]) - probs).max() <= 1e-6
+        assert p["predicted_class"] == classes[int(probs.argmax())]
