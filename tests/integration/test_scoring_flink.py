@@ -3,7 +3,9 @@ and the real broker: the same pipeline as on Prism (test_scoring.py), its model 
 input of Beam's RunInference."""
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -24,6 +26,13 @@ from tests.scoring_helpers import (
     topic_names,
     wait_covered,
 )
+
+
+def _flink_jobs(cluster) -> dict[str, str]:
+    """Job id -> state of every job the cluster knows."""
+    with urllib.request.urlopen(f"{cluster.status()['rest']}/jobs/overview", timeout=10) as resp:
+        return {j["jid"]: j["state"] for j in json.loads(resp.read())["jobs"]}
+
 
 live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.flink, pytest.mark.timeout(900)]
 
@@ -48,6 +57,7 @@ def test_the_scorer_on_the_local_flink_cluster(bootstrap, flink_cluster, sensor,
     publish(bootstrap, names, pub, 1, arch, trained)
     evs = events(3000, seed=5)
     n = produce(bootstrap, names["raw"], evs[:400], malformed_every=40)
+    before = _flink_jobs(flink_cluster)
     t0 = time.monotonic()
     proc = scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"],
                   "--runner", "flink")
@@ -72,6 +82,8 @@ def test_the_scorer_on_the_local_flink_cluster(bootstrap, flink_cluster, sensor,
     finally:
         stop_group(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
+    ours = {jid: state for jid, state in _flink_jobs(flink_cluster).items() if jid not in before}
+    assert list(ours.values()) == ["CANCELED"], ours  # the scorer's one Flink job, cancelled by Ctrl-C
     want = expected(bootstrap, names, sensor, {("run-a", 1): (arch, trained), ("run-a", 2): (arch2, trained2)})
     classes = sensor["data"].classes
     assert {p["source"] for p in preds} == set(want)
