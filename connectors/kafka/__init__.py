@@ -20,6 +20,8 @@ from connectors.kafka.clients import (
                                       KafkaUnavailable,
                                       close_all_clients,
                                       close_client,
+                                      describe_error,
+                                      is_retriable,
                                       new_consumer,
                                       new_producer,
                                       retry_kafka,
@@ -37,4 +39,4 @@ __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "
            "KafkaReadError", "KafkaDelivery", "PartitionRead", "PartitionRange", "CLIENTS", "close_all_clients",
            "ensure_topic", "topic_config", "retry_kafka", "check_brokers", "topic_max_message_bytes", "record_size",
            "value_budget", "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
-           "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message"]
+           "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message", "describe_error", "is_retriable"]

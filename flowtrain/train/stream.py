@@ -344,7 +344,7 @@ class StreamTrainer:
                     self.consumer.seek_to_beginning(tp)
         heartbeat()
         self.rejects.open({tp.partition for tp in self.mine}, self.run_dir, is_main=self.ctx.is_main,
-                          progress=heartbeat)
+                          progress=heartbeat, should_stop=self.should_stop)
         if self.ctx.distributed:  # no replica rejects a message before rank 0 noted where the dead letters start
             import torch.distributed as dist
 
@@ -454,7 +454,7 @@ class StreamTrainer:
             raise NonFiniteModel(self._diverged())
         # before the gathers (a barrier): a dead letter sent after these offsets is one of a message
         # past this checkpoint's positions, which a restart reads again
-        dead_letter_ends = self.rejects.end_offsets() if ctx.is_main else {}
+        dead_letter_ends = self.rejects.end_offsets(self.should_stop, heartbeat) if ctx.is_main else {}
         self.version += 1
         positions = _gather_dict(ctx, self.positions)
         seen = _gather_dict(ctx, self.seen)

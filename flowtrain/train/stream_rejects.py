@@ -27,7 +27,9 @@ from connectors.deadletter import DeadLetter, dead_letter_record
 from connectors.kafka import (
     KafkaDelivery,
     close_client,
+    describe_error,
     ensure_topic,
+    is_retriable,
     new_consumer,
     new_producer,
     topic_max_message_bytes,
@@ -71,7 +73,7 @@ class InputRejects:
         self.since = {int(p): int(o) for p, o in ends.items()} if ends is not None else None
 
     def open(self, my_partitions: set[int], run_dir: Path, *, is_main: bool,
-             progress: Callable[[], None] = lambda: None) -> None:
+             progress: Callable[[], None] = lambda: None, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Create the topic if needed, note where a fresh run starts, and find what an earlier run sent
         (``progress`` is called while it waits on the brokers: the launcher's heartbeat)."""
         self._progress = progress
@@ -84,24 +86,45 @@ class InputRejects:
         if self.since is None:
             if is_main:
                 _write_atomically(run_dir / START_FILE, {"dead_letter_topic": self.topic,
-                                                         "dead_letter_ends": self.end_offsets()})
+                                                         "dead_letter_ends": self.end_offsets(should_stop, progress)})
             return
         self.already_sent = self._sent_since(self.since, my_partitions)
         if self.already_sent:
             print(f"stream train: {len(self.already_sent)} feature message(s) were sent to {self.topic} before the "
                   f"restart; they are counted again, not sent again", flush=True)
 
-    def end_offsets(self) -> dict[int, int]:
-        """The dead-letter topic's end offset per partition, now."""
+    def end_offsets(self, should_stop: Callable[[], bool] = lambda: False,
+                    progress: Callable[[], None] = lambda: None) -> dict[int, int]:
+        """The dead-letter topic's end offset per partition, now. While the brokers cannot answer (a
+        lost quorum, no leader), it waits and asks again, as the Kafka clients do, saying so once and
+        calling ``progress`` (the launcher's heartbeat); a stop requested meanwhile ends the wait with
+        the broker's error (the last checkpoint stands)."""
         from kafka import TopicPartition
+        from kafka.errors import KafkaError
 
-        consumer = new_consumer(self.bootstrap, self.kafka_config, group_id=None)
-        try:
-            parts = sorted(consumer.partitions_for_topic(self.topic) or [])
-            ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in parts]) if parts else {}
-            return {tp.partition: int(o) for tp, o in ends.items()}
-        finally:
-            close_client(consumer)
+        waiting_since = None
+        while True:
+            consumer = None
+            try:
+                consumer = new_consumer(self.bootstrap, self.kafka_config, group_id=None)
+                parts = sorted(consumer.partitions_for_topic(self.topic) or [])
+                ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in parts]) if parts else {}
+                if waiting_since is not None:
+                    print(f"stream train: the brokers answer again after {time.monotonic() - waiting_since:.0f} s",
+                          flush=True)
+                return {tp.partition: int(o) for tp, o in ends.items()}
+            except KafkaError as err:
+                if should_stop() or not is_retriable(err):
+                    raise
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    print(f"stream train: the end of {self.topic} is not known ({describe_error(err)}); "
+                          f"waiting for the brokers", flush=True)
+                progress()
+                time.sleep(1.0)
+            finally:
+                if consumer is not None:
+                    close_client(consumer)
 
     def _sent_since(self, since: dict[int, int], mine: set[int]) -> set[tuple[int, int]]:
         """(partition, offset) of this replica's feature messages found on the topic after ``since``."""
