@@ -36,3 +36,21 @@ def test_every_worker_target_the_docs_name_exists():
             if not found:
                 bad.append(f"{doc.relative_to(ROOT)}: {module}:{name}")
     assert not bad, "\n".join(bad)
+
+
+def _index_from_readme() -> str:
+    """docs/index.md (the site's home) is the README with its links made relative to docs/."""
+    s = (ROOT / "README.md").read_text()
+    s = re.sub(r"\]\(docs/([^)]+)\)", r"](\1)", s)
+    s = s.replace("(see `LICENSE`)", "(the repository's `LICENSE`)")
+    return s.replace("The documentation is a mkdocs site: `mkdocs serve` (with the test extra installed) or read\n"
+                     "`docs/` directly. ", "")
+
+
+def test_the_sites_home_page_is_the_readme():
+    assert (ROOT / "docs" / "index.md").read_text() == _index_from_readme(), (
+        "docs/index.md differs from README.md: run `python tests/unit/test_docs_commands.py` to write it again")
+
+
+if __name__ == "__main__":  # write docs/index.md from README.md
+    (ROOT / "docs" / "index.md").write_text(_index_from_readme())
