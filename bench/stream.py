@@ -40,6 +40,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
+from flowtrain.commands.stream_pipeline import pipeline_totals
 from flowtrain.local.kafka import LocalKafka, free_port
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -254,7 +255,7 @@ def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, met
         raise RuntimeError(f"bench stream: /metrics was never scraped on ports {ports}; see {run1}")
     if valid is None or _trained_rows(run1) < valid:
         raise RuntimeError(f"bench stream: the job did not train every feature row within 600 s (see {run1})")
-    totals = _pipeline_totals(run1)
+    totals = pipeline_totals(run1)
     if totals["events"] != events + 1 or totals["rows"] + totals["unlabelled"] + totals["dead_letters"] \
             != totals["events"] or totals["rows"] != valid:
         raise RuntimeError(f"bench stream: counts do not reconcile: {totals}, {valid:,} feature rows on the topic, "
@@ -354,16 +355,6 @@ def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: flo
             rows.append((f"latency at {rate:,} events/s: produce -> published model (p{q})", len(lat),
                          float(np.percentile(lat, q)), "", ""))
     return rows
-
-
-def _pipeline_totals(run: Path) -> dict:
-    from pipelines.flights.status import read_status
-
-    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0}
-    for data in read_status(str(run / "pipeline-status.json")):
-        for key in totals:
-            totals[key] += data.get(key, 0)
-    return totals
 
 
 def _first_produced(bootstrap, names) -> float:

@@ -24,6 +24,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
+from flowtrain.commands.stream_pipeline import pipeline_totals
 from flowtrain.local.kafka.cluster import LocalKafkaCluster
 from flowtrain.local.tools import port_open
 from tests.flights_data import make_flights_dataset
@@ -282,7 +283,7 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     assert set(counts) == valid  # nothing lost, nothing skipped
     assert set(counts.values()) == {1}  # nothing trained twice
     dead = _read(boot, names["dead"])
-    totals = _status_totals(pipe_out)  # counts in = counts out + counts rejected
+    totals = pipeline_totals(pipe_out)  # counts in = counts out + counts rejected
     assert totals["events"] == total, totals
     assert (totals["rows"], totals["dead_letters"]) == (len(sources), len(dead)), totals
     assert totals["rows"] + totals["unlabelled"] + totals["dead_letters"] == total, totals
@@ -299,16 +300,6 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
         f"dropped by the trainer), {len(dead)} dead letters; failovers {[f'{s:.2f}' for s in failovers]} s, "
         f"restarts {[f'{s:.1f}' for s in restarts]} s, resume after quorum back {resumed:.1f} s")
     assert max(failovers) < 120
-
-
-def _status_totals(out: Path) -> dict:
-    from pipelines.flights.status import read_status
-
-    totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0}
-    for data in read_status(str(out / "pipeline-status.json")):
-        for key in totals:
-            totals[key] += data.get(key, 0)
-    return totals
 
 
 def _scored_or_dead(boot, names) -> int:
