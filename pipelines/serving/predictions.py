@@ -148,7 +148,7 @@ class _WritePredictionsFn(beam.DoFn):
     def _count(self, preds: pa.RecordBatch, featurized_ms: int) -> None:
         t = self.totals
         t["predictions"] += preds.num_rows
-        labelled_before, correct_before = t["labelled"], t["correct"]
+        labelled = correct = 0
         version = int(preds.column("model_version")[0].as_py())
         t["version"], t["run_id"] = version, preds.column("model_run")[0].as_py()
         t["versions"][str(version)] = t["versions"].get(str(version), 0) + preds.num_rows
@@ -158,8 +158,9 @@ class _WritePredictionsFn(beam.DoFn):
             classes = list(self.cfg.classes or ["0", "1"])
             names = np.asarray(preds.column("predicted_class").to_pylist(), dtype=object)[known]
             want = np.asarray(classes, dtype=object)[label[known].astype(np.int64)]
-            t["labelled"] += int(known.sum())
-            t["correct"] += int((names == want).sum())
+            labelled, correct = int(known.sum()), int((names == want).sum())
+            t["labelled"] += labelled
+            t["correct"] += correct
         event = preds.column("event_time").cast(pa.int64()).to_numpy()
         latency_ms = preds.column("scoring_time").cast(pa.int64()).to_numpy() - event
         t["latency_ms_sum"] += int(latency_ms.sum())
@@ -169,8 +170,8 @@ class _WritePredictionsFn(beam.DoFn):
         t["latency_buckets"] = [int(a + b) for a, b in zip(t["latency_buckets"], counts)]
         self.metrics["predictions"].inc(preds.num_rows)
         self.metrics["scored_batches"].inc()
-        self.metrics["labelled"].inc(t["labelled"] - labelled_before)
-        self.metrics["correct"].inc(t["correct"] - correct_before)
+        self.metrics["labelled"].inc(labelled)
+        self.metrics["correct"].inc(correct)
         self.latency.update(int(latency_ms.mean()))
         write_status(self.cfg.status_path, self, t, kind="predictions")
 
