@@ -17,15 +17,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -c constraints.txt -e '.[test,demo]'
 	@touch $(STAMP)
 
-# Kafka broker jars (mvn, Maven Central) and the Prism runner (go install), cached per machine.
+# Kafka broker jars (mvn, Maven Central), the Prism runner (go install), Apicurio Registry (mvn) and Azurite
+# (npm: the object-store tests' server), cached per machine.
 provision: $(STAMP)
 	$(BIN)/python -m flowtrain.local.provision
 
-# The status page's browser test drives headless Chromium: Debian's chromium + chromium-driver (apt, once).
+# The status page's browser test drives headless Chromium: Debian's chromium + chromium-driver (apt, once);
+# the drift alerting rule in docs/observability.md is checked with promtool (Debian's prometheus package).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-		($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium chromium-driver)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v promtool >/dev/null || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver prometheus)
 
 test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
@@ -45,7 +47,7 @@ test-multihost: install
 	$(BIN)/python -m pytest tests/multihost -v -p no:cacheprovider --durations=15
 
 demo: $(STAMP)
-	$(BIN)/flowtrain batch --out runs/demo
+	$(BIN)/flowtrain batch --out runs/demo --id-columns tailnum,route
 
 bench: install
 	$(BIN)/flowtrain bench all

@@ -23,7 +23,7 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from flowtrain.parallel import DistContext, make_reducer, shard_bounds, sum_loss
 from flowtrain.parallel.launch import spawn
-from flowtrain.train.model import TabularMLP
+from flowtrain.train.models import TabularMLP
 
 #: Workers send no heartbeats while timing (that would be timed too): the launcher's stall bound
 #: is set past the longest run on a busy machine instead of its 60 s default.

@@ -63,12 +63,13 @@ def _child(engine: str, scale: int, work: Path) -> dict:
     """One ETL run in this (child) process; returns rows and seconds (imports excluded)."""
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.batch import run_flights_etl
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables, scaled_spec
 
-    tables = scale_tables(export_tables(demo_tables_dir()), scale, demo_tables_dir() / "scaled")
+    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
     spec = scaled_spec(scale)
     rows = pq.read_metadata(tables["flights"]).num_rows
     if engine == "imports":
@@ -98,14 +99,14 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
         anchor_scales: tuple[int, ...] | None = None) -> str:
     """``anchor_scales``: the scales the pyarrow script runs at (default: all); it holds whole tables,
     so at 30x it needs ~16 GiB, more than a shared machine may have spare."""
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
+    from flowtrain.local.paths import cache_root
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables
 
     check_repeats(repeats)
     anchored = set(scales if anchor_scales is None else anchor_scales)
     for k in scales:  # generated (and cached) before anything is timed
-        scale_tables(export_tables(demo_tables_dir()), k, demo_tables_dir() / "scaled")
+        scale_tables(FLIGHTS.demo_inputs(cache_root()), k, cache_root() / FLIGHTS.cache_name / "scaled")
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-etl-"))
     try:
         floor = run_child("imports", 1, work)["rss_mib"]

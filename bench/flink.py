@@ -95,12 +95,12 @@ def _empty_job(clusters: _Clusters, taskmanagers: int) -> float:
 def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results") -> str:
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
+    from flowtrain.local.paths import cache_root
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables, scaled_spec
 
-    base = export_tables(demo_tables_dir())
-    inputs = {s: (scale_tables(base, s, demo_tables_dir() / "scaled"), scaled_spec(s)) for s in scales}
+    base = FLIGHTS.demo_inputs(cache_root())
+    inputs = {s: (scale_tables(base, s, cache_root() / FLIGHTS.cache_name / "scaled"), scaled_spec(s)) for s in scales}
     rows = {s: pq.read_metadata(inputs[s][0]["flights"]).num_rows for s in scales}
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-flink-"))
     seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in ENGINES}

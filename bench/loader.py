@@ -25,12 +25,14 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from connectors.dataset import shard_paths
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
-from flowtrain.local.paths import demo_tables_dir
+from flowtrain.local.paths import cache_root
 from flowtrain.local.runners import pipeline_options
 from flowtrain.train.loader import TabularDataset, iter_batches
-from flowtrain.train.loop import TrainConfig, build_model, fit
+from flowtrain.train.loop import TrainConfig, fit
+from flowtrain.train.models import build_model
 from flowtrain.train.shards import StreamedSplit, open_split
-from pipelines.flights.batch import export_tables, run_flights_etl
+from pipelines.flights.batch import run_flights_etl
+from pipelines.flights.preset import FLIGHTS
 
 #: A budget below the training split's size: (d) streams it (the split needs ~80 MiB to load).
 STREAM_BUDGET = "32MB"
@@ -81,7 +83,7 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
     try:
         dataset = work / "dataset"
         run_flights_etl(dataset_path=str(dataset), dead_letters_path=None, options=pipeline_options("batch"),
-                        tables=export_tables(demo_tables_dir()))
+                        tables=FLIGHTS.demo_inputs(cache_root()))
         data = TabularDataset(dataset)
         files = shard_paths(dataset, "train")
         num_cols = [NUM_PREFIX + c for c in data.spec.all_numeric]

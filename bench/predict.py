@@ -29,15 +29,15 @@ def joined_table(scale: int, work: Path, rows: int | None = None) -> Path:
     """The flights table at ``scale`` joined with weather and planes: the columns the model reads."""
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from pipelines.flights import features as FF
-    from pipelines.flights.batch import export_tables
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables
 
     out = work / f"flights-{scale}x{f'-{rows}' if rows else ''}.parquet"
     if out.exists():
         return out
-    tables = scale_tables(export_tables(demo_tables_dir()), scale, demo_tables_dir() / "scaled")
+    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
     flights = pq.read_table(tables["flights"])
     if rows:
         flights = flights.slice(0, rows)

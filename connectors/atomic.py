@@ -8,10 +8,12 @@ plots, ...) and every checkpoint is written through ``atomic_write`` or ``atomic
 ``.<name>.tmp-<id>`` beside the target; a failed write removes it.
 
 Local (or mounted) paths only: object stores make an object visible when its writer closes,
-which is atomic already.
+which is atomic already. ``file_sha256`` is the checksum readers compare with the one recorded
+beside a file (checkpoints, bundles) to tell a whole file from a damaged one.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_write", "atomic_file", "fsync_dir", "TMP_INFIX"]
+__all__ = ["atomic_write", "atomic_file", "file_sha256", "fsync_dir", "TMP_INFIX"]
 
 #: ``.<name>.tmp-<id>``: how a file being written is named beside its target.
 TMP_INFIX = ".tmp-"
@@ -63,3 +65,9 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     with atomic_file(path, "wb") as fh:
         fh.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the file at ``path`` (hex), read in blocks (``hashlib.file_digest``)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

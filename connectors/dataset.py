@@ -106,9 +106,24 @@ def shard_paths(path: str | os.PathLike, split: str) -> list[str]:
                            f"{', '.join(sorted(manifest['splits'])) or 'none'}")
     base = absolute_path(path)
     where = FileSystems.join(base, MANIFEST)
-    return [FileSystems.join(base, *_contained(shard.get("file") if isinstance(shard, dict) else None,
-                                               where).split("/"))
-            for shard in manifest["splits"][split]]
+    files = [FileSystems.join(base, *_contained(shard.get("file") if isinstance(shard, dict) else None,
+                                                where).split("/"))
+             for shard in manifest["splits"][split]]
+    if is_local_path(base):
+        for file in files:
+            _inside(file, base)
+    return files
+
+
+def _inside(file: str, base: str) -> None:
+    """A local shard whose path (a symlinked split directory, a symlinked shard) leads outside the dataset
+    directory ``base`` (itself resolved) is a ``DatasetError`` naming it and where it leads."""
+    real = os.path.realpath(file)
+    if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+        link = next((str(p) for p in [Path(file), *Path(file).parents] if p.is_symlink()), file)
+        raise DatasetError(f"dataset {base}: shard {file} leads outside the dataset directory ({link} is a "
+                           f"symlink to {os.path.realpath(link)}); a dataset's shards must lie inside it. Copy "
+                           f"the files in, or re-run the ETL that writes the dataset")
 
 
 def read_shard(path: str, *, columns=None) -> pa.Table:

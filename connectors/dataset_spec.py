@@ -6,6 +6,7 @@ read from CLI flags or YAML.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -16,6 +17,7 @@ EPOCH_FORMATS = {"epoch": 1.0, "epoch_s": 1.0, "epoch_ms": 1e3, "epoch_us": 1e6,
 #: Feature columns in a dataset: numerics are standardized float32, categoricals int32 codes.
 NUM_PREFIX = "num__"
 CAT_PREFIX = "cat__"
+ID_PREFIX = "id__"  # an ID column's 64-bit keys (connectors.id_keys): ID tables, not vocabularies
 LABEL = "label"
 SOURCE = "source"
 SPLITS = ("train", "valid", "test")
@@ -42,6 +44,10 @@ class FeatureSpec:
     #: For classification: a label above this threshold is the positive class (None: the classes
     #: are the label's distinct values in the training split, stored in the manifest).
     positive_above: float | None = None
+    #: For a two-class label: the positive class (its probability is what a binary model predicts; the
+    #: statistics' ``classes`` list it second). None: the later of the two in sorted order (``no``/``yes``:
+    #: ``yes``; ``churned``/``stayed``: ``stayed``). ``positive_class_of`` names it for any dataset.
+    positive_class: str | None = None
     #: Split by this time column (no leakage: train < valid_from <= valid < test_from <= test);
     #: None splits at random by ``seed``.
     time_column: str | None = None
@@ -56,16 +62,45 @@ class FeatureSpec:
     #: Categories seen fewer times than this in the training split map to the OOV code 0.
     min_count: int = 1
     max_vocab: int = 10_000
+    #: Declared ranges of numeric columns, ``{column: [low, high]}`` (``--numeric-range col=LO:HI``). A value
+    #: outside its column's range is a dead letter (in the ETL, the stream and predict alike). A column without
+    #: one gets a range from the training statistics (``max_abs`` in its statistics: ``pipelines.tabular.features``).
+    numeric_range: dict[str, list[float]] = field(default_factory=dict)
+    #: ``--clip-outliers``: a value outside its column's range (declared or from the statistics) is clipped to
+    #: it instead of making its row a dead letter.
+    clip_numeric: bool = False
+    #: ``--id-columns``: high-cardinality ID columns (users, items, devices). No vocabulary: the ETL keeps each
+    #: value's stable 64-bit key (``connectors.id_keys``) and the model gives them dynamic embedding tables
+    #: (``flowtrain.train.ids``); a value without a key (missing, empty, over ``max_id_bytes``) uses the fallback.
+    id_columns: list[str] = field(default_factory=list)
+    max_id_bytes: int = 256
+    #: ``--required-ids``: ID columns whose value must have a key: a row with one missing, empty, too long or of a
+    #: wrong type is a dead letter with its reason (in the ETL, the stream and predict alike), not the fallback.
+    required_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.task not in ("classification", "regression", None):
             raise ValueError(f"task must be 'classification' or 'regression', not {self.task!r}")
-        if not self.numeric and not self.categorical and not self.optional_numeric:
+        if not self.numeric and not self.categorical and not self.optional_numeric and not self.id_columns:
             raise ValueError("declare at least one feature column (--numeric or --categorical)")
-        cols = [self.label, *self.numeric, *self.optional_numeric, *self.categorical]
+        cols = [self.label, *self.numeric, *self.optional_numeric, *self.categorical, *self.id_columns]
         dup = {c for c in cols if cols.count(c) > 1}
         if dup:
             raise ValueError(f"columns declared twice (label/numeric/categorical): {sorted(dup)}")
+        if self.positive_class is not None:
+            if self.positive_above is not None:
+                raise ValueError("give --positive-class (a class of the label) or --positive-above (a threshold "
+                                 "on a numeric label), not both")
+            if self.task == "regression":
+                raise ValueError("--positive-class is for a classification label; leave out --task regression")
+            self.positive_class = str(self.positive_class)
+        self.numeric_range = _ranges(self.numeric_range, self.all_numeric)
+        self.required_ids = list(self.required_ids)
+        stray = [c for c in self.required_ids if c not in self.id_columns]
+        if stray:
+            raise ValueError(f"--required-ids {','.join(stray)}: not among the ID columns (--id-columns "
+                             f"{','.join(self.id_columns) or '(none)'}); name ID columns only")
+        self.clip_numeric = bool(self.clip_numeric)
         if abs(sum(self.fractions) - 1.0) > 1e-6 or len(self.fractions) != 3:
             raise ValueError(f"fractions must be three numbers summing to 1, got {self.fractions}")
         self.fractions = tuple(float(f) for f in self.fractions)
@@ -76,13 +111,20 @@ class FeatureSpec:
 
     @property
     def input_columns(self) -> list[str]:
-        cols = [self.label, *self.all_numeric, *self.categorical]
+        cols = [self.label, *self.all_numeric, *self.categorical, *self.id_columns]
         if self.time_column and self.time_column not in cols:
             cols.append(self.time_column)
         return cols
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["positive_class"] is None:  # unset: a manifest as before (readable by earlier versions)
+            del data["positive_class"]
+        for name, unset in (("numeric_range", {}), ("clip_numeric", False), ("id_columns", []),
+                            ("max_id_bytes", 256), ("required_ids", [])):  # likewise
+            if data[name] == unset:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> FeatureSpec:
@@ -90,3 +132,36 @@ class FeatureSpec:
         if "fractions" in data:
             data["fractions"] = tuple(data["fractions"])
         return cls(**data)
+
+
+def _ranges(given, numeric: list[str]) -> dict[str, list[float]]:
+    """``numeric_range`` checked: each a declared numeric column's ``[low, high]``, finite, low <= high."""
+    if not isinstance(given, dict):
+        raise ValueError(f"numeric_range must map numeric columns to [low, high], not {given!r}")
+    out = {}
+    for col, bounds in given.items():
+        if col not in numeric:
+            raise ValueError(f"--numeric-range {col}: {col!r} is not a declared numeric column "
+                             f"({', '.join(numeric) or 'none'})")
+        try:
+            lo, hi = (float(b) for b in bounds)
+        except (TypeError, ValueError):
+            raise ValueError(f"--numeric-range {col}: give two numbers LO:HI, not {bounds!r}") from None
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+            raise ValueError(f"--numeric-range {col}={lo:g}:{hi:g}: give finite numbers with LO <= HI")
+        out[str(col)] = [lo, hi]
+    return out
+
+
+def positive_class_of(spec: FeatureSpec | dict, stats: dict) -> str | None:
+    """The positive class of a binary classification dataset (``spec`` and the manifest's ``stats``), the
+    class whose probability a binary model predicts: ``--positive-class``'s, else the later of the two
+    classes in sorted order; ``"1"`` (label above the threshold) with ``positive_above``. None for
+    regression and for more than two classes."""
+    spec = spec if isinstance(spec, FeatureSpec) else FeatureSpec.from_dict(spec)
+    if spec.task != "classification":
+        return None
+    if "positive_class" in stats:
+        return stats["positive_class"]
+    classes = stats.get("classes") or (["0", "1"] if spec.positive_above is not None else [])
+    return str(classes[1]) if len(classes) == 2 else None

@@ -9,9 +9,10 @@ import base64
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
@@ -19,21 +20,37 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.windowed_value import WindowedValue
 
+from connectors.kafka import KafkaRecord, WriteToKafka, record_size, topic_max_message_bytes, value_budget
 from connectors.paths import absolute_path, is_local_path
+from connectors.rows import DeadLetter  # the Beam-free record (also importable from here)
 from connectors.spill import remove_spill
 
 __all__ = ["DeadLetter", "ERRS", "WriteDeadLettersToKafka", "WriteDeadLettersToJsonl",
            "dead_letter_to_json", "dead_letter_record", "dead_letter_from_record", "MAX_REASON_CHARS",
-           "PARTS_SUFFIX"]
+           "PARTS_SUFFIX", "reason_kind"]
 
 #: Output tag of every decoding / validation transform's dead letters.
 ERRS = "errs"
 
 
-class DeadLetter(NamedTuple):
-    payload: Any  # the raw input: bytes, str or a JSON-able row
-    source: str  # "topic/partition/offset" or "file:row"
-    reason: str  # why it was rejected, in words a user can act on
+#: The longest kind (``reason_kind``) a reason is counted under.
+MAX_KIND_CHARS = 200
+_NAMED = re.compile(r"(?:field|column) (?:'[^']*'|\"[^\"]*\")")
+
+
+def reason_kind(reason: str) -> str:
+    """The kind a dead letter's reason is counted under (by-reason counts, metrics, the status page): the
+    text before its first ``": "``, with the field or column it names, so that a message holding
+    positions or values is not a kind of its own: ``broken JSON: Expecting ',' delimiter: line 1 column
+    14 (char 13)`` -> ``broken JSON``; ``wrong type: field 'dep_time' is not an ISO time ('x')`` ->
+    ``wrong type: field 'dep_time'``. A reason without ``": "`` is its own kind. The dead letter itself
+    keeps the whole message."""
+    text = str(reason)
+    head, sep, rest = text.partition(": ")
+    if sep:
+        named = _NAMED.match(rest)
+        text = f"{head}: {named.group(0)}" if named else head
+    return text if len(text) <= MAX_KIND_CHARS else text[:MAX_KIND_CHARS] + "..."
 
 
 #: ``<dead-letter file>.parts-<id>/``: where bundles write their parts before the last step joins them.
@@ -178,8 +195,6 @@ def dead_letter_record(letter: DeadLetter, *, max_bytes: int | None = None) -> t
     reason and the start of its payload, with headers ``payload_truncated`` = ``true``,
     ``payload_size`` (the original size in bytes) and ``payload_sha256`` (of the original).
     """
-    from connectors.kafka import record_size, value_budget
-
     source, reason = _cut(str(letter.source), 1024), _cut(str(letter.reason))
     value, fmt = _payload_bytes(letter.payload)
     key = source.encode("utf-8", errors="replace")
@@ -225,13 +240,9 @@ class _DeadLetterRecordFn(beam.DoFn):
         self._max = None
 
     def setup(self):
-        from connectors.kafka import topic_max_message_bytes
-
         self._max = topic_max_message_bytes(self._bootstrap, self._topic, client_config=self._client_config)
 
     def process(self, letter: DeadLetter):
-        from connectors.kafka import KafkaRecord
-
         key, value, headers = dead_letter_record(letter, max_bytes=self._max)
         yield KafkaRecord(self._topic, -1, -1, None, key, value, tuple(headers))
 
@@ -247,8 +258,6 @@ class WriteDeadLettersToKafka(beam.PTransform):
         self._bootstrap, self._topic, self._kwargs = bootstrap_servers, topic, write_kwargs
 
     def expand(self, letters):
-        from connectors.kafka import WriteToKafka
-
         security = {k: v for k, v in (self._kwargs.get("producer_config") or {}).items()
                     if k.startswith(("security_", "ssl_", "sasl_"))}
         return (letters

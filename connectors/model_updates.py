@@ -7,12 +7,17 @@ A record on the model-updates topic is JSON naming one published model version::
 
 ``signature`` is HMAC-SHA256, keyed with the update key, over the record's canonical JSON
 (sorted keys, no spaces) without the signature: it covers the checkpoint file's digest, so a
-signed record authenticates the file's bytes as well as its version, run and path. The key is
+signed record authenticates the file's bytes as well as its version, run and path. A signed
+record also carries ``sequence``: when it was published (milliseconds since the epoch, strictly
+increasing per trainer), the order a scorer believes across runs; a record re-sent later keeps
+its old sequence, so a replay never rolls a scorer back (Kafka's own timestamp is the re-sender's). The key is
 read from a file (``--update-key-file``) or the ``FLOWTRAIN_UPDATE_KEY`` environment variable,
 never from the command line; ``UpdateKeySource`` names where, so a worker process reads it
 itself and the key never travels in a pipeline graph or a config file.
 
-``check_record`` decides whether a record can be believed (format, size, signature);
+``check_record`` decides whether a record can be believed (format, size, nesting, types and ranges,
+signature); whatever the bytes, it returns an ``UpdateRecord`` or raises ``RejectedUpdate`` (the
+reason, and its ``kind`` for counting), never another exception;
 ``read_model_file`` reads the file it names: only a regular file (a FIFO or device is refused
 without blocking), at most ``max_bytes``, with its digest checked against the record's.
 
@@ -23,17 +28,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["UPDATE_KEY_ENV", "MAX_RECORD_BYTES", "DEFAULT_MAX_MODEL_BYTES", "UpdateKeySource", "UpdateRecord",
-           "RejectedUpdate", "sign_record", "check_record", "read_model_file", "read_regular_file", "sha256_hex"]
+from connectors.secrets import check_private
+
+__all__ = ["UPDATE_KEY_ENV", "MAX_RECORD_BYTES", "MAX_RECORD_DEPTH", "MAX_VERSION", "MAX_RUN_ID_CHARS",
+           "DEFAULT_MAX_MODEL_BYTES", "UpdateKeySource", "UpdateRecord", "RejectedUpdate", "sign_record",
+           "check_record", "read_model_file", "read_regular_file", "sha256_hex"]
 
 UPDATE_KEY_ENV = "FLOWTRAIN_UPDATE_KEY"
 #: A model-update record is a few hundred bytes; anything far larger is not one.
 MAX_RECORD_BYTES = 64 * 1024
+#: Nesting levels of objects and arrays in a record (the trainer's records have 2).
+MAX_RECORD_DEPTH = 8
+#: The largest version number and sequence (a prediction's ``model_version`` is an int64).
+MAX_VERSION = 2 ** 63 - 1
+#: The longest run id (it is copied into every prediction; the trainer's are 32 hex digits).
+MAX_RUN_ID_CHARS = 128
+_MAX_PATH_CHARS = 4096
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: The largest model file a scorer reads (``--max-model-bytes``).
 DEFAULT_MAX_MODEL_BYTES = 1 << 30
 #: The shortest key accepted (HMAC-SHA256 keys shorter than the hash weaken it).
@@ -41,7 +59,13 @@ MIN_KEY_BYTES = 16
 
 
 class RejectedUpdate(ValueError):
-    """A record or file that is not believed; the message is the reason."""
+    """A record or file that is not believed; the message is the reason, ``kind`` its class (for
+    counting and logging once per kind): tombstone, oversized, not JSON, malformed, unsigned, bad
+    signature, stale, file, load."""
+
+    def __init__(self, reason: str, kind: str = "malformed"):
+        super().__init__(reason)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,7 @@ class UpdateKeySource:
     def load(self) -> bytes:
         """The key's bytes (a file's content without its trailing newline); a clear error if unusable."""
         if self.key_file:
+            check_private(self.key_file, "--update-key-file")  # only its owner may read a key (as ssh asks)
             try:
                 data = read_regular_file(self.key_file, 64 * 1024, what="update key file")
             except (OSError, RejectedUpdate) as err:
@@ -102,43 +127,114 @@ class UpdateRecord:
     size: int | None
     signed: bool
     raw: dict
+    sequence: int | None = None  # when it was published (ms), signed; None only in an unsigned record
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of a float's range")
+    return value
+
+
+def _depth(value) -> int:
+    """Nesting levels of objects and arrays in a parsed JSON value (iterative: no recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, level)
+            if level > MAX_RECORD_DEPTH:
+                break
+            stack.extend((v, level + 1) for v in item if isinstance(v, (dict, list)))
+    return deepest
+
+
+def _whole(value, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value <= MAX_VERSION
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_record(value: bytes | None, key: bytes | None) -> UpdateRecord:
-    """Parse and authenticate one record; raises ``RejectedUpdate`` with the reason."""
+    """Parse and authenticate one record; raises ``RejectedUpdate`` with the reason (and only that:
+    any bytes at all are a record or a rejection, never another exception)."""
+    try:
+        return _check_record(value, key)
+    except RejectedUpdate:
+        raise
+    except RecursionError:
+        raise RejectedUpdate("not a model-update record (nested too deeply)", "malformed") from None
+    except Exception as err:  # noqa: BLE001 - whatever a record holds, it is a rejection with a reason
+        raise RejectedUpdate(f"not a model-update record ({type(err).__name__}: {str(err)[:200]})",
+                             "malformed") from None
+
+
+def _check_record(value, key: bytes | None) -> UpdateRecord:
     if value is None:
-        raise RejectedUpdate("empty record (a tombstone), not a model-update record")
+        raise RejectedUpdate("empty record (a tombstone), not a model-update record", "tombstone")
+    if not isinstance(value, (bytes, bytearray)):
+        raise RejectedUpdate(f"not a model-update record (a {type(value).__name__}, not bytes)")
     if len(value) > MAX_RECORD_BYTES:
         raise RejectedUpdate(f"record of {len(value):,} bytes, over the {MAX_RECORD_BYTES:,}-byte bound of a "
-                             f"model-update record")
+                             f"model-update record", "oversized")
     try:
-        record = json.loads(value)
+        record = json.loads(value, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise RejectedUpdate("not a model-update record (JSON nested too deeply)", "not JSON") from None
     except (ValueError, UnicodeDecodeError) as err:
-        raise RejectedUpdate(f"not a model-update record (not JSON: {err})") from None
+        raise RejectedUpdate(f"not a model-update record (not JSON: {str(err)[:200]})", "not JSON") from None
     if not isinstance(record, dict):
         raise RejectedUpdate("not a model-update record (not a JSON object)")
+    if _depth(record) > MAX_RECORD_DEPTH:
+        raise RejectedUpdate(f"not a model-update record (nested more than {MAX_RECORD_DEPTH} levels)")
     try:
         version, path = record["version"], record["checkpoint"]
     except KeyError as err:
         raise RejectedUpdate(f"not a model-update record (no {err}); expected JSON with 'version' and "
                              f"'checkpoint'") from None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1 or not isinstance(path, str) \
-            or not path:
-        raise RejectedUpdate("not a model-update record ('version' must be a positive integer, 'checkpoint' a path)")
+    if not _whole(version, 1):
+        raise RejectedUpdate(f"not a model-update record ('version' must be a whole number from 1 to 2^63-1, "
+                             f"not {_short(version)})")
+    if not isinstance(path, str) or not path or "\x00" in path or len(path) > _MAX_PATH_CHARS:
+        raise RejectedUpdate(f"not a model-update record ('checkpoint' must be a path: text without NUL, at most "
+                             f"{_MAX_PATH_CHARS} characters, not {_short(path)})")
     run_id, digest, size = record.get("run_id", ""), record.get("sha256"), record.get("bytes")
-    if not isinstance(run_id, str) or (digest is not None and not isinstance(digest, str)) or \
-            (size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0)):
-        raise RejectedUpdate("not a model-update record ('run_id', 'sha256', 'bytes' of the wrong type)")
-    signature = record.get("signature")
+    sequence, signature = record.get("sequence"), record.get("signature")
+    if not isinstance(run_id, str) or len(run_id) > MAX_RUN_ID_CHARS:
+        raise RejectedUpdate(f"not a model-update record ('run_id' must be text of at most {MAX_RUN_ID_CHARS} "
+                             f"characters, not {_short(run_id)})")
+    if digest is not None and (not isinstance(digest, str) or not _SHA256.fullmatch(digest)):
+        raise RejectedUpdate(f"not a model-update record ('sha256' must be 64 hex digits, not {_short(digest)})")
+    if size is not None and not _whole(size, 0):
+        raise RejectedUpdate(f"not a model-update record ('bytes' must be a whole number >= 0, not {_short(size)})")
+    if sequence is not None and not _whole(sequence, 0):
+        raise RejectedUpdate(f"not a model-update record ('sequence' must be a whole number >= 0, not "
+                             f"{_short(sequence)})")
+    if signature is not None and not isinstance(signature, str):
+        raise RejectedUpdate("not a model-update record ('signature' must be text)")
     if key is not None:
         if signature is None:
-            raise RejectedUpdate("unsigned: an update key is set and the record has no signature")
+            raise RejectedUpdate("unsigned: an update key is set and the record has no signature", "unsigned")
         if digest is None:
-            raise RejectedUpdate("unsigned: the record names no checkpoint digest ('sha256')")
+            raise RejectedUpdate("unsigned: the record names no checkpoint digest ('sha256')", "unsigned")
         want = hmac.new(key, _canonical(record), hashlib.sha256).hexdigest()
-        if not isinstance(signature, str) or not hmac.compare_digest(want, signature):
-            raise RejectedUpdate("bad signature: not signed with this scorer's update key")
-    return UpdateRecord(version, run_id, path, digest, size, key is not None, record)
+        if not hmac.compare_digest(want, signature):
+            raise RejectedUpdate("bad signature: not signed with this scorer's update key", "bad signature")
+        if sequence is None or not run_id:
+            raise RejectedUpdate("signed, but without its run id and 'sequence' (a record of an older flowtrain "
+                                 "trainer, whose order cannot be checked): publish it again with this version",
+                                 "unsigned")
+    return UpdateRecord(version, run_id, path, digest, size, key is not None, record, sequence)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -151,16 +247,16 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int, *, what: str = "m
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise RejectedUpdate(f"{what} {path} does not exist (removed, or not on this machine's filesystem)") from None
+        raise RejectedUpdate(f"{what} {path} does not exist (removed, or not on this machine's filesystem)", "file") from None
     except OSError as err:
-        raise RejectedUpdate(f"{what} {path} cannot be opened ({err.strerror})") from None
+        raise RejectedUpdate(f"{what} {path} cannot be opened ({err.strerror})", "file") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise RejectedUpdate(f"{what} {path} is not a regular file")
+            raise RejectedUpdate(f"{what} {path} is not a regular file", "file")
         if st.st_size > max_bytes:
             raise RejectedUpdate(f"{what} {path} has {st.st_size:,} bytes, over the {max_bytes:,}-byte bound "
-                                 f"(--max-model-bytes)")
+                                 f"(--max-model-bytes)", "file")
         os.set_blocking(fd, True)
         chunks, total = [], 0
         while True:
@@ -170,7 +266,7 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int, *, what: str = "m
             chunks.append(chunk)
             total += len(chunk)
             if total > max_bytes:
-                raise RejectedUpdate(f"{what} {path} grew past the {max_bytes:,}-byte bound while being read")
+                raise RejectedUpdate(f"{what} {path} grew past the {max_bytes:,}-byte bound while being read", "file")
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -180,8 +276,8 @@ def read_model_file(record: UpdateRecord, max_bytes: int) -> bytes:
     """The bytes of the file a checked record names, its digest equal to the record's (when it has one)."""
     data = read_regular_file(record.path, max_bytes)
     if record.size is not None and len(data) != record.size:
-        raise RejectedUpdate(f"model file {record.path} has {len(data):,} bytes, the record says {record.size:,}")
+        raise RejectedUpdate(f"model file {record.path} has {len(data):,} bytes, the record says {record.size:,}", "file")
     if record.sha256 is not None and not hmac.compare_digest(sha256_hex(data), record.sha256):
         raise RejectedUpdate(f"model file {record.path} does not match the record's sha256 (changed or torn since "
-                             f"it was published)")
+                             f"it was published)", "file")
     return data

@@ -7,6 +7,10 @@ key, command-line lists (``--key=value``, ``--key value``, ``key=value``) by opt
 ``password="..."``-style text inside strings (a JAAS line). Every writer of a run's files
 (``config.json``, ``job.json``, ...) passes its data through ``redact``.
 
+``read_secret_file`` reads a secret file (an update key, a bundle key): a regular file only its
+owner can read; one that group or others may read is refused naming its mode (as ssh refuses such a
+private key), before its content is read.
+
 ``split_secrets`` separates a client config into what may be written and what may not, so a
 parent can hand the secret part to its children through their environment (``SECRETS_ENV``)
 instead of a file or a command line.
@@ -16,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import Any
 
-__all__ = ["SECRET_WORDS", "REDACTED", "SECRETS_ENV", "is_secret", "redact", "split_secrets", "secrets_from_env"]
+__all__ = ["SECRET_WORDS", "REDACTED", "SECRETS_ENV", "is_secret", "redact", "split_secrets", "secrets_from_env",
+           "check_private", "read_secret_file"]
 
 #: Words that make an option name secret.
 SECRET_WORDS = ("password", "passwd", "secret", "token", "credential", "jaas", "private_key", "api_key", "apikey",
@@ -95,3 +101,52 @@ def secrets_from_env() -> dict:
     """The secret client settings a parent passed in ``SECRETS_ENV`` (``{}`` without)."""
     text = os.environ.get(SECRETS_ENV)
     return json.loads(text) if text else {}
+
+
+def _mode_problem(st: os.stat_result, path: str, option: str) -> str | None:
+    if os.name != "posix":
+        return None
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        who = " and ".join(w for w, bits in (("its group", 0o070), ("others", 0o007)) if mode & bits)
+        return (f"{option} {path}: mode {mode:04o} lets {who} read or change this secret, so it is refused; "
+                f"`chmod 600 {path}` (only you may read it)")
+    return None
+
+
+def check_private(path: str | os.PathLike, option: str) -> None:
+    """A ``ValueError`` naming ``option``, ``path`` and its mode when group or others may read or write
+    the secret file ``path`` (its target, for a link)."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise ValueError(f"{option} {path}: cannot be read ({err.strerror})") from None
+    problem = _mode_problem(st, str(path), option)
+    if problem:
+        raise ValueError(problem)
+
+
+def read_secret_file(path: str | os.PathLike, option: str, *, max_bytes: int = 64 * 1024) -> bytes:
+    """The bytes of the secret file ``path`` (``option`` names it in errors): a regular file of at most
+    ``max_bytes`` that only its owner may read (``check_private``), checked on the opened file before
+    anything is read; a ``ValueError`` with one line otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ValueError(f"{option} {path}: cannot be opened ({err.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{option} {path}: not a regular file")
+        problem = _mode_problem(st, str(path), option)
+        if problem:
+            raise ValueError(problem)
+        if st.st_size > max_bytes:
+            raise ValueError(f"{option} {path}: {st.st_size:,} bytes, not a key (at most {max_bytes:,})")
+        os.set_blocking(fd, True)
+        data = os.read(fd, max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ValueError(f"{option} {path}: more than {max_bytes:,} bytes, not a key")
+        return data
+    finally:
+        os.close(fd)

@@ -17,8 +17,11 @@ spill works on any runner whose workers reach the output location.
 """
 from __future__ import annotations
 
+import logging
+import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import apache_beam as beam
 import pyarrow as pa
@@ -29,11 +32,12 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from connectors.paths import absolute_path
 
-__all__ = ["WriteToSpill", "ReadFromSpill", "spill_directory", "remove_spill", "write_spill_file", "read_spill_file",
-           "SPILL_SUFFIX"]
+__all__ = ["WriteToSpill", "ReadFromSpill", "spill_directory", "remove_spill", "remove_stale_spills", "write_spill_file",
+           "read_spill_file", "SPILL_SUFFIX"]
 
 #: ``<output>.spill-<id>``: the spill directory sits beside the output it serves.
 SPILL_SUFFIX = ".spill-"
+_log = logging.getLogger(__name__)
 _RAW = CompressionTypes.UNCOMPRESSED  # the IPC buffers are compressed already; never let a name decide
 
 
@@ -50,6 +54,36 @@ def remove_spill(directory: str) -> None:
     found = FileSystems.match([FileSystems.join(directory, "**")])[0].metadata_list  # an object store's objects
     if found:
         FileSystems.delete([m.path for m in found])
+
+
+def remove_stale_spills(output_path: str | os.PathLike) -> list[str]:
+    """Delete the spill directories (``<output_path>.spill-*``) a killed job into the local ``output_path``
+    left (SIGKILL skips every cleanup); call it when a run of the same output starts, no other job writing
+    there. Only a real directory holding nothing but spill files (``*.arrows``, in real sub-directories) is
+    deleted; a link or anything else stays, logged. Returns the directories deleted."""
+    output = Path(os.path.abspath(output_path))
+    gone = []
+    for spill in sorted(output.parent.glob(f"{output.name}{SPILL_SUFFIX}*")) if output.parent.is_dir() else []:
+        files, foreign = [], []
+        if spill.is_symlink() or not spill.is_dir():
+            foreign.append(spill.name)
+        else:
+            for root, dirs, names in os.walk(spill):  # links are not followed (dirs that are links are listed)
+                for name in [*names, *dirs]:
+                    p = Path(root) / name
+                    if p.is_symlink() or (p.is_file() and not name.endswith(".arrows")):
+                        foreign.append(str(p.relative_to(spill)))
+                    elif p.is_file():
+                        files.append(p)
+        if foreign:
+            _log.warning("left %s in place: it holds what is not a spill file (%s)", spill, ", ".join(foreign[:5]))
+            continue
+        for f in files:
+            f.unlink()
+        for root, _dirs, _names in sorted(os.walk(spill), key=lambda w: len(w[0]), reverse=True):
+            os.rmdir(root)
+        gone.append(str(spill))
+    return gone
 
 
 class _SpillWriter:

@@ -1,6 +1,6 @@
 """Your own model for ``flowtrain batch --model examples.my_model:build`` (or ``flowtrain.batch(model=...)``).
 
-A factory takes the table's ``ModelSpec`` (``flowtrain.train.model``) and returns a ``torch.nn.Module`` whose
+A factory takes the table's ``ModelSpec`` (``flowtrain.train.models``) and returns a ``torch.nn.Module`` whose
 ``forward(x_num, x_cat)`` takes
 
 - ``x_num``: float32 ``[N, spec.n_numeric]``, the standardized numeric columns in ``spec.numeric`` order,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flowtrain.train.model import ModelSpec, PackedSequential
+from flowtrain.train.models import ModelSpec, PackedSequential
 
 
 class SmallNet(nn.Module):

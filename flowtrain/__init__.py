@@ -9,7 +9,13 @@ The Python API is the command line's jobs, with the same options (the fields of 
                               out="runs/demo")
     flowtrain.predict(model="runs/demo", input=["new.csv"], out="predictions.parquet")
     predictor = flowtrain.load("runs/demo/bundle")
-    table = predictor.predict([{"x1": 0.3, "x2": -1.2, "c": "a"}])
+    rows = predictor.predict([{"x1": 0.3, "x2": -1.2, "c": "a"}])  # [{"pred_probability_1": ..., ...}]
+
+The streaming jobs too (``ReplayJob``, ``StreamJob``: the options of ``flowtrain replay`` and ``flowtrain stream``)::
+
+    flowtrain.replay(bootstrap="127.0.0.1:9092", input=["events.csv"], dataset="runs/demo/dataset")
+    flowtrain.stream(dataset="runs/demo/dataset", out="runs/stream", idle_exit=30)  # until stopped or idle
+    flowtrain.score(dataset="runs/demo/dataset", out="runs/stream")  # `flowtrain stream score`
 
 A user's error (bad option, input, bundle) raises ``flowtrain.FlowtrainError`` with a one-line message.
 Everything is imported on first use: ``import flowtrain`` stays cheap.
@@ -21,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 from flowtrain.errors import BundleError, FlowtrainError
 
 __version__ = "0.1.0"
-__all__ = ["batch", "predict", "load", "export", "BatchJob", "PredictJob", "ExportJob", "FlowtrainError",
-           "BundleError", "__version__"]
+__all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "BatchJob", "PredictJob", "ExportJob",
+           "ReplayJob", "StreamJob", "FlowtrainError", "BundleError", "__version__"]
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from flowtrain.commands.batch import BatchJob
-    from flowtrain.commands.predict import ExportJob, PredictJob, Predictor
+    from flowtrain.commands.predict import ExportJob, PredictJob
+    from flowtrain.commands.predictor import Predictor
+    from flowtrain.commands.stream import ReplayJob, StreamJob
 
 
 def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
@@ -57,20 +63,62 @@ def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: 
     return run_predict(build(PredictJob, options, model=str(model), input=inputs, out=str(out)))
 
 
-def load(path: str) -> Predictor:
+def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = None) -> Predictor:
     """A bundle (``<run>/bundle`` or ``flowtrain export``'s directory), checked, as a predictor whose
-    ``predict(rows)`` (a pyarrow Table, a pandas DataFrame or a list of dicts) equals ``flowtrain predict``."""
-    from flowtrain.commands.predict import load as load_bundle
+    ``predict(rows)`` (a pyarrow Table or RecordBatch, a pandas DataFrame or a list of dicts) returns one row per
+    input row, in the type given, with the predictions of ``flowtrain predict`` (``pred_*`` columns; a row that
+    cannot be predicted has nulls and its ``pred_reason``). Loading imports no Beam and runs no code: a bundle
+    whose model is a user's ``--model MODULE:FACTORY`` is refused unless
+    ``trust_code=True``; with ``bundle_key_file`` (or ``$FLOWTRAIN_BUNDLE_KEY``) its signature is verified."""
+    from flowtrain.commands.predictor import load as load_bundle
 
-    return load_bundle(path)
+    return load_bundle(path, trust_code=trust_code, bundle_key_file=bundle_key_file)
 
 
-def export(run: str, out: str, **options: Any) -> Path:
-    """``flowtrain export``: write a run's bundle into ``out``."""
+def export(run: str, out: str, **options: Any) -> str:
+    """``flowtrain export``: write a run's bundle into ``out``. Returns where the bundle is, always a ``str``: its
+    absolute local path, or the object-store URL given as ``out`` (``flowtrain.load`` takes either)."""
     from flowtrain.commands.predict import ExportJob, run_export
     from flowtrain.fields import build
 
     return run_export(build(ExportJob, options, run=str(run), out=str(out)))
+
+
+def _options(job: Any, options: dict) -> dict:
+    """A job object's options updated by keyword options (the Python API takes either, or both)."""
+    from flowtrain.fields import to_config
+
+    return options if job is None else {**to_config(job), **options}
+
+
+def replay(job: ReplayJob | None = None, /, **options: Any) -> dict:
+    """``flowtrain replay``: a table's rows (``input``), the demo's events, or a generated click stream
+    (``generate="clicks"``) as events into a Kafka topic, every one acknowledged. ``options`` are ``ReplayJob``'s
+    fields. Returns the counts (events, unlabelled, each malformed kind) and the seconds it took."""
+    from flowtrain.commands.replay import run_replay
+    from flowtrain.commands.stream import ReplayJob
+    from flowtrain.fields import build
+
+    return run_replay(build(ReplayJob, _options(job, options)))
+
+
+def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_args: tuple[str, ...] = (),
+           **options: Any) -> int:
+    """``flowtrain stream``: the feature pipeline and the online trainer (with ``score=True`` the scorer too) as
+    supervised child processes, or with ``half`` ("pipeline", "train", "score") that part in this process, until
+    stopped (Ctrl-C, SIGTERM) or done (``idle_exit``). ``options`` are ``StreamJob``'s fields; ``beam_args`` Beam
+    pipeline options. Returns the exit status (0: every part ended cleanly)."""
+    from flowtrain.commands.stream import StreamJob
+    from flowtrain.commands.stream_job import run_stream
+    from flowtrain.fields import build
+
+    return run_stream(build(StreamJob, _options(job, options)), beam_args, half=half)
+
+
+def score(job: Any = None, /, *, beam_args: tuple[str, ...] = (), **options: Any) -> int:
+    """``flowtrain stream score``: the scoring pipeline alone (``stream(..., half="score")``); ``options`` are
+    ``StreamScoreJob``'s fields (any ``StreamJob`` field is taken)."""
+    return stream(job, half="score", beam_args=beam_args, **options)
 
 
 def __getattr__(name: str) -> Any:
@@ -82,4 +130,8 @@ def __getattr__(name: str) -> Any:
         from flowtrain.commands import predict as _predict
 
         return getattr(_predict, name)
+    if name in ("ReplayJob", "StreamJob"):
+        from flowtrain.commands import stream as _stream
+
+        return getattr(_stream, name)
     raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")

@@ -134,6 +134,24 @@ def text(value: Any) -> str:
 text.__name__ = "text"
 
 
+def store_path(option: str, *, remote: bool = True, many: bool = False) -> Callable[[Any], Any]:
+    """A path option (``many``: comma-separated paths): local, or a URL (``gs://``, ``s3://``, ``az://``...)
+    whose filesystem is installed (``connectors.paths.check_path``: else one line naming the scheme and the
+    extra to install); ``remote=False``: a local path only."""
+    def parse(value: Any) -> Any:
+        from connectors.paths import StoreError, check_path
+
+        values = names(value) if many else (text(value),)
+        try:
+            checked = tuple(check_path(v, option, remote=remote) for v in values)
+        except StoreError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{option} ")) from None
+        return checked if many else checked[0]
+
+    parse.__name__ = "paths" if many else "a path"
+    return parse
+
+
 # --- the fields -------------------------------------------------------------------------------------------
 def option(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,  # noqa: A002 - argparse's word
            choices: Iterable[Any] | None = None, group: str = GENERAL, metavar: str | None = None,
@@ -217,6 +235,31 @@ def check(config: Any) -> Any:
                                           for o in options_of(type(config))})
 
 
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    """The option a mistyped or borrowed ``name`` most likely means, or None: a close spelling (difflib:
+    ``epoch`` -> ``epochs``), an option whose words it holds (``max_epochs`` -> ``epochs``,
+    ``per_device_train_batch_size`` -> ``batch_size``), its words' initials (``learning_rate`` -> ``lr``),
+    or the one option holding its words (``warmup`` -> ``warmup_steps``). ``-`` and ``_`` alike."""
+    import difflib
+
+    key = str(name).strip().lstrip("-").replace("-", "_").lower()
+    by_key = {str(k).lstrip("-").replace("-", "_").lower(): k for k in known}
+    if key in by_key:
+        return by_key[key]
+    close = difflib.get_close_matches(key, list(by_key), n=1)
+    if close:
+        return by_key[close[0]]
+    words = [w for w in key.split("_") if w]
+    inside = [k for k in by_key if set(k.split("_")) <= set(words)]
+    if inside:
+        return by_key[max(inside, key=lambda k: (len(k.split("_")), len(k)))]
+    initials = "".join(w[0] for w in words)
+    if len(words) > 1 and initials in by_key:
+        return by_key[initials]
+    holding = [k for k in by_key if set(words) <= set(k.split("_"))]
+    return by_key[holding[0]] if len(holding) == 1 else None
+
+
 def build(cls: type, values: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """``cls`` from keyword values (``-`` or ``_`` in the keys), checked; an unknown key is an ``OptionError``
     naming it and the close option."""
@@ -224,10 +267,7 @@ def build(cls: type, values: dict[str, Any] | None = None, **kwargs: Any) -> Any
     known = {o.name for o in options_of(cls)}
     unknown = sorted(set(merged) - known)
     if unknown:
-        import difflib
-
-        hints = [k + (f" (did you mean {c[0]}?)" if (c := difflib.get_close_matches(k, sorted(known), n=1)) else "")
-                 for k in unknown]
+        hints = [k + (f" (did you mean {c}?)" if (c := nearest(k, sorted(known))) else "") for k in unknown]
         raise OptionError(f"{cls.__name__}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
     return check(cls(**merged))
 

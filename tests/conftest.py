@@ -54,6 +54,22 @@ def kafka_broker(tmp_path_factory, say) -> LocalKafka:
 
 
 @pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory, say) -> str:
+    """A real Schema Registry (Apicurio, in memory) for the session: its Confluent-compatible API's URL."""
+    from flowtrain.local.registry import LocalRegistry
+    from flowtrain.local.registry import free_port as registry_port
+
+    registry = LocalRegistry(port=registry_port(), data_dir=tmp_path_factory.mktemp("registry"))
+    status = registry.start(timeout_s=180, quiet=True)
+    say(f"\nregistry: Apicurio Registry {registry.version} at {registry.url} in "
+        f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {registry.log_path})")
+    try:
+        yield registry.url
+    finally:
+        registry.stop(timeout_s=20, quiet=True)
+
+
+@pytest.fixture(scope="session")
 def bootstrap(kafka_broker) -> str:
     return kafka_broker.bootstrap
 
@@ -102,3 +118,29 @@ def flink_cluster(tmp_path_factory, say):
             os.environ.pop(DIR_ENV, None)
         else:
             os.environ[DIR_ENV] = previous
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory, say):
+    """A real object store for the session: Azurite's blob service (npm, provisioned once per machine) on
+    127.0.0.1, its development account in $AZURE_STORAGE_CONNECTION_STRING (adlfs's ``az://``, here and in CLI
+    children). Yields the ``LocalAzurite``."""
+    import os
+
+    from flowtrain.local.azurite import LocalAzurite
+    from flowtrain.local.tools import free_port
+
+    server = LocalAzurite(port=free_port(), data_dir=tmp_path_factory.mktemp("azurite"))
+    previous = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    try:
+        status = server.start(timeout_s=120, quiet=True)
+        os.environ["AZURE_STORAGE_CONNECTION_STRING"] = server.connection_string
+        say(f"\nazurite: Azurite {server.version} blob service at {server.endpoint} in "
+            f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {server.log_path})")
+        yield server
+    finally:
+        server.stop(timeout_s=5)  # its blobs are the session's, in a temporary directory
+        if previous is None:
+            os.environ.pop("AZURE_STORAGE_CONNECTION_STRING", None)
+        else:
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = previous

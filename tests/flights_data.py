@@ -11,12 +11,13 @@ def make_flights_dataset(base, *, every: int) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.batch import run_flights_etl
+    from pipelines.flights.preset import FLIGHTS
 
     base = Path(base)
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     flights = pq.read_table(tables["flights"])
     pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, every))), base / "flights.parquet")
     run_flights_etl(dataset_path=str(base / "ds"), dead_letters_path=None, options=pipeline_options("batch"),

@@ -77,6 +77,19 @@ def still_running(processes: dict[int, str]) -> dict[int, str]:
     return left
 
 
+def kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
+    """SIGKILL what still runs of ``tree`` (``{pid: start time}``, from :func:`descendants`) and the process group
+    of ``proc`` (started with ``start_new_session=True``), then reap ``proc``."""
+    for pid in still_running(tree):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def _address(hex_addr: str) -> tuple[str, int]:
     import ipaddress
 

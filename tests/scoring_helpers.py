@@ -199,4 +199,5 @@ def make_sensor(base: Path) -> dict:
     dataset, run, _ = make_sensor_run(base, rows=1500, epochs=6)
     key_file = base / "update.key"
     key_file.write_bytes(KEY)
+    key_file.chmod(0o600)  # a key only its owner may read (a group- or world-readable one is refused)
     return {"dataset": dataset, "run": run, "data": TabularDataset(dataset), "key_file": str(key_file)}

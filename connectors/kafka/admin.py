@@ -7,6 +7,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kafka import KafkaAdminClient
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka.errors import InvalidReplicationFactorError, KafkaError, TopicAlreadyExistsError
+
 from connectors.kafka.clients import (
     DEFAULT_CONNECT_TIMEOUT_S,
     KafkaUnavailable,
@@ -26,8 +30,6 @@ _LOCK = threading.Lock()
 
 def admin_settings(client_config: Mapping[str, Any] | None) -> dict:
     """The options of ``client_config`` a KafkaAdminClient takes (security among them)."""
-    from kafka import KafkaAdminClient
-
     return {k: v for k, v in dict(client_config or {}).items() if k in KafkaAdminClient.DEFAULT_CONFIG}
 
 
@@ -39,19 +41,18 @@ _ANSWER_TTL_S = 60.0
 
 
 def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                  client_config: Mapping[str, Any] | None = None) -> int:
+                  client_config: Mapping[str, Any] | None = None, cached: bool = True) -> int:
     """Fail within ``timeout_s`` with ``KafkaUnavailable`` (one line) unless a broker answers.
 
     Returns the number of brokers in the cluster. Meant to run before any work starts, so that
     a wrong address or a stopped broker is a clear error instead of a client retrying for minutes.
+    ``cached=False`` asks the brokers even when they answered a moment ago (a job deciding, at a stop,
+    whether it can still commit).
     """
-    from kafka import KafkaAdminClient
-    from kafka.errors import KafkaError
-
     key = repr((servers_string(bootstrap_servers), sorted(dict(client_config or {}).items(), key=str)))
     with _LOCK:
         answered = _ANSWERED.get(key)
-    if answered and time.monotonic() - answered[0] < _ANSWER_TTL_S:
+    if cached and answered and time.monotonic() - answered[0] < _ANSWER_TTL_S:
         return answered[1]
     cfg = admin_settings(client_config)
     cfg.update(bootstrap_servers=bootstrap_servers, bootstrap_timeout_ms=int(timeout_s * 1000),
@@ -75,13 +76,22 @@ def check_brokers(bootstrap_servers: str | Sequence[str], *, timeout_s: float = 
         finally:
             admin.close()
 
+
+def brokers_unreachable(bootstrap_servers: str | Sequence[str], *, timeout_s: float = 5.0,
+                        client_config: Mapping[str, Any] | None = None) -> str | None:
+    """None when a broker answers now (asked afresh, within ``timeout_s``); else why not, in a few words:
+    what a stopping job says before naming what it could not commit."""
+    try:
+        check_brokers(bootstrap_servers, timeout_s=timeout_s, client_config=client_config, cached=False)
+        return None
+    except KafkaUnavailable:
+        return f"no broker at {servers_string(bootstrap_servers)} answered within {timeout_s:g} s"
+
+
 def topic_config(bootstrap_servers: str | Sequence[str], topic: str, name: str, *,
                  client_config: Mapping[str, Any] | None = None) -> str | None:
     """The topic's config ``name`` (e.g. ``retention.ms``) as the broker applies it (the topic's own or
     the broker default); None when the topic does not exist or the broker does not say."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import ConfigResource, ConfigResourceType
-
     admin = track_client(KafkaAdminClient(bootstrap_servers=bootstrap_servers, **admin_settings(client_config)))
     try:
         found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {name: None})],
@@ -115,10 +125,6 @@ def ensure_topic(bootstrap_servers: str | Sequence[str], topic: str, *, partitio
     real cluster. ``config`` sets topic configs (e.g. ``{"max.message.bytes": "4194304"}``) of a
     topic this call creates; an existing topic is left as it is.
     """
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import InvalidReplicationFactorError, TopicAlreadyExistsError
-
     if replication_factor is not None and (isinstance(replication_factor, bool) or replication_factor < 1):
         raise ValueError(f"ensure_topic(replication_factor={replication_factor!r}): must be >= 1 "
                          f"(or None for min(3, number of brokers))")

@@ -31,6 +31,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
+from connectors.secrets import check_private
+
 __all__ = ["KafkaConfigError", "load_client_properties", "read_properties", "expand_env", "client_options"]
 
 
@@ -40,8 +44,6 @@ class KafkaConfigError(ValueError):
 
 def client_options() -> dict[str, Any]:
     """kafka-python options every client (consumer, producer, admin) takes, with their defaults."""
-    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-
     common = set(KafkaConsumer.DEFAULT_CONFIG) & set(KafkaProducer.DEFAULT_CONFIG) & set(
         KafkaAdminClient.DEFAULT_CONFIG)
     return {k: KafkaConsumer.DEFAULT_CONFIG[k] for k in common}
@@ -185,6 +187,7 @@ def _typed(value: str, default: Any, where: str) -> Any:
 def load_client_properties(path: str | os.PathLike) -> dict[str, Any]:
     """kafka-python options from a Java client properties file (see the module doc)."""
     props = read_properties(path)
+    _refuse_readable_literal_secret(path, props)
     common = client_options()
     out: dict[str, Any] = {}
     for key, raw in props.items():
@@ -222,3 +225,22 @@ def load_client_properties(path: str | os.PathLike) -> dict[str, Any]:
             out[option] = value.upper() if option in ("security_protocol", "sasl_mechanism") else \
                 _typed(value, common[option], where)
     return out
+
+
+#: Properties whose value is (or holds) a password.
+_SECRET_KEYS = ("sasl.jaas.config", "sasl.password", "ssl.key.password")
+_LITERAL_PASSWORD = re.compile(r"password\s*=\s*\"?(?!\$\{env:)[^\s\";]", re.IGNORECASE)
+
+
+def _refuse_readable_literal_secret(path: str | os.PathLike, props: dict[str, str]) -> None:
+    """A file that writes a password out (not as ``${env:NAME}``) must be readable by its owner only, as ssh
+    asks of a private key: a ``KafkaConfigError`` naming the mode and the fix otherwise."""
+    literal = [k for k in _SECRET_KEYS if k in props and (
+        _LITERAL_PASSWORD.search(props[k]) if k == "sasl.jaas.config" else not props[k].strip().startswith("${env:"))]
+    if not literal:
+        return
+    try:
+        check_private(path, "--kafka-config-file")
+    except ValueError as err:
+        raise KafkaConfigError(f"{err} (it writes out {', '.join(literal)}; or give the password as "
+                               f"${{env:NAME}})") from None

@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.record.default_records import DefaultRecordBatchBuilder
+
 from connectors.kafka.clients import describe_error, is_retriable
 
 __all__ = ["KafkaDelivery", "KafkaWriteError", "record_size", "value_budget"]
@@ -21,8 +24,6 @@ class KafkaWriteError(RuntimeError):
 def record_size(key: bytes | None, value: bytes | None, headers=None) -> int:
     """Upper bound of one record's size on the wire, as a record batch of its own (what the
     producer checks against ``max_request_size`` and the broker against ``max.message.bytes``)."""
-    from kafka.record.default_records import DefaultRecordBatchBuilder
-
     return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, list(headers or ()))
 
 
@@ -85,8 +86,6 @@ class KafkaDelivery:
         self._pending.append(entry)
 
     def _submit(self, entry: _Sent) -> None:
-        from kafka.errors import KafkaError
-
         entry.future, entry.error = None, None
         try:
             entry.future = self._producer.send(entry.topic, key=entry.key, value=entry.value, headers=entry.headers,
@@ -101,11 +100,12 @@ class KafkaDelivery:
         future = entry.future
         return future.exception if future.is_done and future.failed() else None
 
-    def confirm(self) -> int:
-        """Block until every record sent since the last confirm is acknowledged; returns how many."""
-        from kafka.errors import KafkaError, KafkaTimeoutError
-
-        deadline = time.monotonic() + self._retry_s
+    def confirm(self, *, within_s: float | None = None) -> int:
+        """Block until every record sent since the last confirm is acknowledged; returns how many.
+        ``within_s`` shortens the wait (a job that is stopping): what is not acknowledged by then is a
+        ``KafkaWriteError`` as after ``retry_s``."""
+        retry_s = self._retry_s if within_s is None else min(self._retry_s, within_s)
+        deadline = time.monotonic() + retry_s
         while True:
             live = [e for e in self._pending if e.error is None]
             if live:
@@ -133,7 +133,7 @@ class KafkaDelivery:
             fatal = [(e, err) for e, err in failed if not is_retriable(err)]
             if fatal or out_of_time:
                 bad = fatal or failed or [(waiting[0], KafkaTimeoutError(
-                    f"not acknowledged within {self._retry_s:g} s"))]
+                    f"not acknowledged within {retry_s:g} s"))]
                 entry, err = bad[0]
                 total, bad = len(self._pending), len(fatal) if fatal else len(failed) + len(waiting)
                 self._pending = []

@@ -21,7 +21,16 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connectors.kafka.clients import close_client, new_consumer, retry_kafka, servers_string, track_client
+from kafka import TopicPartition
+
+from connectors.kafka.clients import (
+    close_client,
+    new_consumer,
+    retry_kafka,
+    servers_string,
+    topic_partitions,
+    track_client,
+)
 from connectors.kafka.record import KafkaRecord
 
 __all__ = ["CLIENTS", "KafkaReadError", "PythonFetcher", "ConfluentFetcher", "confluent_config", "open_fetcher",
@@ -106,19 +115,22 @@ class PythonFetcher:
     """kafka-python: one assigned consumer per partition, batched ``poll(max_records=n)``."""
 
     def __init__(self, bootstrap_servers, consumer_config, topic: str, partition: int, position: int):
-        from kafka import TopicPartition
-
         self.topic, self.partition = topic, partition
         self._tp = TopicPartition(topic, partition)
         self._consumer = new_consumer(bootstrap_servers, {**PYTHON_READ_DEFAULTS, **dict(consumer_config or {})},
                                       group_id=None)
-        self._consumer.assign([self._tp])
-        # A new consumer seeks straight to ``position``: asking a fresh consumer for its position
-        # would first look up a reset offset on the broker, only to seek away from it.
-        self._consumer.seek(self._tp, position)
-        # The leader's metadata now, not on the first poll: a first poll without it finds nothing
-        # fetchable and sleeps retry_backoff_ms (100 ms per partition per worker).
-        retry_kafka(lambda: self._consumer.partitions_for_topic(topic), "topic metadata")
+        try:
+            self._consumer.assign([self._tp])
+            # A new consumer seeks straight to ``position``: asking a fresh consumer for its position
+            # would first look up a reset offset on the broker, only to seek away from it.
+            self._consumer.seek(self._tp, position)
+            # The leader's metadata now, not on the first poll: a first poll without it finds nothing
+            # fetchable and sleeps retry_backoff_ms (100 ms per partition per worker).
+            # bounded as the bootstrap is (120 s: a broker that restarts meanwhile is waited for), then an error
+            retry_kafka(lambda: topic_partitions(self._consumer, topic, timeout_s=120.0), "topic metadata")
+        except BaseException:
+            self._consumer.close()  # a retried bundle makes a new one: never leak this one (and its sockets)
+            raise
 
     def position(self) -> int:
         """The next offset the log holds for this reader (past gaps such as control records)."""

@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.io.iobase import RestrictionProgress, RestrictionTracker
 from apache_beam.io.watermark_estimators import ManualWatermarkEstimator
 from apache_beam.transforms import window
 from apache_beam.transforms.core import RestrictionProvider, WatermarkEstimatorProvider
 from apache_beam.utils.timestamp import MIN_TIMESTAMP, Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
+from kafka import OffsetAndMetadata, TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from connectors.kafka import offsets
 from connectors.kafka.admin import check_brokers
@@ -48,14 +47,15 @@ from connectors.kafka.clients import (
     close_client,
     new_consumer,
     retry_kafka,
-    shared_consumer,
+    topic_partitions,
     unavailable_message,
 )
 from connectors.kafka.fetch import check_client, confluent_config, open_fetcher
 from connectors.kafka.offsets import UNBOUNDED, PartitionRead
 from connectors.kafka.record import KafkaRecord
+from connectors.kafka.restriction import EndOffsets, PartitionRange, PartitionTracker
 
-__all__ = ["ReadFromKafka", "PartitionRange", "PartitionTracker"]
+__all__ = ["ReadFromKafka"]
 
 _log = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ class _ResolvePartitionsFn(beam.DoFn):
         self._connect_timeout_s = connect_timeout_s
 
     def process(self, _impulse) -> Iterable[PartitionRead]:
-        from kafka.errors import KafkaTimeoutError
-
         bootstrap, _ = self._cfg
         try:
             yield from self._resolve()
@@ -82,15 +80,13 @@ class _ResolvePartitionsFn(beam.DoFn):
             raise KafkaUnavailable(unavailable_message(bootstrap, self._connect_timeout_s, str(err))) from None
 
     def _resolve(self) -> Iterable[PartitionRead]:
-        from kafka import TopicPartition
-
         bootstrap, extra = self._cfg
         timeout_ms = int(self._connect_timeout_s * 1000)
         consumer = new_consumer(bootstrap, extra, group_id=self._group_id, bootstrap_timeout_ms=timeout_ms)
         try:
             tps = []
             for topic in self._topics:
-                parts = consumer.partitions_for_topic(topic)
+                parts = topic_partitions(consumer, topic, timeout_s=self._connect_timeout_s)
                 if not parts:
                     raise ValueError(f"ReadFromKafka: topic {topic!r} does not exist on {bootstrap} "
                                      f"(or has no partitions); create it or fix `topics`")
@@ -121,110 +117,6 @@ class _ResolvePartitionsFn(beam.DoFn):
 # --------------------------------------------------------------------------------------------
 # The splittable DoFn
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PartitionRange:
-    """The restriction: offsets ``[start, stop)`` of one partition (``stop`` may be UNBOUNDED)."""
-
-    topic: str
-    partition: int
-    start: int
-    stop: int
-
-
-class PartitionTracker(RestrictionTracker):
-    """Claims offsets of one partition in order; checkpoints, never splits a partition.
-
-    Claiming ``stop`` (an offset outside the range) marks the range done, which is how the
-    reader ends at a stop time or over trailing gaps, as Java's ``tryClaim(Long.MAX_VALUE)``.
-    """
-
-    def __init__(self, restriction: PartitionRange, end_offsets: _EndOffsets):
-        self._range = restriction
-        self._ends = end_offsets
-        self._last_attempt: int | None = None
-        self._checkpointed = False
-
-    def current_restriction(self) -> PartitionRange:
-        return self._range
-
-    def try_claim(self, offset: int) -> bool:
-        if self._last_attempt is not None and offset <= self._last_attempt:
-            raise ValueError(f"offsets must be claimed in increasing order: {offset} after "
-                             f"{self._last_attempt} in {self._range}")
-        self._last_attempt = offset
-        return self._range.start <= offset < self._range.stop
-
-    def try_split(self, fraction_of_remainder):
-        if fraction_of_remainder != 0 or self._checkpointed:
-            return None  # one consumer per partition keeps log order, as Java KafkaIO does
-        split_at = self._range.start if self._last_attempt is None else self._last_attempt + 1
-        if split_at >= self._range.stop:
-            return None
-        self._checkpointed = True
-        primary = replace(self._range, stop=split_at)
-        residual = replace(self._range, start=split_at)
-        self._range = primary
-        return primary, residual
-
-    def check_done(self):
-        if self._range.start < self._range.stop and (
-                self._last_attempt is None or self._last_attempt < self._range.stop - 1):
-            raise ValueError(f"offsets [{self._next_position()}, {self._range.stop}) of "
-                             f"{self._range.topic}-{self._range.partition} were not claimed")
-
-    def _next_position(self) -> int:
-        return self._range.start if self._last_attempt is None else self._last_attempt + 1
-
-    def current_progress(self) -> RestrictionProgress:
-        position = min(self._next_position(), self._range.stop)
-        end = self._ends.get(self._range.topic, self._range.partition, position)
-        completed = float(position - self._range.start)
-        remaining = float(offsets.backlog(position, self._range.stop, max(end, position)))
-        if completed + remaining == 0:  # never 0/0 (the runner divides): done, or waiting for more
-            completed, remaining = (1.0, 0.0) if self.is_bounded() else (0.0, 1.0)
-        return RestrictionProgress(completed=completed, remaining=remaining)
-
-    def is_bounded(self) -> bool:
-        return self._range.stop != UNBOUNDED
-
-
-class _EndOffsets:
-    """Cached log-end offsets for backlog estimates (a few seconds old at most)."""
-
-    def __init__(self, bootstrap_servers, consumer_config, ttl_s: float = 2.0):
-        self._cfg = (bootstrap_servers, consumer_config)
-        self._ttl = ttl_s
-        self._cache: dict[tuple[str, int], tuple[float, int]] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        return {"_cfg": self._cfg, "_ttl": self._ttl}
-
-    def __setstate__(self, state):
-        self.__init__(*state["_cfg"], ttl_s=state["_ttl"])
-
-    def get(self, topic: str, partition: int, fallback: int) -> int:
-        key = (topic, partition)
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit and now - hit[0] < self._ttl:
-                return hit[1]
-        try:
-            from kafka import TopicPartition
-
-            consumer, lock = shared_consumer(*self._cfg)
-            tp = TopicPartition(topic, partition)
-            with lock:
-                end = consumer.end_offsets([tp], timeout_ms=5000)[tp]
-        except Exception as err:  # noqa: BLE001 - an estimate must never fail the read
-            _log.debug("end offset of %s-%s unavailable: %s", topic, partition, err)
-            return hit[1] if hit else fallback
-        with self._lock:
-            self._cache[key] = (now, end)
-        return end
-
-
 # The reader is a root transform (Impulse -> Reshuffle -> the SDF), so its input and output
 # are in the global window. Emitting a WindowedValue with that window spares Beam re-assigning
 # windows for every record, which a TimestampedValue costs (~15% of a bounded read's time).
@@ -263,7 +155,7 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         self._max_read_s = max_read_s
         self._batch_records = batch_records
         self._client = client
-        self._ends = _EndOffsets(bootstrap_servers, consumer_config)
+        self._ends = EndOffsets(bootstrap_servers, consumer_config)
         self._consumers: dict = {}
 
     # -- restriction provider ---------------------------------------------------------------
@@ -427,8 +319,6 @@ class _CommitOffsetsFn(beam.DoFn):
             self._consumer = None
 
     def process(self, element):
-        from kafka import OffsetAndMetadata, TopicPartition
-
         (topic, partition), offset = element
         if self._committed.get((topic, partition), -1) >= offset + 1:
             return

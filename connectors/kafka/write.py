@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
+from kafka.errors import KafkaTimeoutError
 
 from connectors.kafka.admin import topic_max_message_bytes
 from connectors.kafka.clients import close_client, new_producer
@@ -33,8 +34,6 @@ class _WriteFn(beam.DoFn):
         self._producer = None
 
     def setup(self):
-        from kafka.errors import KafkaTimeoutError
-
         security = {k: v for k, v in self._producer_config.items() if k.startswith(("security_", "ssl_", "sasl_"))}
         limit = topic_max_message_bytes(self._bootstrap, self._topic, client_config=security)
         self._producer = new_producer(self._bootstrap, self._producer_config, max_message_bytes=limit,

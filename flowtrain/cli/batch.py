@@ -38,7 +38,7 @@ def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) ->
         print_config(job)
         return 0
     summary = run_batch(job)
-    if "job" not in summary:
+    if "job" not in summary and "memory_plan" not in summary:
         print(f"\nreport: {summary['run_dir']}/report.md")
     return 0
 

@@ -15,6 +15,8 @@ BENCHMARKS = {
     "dataparallel": ("bench.dataparallel", "map/reduce data parallelism vs DistributedDataParallel"),
     "pipeline": ("bench.pipeline", "GPipe/1F1B stages vs torch.distributed.pipelining, bubbles, memory"),
     "tensor": ("bench.tensor", "column/row-parallel MLP (T = 2) vs DTensor parallelize_module, bytes, memory"),
+    "memory": ("bench.memory", "per-rank bytes and step time, ZeRO-1/2/3 (--shard-states) vs FSDP2 fully_shard, "
+                               "N = 1, 2, 4; PP/TP per-rank bytes planned"),
     "stream": ("bench.stream", "streaming job throughput, produce-to-model latency, trainer consume rate"),
     "flink": ("bench.flink", "flights ETL on Flink (1 and 2 TaskManagers) vs FnApiRunner vs pyarrow, 1x/10x rows"),
     "serve": ("bench.serve", "scoring pipeline (RunInference) vs a PyTorch loop, produce-to-prediction latency, "
@@ -22,6 +24,12 @@ BENCHMARKS = {
     "predict": ("bench.predict", "flowtrain predict (Beam RunInference) vs pyarrow batches + the bundle's predict, "
                                  "1x/10x flights rows/s"),
     "tabular": ("bench.tabular", "flowtrain batch on public tables vs scikit-learn linear models and HGB"),
+    "ids": ("bench.ids", "ID tables (flowtrain.train.ids) vs torch.nn.EmbeddingBag: lookups/s, rows trained/s; "
+                         "bytes of a snapshot and a 1%-touched delta of a 1,000,000-ID table"),
+    "ids-publish": ("bench.ids_publish", "bytes and seconds per published version with an ID table: a delta (1% of "
+                                         "1,000,000 rows touched) vs a snapshot vs the whole checkpoint"),
+    "ids-auc": ("bench.ids_auc", "new users on a click stream: ID tables vs a fixed vocabulary and the hashing "
+                                 "trick at the same memory, AUC overall and on new users' first events"),
 }
 
 

@@ -6,74 +6,22 @@ Each command's work lives in its own module and is imported only when that comma
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 
-def _kafka(args: argparse.Namespace) -> int:
-    from flowtrain.local.kafka import BrokerError, LocalKafka
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose errors are one line (the message and where help is), not the usage block:
+    ``flowtrain batch: error: unknown option --lable (did you mean --label?) ...; see flowtrain batch --help``.
+    The command's sub-parsers are made with the same class (argparse's ``parser_class``)."""
 
-    broker_kwargs = {"port": args.port}
-    if args.data_dir:
-        broker_kwargs["data_dir"] = Path(args.data_dir)
-    if args.brokers != 1:
-        return _kafka_cluster(args, broker_kwargs)
-    broker = LocalKafka(**broker_kwargs)
-    try:
-        if args.action == "start":
-            broker.start(timeout_s=args.timeout)
-        elif args.action == "stop":
-            broker.stop()
-        else:
-            status = broker.status()
-            if args.json:
-                print(json.dumps(status))
-            elif status["running"]:
-                print(f"kafka: running (pid {status['pid']}) on {status['bootstrap']}, "
-                      f"Kafka {status['version']}, answers metadata: {status['answers_metadata']}\n"
-                      f"  data {status['data_dir']}\n  log  {status['log']}")
-            else:
-                print(f"kafka: not running (data dir {status['data_dir']})")
-                return 3
-    except BrokerError as err:
-        print(f"flowtrain kafka {args.action}: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _kafka_cluster(args: argparse.Namespace, cluster_kwargs: dict) -> int:
-    """``flowtrain kafka ACTION --brokers N``: a replicated KRaft cluster (flowtrain.local.kafka.cluster)."""
-    from flowtrain.local.kafka import BrokerError
-    from flowtrain.local.kafka.cluster import LocalKafkaCluster
-
-    try:
-        cluster = LocalKafkaCluster(brokers=args.brokers, **cluster_kwargs)
-        if args.action == "start":
-            cluster.start(timeout_s=args.timeout)
-        elif args.action == "stop":
-            cluster.stop()
-        else:
-            status = cluster.status()
-            if args.json:
-                print(json.dumps(status))
-            else:
-                print(f"kafka: {status['running']} of {status['brokers']} broker(s) running, bootstrap "
-                      f"{status['bootstrap']}, Kafka {status['version']}, data {status['data_dir']}")
-                for node in status["nodes"]:
-                    state = f"running (pid {node['pid']})" if node["running"] else "down"
-                    print(f"  node {node['node_id']}: {state} on {node['bootstrap']}, log {node['log']}")
-            return 0 if status["running"] == status["brokers"] else 3
-    except BrokerError as err:
-        print(f"flowtrain kafka {args.action}: {err}", file=sys.stderr)
-        return 2
-    return 0
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="flowtrain",
         description="Train PyTorch models straight from Apache Beam dataflows.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,29 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"flowtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    kafka = sub.add_parser(
-        "kafka", help="start, stop or inspect a local Apache Kafka broker (KRaft, 127.0.0.1)",
-        description="A real single-node Apache Kafka broker on 127.0.0.1. The jars are fetched "
-                    "from Maven Central with mvn on first use into ~/.cache/flowtrain/kafka "
-                    "(or $FLOWTRAIN_CACHE).")
-    kafka.add_argument("action", choices=["start", "stop", "status"],
-                       help="start (no-op if running), stop, or status")
-    kafka.add_argument("--port", type=int, default=9092,
-                       help="client port on 127.0.0.1; the controller uses PORT+1 (default 9092)")
-    kafka.add_argument("--data-dir", default=None,
-                       help="where the broker keeps its log segments, config and broker.log "
-                            "(default ~/.cache/flowtrain/kafka-data)")
-    kafka.add_argument("--timeout", type=float, default=90.0,
-                       help="seconds to wait for the broker to answer a metadata request (default 90)")
-    kafka.add_argument("--json", action="store_true", help="status as one JSON object")
-    kafka.add_argument("--brokers", type=int, default=1,
-                       help="N > 1: a replicated cluster of N KRaft nodes (broker + controller each) on ports "
-                            "PORT, PORT+2, ...; topics flowtrain creates get replication min(3, N) and "
-                            "min.insync.replicas 2 (default 1: one broker; data default "
-                            "~/.cache/flowtrain/kafka-cluster)")
-    kafka.set_defaults(func=_kafka)
-
     for register in _command_registrars():
         register(sub)
     return parser
@@ -111,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_registrars():
     """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
-    from flowtrain.cli import batch, bench, compare, flink, predict, stream
+    from flowtrain.cli import batch, bench, compare, drift, local, predict, registry, stream
 
-    return [batch.register, predict.register, bench.register, flink.register, stream.register, compare.register]
+    return [local.register_kafka, batch.register, predict.register, drift.register, bench.register,
+            local.register_flink, stream.register, compare.register, registry.register]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
@@ -125,20 +51,45 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
     ours, passthrough = options.split_passthrough(argv)  # after `--`: Beam's, unchecked
     parser = build_parser()
     args, unknown = parser.parse_known_args(ours, namespace=argparse.Namespace())
-    sub = getattr(args, "options_parser", None) or parser
+    sub = getattr(args, "options_parser", None) or _leaf(parser, ours)
     try:
         if getattr(args, "options_parser", None) is not None:
             # --config YAML under the command line; args then holds every option's value
             args.options = options.resolve(parser, args, ours)
         if getattr(args, "accepts_beam_args", False):
             # Options flowtrain does not know must be Beam pipeline options (--runner=..., --flink_master=...).
-            options.check_beam_args(unknown, [s for a in sub._actions for s in a.option_strings])
+            options.check_beam_args(unknown, [s for a in sub._actions for s in a.option_strings], command=sub.prog)
             return args, unknown + passthrough
     except options.OptionError as err:
         sub.error(str(err))
     if unknown or passthrough:
-        sub.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
+        sub.error(_unrecognized(sub, unknown + passthrough))
     return args, None
+
+
+def _leaf(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub-)parser that read the end of ``argv``: ``flowtrain kafka start``'s for ``kafka start --prot 1``."""
+    for token in argv:
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if choices is not None and token in choices:
+            parser = choices[token]
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, tokens: list[str]) -> str:
+    """``unknown option --prot (did you mean --port?)``, or the tokens argparse could not place."""
+    from flowtrain.cli.options import closest_flag
+
+    flags = [s for a in parser._actions for s in a.option_strings]
+    named = []
+    for token in tokens:
+        name = token.split("=", 1)[0]
+        close = closest_flag(name, flags) if name.startswith("-") else None
+        if close:
+            named.append(f"{name} (did you mean {close}?)")
+    if named and len(named) == len([t for t in tokens if t.startswith("-")]):
+        return f"unknown option{'s' if len(named) > 1 else ''} {', '.join(named)}"
+    return f"unrecognized arguments: {' '.join(tokens)}"
 
 
 def _drop_import_noise(record: logging.LogRecord) -> bool:

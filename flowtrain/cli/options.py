@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flowtrain.commands.kafka_options import format_value
-from flowtrain.fields import GENERAL, OptionError, above, at_least, fraction, options_of, sizes  # noqa: F401
+from flowtrain.fields import GENERAL, OptionError, above, at_least, fraction, nearest, options_of, sizes  # noqa: F401
 
 #: Parser defaults attached by the commands; not options.
 INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help", "print_config",
@@ -143,10 +143,11 @@ def load_config(path: str | Path, sub: argparse.ArgumentParser) -> dict[str, Any
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key.replace("-", "_"), list(actions), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise OptionError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-                          f"the keys are this command's options: {', '.join(sorted(actions))}")
+            close = nearest(key, sorted(actions))
+            hints.append(f"{key!r}" + (f" (did you mean {close!r}?)" if close else ""))
+        keys = "" if all("did you mean" in h for h in hints) else \
+            "; the keys are this command's options without '--'"
+        raise OptionError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}{keys}")
     return out
 
 
@@ -213,10 +214,18 @@ def resolve(top: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     return merged
 
 
+def closest_flag(name: str, flags: Iterable[str]) -> str | None:
+    """The flag closest to a mistyped ``name`` (``--lable`` -> ``--label``), compared without the dashes
+    (``--foo`` is not close to ``--out``); None when none is close."""
+    by_name = {f.lstrip("-"): f for f in flags if f.startswith("--")}
+    close = difflib.get_close_matches(name.lstrip("-"), list(by_name), n=1) or [nearest(name, by_name)]
+    return by_name[close[0]] if close[0] else None
+
+
 # --- options for Beam ---------------------------------------------------------------------------------
-def check_beam_args(tokens: list[str], ours: Iterable[str] = ()) -> None:
+def check_beam_args(tokens: list[str], ours: Iterable[str] = (), command: str = "flowtrain batch") -> None:
     """Every token must parse as a Beam pipeline option; else an error naming the unknown ones
-    (with the closest flowtrain or Beam option)."""
+    (with the closest flowtrain or Beam option; ``command`` names the command in the hint)."""
     if not tokens:
         return
     from apache_beam.options.pipeline_options import PipelineOptions
@@ -227,7 +236,15 @@ def check_beam_args(tokens: list[str], ours: Iterable[str] = ()) -> None:
         _, seen["unknown"] = parser.parse_known_args(tokens)
         seen["known"] = [s for action in parser._actions for s in action.option_strings]
 
-    PipelineOptions(tokens).get_all_options(add_extra_args_fn=capture)
+    import logging
+
+    beam_log = logging.getLogger("apache_beam.options.pipeline_options")
+    level = beam_log.level
+    beam_log.setLevel(logging.ERROR)  # its "Discarding unparseable args" warning: the error below says it
+    try:
+        PipelineOptions(tokens).get_all_options(add_extra_args_fn=capture)
+    finally:
+        beam_log.setLevel(level)
     unknown = seen.get("unknown") or []
     if not unknown:
         return
@@ -238,9 +255,11 @@ def check_beam_args(tokens: list[str], ours: Iterable[str] = ()) -> None:
                if t.startswith("-") or i == 0 or not unknown[i - 1].startswith("-") or "=" in unknown[i - 1]]
     for token in unknown:
         name = token.split("=", 1)[0]
-        close = difflib.get_close_matches(name, candidates, n=1) if name.startswith("-") else []
-        names.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+        close = closest_flag(name, candidates) if name.startswith("-") else None
+        names.append(name + (f" (did you mean {close}?)" if close else ""))
     kind = "option" if all(n.startswith("-") for n in names) else "argument"
-    raise OptionError(f"unknown {kind}{'s' if len(names) > 1 else ''} {', '.join(names)}: neither a flowtrain "
-                      f"option (see --help) nor a Beam pipeline option. Pass options of a runner Beam does not "
-                      f"know after `--`, e.g. `flowtrain batch ... -- --my_runner_option=1`")
+    unknown_ = f"unknown {kind}{'s' if len(names) > 1 else ''} {', '.join(names)}"
+    if all("did you mean" in n for n in names):  # a typo: the suggestion is the whole message
+        raise OptionError(unknown_)
+    raise OptionError(f"{unknown_}: neither a flowtrain option nor a Beam pipeline option (options of a runner "
+                      f"Beam does not know go after `--`: `{command} ... -- --my_runner_option=1`)")

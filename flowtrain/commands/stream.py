@@ -14,14 +14,21 @@ The defaults are the engine's (``pipelines.stream.pipeline.StreamConfig``, ``pip
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from flowtrain.fields import above, at_least, fraction, option, sizes
+from flowtrain.errors import FlowtrainError
+from flowtrain.fields import above, at_least, fraction, option, sizes, store_path
+from pipelines.presets import default_preset, preset_for, presets
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
 #: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
 CLIENTS = ("kafka-python", "confluent")
+#: ``--event-format`` (``pipelines.stream.formats.FORMATS``).
+EVENT_FORMATS = ("json", "avro", "protobuf")
 
 PIPELINE = "feature pipeline (`stream pipeline`)"
 EVENTS = "raw events (feature pipeline and scorer)"
@@ -72,19 +79,21 @@ class KafkaOptions:
 class StreamCommon(KafkaOptions):
     """What every part of the streaming job reads: topics, the dataset, the run directory, the status page."""
 
-    raw_topic: str = option("flights-raw", "raw JSON events")
-    features_topic: str = option("flights-features", "feature batches")
-    dead_letter_topic: str = option(
-        "flights-dead-letters", "rejected events, and feature messages the trainer rejects, with their reason")
-    updates_topic: str = option("flights-model-updates", "published model versions")
+    raw_topic: str | None = option(None, "raw JSON events (default: NAME-raw, NAME the --dataset's name, or its "
+                                         "preset's: the demo's without --dataset)")
+    features_topic: str | None = option(None, "feature batches (default: NAME-features)")
+    dead_letter_topic: str | None = option(
+        None, "rejected events, and feature messages the trainer rejects, with their reason (default: "
+              "NAME-dead-letters)")
+    updates_topic: str | None = option(None, "published model versions (default: NAME-model-updates)")
     group_id: str = option("flowtrain-features",
                            "the pipeline's consumer group (its lag is on the live line and the status page)")
     local_kafka: bool = option(False, "start the project's broker on --bootstrap's port")
     dataset: str | None = option(
         None, "the `flowtrain batch` dataset whose spec (event fields, label), statistics and vocabularies the "
               "stream uses: events are JSON objects keyed by its column names (default runs/demo/dataset, the "
-              "flights demo)")
-    out: str = option("runs/stream", "run directory")
+              "demo's)", parse=store_path("--dataset", remote=False))
+    out: str = option("runs/stream", "run directory", parse=store_path("--out", remote=False))
     metrics_port: int = option(
         0, "serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job runs (one port "
            "for the whole job; 0: off)", parse=at_least(0))
@@ -95,15 +104,26 @@ class EventOptions:
     """How raw events are read: by the feature pipeline and by the scorer."""
 
     enrichment: str = option(
-        "auto", "a domain's reference-data step before the features: flights (the weather and planes join of the "
-                "flights demo), none, or auto (flights for the flights dataset; default)",
-        choices=("auto", "flights", "none"), group=EVENTS)
+        "auto", "a domain's reference-data step before the features: auto (the enrichment of the dataset's preset, "
+                "e.g. the demo's weather and planes join; none for your own files; default), none, or the name of a "
+                "dataset preset (docs/presets.md)", group=EVENTS)
     max_event_bytes: int = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
                                   group=EVENTS)
     max_json_depth: int = option(32, "a raw event nesting objects/arrays deeper than this is a dead letter",
                                  parse=at_least(1), group=EVENTS)
     max_abs_number: float = option(9007199254740992.0, "a raw event with a number beyond +-this is a dead letter",
                                    parse=above(0), group=EVENTS)
+    event_format: str = option(
+        "json", "how raw events are written: json (objects keyed by column name), avro or protobuf (the dataset's "
+                "schema: `flowtrain schema`; decoded with the writer's schema and resolved by field name)",
+        choices=EVENT_FORMATS, group=EVENTS)
+    schema_registry: str | None = option(
+        None, "a Confluent-compatible Schema Registry (Apicurio: http://HOST:PORT/apis/ccompat/v7): avro/protobuf "
+              "events in its wire format, writers' schemas fetched by id (default: none)", metavar="URL",
+        group=EVENTS)
+    schema_file: str | None = option(
+        None, "without --schema-registry: the writers' schema, an .avsc or .proto file (default: the dataset's own)",
+        metavar="FILE", group=EVENTS)
 
 
 @dataclass
@@ -126,12 +146,21 @@ class TrainerOptions:
 
     workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
                           parse=at_least(1), group=TRAINER)
+    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own process "
+                            "(with --workers D: D x S processes)", parse=at_least(1), group=TRAINER)
+    microbatches: int = option(4, "micro-batches per step (one feature message) in the pipeline", parse=at_least(1),
+                               group=TRAINER)
+    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs and embedding tables over "
+                                     "this many processes (D x S x T in all)", parse=at_least(1), group=TRAINER)
+    shard_states: str = option("none", "ZeRO over the --workers replicas: optimizer, gradients or parameters",
+                               choices=("none", "optimizer", "gradients", "parameters"), group=TRAINER)
     failure_timeout: float = option(
         60.0, "with --workers N: seconds within which the job ends when a replica dies or stalls", parse=above(0),
         group=TRAINER)
     init_weights: str | None = option(
         None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
-              "kind, seed) comes from that run's config.json", group=TRAINER)
+              "kind, seed) comes from that run's config.json", group=TRAINER,
+        parse=store_path("--init-weights", remote=False))
     hidden: tuple[int, ...] = option((128, 64), "hidden sizes without --init-weights", parse=sizes, group=TRAINER)
     dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=TRAINER)
     seed: int = option(0, "seed of the initial weights and dropout", group=TRAINER)
@@ -153,6 +182,10 @@ class TrainerOptions:
                           group=TRAINER)
     keep_published: int = option(10, "trainer: versions kept in <out>/published, apart from the checkpoints",
                                  parse=at_least(1), group=UPDATES)
+    snapshot_every: int = option(
+        20, "trainer, a model with ID tables: each version carries the dense weights and only the ID rows changed "
+            "since the previous one, with a full snapshot every this many versions", parse=at_least(1),
+        group=UPDATES)
 
 
 @dataclass
@@ -165,14 +198,30 @@ class UpdateOptions:
         metavar="FILE", group=UPDATES)
 
 
+def _drift_thresholds(value):
+    from flowtrain.commands.drift import drift_thresholds
+
+    return drift_thresholds(value)
+
+
+_drift_thresholds.__name__ = "thresholds"
+_DRIFT_THRESHOLD_HELP = ("drift measure thresholds, MEASURE=VALUE comma-separated (psi, js, linf, unseen, missing, "
+                         "out_of_range, prediction, adwin; default: as `flowtrain drift`, docs/observability.md)")
+
+
 @dataclass
 class ScoreOptions:
     """The scoring pipeline: RunInference with the newest published version."""
 
-    predictions_topic: str = option("flights-predictions", "predictions, one Arrow record batch per message",
-                                    group=SCORING)
-    score_dead_letter_topic: str = option("flights-scoring-dead-letters",
-                                          "events the scorer rejects, with their reason", group=SCORING)
+    predictions_topic: str | None = option(None, "predictions, one Arrow record batch per message (default: "
+                                                 "NAME-predictions)", group=SCORING)
+    predictions_format: str | None = option(
+        None, "how predictions are written: arrow (one record batch per message), json (one object per prediction), "
+              "avro or protobuf (one record per prediction; with --schema-registry in its wire format, the schema "
+              "registered under TOPIC-value) (default: as the events: --event-format json gives arrow)",
+        choices=("arrow", "json", "avro", "protobuf"), group=SCORING)
+    score_dead_letter_topic: str | None = option(None, "events the scorer rejects, with their reason (default: "
+                                                       "NAME-scoring-dead-letters)", group=SCORING)
     score_group_id: str = option("flowtrain-scorer", "the scorer's consumer group on the raw topic", group=SCORING)
     swap_interval: float = option(
         1.0, "seconds between look-ups of the newest model version; also the serving window, about the longest an "
@@ -186,15 +235,33 @@ class ScoreOptions:
     id_column: str | None = option(
         None, "an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'",
         metavar="COL", group=SCORING)
+    max_id_bytes: int = option(
+        1024, "the longest --id-column value (UTF-8 bytes) copied into a prediction; an event with a longer one "
+              "is a scoring dead letter", parse=at_least(1), group=SCORING)
     keep_models: int = option(3, "versions the scorer keeps its own copy of, in <out>/models", parse=at_least(1),
                               group=SCORING)
     max_model_bytes: int = option(1073741824, "the largest model file the scorer reads; a larger one is rejected",
                                   parse=at_least(1), group=SCORING)
+    drift_window: int = option(
+        2000, "drift monitoring over the newest micro-batches holding at least this many scored events (per scorer "
+              "instance), against the training data: /metrics, the status page, --drift-topic; 0: off",
+        parse=at_least(0), group=SCORING)
+    drift_window_seconds: float = option(
+        0.0, "with this > 0, the drift window also drops micro-batches scored more than this many seconds ago "
+             "(a window of events or of time, whichever is smaller)", parse=at_least(0.0, float), group=SCORING)
+    drift_threshold: str = option("", _DRIFT_THRESHOLD_HELP, parse=_drift_thresholds, metavar="MEASURE=VALUE,...",
+                                  group=SCORING)
+    drift_reference: str | None = option(
+        None, "a `flowtrain batch` run or bundle whose drift reference (with its model's score distribution) the "
+              "scorer compares with (default: the dataset's training split; the scores against the first window)",
+        metavar="RUN_OR_BUNDLE", group=SCORING)
+    drift_topic: str | None = option(None, "each drift window's measures and alarms as a JSON record on this topic, "
+                                           "every few seconds and when its alarms change (default: none)", group=SCORING)
 
 
 @dataclass
 class RunnerOptions:
-    """Where a Beam pipeline of the job runs (``flowtrain.cli.flink.with_runner``)."""
+    """Where a Beam pipeline of the job runs (``flowtrain.local.runners.pick_runner``)."""
 
     runner: str | None = option(
         None, "flink: the local Flink cluster of `flowtrain flink start` (its directory from $FLOWTRAIN_FLINK_DIR), "
@@ -214,10 +281,11 @@ class ReplayJob(KafkaOptions):
 
     input: tuple[str, ...] = option(
         (), "files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), read with "
-            "the batch ETL's readers (default: the flights demo)", repeat=True, metavar="FILES")
+            "the batch ETL's readers (default: the demo's events)", repeat=True, metavar="FILES",
+        parse=store_path("--input", many=True))
     dataset: str | None = option(
         None, "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default --label "
-              "and the fields --malformed breaks (default: none)")
+              "and the fields --malformed breaks (default: none)", parse=store_path("--dataset", remote=False))
     time_column: str | None = option(
         None, "with --input: order events by this column (event time) and set it as each Kafka record's timestamp "
               "(default: file order, stamped with the time of sending)")
@@ -231,16 +299,33 @@ class ReplayJob(KafkaOptions):
     max_event_bytes: int | None = option(
         None, "the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made just beyond "
               "it (left out without it: the default 1 MiB exceeds Kafka's message size)", parse=at_least(1))
-    topic: str = option("flights-raw", "topic to produce to")
+    topic: str | None = option(None, "topic to produce to (default: NAME-raw, NAME the --dataset's name, as "
+                                     "`flowtrain stream --dataset` reads; the demo's without --dataset)")
     partitions: int = option(3, "partitions if the topic is created", parse=at_least(1))
     rate: float = option(0.0, "events per second (0: as fast as possible)", parse=at_least(0, float))
-    limit: int | None = option(None, "produce at most this many events (default: all)", parse=at_least(0))
+    limit: int | None = option(None, "produce at most this many events (default: all; --generate: 100000)",
+                               parse=at_least(0))
+    generate: str | None = option(
+        None, "instead of --input, a synthetic stream: clicks (users and items with Zipf popularity and latent tastes, "
+              "new users arriving all the time, tastes drifting; the true click probability kept aside; docs/ids.md)",
+        choices=("clicks",))
+    generate_out: str | None = option(None, "with --generate: keep the events (clicks.csv) and their true click "
+                                            "probabilities (truth.csv) in this directory (default: not kept)",
+                                      metavar="DIR")
     skip: int = option(0, "start after this many events", parse=at_least(0))
     malformed: float = option(
-        0.0, "fraction of events replaced by bad ones, for demos and tests: flights: broken JSON, missing field, "
-             "wrong type, NaN, impossible value; --input: broken JSON, missing field, wrong type, NaN, infinite, too "
-             "deep, not UTF-8 (and too large with --max-event-bytes)", parse=fraction(inclusive_high=True))
+        0.0, "fraction of events replaced by bad ones, for demos and tests: the demo: its preset's kinds (broken "
+             "JSON, missing field, wrong type, NaN, impossible value); --input: broken JSON, missing field, wrong "
+             "type, NaN, infinite, too deep, not UTF-8 (and too large with --max-event-bytes)", parse=fraction(inclusive_high=True))
     seed: int = option(0, "seed of which events --malformed replaces")
+    event_format: str = option(
+        "json", "write events as json, avro or protobuf (the --dataset's schema, or --schema-file's); with "
+                "--schema-registry in its wire format, the schema registered under TOPIC-value",
+        choices=EVENT_FORMATS)
+    schema_registry: str | None = option(None, "a Confluent-compatible Schema Registry URL (default: none)",
+                                         metavar="URL")
+    schema_file: str | None = option(None, "the schema to write with, an .avsc or .proto file (default: the "
+                                           "dataset's: `flowtrain schema`)", metavar="FILE")
     client: str = option(
         "kafka-python", "producer client: kafka-python (~10k events/s on one core here) or confluent (confluent-kafka "
                         "on librdkafka, the extra flowtrain[kafka-confluent]; several times faster: what `bench "
@@ -275,3 +360,60 @@ class StreamJob(RunnerOptions, UpdateOptions, ScoreOptions, TrainerOptions, Pipe
 
 #: ``flowtrain stream HALF``: the options of that part.
 HALVES: dict[str, type] = {"pipeline": StreamPipelineJob, "train": StreamTrainJob, "score": StreamScoreJob}
+
+
+# --- topics named after the dataset -----------------------------------------------------------------------
+#: The Kafka topics of a stream on a dataset named NAME: NAME-raw, NAME-features, ... (by option). A preset's
+#: dataset is named after its preset (``pipelines.presets``): the demo's topics follow from its preset's name.
+TOPIC_SUFFIXES = {"raw_topic": "raw", "features_topic": "features", "dead_letter_topic": "dead-letters",
+                  "updates_topic": "model-updates", "predictions_topic": "predictions",
+                  "score_dead_letter_topic": "scoring-dead-letters"}
+def dataset_name(dataset: str | None) -> str:
+    """The name a stream's default topics start with: the name of the dataset's preset (``pipelines.presets``;
+    without ``--dataset`` and no demo dataset made yet: the default preset's); else the manifest's ``name``, else
+    the dataset directory's name, or its run directory's for a run's ``dataset/`` (``runs/sensors/dataset``:
+    ``sensors``), in the characters a Kafka topic takes."""
+    from flowtrain.commands.stream_inputs import DEMO_DATASET
+
+    try:
+        presets()  # the registry's sources: a module that cannot be loaded is one line, not a traceback
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    path = Path(dataset or DEMO_DATASET)
+    try:
+        from connectors.dataset import read_manifest
+
+        manifest = read_manifest(str(path))
+    except Exception:  # noqa: BLE001 - not (yet) a dataset: the stream says so when it starts
+        manifest = None
+    if manifest is None and not dataset:
+        try:
+            return default_preset().name
+        except ValueError:  # no default preset registered: the directory's name below
+            pass
+    preset = preset_for(manifest)
+    if preset is not None:
+        return preset.name
+    if manifest is not None and isinstance(manifest.get("name"), str) and manifest["name"].strip():
+        name = manifest["name"].strip()
+    else:
+        path = path if "://" in str(dataset) else path.resolve()
+        name = path.parent.name if path.name == "dataset" and path.parent.name else path.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "dataset"
+
+
+def dataset_topics(dataset: str | None) -> dict[str, str]:
+    """The default topic of each topic option for a stream on ``dataset`` (``TOPIC_SUFFIXES``)."""
+    name = dataset_name(dataset)
+    return {option_name: f"{name}-{suffix}" for option_name, suffix in TOPIC_SUFFIXES.items()}
+
+
+def with_dataset_topics(job: Any) -> Any:
+    """``job`` (a stream part's options, a whole ``StreamJob`` or a ``ReplayJob``) with every topic left unset
+    named after its dataset (``dataset_topics``); topics given stay."""
+    names = {"topic": "raw_topic"} if hasattr(job, "topic") else {k: k for k in TOPIC_SUFFIXES if hasattr(job, k)}
+    unset = [k for k in names if getattr(job, k) is None]
+    if not unset:
+        return job
+    topics = dataset_topics(job.dataset)
+    return dataclasses.replace(job, **{k: topics[names[k]] for k in unset})

@@ -1,16 +1,19 @@
 """What every part of ``flowtrain stream`` (the feature pipeline, the online trainer, the scorer) reads
 before it starts: the ``--dataset`` and its manifest, the domain's enrichment step, the raw topic's
-partitions. One module both ``flowtrain.cli.stream`` and ``flowtrain.cli.score`` import."""
+partitions. One module every part of the job imports."""
 from __future__ import annotations
 
 from pathlib import Path
 
-#: The dataset the stream reads when ``--dataset`` is not given: the flights demo's.
+from flowtrain.local.paths import cache_root
+from pipelines.presets import get_preset, preset_for
+
+#: The dataset the stream reads when ``--dataset`` is not given: the default preset's (``make demo`` makes it).
 DEMO_DATASET = "runs/demo/dataset"
 
 
 def dataset_path(args) -> str:
-    """``--dataset`` (default the flights demo's) as an absolute path; not a dataset: a one-line exit."""
+    """``--dataset`` (default the demo's) as an absolute path; not a dataset: a one-line exit."""
     path = Path(args.dataset or DEMO_DATASET)
     if not (path / "_manifest.json").exists():
         raise SystemExit(f"flowtrain stream: --dataset {path} is not a flowtrain dataset (no _manifest.json); the "
@@ -36,25 +39,37 @@ def stream_manifest(args) -> dict:
 
 
 def enrichment(args, manifest: dict):
-    """--enrichment: the flights' weather/planes join for the flights dataset (auto), or none."""
-    from pipelines.flights.streaming import FlightReference, is_flights_dataset
-
-    if args.enrichment == "none" or (args.enrichment == "auto" and not is_flights_dataset(manifest)):
+    """--enrichment: the enrichment of the dataset's preset (auto), of the preset named, or none; a dataset of
+    your own files has none (``pipelines.presets``)."""
+    if args.enrichment == "none":
         return None
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
-
-    tables = export_tables(demo_tables_dir())
-    return FlightReference(tables["weather"], tables["planes"])
+    try:
+        preset = preset_for(manifest) if args.enrichment == "auto" else get_preset(args.enrichment)
+    except ValueError as err:
+        raise SystemExit(f"flowtrain stream: --enrichment {args.enrichment}: {err}") from None
+    if preset is None or preset.enrichment is None:
+        if args.enrichment != "auto":
+            raise SystemExit(f"flowtrain stream: --enrichment {args.enrichment}: that dataset preset has no stream "
+                             f"enrichment; give --enrichment none or auto")
+        return None
+    return preset.enrichment(preset.demo_inputs(cache_root()))
 
 
 def raw_partitions(bootstrap: str, topic: str, cfg: dict) -> int:
     """The partition count of ``topic``; a missing topic is a one-line exit naming `flowtrain replay`."""
-    from connectors.kafka import close_client, new_consumer
+    from connectors.kafka import (
+        DEFAULT_CONNECT_TIMEOUT_S,
+        KafkaUnavailable,
+        close_client,
+        new_consumer,
+        topic_partitions,
+    )
 
     consumer = new_consumer(bootstrap, cfg, group_id=None)
     try:
-        parts = consumer.partitions_for_topic(topic)
+        parts = topic_partitions(consumer, topic, timeout_s=DEFAULT_CONNECT_TIMEOUT_S)
+    except KafkaUnavailable as err:
+        raise SystemExit(f"flowtrain stream: the partitions of raw topic {topic!r}: {err}") from None
     finally:
         close_client(consumer)
     if not parts:

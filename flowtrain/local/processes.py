@@ -23,6 +23,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -135,6 +136,29 @@ def stop_recorded(records: Sequence[Mapping], *, sig: int = signal.SIGTERM, grac
     return live
 
 
+def descendants(pid: int) -> list[dict]:
+    """Identity records (:func:`identity`) of every live process below ``pid``: its children, theirs, ..."""
+    parent_of: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] not in ("Z", "X"):
+                parent_of[int(entry.name)] = int(fields[1])
+    found: list[int] = []
+    frontier = [int(pid)]
+    while frontier:
+        current = frontier.pop()
+        for child, parent in parent_of.items():
+            if parent == current and child not in found:
+                found.append(child)
+                frontier.append(child)
+    return [r for r in (identity(p) for p in found) if r["started"] is not None]
+
+
 def _leads_group(pid: int) -> bool:
     try:
         return os.getpgid(pid) == pid
@@ -146,12 +170,16 @@ def _leads_group(pid: int) -> bool:
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process (the thread
     that starts it) ends, however it ends. ``prctl`` is looked up here, before the fork, so the
-    child only makes the call; a parent that died before it did is noticed and ``sig`` sent at once."""
+    child only makes the call; a parent that died before it did is noticed and ``sig`` sent at once.
+    The child's SIGINT is set back to its default: a parent started as a background job of a script
+    inherits SIGINT ignored, and its children would ignore the SIGINT that asks them to stop (each child
+    runs in a session of its own, so no terminal's Ctrl-C reaches it; only its supervisor sends it)."""
     libc = ctypes.CDLL(None, use_errno=True)
     prctl = libc.prctl
     parent = os.getpid()
 
     def preexec() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:  # the parent ended between fork and prctl
             os.kill(os.getpid(), sig)
@@ -194,6 +222,8 @@ class Supervisor:
     #: fork handlers while other threads call into it), which lost an SDK worker of every Flink job.
     death_signal: int = signal.SIGTERM
     children: dict[str, Child] = field(default_factory=dict)
+    #: the children :meth:`stop` had to SIGKILL: they did not end within the grace period
+    killed: list[str] = field(default_factory=list)
 
     def start(self, name: str, argv: Sequence[str], **popen) -> Child:
         """Start ``argv`` (keyword arguments go to ``subprocess.Popen``) as child ``name``."""
@@ -219,8 +249,12 @@ class Supervisor:
 
     def stop(self, sig: int = signal.SIGTERM, grace_s: float | None = None) -> dict[str, int]:
         """Stop every child (see the class doc); returns each child's exit status (negative: the
-        signal that ended it)."""
+        signal that ended it). The names of the children that had to be killed after the grace period
+        are in :attr:`killed`."""
         grace = self.grace_s if grace_s is None else grace_s
+        # what each child started, noted before the signal: a runner (Prism) or worker in a session of
+        # its own is not in the child's process group, and may outlive its parent by the kill below
+        below = {c.name: descendants(c.pid) for c in self.alive()}
         self.send(sig)
         deadline = time.monotonic() + grace
         for child in self.children.values():
@@ -231,8 +265,13 @@ class Supervisor:
         for child in self.children.values():
             # the child, or what it started in its group after it ended; a group id stays taken while
             # its leader's pid is: with no process holding that pid, only the child's leftovers have it
+            if child.poll() is None:
+                self.killed.append(child.name)
             if child.poll() is None or start_time(child.pid) is None:
                 _signal(child.pid, signal.SIGKILL, True)
+            for record in below.get(child.name, ()):
+                if same_process(record):
+                    _signal(int(record["pid"]), signal.SIGKILL, False)
         for child in self.children.values():
             try:
                 child.proc.wait(timeout=10)
@@ -321,21 +360,38 @@ class StopSignals:
 
 def supervise(commands: Mapping[str, tuple[Sequence[str], Path]], *, report: Callable[[], None] | None = None,
               every_s: float = 2.0, stop_signal: int = signal.SIGINT, grace_s: float = 60.0,
-              procs: dict | None = None) -> dict[str, int]:
+              procs: dict | None = None, what: str = "flowtrain", env: Mapping[str, str] | None = None
+              ) -> dict[str, int]:
     """Run ``{name: (argv, log)}`` as supervised children (output appended to ``log``) until one of them
     ends or this process gets SIGTERM, SIGHUP or SIGINT; then stop them all (``stop_signal`` to each
-    group, so each stops its own work cleanly; SIGKILL after ``grace_s``). ``report`` is called every
-    ``every_s`` seconds meanwhile (a live status line); ``procs`` gets ``{name: Popen}`` as they start
-    (for a status page). Returns each child's exit status."""
+    group, so each stops its own work cleanly; SIGKILL after ``grace_s`` to its group and to everything
+    it started, a runner included). ``report`` is called every ``every_s`` seconds meanwhile (a live
+    status line), on a thread of its own: a report that waits (on brokers that do not answer) never
+    delays a stop. ``procs`` gets ``{name: Popen}`` as they start (for a status page). Lines about the
+    stop, a child that had to be killed among them, start with ``what``. ``env``: the children's environment
+    (default: this process's). Returns each child's exit status."""
     with StopSignals() as stop, Supervisor(grace_s=grace_s) as children:
         for name, (argv, log) in commands.items():
             with open(log, "ab") as out:
-                child = children.start(name, argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                child = children.start(name, argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=None if env is None else dict(env))
             if procs is not None:
                 procs[name] = child.proc
+        reporting: list[threading.Thread] = []
         while not stop.is_set() and not children.exited():
             if stop.wait(every_s) or children.exited():
                 break
-            if report is not None:
-                report()
-        return children.stop(stop_signal)
+            if report is not None and not (reporting and reporting[-1].is_alive()):  # one report at a time
+                reporting[:] = [threading.Thread(target=report, name="supervise-report", daemon=True)]
+                reporting[0].start()
+        why = (f"{signal.Signals(stop.received).name} received" if stop.received is not None else
+               "ended: " + ", ".join(f"{c.name} ({c.poll()})" for c in children.exited()))
+        print(f"{what}: stopping ({why}): {signal.Signals(stop_signal).name} to "
+              f"{', '.join(c.name for c in children.alive()) or 'none left'}; each has {grace_s:g} s to stop, "
+              f"then it is killed", flush=True)
+        codes = children.stop(stop_signal)
+        for name in children.killed:
+            print(f"{what}: {name} did not stop within {grace_s:g} s of {signal.Signals(stop_signal).name}; killed "
+                  f"(SIGKILL) with its process group and everything it started; see its log for what it was "
+                  f"doing", file=sys.stderr, flush=True)
+        return codes

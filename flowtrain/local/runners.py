@@ -111,10 +111,15 @@ def ensure_prism(version: str | None = None, *, quiet: bool = False) -> Path:
             text = text.replace(old, new)
         server.write_text(text)
         partial = binary.with_name("prism.partial")
-        proc = subprocess.run([go, "build", "-o", str(partial), "./go/cmd/prism"], cwd=build, env=env,
-                              capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0 or not partial.exists():
-            raise RunnerError(f"building Prism failed:\n{proc.stderr[-3000:]}")
+        for _attempt in (1, 2):  # a module download cut short by the proxy fails one build; the next resumes it
+            proc = subprocess.run([go, "build", "-o", str(partial), "./go/cmd/prism"], cwd=build, env=env,
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode == 0 and partial.exists():
+                break
+        else:
+            # go prints a line per module it downloads: keep the lines that say what went wrong
+            errors = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("go: downloading"))
+            raise RunnerError(f"building Prism failed twice (go build ./go/cmd/prism in {build}):\n{errors[-3000:]}")
         partial.replace(binary)
     if not quiet:
         print(f"prism: built in {time.monotonic() - t0:.0f} s", flush=True)
@@ -228,7 +233,7 @@ def cancel_pipeline(result, options: PipelineOptions, *, timeout_s: float = 60.0
         job_name = options.view_as(GoogleCloudOptions).job_name
         rest = _flink_rest(options)
         if job_name and rest:
-            from flowtrain.local.flink.cluster import cancel_flink_jobs
+            from flowtrain.local.flink.rest import cancel_flink_jobs
 
             cancel_flink_jobs(rest, job_name, timeout_s=timeout_s)
 
@@ -334,6 +339,13 @@ def runner_args(runner: str | None, flink_master: str | None, beam_args: Sequenc
     return [f"--runner={runner}"] if runner else []
 
 
+def pick_runner(runner: str | None, flink_master: str | None, beam_args: Sequence[str] = ()) -> list[str]:
+    """``beam_args`` with the Beam options of flowtrain's ``--runner`` / ``--flink-master`` in front
+    (:func:`runner_args`): the one place a job's runner is picked, for batch and predict (through
+    :func:`pipeline_options`) and for each pipeline of a stream job (``flowtrain.commands.stream_job``)."""
+    return runner_args(runner, flink_master, beam_args) + list(beam_args)
+
+
 def pipeline_options(mode: Mode = "batch", beam_args: Sequence[str] = (), *, runner: str | None = None,
                      flink_master: str | None = None, **overrides) -> PipelineOptions:
     """Options for ``mode``; ``beam_args`` (standard Beam flags) always win over our defaults.
@@ -342,7 +354,7 @@ def pipeline_options(mode: Mode = "batch", beam_args: Sequence[str] = (), *, run
     :func:`runner_args`). If ``beam_args`` names a ``--runner``, the mode's runner choice is
     skipped, so ``flowtrain batch --runner=FlinkRunner --flink_master=...`` goes where the user says.
     """
-    args = runner_args(runner, flink_master, beam_args) + list(beam_args)
+    args = pick_runner(runner, flink_master, beam_args)
     user_runner = _names(args, "--runner")
     defaults: list[str] = []
     if mode == "batch" and not user_runner:

@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 #: Keys of a metrics.jsonl record that are coordinates or labels, not metrics.
 NOT_METRICS = {"kind", "model", "step", "epoch", "time"}
 
@@ -108,8 +110,6 @@ def write_batch_results(run_dir: str | Path, *, step: int, test: dict[str, float
                         labels=None, probabilities=None) -> Path:
     """A batch run's end: the model's test metrics (``test/*`` at the last step), the PR curve of
     a binary task (``test/pr_curve``) and the hyperparameters with those metrics. Returns the directory."""
-    import torch
-
     board = Board(run_dir)
     board.scalars("test", test, step)
     if labels is not None:

@@ -6,7 +6,9 @@ the numbers it shows are the ``/metrics`` samples as they are (each element carr
 ``data-metric``, ``data-labels`` and ``data-value``; ``<body data-sample>`` says which snapshot),
 and it keeps the last ``WINDOW_S`` seconds of them for the charts (plain canvas): events/s (the
 rate of ``flowtrain_events_total`` between two snapshots), the loss and prequential metric, the
-published and serving model versions.
+published and serving model versions; the scorer's drift panel (``drift`` of ``/status.json``): features
+ranked by drift, each row (``data-feature``, ``data-alarm``) with its measures and an SVG of its reference
+and current histograms.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ canvas{width:100%;height:160px;display:block}.wide{grid-column:1/-1}.muted{color
 <tbody></tbody></table></section>
 <section class="wide"><h2>newest dead letters</h2><table id="dead-letters"><thead><tr><th>time</th><th>reason</th>
 <th>source</th><th>payload</th></tr></thead><tbody></tbody></table></section>
+<section class="wide" id="drift-panel"><h2>drift: scorer window against the training data</h2>
+<p class="muted" id="drift-summary">no drift window yet</p><table id="drift"><thead><tr><th>feature</th>
+<th>measures</th><th>alarm</th><th>histograms (reference, current)</th></tr></thead><tbody></tbody></table></section>
 <section class="wide"><h2>model versions</h2><table id="versions"><thead><tr><th>version</th><th>state</th>
 <th>reason</th><th>time</th></tr></thead><tbody></tbody></table></section>
 <section class="wide"><h2>all metrics (/metrics)</h2><table id="metrics"><thead><tr><th>metric</th><th>labels</th>
@@ -225,6 +230,49 @@ function renderStatus(status) {
   renderTable("versions", versions);
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+function histogram(buckets, reference, current) {
+  // grouped bars: the reference's share (grey) and the window's (orange) of each bucket
+  const w = 360, h = 70, n = Math.max(1, buckets.length), slot = w / n, bar = Math.max(1, slot * 0.4);
+  const top = Math.max(1e-9, ...reference, ...current);
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("width", w); svg.setAttribute("height", h); svg.setAttribute("class", "drift-histogram");
+  buckets.forEach((name, i) => {
+    [[reference, "#7a8ca6", "reference"], [current, "#e08a2c", "current"]].forEach(([shares, color, what], j) => {
+      const share = shares[i] || 0, bh = h * share / top;
+      const r = document.createElementNS(SVG, "rect");
+      r.setAttribute("x", i * slot + j * bar); r.setAttribute("y", h - bh);
+      r.setAttribute("width", bar); r.setAttribute("height", bh); r.setAttribute("fill", color);
+      r.dataset.series = what; r.dataset.share = String(share);
+      const t = document.createElementNS(SVG, "title");
+      t.textContent = String(name) + " " + what + ": " + (100 * share).toFixed(1) + "%";
+      r.appendChild(t); svg.appendChild(r);
+    });
+  });
+  return svg;
+}
+
+function renderDrift(drift) {
+  const summary = document.getElementById("drift-summary");
+  if (!drift) { summary.textContent = "no drift window yet"; renderTable("drift", []); return; }
+  summary.textContent = drift.rows + " scored events in the window (" + drift.instances + " scorer instance(s)); " +
+    (drift.alarms.length ? "ALARM: " + drift.alarms.join(", ") : "no measure over its threshold");
+  summary.className = drift.alarms.length ? "err" : "muted";
+  const rows = (drift.features || []).map(e => {  // ranked by drift (largest measure / threshold first)
+    const tr = document.createElement("tr");
+    tr.dataset.feature = e.feature; tr.dataset.alarm = e.alarm ? "1" : "0";
+    const measures = Object.entries(e.measures || {}).map(([k, v]) =>
+      k + " " + (typeof v === "number" ? fmt(v) : v)).join(", ");
+    const alarm = textCell(e.alarm ? e.alarms.join(", ") : "");
+    if (e.alarm) alarm.className = "err";
+    const chart = document.createElement("td");
+    if ((e.buckets || []).length) chart.appendChild(histogram(e.buckets, e.reference || [], e.current || []));
+    tr.append(textCell(e.feature + " (" + e.kind + ")"), textCell(measures), alarm, chart);
+    return tr;
+  });
+  renderTable("drift", rows);
+}
+
 function drawChart(id, series) {
   const canvas = document.getElementById(id);
   const ratio = window.devicePixelRatio || 1;
@@ -297,6 +345,7 @@ async function poll() {
     renderCards(metrics);
     renderMetrics(metrics);
     renderStatus(status);
+    renderDrift(status.drift);
     drawCharts();
     document.body.dataset.sample = String(number);
     document.getElementById("sampled").textContent = "snapshot " + number + " at " +

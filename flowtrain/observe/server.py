@@ -3,28 +3,36 @@
 ``StatusServer(port, sample)`` calls ``sample()`` every ``interval_s`` seconds in a background
 thread (never on a request: a scrape costs nothing to the job) and serves the newest snapshot:
 
-- ``/metrics``: the Prometheus text format (``prometheus_client``; families below);
+- ``/metrics``: ``prometheus_client``'s WSGI app over the snapshot (families below): the text format,
+  OpenMetrics when the scraper asks for it, gzip when it accepts it, ``?name[]=`` to pick families;
 - ``/status.json``: the snapshot as JSON (state, dead letters, model versions: what is not a number);
 - ``/``: one self-contained HTML page (no CDN, no build step) polling both; see ``page.py``.
+
+Every request must name the server in its ``Host`` header (``127.0.0.1:PORT``, ``localhost:PORT``,
+``[::1]:PORT`` or the bound address): a web page whose domain was rebound to 127.0.0.1 (DNS
+rebinding) would otherwise read ``/status.json``, dead-letter payloads included; it gets 421.
+The routes are one WSGI app (``StatusServer.app``) on ``wsgiref``'s server, a thread per request.
 
 A snapshot is a dict; every key is optional:
 
 ``state`` (str), ``halves`` ({half: state}), ``counters`` ({name: total}; ``events``, ``rows``,
 ``unlabelled``, ``dead_letters``, ``micro_batches``, ``rows_trained``, ``predictions`` ...),
-``dead_letters_by_reason`` ({reason: n}), ``lag`` ({partition: records}), ``trainer_step``,
+``dead_letters_by_reason`` ({reason: n}), ``unseen`` ({column: scored events with a categorical value
+training never saw}), ``lag`` ({partition: records}), ``trainer_step``,
 ``train_loss``, ``prequential`` ({metric: value}), ``published_version``, ``serving_version``,
 ``freshness_s`` (seconds since the newest published version was written), ``latency``
 ({"count": n, "sum_s": seconds, "buckets": [[upper bound s, cumulative count], ...]}: prediction
 latency, event time to scoring; without buckets, a summary), ``dead_letters``
 (newest first: [{time, reason, source, payload}]), ``versions`` (newest first: [{version, state:
-published | serving | rejected, reason, time}]).
+published | published (unsigned) | serving | rejected, reason, time}]).
 
 Metric families (``flowtrain_`` prefix): ``<counter>_total`` for every counter,
-``dead_letters_by_reason_total{reason}``, ``consumer_lag{partition}``, ``trainer_step``,
+``dead_letters_by_reason_total{reason}``, ``unseen_values_total{column}``, ``consumer_lag{partition}``, ``trainer_step``,
 ``train_loss``, ``prequential{metric}``, ``published_version``, ``serving_version``,
 ``model_freshness_seconds``, ``prediction_latency_seconds`` (a histogram; a summary without buckets),
 ``half_up{half}`` (1 while that half runs), ``sample_number`` (which snapshot this is) and
-``sample_timestamp_seconds``.
+``sample_timestamp_seconds``; with the scorer's drift window (``drift``: ``pipelines.serving.drift.window_report``)
+``feature_drift{feature,measure}``, ``drift_alarm{feature}``, ``prediction_drift`` and ``drift_window_rows``.
 """
 from __future__ import annotations
 
@@ -33,9 +41,10 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from flowtrain.errors import FlowtrainError
@@ -72,6 +81,11 @@ class SnapshotCollector:
             if _number(total) is not None:
                 yield CounterMetricFamily(PREFIX + name, f"{name.replace('_', ' ')} since the job started",
                                           value=float(total))
+        unseen = CounterMetricFamily(PREFIX + "unseen_values", "scored events whose categorical value training never "
+                                     "saw (or that is missing), per column", labels=["column"])
+        for column, n in (snap.get("unseen") or {}).items():
+            unseen.add_metric([column], float(n))
+        yield unseen
         reasons = CounterMetricFamily(PREFIX + "dead_letters_by_reason", "dead letters on the dead-letter topic "
                                       "by reason", labels=["reason"])
         for reason, n in (snap.get("dead_letters_by_reason") or {}).items():
@@ -97,6 +111,7 @@ class SnapshotCollector:
             value = _number(snap.get(key))
             if value is not None:
                 yield GaugeMetricFamily(PREFIX + name, text, value=value)
+        yield from _drift_families(snap.get("drift"))
         latency = snap.get("latency") or {}
         if latency.get("count") and latency.get("buckets"):
             buckets = [(repr(float(bound)), float(n)) for bound, n in latency["buckets"]]
@@ -107,6 +122,31 @@ class SnapshotCollector:
             yield SummaryMetricFamily(PREFIX + "prediction_latency_seconds", "event time to scoring time of "
                                       "the predictions", count_value=float(latency["count"]),
                                       sum_value=float(latency["sum_s"]))
+
+
+def _drift_families(drift: dict | None):
+    """The scorer's drift window (``snap["drift"]``, ``pipelines.serving.drift.window_report``) as gauges."""
+    if not drift:
+        return
+    measures = GaugeMetricFamily(PREFIX + "feature_drift", "a drift measure of a feature (or the label) over the "
+                                 "scorer's window against the training data", labels=["feature", "measure"])
+    alarms = GaugeMetricFamily(PREFIX + "drift_alarm", "1 while a measure of this feature (or the label, the "
+                               "prediction, the prequential error) is over its threshold", labels=["feature"])
+    for entry in drift.get("features") or []:
+        for measure, value in (entry.get("measures") or {}).items():
+            if _number(value) is not None and entry.get("kind") in ("numeric", "categorical", "label"):
+                measures.add_metric([str(entry["feature"]), str(measure)], float(value))
+        alarms.add_metric([str(entry["feature"])], 1.0 if entry.get("alarm") else 0.0)
+    yield measures
+    yield alarms
+    value = _number(drift.get("prediction_drift"))
+    if value is not None:
+        yield GaugeMetricFamily(PREFIX + "prediction_drift", "the shift of the model's score distribution over the "
+                                "scorer's window (PSI; L-infinity for K classes)", value=value)
+    rows = _number(drift.get("rows"))
+    if rows is not None:
+        yield GaugeMetricFamily(PREFIX + "drift_window_rows", "scored events in the drift window (all scorer "
+                                "instances)", value=rows)
 
 
 class StatusServer:
@@ -120,12 +160,13 @@ class StatusServer:
         self._snapshot: dict = {"state": "starting"}
         self._number, self._at = 0, time.time()
         self._stop = threading.Event()
-        self.registry = CollectorRegistry(auto_describe=False)
+        # the families change with the snapshot: no names up front, ``?name[]=`` filters the samples
+        self.registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
         self.registry.register(SnapshotCollector(self))
         self.errors = 0
-        handler = _handler(self)
-        self.httpd = ThreadingHTTPServer((host, int(port)), handler)
-        self.httpd.daemon_threads = True
+        self._metrics_app = make_wsgi_app(self.registry)
+        self.httpd = make_server(host, int(port), self.app, server_class=_ThreadingWSGIServer,
+                                 handler_class=_QuietHandler)
         self.host, self.port = self.httpd.server_address[:2]
         self._threads = [threading.Thread(target=self.httpd.serve_forever, name="flowtrain-status-http",
                                           daemon=True),
@@ -180,35 +221,66 @@ class StatusServer:
         return json.dumps({**snap, "sample_number": number, "sample_time": at, "title": self.title},
                           default=str).encode()
 
+    def app(self, environ: dict, start_response: Callable) -> list[bytes]:
+        """The WSGI app: the ``Host`` check, then ``/metrics`` (``prometheus_client``'s app),
+        ``/status.json``, ``/`` (``/index.html``) and ``/favicon.ico``; GET only."""
+        host = environ.get("HTTP_HOST")
+        if not ((host is None and environ.get("SERVER_PROTOCOL") == "HTTP/1.0")  # no browser speaks HTTP/1.0
+                or (host is not None and host.strip().lower() in allowed_hosts(self.host, self.port))):
+            return _plain(start_response, "421 Misdirected Request",
+                          f"the Host header {host!r} does not name this server; use http://127.0.0.1:{self.port}/ "
+                          f"or http://localhost:{self.port}/")
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            def no_store(status: str, headers: list, exc_info=None):
+                return start_response(status, [*headers, ("Cache-Control", "no-store")], exc_info)
 
-def _handler(server: StatusServer):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body, kind = server.metrics_text(), "text/plain; version=0.0.4; charset=utf-8"
-            elif path == "/status.json":
-                body, kind = server.status_json(), "application/json"
-            elif path == "/favicon.ico":
-                self.send_response(204)
-                self.end_headers()
-                return
-            elif path in ("/", "/index.html"):
-                body, kind = PAGE.replace("{{title}}", server.title).encode(), "text/html; charset=utf-8"
-            else:
-                self.send_error(404, "not found: /, /metrics and /status.json are served")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
+            return self._metrics_app(environ, no_store)
+        if environ.get("REQUEST_METHOD") != "GET":
+            return _plain(start_response, "405 Method Not Allowed", "only GET is served", [("Allow", "GET")])
+        if path == "/status.json":
+            body, kind = self.status_json(), "application/json"
+        elif path == "/favicon.ico":
+            start_response("204 No Content", [])
+            return []
+        elif path in ("/", "/index.html"):
+            body, kind = PAGE.replace("{{title}}", self.title).encode(), "text/html; charset=utf-8"
+        else:
+            return _plain(start_response, "404 Not Found", "not found: /, /metrics and /status.json are served")
+        start_response("200 OK", [("Content-Type", kind), ("Content-Length", str(len(body))),
+                                  ("Cache-Control", "no-store")])
+        return [body]
 
-        def log_message(self, *args):  # no line per request on the job's console
-            pass
 
-    return Handler
+def _plain(start_response: Callable, status: str, text: str, headers: list | None = None) -> list[bytes]:
+    body = f"{status}: {text}\n".encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
+                            *(headers or [])])
+    return [body]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """``wsgiref``'s server with a thread per request (a slow client never blocks a scrape)."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args):  # no line per request on the job's console
+        pass
+
+
+#: Host names a browser uses for a loopback server; any other name in ``Host`` may be DNS rebinding.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+
+
+def allowed_hosts(host: str, port: int) -> frozenset[str]:
+    """The ``Host`` header values the server at ``host:port`` answers: the bound address, ``localhost``,
+    ``127.0.0.1`` and ``[::1]``, each with the port (without it too when the port is 80). A page of
+    another site whose name was rebound to 127.0.0.1 (DNS rebinding) sends its own name: refused."""
+    bound = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    names = {bound.lower(), *LOOPBACK_NAMES}
+    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
 
 
 def start_status_server(port: int | None, sample: Callable[[], dict], *, title: str = "flowtrain",

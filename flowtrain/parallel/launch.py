@@ -35,6 +35,7 @@ from pathlib import Path
 from connectors.secrets import redact
 from flowtrain.local.kafka import free_port
 from flowtrain.local.processes import StopSignals, Supervisor
+from flowtrain.parallel import memcap
 
 HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
 _last_beat = 0.0
@@ -85,7 +86,8 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = LaunchConfig.failure_timeout_s,
           threads_per_worker: int | None = None, workdir: str | Path | None = None,
-          extra_env: dict[str, str] | None = None, stop: Callable[[], bool] | None = None) -> float:
+          extra_env: dict[str, str] | None = None, stop: Callable[[], bool] | None = None,
+          memory_cap: int | None = None) -> float:
     """Run ``target(ctx, job)`` in ``n_workers`` processes; returns wall seconds or raises
     ``WorkerFailure`` (after every worker is gone).
 
@@ -93,7 +95,10 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     when they have exited (a worker that fails meanwhile is still reported). SIGTERM, SIGHUP or
     SIGINT received while the job runs (in the main thread) do the same; when a worker then did
     not end cleanly, the launching process ends as the signal would have ended it, after its
-    workers are gone."""
+    workers are gone.
+
+    ``memory_cap`` (bytes, ``--worker-memory``): each worker caps itself (``flowtrain.parallel.memcap``);
+    one that goes over its cap fails with one line naming the cap."""
     made_workdir = workdir is None  # a work directory made here (under /tmp) is removed when the job ends
     workdir = Path(workdir or tempfile.mkdtemp(prefix="flowtrain-workers-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +120,8 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
                        LOCAL_WORLD_SIZE=str(n_workers), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS=str(threads), FLOWTRAIN_THREADS=str(threads), PYTHONFAULTHANDLER="1",
                        GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo",  # peers on 127.0.0.1 only
-                       **{HEARTBEAT_ENV: str(beats)}, **(extra_env or {}))
+                       **{HEARTBEAT_ENV: str(beats)}, **(memcap.cap_env(memory_cap) if memory_cap else {}),
+                       **(extra_env or {}))
             log = workdir / f"rank-{rank}.log"
             logs.append(log)
             # rank 0 shows its output (progress, epochs); the others only to their logs
@@ -137,6 +143,10 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
         raise
     finally:
         _kill_all(supervisor)
+        for rank in range(len(logs)):  # a capped worker's cgroup v2 (empty now)
+            cap = memcap.read_cap(beats, rank)
+            if cap is not None:
+                memcap.remove_cgroup(cap)
         if made_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         signals.restore()
@@ -144,13 +154,15 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
             signals.reraise()
 
 
-def record_failure(error: BaseException) -> None:
+def record_failure(error: BaseException, line: str | None = None) -> None:
     """Called by a failing worker: when and why, so the launcher can name the first to fail
-    (its peers fail a moment later with "connection closed" errors)."""
+    (its peers fail a moment later with "connection closed" errors); ``line``: the whole cause in one
+    line (a worker over its memory cap), reported without the log's tail."""
     directory = os.environ.get(HEARTBEAT_ENV)
     if directory:
         path = Path(directory) / f"rank-{os.environ.get('RANK', '0')}.failed"
-        path.write_text(json.dumps({"time": time.time(), "error": repr(error)[:2000]}))
+        path.write_text(json.dumps({"time": time.time(), "error": repr(error)[:2000],
+                                    **({"line": line} if line else {})}))
 
 
 def _stopped(proc: subprocess.Popen) -> bool:
@@ -206,6 +218,20 @@ def _root_cause(procs, logs, beats: Path) -> WorkerFailure:
         except (OSError, ValueError, KeyError):
             return float("inf")
 
+    def capped(rank: int, rc: int) -> str | None:
+        """The one line of a worker that went over --worker-memory (its record, or its cgroup's OOM kill)."""
+        if rc < 0:
+            cap = memcap.read_cap(beats, rank)
+            return memcap.killed_line(cap) if cap is not None else None
+        try:
+            return json.loads((beats / f"rank-{rank}.failed").read_text()).get("line")
+        except (OSError, ValueError):
+            return None
+
+    over = [(rank, line) for rank, rc in failed if (line := capped(rank, rc))]
+    if over:  # the cap is the cause; its peers failed waiting for it
+        rank, line = min(over, key=lambda f: when(f[0]))
+        return WorkerFailure(rank, line)
     rank, rc = killed[0] if killed else min(failed, key=lambda f: when(f[0]))
     others = [r for r, _ in failed if r != rank]
     note = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""

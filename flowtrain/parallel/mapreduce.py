@@ -25,7 +25,8 @@ BatchNorm is not exactly equivalent to one device; use ``nn.SyncBatchNorm`` or L
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,18 +119,7 @@ class GradientReducer:
             raise TypeError("GradientReducer reduces float32 parameters; cast the model with .float()")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Buckets in reverse parameter order: the last layers' gradients are ready first.
-        cap = max(1, int(bucket_mb * 1024 * 1024))
-        groups: list[list[nn.Parameter]] = []
-        current, size = [], 0
-        for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > cap:
-                groups.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            groups.append(current)
+        groups = size_buckets(list(reversed(self.params)), lambda p: p.numel() * p.element_size(), bucket_mb)
         self._meta = 2 + len(self.params)  # count, loss sum, flags
         self.buckets = [_Bucket(i, g, self._meta if i == len(groups) - 1 else 0) for i, g in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -243,20 +233,45 @@ class GradientReducer:
         return global_n, mean_loss
 
     def sync_buffers(self, n_local: int) -> None:
-        """The buffer rule: example-weighted mean for floats, rank 0's value for integers."""
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
-        weight = torch.tensor([float(n_local)], dtype=torch.float64, device=buffers[0].device)
-        dist.all_reduce(weight, group=self.group)
-        total = float(weight.item())
-        with torch.no_grad():
-            for buf in buffers:
-                if buf.is_floating_point() and total > 0:
-                    buf.mul_(n_local / total)
-                    dist.all_reduce(buf, group=self.group)
-                else:
-                    _broadcast_from_first(buf, self.group)
+        """The buffer rule (``sync_buffers``) over this reducer's group."""
+        sync_buffers(self.module, n_local, self.group)
+
+
+def size_buckets(items: list, nbytes: Callable[[Any], int], bucket_mb: float) -> list[list]:
+    """``items`` cut in order into runs of at most ``bucket_mb`` MiB (an item bigger than that is a run of its
+    own): the gradient buckets of the map/reduce and of ZeRO's reduce-scatters."""
+    cap = max(1, int(bucket_mb * 1024 * 1024))
+    runs: list[list] = []
+    current: list = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if current and size + n > cap:
+            runs.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        runs.append(current)
+    return runs
+
+
+def sync_buffers(module: nn.Module, n_local: int, group=None) -> None:
+    """The map/reduce buffer rule: example-weighted mean for floats, the group's first member's value for
+    integers (``n_local``: this rank's examples of the global batch)."""
+    buffers = list(module.buffers())
+    if not buffers:
+        return
+    weight = torch.tensor([float(n_local)], dtype=torch.float64, device=buffers[0].device)
+    dist.all_reduce(weight, group=group)
+    total = float(weight.item())
+    with torch.no_grad():
+        for buf in buffers:
+            if buf.is_floating_point() and total > 0:
+                buf.mul_(n_local / total)
+                dist.all_reduce(buf, group=group)
+            else:
+                _broadcast_from_first(buf, group)
 
 
 def make_reducer(module: nn.Module, ctx: DistContext, *, bucket_mb: float = 1.0, group=None):

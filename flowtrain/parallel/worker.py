@@ -10,7 +10,9 @@ command runs under torchrun, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER
 The function is called as ``FUNCTION(ctx: DistContext, job: dict)`` after the process group
 is up, on the job's ``device`` (top level or in its ``config``; auto, cpu or cuda: NCCL and
 ``cuda:LOCAL_RANK`` on a GPU, gloo on the CPU); it runs with ``FLOWTRAIN_THREADS`` (default:
-cores / local world size) torch threads. After it returns, every rank meets the others at a
+cores / local world size) torch threads. With ``FLOWTRAIN_WORKER_MEMORY`` set (``--worker-memory``) the
+worker caps itself before it (``flowtrain.parallel.memcap``) and ends with one line and exit code 3
+when it goes over the cap. After it returns, every rank meets the others at a
 barrier, destroys every process group and leaves (``_exit_cleanly``).
 """
 from __future__ import annotations
@@ -25,9 +27,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from flowtrain.parallel import init_from_env
+from flowtrain.parallel import init_from_env, memcap
 from flowtrain.parallel.device import local_world_size
-from flowtrain.parallel.launch import heartbeat, record_failure
+from flowtrain.parallel.launch import HEARTBEAT_ENV, heartbeat, record_failure
 from flowtrain.parallel.peers import exchange, lost_peers, use_route_to_master
 
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         job = json.load(fh)
     rank = os.environ.get("RANK", "0")
     heartbeat()  # alive (the imports are done) before the rendezvous
+    cap = None
     try:
         torch.set_num_threads(_threads())
         device = job.get("device") or (job.get("config") or {}).get("device") or "auto"
@@ -74,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         module, name = target.split(":")
         function = getattr(importlib.import_module(module), name)
         heartbeat(every_s=0.0)  # its imports are done
+        if os.environ.get(memcap.CAP_ENV):  # --worker-memory: capped from here on (calibrated on what it holds now)
+            cap = memcap.apply_cap(int(os.environ[memcap.CAP_ENV]))
+            if os.environ.get(HEARTBEAT_ENV):
+                memcap.write_cap(os.environ[HEARTBEAT_ENV], rank, cap)
+            if ctx.is_main:
+                print(f"worker memory: {cap.describe()}", flush=True)
         function(ctx, job)
         if ctx.distributed:
             dist.barrier()  # nobody tears the group down while a peer still talks to it
@@ -81,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()  # process groups held in reference cycles go now, not during exit
             _exit_cleanly(0)
     except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
+        line = cap.exceeded_line() if cap is not None and memcap.over_cap(err) else \
+            str(err) if isinstance(err, memcap.CapBelowOverhead) else None
+        if line is not None:  # over --worker-memory: one line, no traceback
+            record_failure(err, line=line)
+            print(f"flowtrain worker rank {rank} {line}", file=sys.stderr, flush=True)
+            os._exit(memcap.CAP_EXIT)
         record_failure(err)
         lost = lost_peers(err)
         print(f"flowtrain worker rank {rank} failed: " + (f"lost {lost}: " if lost else "") + f"{err!r}",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flowtrain.train.loader import TabularDataset, TabularSplit
-from flowtrain.train.model import LinearModel
+from flowtrain.train.models import LinearModel
 
 
 @dataclass

@@ -13,6 +13,15 @@ Runs: ``save(..., run_id=ID)`` records the run in the checksum file beside the c
 the same directory are never loaded, resumed from or deleted. A checkpoint is written as
 ``ckpt-<step>.pt.tmp-<run id>`` first; a failed save removes it, and ``remove_temporaries(directory,
 run_id)`` (called when a run starts) removes those a crash of the same run left.
+
+Sharded state (``--shard-states``): every rank writes its own pieces with ``torch.distributed.checkpoint``
+(DCP) into ``ckpt-<step>.dcp.tmp-<run id>/`` (``save_shards``, a collective: one ``__<rank>_0.distcp`` file
+per rank and DCP's ``.metadata``); rank 0 then renames the directory to ``ckpt-<step>.dcp`` and writes
+``ckpt-<step>.pt`` (the rest of the state, small) last, its checksum file recording every shard file's
+SHA-256: a ``ckpt-<step>.pt`` that verifies has whole shards beside it. A piece is a flat range of a
+tensor (``chunks``: name -> (offset, whole length)); ``load_shards`` reads any ranges of the saved
+tensors back, whatever ranges the ranks that wrote them held (DCP's resharding), so a checkpoint
+written by N ranks resumes on any number.
 """
 from __future__ import annotations
 
@@ -20,12 +29,13 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from connectors.atomic import atomic_file
+from connectors.atomic import atomic_file, file_sha256
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _log = logging.getLogger(__name__)
@@ -35,14 +45,6 @@ ANY_RUN = object()
 
 class CheckpointError(ValueError):
     """No loadable checkpoint where one is required; the message names the files and why."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _HashingWriter:
@@ -66,26 +68,210 @@ def _tmp_suffix(run_id: str | None) -> str:
     return f".tmp-{run_id}" if run_id else ".tmp"
 
 
-def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3, run_id: str | None = None) -> Path:
+def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3, run_id: str | None = None,
+         shards: Path | None = None) -> Path:
     """Write ``ckpt-<step>.pt`` and its ``.sha256`` (which records ``run_id``) atomically; keep the
-    newest ``keep`` checkpoints *of this run* (another run's are never deleted)."""
+    newest ``keep`` checkpoints *of this run* (another run's are never deleted). ``shards``: the
+    directory ``save_shards`` wrote, moved beside it as ``ckpt-<step>.dcp`` first (named in the state
+    as ``shards``, every file's checksum in the ``.sha256``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"ckpt-{step:09d}.pt"
     side = final.with_suffix(".sha256")
+    shard_sums = None
+    if shards is not None:
+        placed = final.with_suffix(SHARDS_SUFFIX)
+        if placed.exists():  # this run's own, from before a restart at the same step (the .pt goes first)
+            if final.exists() and run_of(final) != run_id:
+                raise CheckpointError(f"{placed} belongs to another run's {final.name} (run id {run_of(final)}): "
+                                      f"a checkpoint never replaces another run's; use another --out")
+            final.unlink(missing_ok=True)
+            shutil.rmtree(placed)
+        Path(shards).rename(placed)
+        shard_sums = {f.name: file_sha256(f) for f in sorted(placed.iterdir())}
+        state = {**state, "sharded_state": placed.name}
     # the one atomic writer (tmp beside the target, fsync, rename); a failed save removes its tmp
     with atomic_file(final, tmp_name=final.name + _tmp_suffix(run_id)) as fh:
         hashing = _HashingWriter(fh)
         torch.save(state, hashing)
     with atomic_file(side, tmp_name=side.name + _tmp_suffix(run_id)) as fh:
-        fh.write(json.dumps({"file": final.name, "sha256": hashing.hexdigest(), "step": step,
-                             "run_id": run_id}).encode())
+        record = {"file": final.name, "sha256": hashing.hexdigest(), "step": step, "run_id": run_id}
+        fh.write(json.dumps({**record, "shards": shard_sums} if shard_sums is not None else record).encode())
     if keep:
         mine = [p for p in all_checkpoints(directory) if run_of(p) == run_id]
         for old in mine[:-keep]:
             old.unlink(missing_ok=True)
             old.with_suffix(".sha256").unlink(missing_ok=True)
+            if old.with_suffix(SHARDS_SUFFIX).is_dir():
+                shutil.rmtree(old.with_suffix(SHARDS_SUFFIX), ignore_errors=True)
     return final
+
+
+#: The directory of a checkpoint's sharded state, beside its ``ckpt-<step>.pt``.
+SHARDS_SUFFIX = ".dcp"
+
+
+def save_shards(directory: str | Path, step: int, tensors: dict[str, torch.Tensor], chunks: dict[str, tuple[int, int]],
+                *, run_id: str | None = None, group=None) -> Path:
+    """Every rank writes its ``tensors`` (a collective, DCP): a name in ``chunks`` is this rank's piece of a
+    flat tensor, ``(offset, whole length)``; any other is whole (one rank's copy is kept). Returns the
+    temporary directory that rank 0's ``save(..., shards=...)`` moves into place."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = Path(directory) / f"ckpt-{step:09d}{SHARDS_SUFFIX}{_tmp_suffix(run_id)}"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=_piece_save_planner(chunks),
+             process_group=group, no_dist=not dist.is_initialized())
+    return tmp
+
+
+def _saved(path: str | Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # noqa: BLE001 - whatever DCP raises on a missing or unreadable directory
+        raise CheckpointError(f"sharded checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
+                              f"resume from an earlier checkpoint or start a new run (--overwrite)") from None
+    return {name: md for name, md in meta.state_dict_metadata.items() if hasattr(md, "size")}
+
+
+def shard_names(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensors a sharded checkpoint holds: name -> whole shape (its DCP metadata)."""
+    return {name: tuple(md.size) for name, md in _saved(path).items()}
+
+
+def read_whole(path: str | Path, model: torch.nn.Module, parts: tuple[str, ...] = ("model", "optim", "best"), *,
+               param_groups: list | None = None, group=None) -> dict:
+    """A sharded checkpoint's tensors whole, whichever ranks wrote them (a collective when distributed):
+    ``model`` and ``best`` as ``model``'s state dicts, ``optim`` as the state dict of a plain optimizer over
+    ``model.parameters()`` (``param_groups``: its groups' options, as saved)."""
+    saved = _saved(path)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    tensors = {}
+    for part in ("model", "best"):
+        if part in parts:
+            for key in shapes:
+                md = saved.get(f"{part}.{key}")
+                tensors[f"{part}.{key}"] = torch.empty(tuple(md.size) if md is not None else (shapes[key].numel(),),
+                                                       dtype=md.properties.dtype if md is not None else torch.float32)
+    if "optim" in parts:
+        tensors.update({name: torch.empty(tuple(md.size), dtype=md.properties.dtype) for name, md in saved.items()
+                        if name.startswith("optim.")})
+    load_shards(path, tensors, {}, group=group)
+    out: dict = {part: {k: tensors[f"{part}.{k}"].reshape(shape) for k, shape in shapes.items()}
+                 for part in ("model", "best") if part in parts}
+    if "optim" in parts:
+        params = list(model.named_parameters())
+        state = {}
+        for index, (name, p) in enumerate(params):
+            mine = {k[len(f"optim.{name}."):]: v for k, v in tensors.items()
+                    if k.startswith(f"optim.{name}.") and "." not in k[len(f"optim.{name}."):]}
+            if mine:
+                state[index] = {k: v.reshape(p.shape) if v.dim() == 1 else v for k, v in mine.items()}
+        out["optimizer"] = {"state": state, "param_groups": [{**g, "params": list(range(len(params)))}
+                                                             for g in (param_groups or [{}])[:1]]}
+    return out
+
+
+def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict[str, tuple[int, int]], *,
+                group=None) -> None:
+    """Fill ``tensors`` (a collective): a name in ``chunks`` with that range of the saved flat tensor, any
+    other with the whole saved tensor, whichever ranks wrote which pieces. A name the checkpoint does not
+    hold, or a size that differs, is a ``CheckpointError`` naming the directory."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    saved = shard_names(path)
+    for name, t in tensors.items():
+        want = (chunks[name][1],) if name in chunks else tuple(t.shape)
+        if name not in saved or saved[name] != want:
+            found = f"holds it with shape {list(saved[name])}" if name in saved else "does not hold it"
+            raise CheckpointError(f"sharded checkpoint {path} cannot be resharded into this model: it {found}, the "
+                                  f"model's {name} has shape {list(want)} (another architecture); resume with the "
+                                  f"run's own model options, or start a new run (--overwrite)")
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=_piece_load_planner(chunks),
+             process_group=group, no_dist=not dist.is_initialized())
+
+
+def load_sharded(engine, model: torch.nn.Module, path: Path, state: dict) -> dict | None:
+    """Model and optimizer state from checkpoint ``path`` (its ``state``) whose state was saved sharded
+    (``--shard-states``: each rank its pieces), into ``engine``'s layout (a collective): a ZeRO engine
+    (``shard_targets``) reads its own pieces, whichever ranks wrote them; data parallelism reads them whole;
+    a grid's stages or tensor shards cannot take them (one line naming the file and the fix). Returns the best
+    weights saved with it, whole (None: none were)."""
+    shards = path.with_suffix(SHARDS_SUFFIX)
+    layout = state.get("layout", {})
+    if hasattr(engine, "grid"):
+        raise CheckpointError(
+            f"{path} holds ZeRO-sharded state (--workers {layout.get('workers', '?')} --shard-states "
+            f"{layout.get('shard_states', '?')}), which reshards across data-parallel workers only, not into "
+            f"pipeline stages or tensor shards: resume it without --stages / --tensor-parallel (any --workers and "
+            f"--shard-states), or start a new run with --overwrite")
+    saved = shard_names(shards)
+    best = ("best",) if any(name.startswith("best.") for name in saved) else ()
+    if hasattr(engine, "shard_targets"):
+        tensors, chunks = engine.shard_targets(saved)
+        load_shards(shards, tensors, chunks)
+        engine.take_shards(tensors)
+        return read_whole(shards, model, best)["best"] if best else None
+    whole = read_whole(shards, model, ("model", "optim", *best), param_groups=state.get("optimizer_groups"))
+    engine.load(whole["model"], whole["optimizer"])
+    return whole.get("best")
+
+
+def _piece_save_planner(chunks: dict[str, tuple[int, int]]):
+    """DCP's default save planner, but a name in ``chunks`` is written as a piece at its offset of a flat
+    tensor (a rank's ZeRO shard of a parameter is a flat range, not one of DTensor's even chunks)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan, WriteItem
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
+
+    class PieceSavePlanner(DefaultSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for name, t in self.state_dict.items():
+                offset, whole = chunks[name] if name in chunks else (0, None)
+                at = torch.Size([offset] if name in chunks else [0] * t.dim())
+                items.append(WriteItem(
+                    index=MetadataIndex(name, at), type=WriteItemType.SHARD if name in chunks else WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=at, sizes=t.size()),
+                                                properties=TensorProperties.create_from_tensor(t),
+                                                size=torch.Size([whole]) if name in chunks else t.size())))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def lookup_object(self, index):
+            return self.state_dict[index.fqn]
+
+    return PieceSavePlanner()
+
+
+def _piece_load_planner(chunks: dict[str, tuple[int, int]]):
+    """DCP's default load planner, reading a name in ``chunks`` into a piece at its offset of the flat tensor."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class PieceLoadPlanner(DefaultLoadPlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> LoadPlan:
+            requests = []
+            for name, t in self.state_dict.items():
+                at = torch.Size([chunks[name][0]] if name in chunks else [0] * t.dim())
+                requests += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name],
+                                                             [ChunkStorageMetadata(offsets=at, sizes=t.size())])
+            return LoadPlan(requests)
+
+        def lookup_tensor(self, index):
+            return self.state_dict[index.fqn]
+
+    return PieceLoadPlanner()
 
 
 def run_of(path: str | Path) -> str | None:
@@ -103,9 +289,12 @@ def remove_temporaries(directory: str | Path, run_id: str | None) -> list[Path]:
         return []
     suffix = _tmp_suffix(run_id)
     gone = [p for p in directory.iterdir() if p.name.startswith("ckpt-") and p.name.endswith(suffix)
-            and (p.name.endswith(".pt" + suffix) or p.name.endswith(".sha256" + suffix))]
+            and any(p.name.endswith(kind + suffix) for kind in (".pt", ".sha256", SHARDS_SUFFIX))]
     for p in gone:
-        p.unlink(missing_ok=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)  # the shards a crash left half written
+        else:
+            p.unlink(missing_ok=True)
     return gone
 
 
@@ -122,10 +311,14 @@ def all_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def verify(path: Path) -> bool:
+    """The checkpoint matches its checksum, and so does every shard file its checksum file lists."""
     side = path.with_suffix(".sha256")
     try:
-        return json.loads(side.read_text())["sha256"] == _sha256(path)
-    except (OSError, ValueError, KeyError):
+        record = json.loads(side.read_text())
+        shards = path.with_suffix(SHARDS_SUFFIX)
+        return record["sha256"] == file_sha256(path) and all(
+            file_sha256(shards / name) == digest for name, digest in (record.get("shards") or {}).items())
+    except (OSError, ValueError, KeyError, AttributeError):
         return False
 
 
@@ -150,7 +343,9 @@ def _problem(path: Path) -> str | None:
     if not side.exists():
         return f"has no {side.name} (an interrupted save)"
     if not verify(path):
-        return f"does not match its checksum in {side.name} (torn or corrupted)"
+        shards = f" (or a file of its {path.with_suffix(SHARDS_SUFFIX).name})" \
+            if path.with_suffix(SHARDS_SUFFIX).exists() else ""
+        return f"does not match its checksum{shards} in {side.name} (torn or corrupted)"
     return None
 
 

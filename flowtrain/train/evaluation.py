@@ -6,7 +6,7 @@ For the model and each baseline, on the test split (scikit-learn's metrics):
 - K classes: per-class ROC AUC (one class against the rest);
 - regression: residuals and predicted against actual (the figures, ``flowtrain.train.report``);
 - every task: bootstrap 95% intervals on the test metrics (percentiles of ``BOOTSTRAP`` resamples
-  of the test rows) and on the model-minus-linear difference (the same resamples for both, paired),
+  of the test rows, ``scipy.stats.bootstrap``) and on the model-minus-linear difference (the same resamples for both, paired),
   permutation feature importance on the test split (the drop of the selection metric when one
   feature's column is shuffled, ``REPEATS`` times, with a 95% t-interval over the repeats), and
   metrics per value of one categorical feature (``slice_by``).
@@ -17,14 +17,21 @@ Everything here is a pure function of outputs and labels (numpy arrays) or of a 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from flowtrain.train.baselines import majority_outputs
+from flowtrain.train.loader import iter_batches
+from flowtrain.train.loop import predict
+
 #: Bootstrap resamples of the test split for the 95% intervals.
 BOOTSTRAP = 200
+#: Bootstrap resamples drawn at once hold at most this many row indices (memory: 8 bytes each).
+BOOTSTRAP_BATCH_ROWS = 4_000_000
 #: Shuffles per feature for permutation importance.
 REPEATS = 5
 #: Permutation importance and slices look at up to this many test rows (the first ones).
@@ -142,36 +149,51 @@ def _weighted_auc(prep: dict, w: np.ndarray) -> float:
 def bootstrap(kind: str, y: np.ndarray, preds: dict[str, np.ndarray], *, b: int = BOOTSTRAP, seed: int = 0,
               difference: tuple[str, str] | None = None) -> dict:
     """Point estimates and percentile 95% intervals of every model's metrics, on the same resamples;
-    with ``difference=(a, b)`` also the interval of ``a``'s metric minus ``b``'s (paired)."""
-    rng = np.random.default_rng(seed)
+    with ``difference=(a, b)`` also the interval of ``a``'s metric minus ``b``'s (paired).
+
+    ``scipy.stats.bootstrap(method="percentile")`` draws the ``b`` resamples of the row indices
+    (``numpy.random.default_rng(seed)``) and takes the percentiles; one statistic returns every model's
+    metrics and the differences of each resample, so all of them see the same rows. A resample whose
+    metric is undefined (an AUC of a resample with one class) is left out of that metric's interval."""
+    from scipy import stats
+
     n = len(y)
-    draws = {name: [] for name in preds}
+    names, keys = list(preds), list(INTERVAL_METRICS[kind])
     prepared = {name: prepare(kind, y, p) for name, p in preds.items()}
-    for _ in range(b):
-        w = np.bincount(rng.integers(0, n, size=n), minlength=n).astype(np.float64) if n else np.zeros(0)
-        for name, p in preds.items():
-            draws[name].append(weighted_metrics(kind, y, p, w, prepared[name]))
-    out = {"resamples": b, "models": {}}
-    ones = np.ones(n)
-    for name, p in preds.items():
-        point = weighted_metrics(kind, y, p, ones, prepared[name])
-        out["models"][name] = {k: {"value": v, **_interval([d[k] for d in draws[name]])} for k, v in point.items()}
+
+    def metrics_of(w: np.ndarray) -> list[float]:
+        per_model = {name: weighted_metrics(kind, y, preds[name], w, prepared[name]) for name in names}
+        values = [per_model[name][k] for name in names for k in keys]
+        if difference:
+            values += [per_model[difference[0]][k] - per_model[difference[1]][k] for k in keys]
+        return values
+
+    def statistic(rows: np.ndarray, axis: int = -1) -> np.ndarray:  # rows: [resamples, n] drawn row indices
+        return np.array([metrics_of(np.bincount(r, minlength=n).astype(np.float64)) for r in rows]).T
+
+    point = np.array(metrics_of(np.ones(n)), dtype=np.float64)
+    if n < 2 or b < 1:  # every resample of one row is that row; of none, nothing
+        low = high = point if n == 1 and b >= 1 else np.full(len(point), np.nan)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", stats.DegenerateDataWarning)  # NaN resamples: handled below
+            result = stats.bootstrap((np.arange(n),), statistic, n_resamples=b, vectorized=True,
+                                     batch=max(1, min(b, BOOTSTRAP_BATCH_ROWS // n)), method="percentile",
+                                     confidence_level=0.95, rng=np.random.default_rng(seed))
+        low, high = result.confidence_interval.low, result.confidence_interval.high
+        undefined = np.isnan(result.bootstrap_distribution).any(axis=-1)
+        if undefined.any():  # the percentiles of the resamples where the metric is defined
+            low, high = low.copy(), high.copy()
+            for i in np.flatnonzero(undefined):
+                kept = result.bootstrap_distribution[i][~np.isnan(result.bootstrap_distribution[i])]
+                low[i], high[i] = np.percentile(kept, [2.5, 97.5]) if len(kept) else (np.nan, np.nan)
+    intervals = [{"value": float(v), "low": float(lo), "high": float(hi)} for v, lo, hi in zip(point, low, high)]
+    out = {"resamples": b, "models": {name: dict(zip(keys, intervals[i * len(keys):(i + 1) * len(keys)]))
+                                      for i, name in enumerate(names)}}
     if difference:
-        a, c = difference
-        out["difference"] = {"of": [a, c], "metrics": {}}
-        for k in INTERVAL_METRICS[kind]:
-            diffs = [da[k] - dc[k] for da, dc in zip(draws[a], draws[c])]
-            value = out["models"][a][k]["value"] - out["models"][c][k]["value"]
-            out["difference"]["metrics"][k] = {"value": value, **_interval(diffs)}
+        out["difference"] = {"of": list(difference),
+                             "metrics": dict(zip(keys, intervals[len(names) * len(keys):]))}
     return out
-
-
-def _interval(values: list[float]) -> dict:
-    v = np.asarray([x for x in values if x == x], dtype=np.float64)
-    if not len(v):
-        return {"low": float("nan"), "high": float("nan")}
-    low, high = np.percentile(v, [2.5, 97.5])
-    return {"low": float(low), "high": float(high)}
 
 
 # --- binary: thresholds and calibration ------------------------------------------------------------
@@ -300,8 +322,6 @@ class Evaluation:
 
 def first_rows(split, n: int) -> Rows:
     """Up to ``n`` test rows as tensors, in the split's order (a streamed split is read batch by batch)."""
-    from flowtrain.train.loader import iter_batches
-
     parts, got = [], 0
     for batch in iter_batches(split, batch_size=min(n, 65_536), seed=0, epoch=0, shuffle=False):
         parts.append(batch)
@@ -326,9 +346,6 @@ def evaluate_run(data, models: dict, test, valid, *, majority: str, select_by: s
                  seed: int = 0) -> Evaluation:
     """``models``: name -> ``nn.Module`` (the first one is the model the report is about; "linear
     model" gets the paired difference); ``majority`` names the majority baseline, added here."""
-    from flowtrain.train.baselines import majority_outputs
-    from flowtrain.train.loop import predict
-
     kind = data.kind
     y = test.y.double().numpy()
     y_valid = valid.y.double().numpy()
@@ -371,6 +388,4 @@ def evaluate_run(data, models: dict, test, valid, *, majority: str, select_by: s
 
 
 def _batches(split):
-    from flowtrain.train.loader import iter_batches
-
     return iter_batches(split, batch_size=65_536, seed=0, epoch=0, shuffle=False)

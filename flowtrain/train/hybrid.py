@@ -33,7 +33,8 @@ from flowtrain.parallel.pipeline import StageWorker, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with_bounds, stage_module
 from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
-from flowtrain.train.model import pack
+from flowtrain.parallel.zero import peak_rss_bytes, shard_stage_worker, storage_bytes
+from flowtrain.train.models import pack
 
 __all__ = ["GridEngine"]
 
@@ -50,9 +51,10 @@ class GridEngine:
         pos = self.pos = self.groups.pos
         sample = sample.cpu()
         on_cpu = model if all(p.device.type == "cpu" for p in model.parameters()) else _cpu_copy(model)
-        if stages > 1:  # rank 0 measures the layers and decides the cut; every rank uses it
-            plan = plan_stages(on_cpu, stages, sample) if ctx.is_main else None
-            shared = [plan.bounds if plan else None]
+        if stages > 1:  # rank 0 measures the layers and decides the cut (a resumed run: its own); every rank uses it
+            given = [tuple(b) for b in config.stage_bounds] if getattr(config, "stage_bounds", None) else None
+            plan = plan_stages(on_cpu, stages, sample) if ctx.is_main and not given else None
+            shared = [plan.bounds if plan else given]
             dist.broadcast_object_list(shared, src=0)
             self.plan = plan if plan is not None else plan_with_bounds(on_cpu, shared[0], sample)
         else:
@@ -72,7 +74,13 @@ class GridEngine:
         self.worker = StageWorker(self.module, pos, self.groups.data, SCHEDULES[config.schedule](stages, microbatches),
                                   microbatches, in_shape, loss_fn, bucket_mb=config.bucket_mb,
                                   p2p_groups=(self.groups.forward, self.groups.backward), device=self.device)
-        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        lr, wd = config.lr, config.weight_decay
+        # --shard-states optimizer | gradients: ZeRO-1/2 over this stage's (and shard's) replicas
+        self.sharder = shard_stage_worker(self.worker, ctx, stage=getattr(config, "shard_states", "none"),
+                                          make_optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd),
+                                          bucket_mb=config.bucket_mb)
+        self.optimizer = self.sharder.optimizer if self.sharder is not None else \
+            torch.optim.Adam(self.module.parameters(), lr=lr, weight_decay=wd)
         self.rng_rank = pos.replica * stages + pos.stage  # shards of a tensor group draw alike
         self._states: list[dict] | None = None
         self._shards: list[list[dict]] | None = None
@@ -101,9 +109,15 @@ class GridEngine:
         pos = self.pos
         lo, hi = replica_rows(len(batch), pos)
         x = pack(batch.x_num[lo:hi], batch.x_cat[lo:hi]) if pos.is_first else None
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sharder is not None:
+            self.sharder.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         stats = self.worker.step(x, target[lo:hi] if pos.is_last else None, hi - lo)
-        self.optimizer.step()
+        if self.sharder is not None:
+            self.sharder.step()  # the shard's Adam step, then the parameters all-gathered
+        else:
+            self.optimizer.step()
         counts = pos.is_last and pos.tensor == 0  # each replica's loss once, not once per shard
         totals = torch.tensor([stats.loss_sum, float(hi - lo)] if counts else [0.0, 0.0], dtype=torch.float64,
                               device=self.device)
@@ -136,7 +150,8 @@ class GridEngine:
 
     def optimizer_state(self) -> dict:
         """Every stage's (and shard's) optimizer state, from replica 0; a collective."""
-        everyone = self._gather(cpu_state(self.optimizer.state_dict()))
+        mine = self.sharder.optimizer_state() if self.sharder is not None else self.optimizer.state_dict()
+        everyone = self._gather(cpu_state(mine))
         g = self.grid
         if g.tensor == 1:
             stages = [everyone[g.rank_of(0, s, 0)] for s in range(g.stages)]
@@ -161,7 +176,23 @@ class GridEngine:
         shard = self.tensor_plans[self.pos.stage].shard_state(stage_state, self.pos.tensor)
         self.module.load_state_dict(shard)
         mine = stages[self.pos.stage]
-        self.optimizer.load_state_dict(mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine)
+        mine = mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine
+        if self.sharder is not None:  # the whole stage's state, cut into this replica's pieces
+            self.sharder.load_parameters()
+            self.sharder.load_optimizer_state(mine)
+        else:
+            self.optimizer.load_state_dict(mine)
+
+    def memory(self) -> dict:
+        """Bytes of state this rank holds now (distinct tensor storages) and its peak RSS."""
+        if self.sharder is not None:
+            return {**self.sharder.state_bytes(), "peak_rss": peak_rss_bytes()}
+        params = list(self.module.parameters())
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        buffers = [b.buffer for b in getattr(self.worker.reducer, "buckets", [])]
+        out = {"parameters": storage_bytes(params), "gradients": storage_bytes([p.grad for p in params]),
+               "optimizer": storage_bytes(state), "buffers": storage_bytes(buffers)}
+        return {**out, "total": sum(out.values()), "peak_rss": peak_rss_bytes()}
 
     def close(self) -> None:
         """Wait for outstanding sends, then destroy this engine's process groups."""

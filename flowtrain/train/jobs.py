@@ -12,33 +12,45 @@ from pathlib import Path
 def train_worker(ctx, job: dict) -> None:
     """Train on the dataset of ``job``; every data-parallel rank runs this (rank 0 writes).
 
-    The entry point of ``python -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker JOB``.
+    The entry point of ``python -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker JOB``: the
+    job crosses the process boundary as JSON, the result comes back as ``model.pt`` and ``fit.json``.
     """
-    import torch
-
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import TrainConfig, fit
-    from flowtrain.train.model import build_run_model
+    from flowtrain.train.loop import TrainConfig
 
-    data = TabularDataset(job["dataset"])
     cfg = dict(job["config"])
     cfg["hidden"] = tuple(cfg["hidden"])
     if ctx.distributed:
         cfg["threads"] = None  # the launcher (or torchrun's environment) sets threads per worker
-    config = TrainConfig(**cfg)
-    run_dir = Path(job["run_dir"])
-    result = fit(build_run_model(job.get("model"), data, config), data, config, run_dir=run_dir,
-                 resume=bool(job.get("resume")) or restarted_with_checkpoint(run_dir),
-                 ctx=ctx)
+    train(ctx, TabularDataset(job["dataset"]), TrainConfig(**cfg), Path(job["run_dir"]), model=job.get("model"),
+          resume=bool(job.get("resume")))
+
+
+def train(ctx, data, config, run_dir: Path, *, model: str | None = None, resume: bool = False):
+    """Fit a model (``--model MODULE:FACTORY`` or the default family) on ``data`` and return the
+    ``FitResult``: in one process the caller takes it as it is. Rank 0 also writes ``model.pt`` and
+    ``fit.json`` (whole or not at all): the run's outputs, and the result of a worker group."""
+    import torch
+
+    from flowtrain.train.loop import fit
+    from flowtrain.train.models import build_run_model
+
+    result = fit(build_run_model(model, data, config), data, config, run_dir=run_dir,
+                 resume=resume or restarted_with_checkpoint(run_dir), ctx=ctx)
     if ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
         from connectors.atomic import atomic_file, atomic_write
 
         with atomic_file(run_dir / "model.pt") as fh:
             torch.save(result.model.state_dict(), fh)
-        atomic_write(run_dir / "fit.json", json.dumps({
-            "steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
+        atomic_write(run_dir / "fit.json", json.dumps(fit_record(result)))
+    return result
+
+
+def fit_record(result) -> dict:
+    """What ``fit.json`` holds of a ``FitResult``."""
+    return {"steps": result.steps, "epochs_run": result.epochs_run, "best_epoch": result.best_epoch,
             "stopped_early": result.stopped_early, "seconds": result.seconds,
-            "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}))
+            "data_wait_fraction": result.data_wait_fraction, "best_valid": result.best_valid}
 
 
 #: Set by torchrun's elastic agent (and by ``flowtrain batch --max-restarts``) in a restarted worker group.

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 
 from connectors.dataset import is_local_path, read_manifest, read_shard, shard_paths
-from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
+from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
 
 
 @dataclass
@@ -66,8 +66,9 @@ def iter_batches(split: TabularSplit, *, batch_size: int, seed: int, epoch: int,
 
 
 def feature_columns(spec: FeatureSpec) -> list[str]:
-    """The dataset columns a split is built from: numerics, category codes, the label."""
-    return [NUM_PREFIX + c for c in spec.all_numeric] + [CAT_PREFIX + c for c in spec.categorical] + [LABEL]
+    """The dataset columns a split is built from: numerics, category codes, ID keys, the label."""
+    return [NUM_PREFIX + c for c in spec.all_numeric] + [CAT_PREFIX + c for c in spec.categorical] + \
+        [ID_PREFIX + c for c in spec.id_columns] + [LABEL]
 
 
 def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
@@ -79,7 +80,8 @@ def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
         return np.stack([table.column(c).to_numpy() for c in names], axis=1).astype(dtype, copy=False)
 
     x_num = stack([NUM_PREFIX + c for c in spec.all_numeric], np.float32)
-    x_cat = stack([CAT_PREFIX + c for c in spec.categorical], np.int64)
+    # ID columns' int64 keys follow the category codes (flowtrain.train.models.ids splits them off)
+    x_cat = stack([CAT_PREFIX + c for c in spec.categorical] + [ID_PREFIX + c for c in spec.id_columns], np.int64)
     y = table.column(LABEL).to_numpy().astype(np.float32, copy=False)
     def tensor(a: np.ndarray) -> torch.Tensor:
         a = np.ascontiguousarray(a)

@@ -7,35 +7,35 @@ to 5% of ``lr``), how often to evaluate. Every ``eval_every`` steps (and at step
 model) the model is evaluated on the validation split; the best weights by ``select_by`` (a
 validation metric, never test data) are kept; training stops early after ``patience``
 evaluations without a better one; each evaluation writes a checkpoint with everything a resume
-needs (model, optimizer, RNG, step, early-stopping state). The schedule and the evaluation
-points depend on the table only, not on the budget, so a run continued with a larger
-``--epochs`` equals one that had it from the start.
+needs (model, optimizer, RNG, step, early-stopping state). The learning-rate schedule spans the
+budget given (``--steps`` / ``--epochs``), else the table's; the evaluation points depend on the
+table only. With the same ``decay_steps`` a run continued with a larger ``--epochs`` equals one
+that had it from the start.
 
-The engine does the steps: ``DataParallelEngine`` (map/reduce of gradient sums) or
-``GridEngine`` (the D x S x T grid: stages, tensor shards, replicas); an engine has
-``train_step``, ``set_lr``, ``sync_model``, ``optimizer_state``, ``stage_states``, ``shard_states``,
-``load``, ``close`` and ``rng_rank`` (``make_engine`` picks one).
+``fit`` is the batch composition of the one training core (``flowtrain.train.trainer``): its source is
+the dataset's shards (seeded batches), its ``Trainer`` runs each step through the engine
+(``DataParallelEngine``, ``ZeroEngine`` or ``GridEngine``), its sinks are the checkpoints, metrics.jsonl,
+TensorBoard and training.json.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from connectors.atomic import atomic_write
-from connectors.dataset_spec import MAX_CLASSES  # the dataset contract's bound: the ETL stops at it too
+from connectors.dataset_spec import MAX_CLASSES, positive_class_of  # MAX_CLASSES: the ETL stops at it too
 from flowtrain.observe.board import Board
-from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
+from flowtrain.parallel import DistContext
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint, rundir
 from flowtrain.train.baselines import majority_outputs
-from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
 from flowtrain.train.metrics import (
     MetricsLog,
@@ -47,23 +47,23 @@ from flowtrain.train.metrics import (
     regression_metrics,
     scalars,
 )
-from flowtrain.train.model import LinearModel, TabularMLP, pack
+from flowtrain.train.models import ModelOptions
+from flowtrain.train.trainer import Trainer, loss_function, measured_memory, memory_plan_of
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ModelOptions):
+    """The batch run's training options (the model's: ``ModelOptions``, flowtrain.train.models)."""
     steps: int | None = None  # step budget (None: chosen from the table, or from ``epochs``)
     epochs: int | None = None  # a budget in epochs instead of steps
     batch_size: int | None = None  # None: chosen from the table
     lr: float = 1e-3  # peak learning rate (Adam)
     warmup_steps: int | None = None  # None: chosen from the table
+    decay_steps: int | None = None  # steps the lr schedule spans; None: the budget given, else chosen from the table
     eval_every: int | None = None  # steps between validations; None: chosen from the table
     patience: int = 10  # evaluations without a better validation metric before stopping
     select_by: str | None = None  # validation metric for the best model; None: AUC / accuracy / RMSE
     weight_decay: float = 0.0
-    seed: int = 0
-    hidden: tuple[int, ...] = (128, 64)
-    dropout: float = 0.1
     threads: int | None = None
     log_every: int = 50
     progress: bool = True
@@ -73,8 +73,9 @@ class TrainConfig:
     schedule: str = "1f1b"  # or "gpipe"
     tensor_parallel: int = 1  # tensor shards per stage (workers = replicas x stages x tensor_parallel)
     device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
-    init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there
     memory_budget: int | float | str | None = None  # a split larger than this is streamed (flowtrain.train.shards)
+    shard_states: str = "none"  # ZeRO: none, optimizer, gradients or parameters (flowtrain.parallel.zero)
+    stage_bounds: list | None = None  # set by a resume: the checkpoint's stage cut (None: rank 0 measures and cuts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ class TrainPlan:
     batch_size: int
     steps: int  # the budget
     steps_per_epoch: int
-    horizon: int  # the schedule's length (decay ends here; depends on the table only)
+    horizon: int  # the schedule's length (the decay ends here): --decay-steps, the budget given, or the table's
     warmup_steps: int
     eval_every: int
     patience: int
@@ -103,11 +104,22 @@ class TrainPlan:
     lr: float
     chosen: list[str] = field(default_factory=list)  # what was chosen from the table
 
-    def lr_at(self, step: int) -> float:
+    def lr_factor(self, step: int) -> float:
+        """The schedule as a multiple of ``lr``: linear warm-up, then cosine decay to ``MIN_LR_FRACTION``."""
         if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
+            return (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.horizon - self.warmup_steps))
-        return self.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * self.lr_factor(step)
+
+    def scheduler(self, optimizer: torch.optim.Optimizer, start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+        """The schedule as torch's ``LambdaLR`` on ``optimizer``, at step ``start`` (its rate set; a resumed
+        run starts where it stopped); ``scheduler.step()`` after each optimizer step moves it on."""
+        for group in optimizer.param_groups:
+            group["initial_lr"] = self.lr  # the peak: the base every factor multiplies
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor, last_epoch=start - 1)
 
     def describe(self, rows: int) -> str:
         auto = set(self.chosen)
@@ -118,7 +130,8 @@ class TrainPlan:
         return (f"batch size {self.batch_size}{mark('batch_size')} ({self.steps_per_epoch} steps per epoch of "
                 f"{rows:,} rows), {self.steps} steps{mark('steps')} ({self.steps / self.steps_per_epoch:.1f} epochs), "
                 f"lr {self.lr:g} with {self.warmup_steps} warm-up steps{mark('warmup_steps')} then cosine decay "
-                f"over {self.horizon} steps, validation every {self.eval_every} steps{mark('eval_every')}, "
+                f"over {self.horizon} steps{mark('decay_steps')}, validation every {self.eval_every} steps"
+                f"{mark('eval_every')}, "
                 f"patience {self.patience} validations, best by validation {self.select_by}{mark('select_by')}")
 
 
@@ -134,14 +147,23 @@ def plan_training(config: TrainConfig, train_rows: int, kind: str) -> TrainPlan:
         batch = min(max(auto, AUTO_BATCH[0]), AUTO_BATCH[1])
     batch = max(1, min(int(batch), train_rows))
     spe = math.ceil(train_rows / batch)
-    horizon = min(max(AUTO_EPOCHS * spe, AUTO_STEPS[0]), AUTO_STEPS[1])
+    table = min(max(AUTO_EPOCHS * spe, AUTO_STEPS[0]), AUTO_STEPS[1])  # the budget the table suggests
     if config.steps is not None:
         steps = int(config.steps)
     elif config.epochs is not None:
         steps = int(config.epochs) * spe
     else:
         chosen.append("steps")
-        steps = horizon
+        steps = table
+    # The schedule spans the budget the user gave (as Lightning's and Hugging Face's schedulers span
+    # max_steps), else the table's budget; --decay-steps fixes it, e.g. for runs that must share their
+    # first steps (a run continued with --resume and a larger budget equals one that had it from the start).
+    if config.decay_steps is not None:
+        horizon = int(config.decay_steps)
+    else:
+        horizon = steps
+        if config.steps is None and config.epochs is None:
+            chosen.append("decay_steps")
     warmup = config.warmup_steps
     if warmup is None:
         chosen.append("warmup_steps")
@@ -149,7 +171,7 @@ def plan_training(config: TrainConfig, train_rows: int, kind: str) -> TrainPlan:
     eval_every = config.eval_every
     if eval_every is None:
         chosen.append("eval_every")
-        eval_every = spe if config.epochs is not None else max(spe, horizon // AUTO_EVALS)
+        eval_every = spe if config.epochs is not None else max(spe, table // AUTO_EVALS)
     select_by = check_select_by(config.select_by, kind)
     if config.select_by is None:
         chosen.append("select_by")
@@ -174,24 +196,11 @@ class FitResult:
     history: list[dict] = field(default_factory=list)
     best_step: int = 0
     plan: TrainPlan | None = None
+    memory: dict | None = None  # training.json's "memory": the plan and each rank's measured peak
 
     @property
     def data_wait_fraction(self) -> float:
         return self.data_wait_seconds / self.step_seconds if self.step_seconds else 0.0
-
-
-class ClassCrossEntropy(nn.CrossEntropyLoss):
-    """Cross-entropy over K logits with the class index given as a float target (as datasets
-    store labels), so every engine passes targets the same way."""
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return super().forward(logits, target.long())
-
-
-def loss_function(task: str, outputs: int = 1) -> nn.Module:
-    if task == "regression":
-        return nn.MSELoss()
-    return ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss()
 
 
 @torch.no_grad()
@@ -222,19 +231,6 @@ def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[floa
     return metrics_of(predict(model, split, scale=scale), split.y, task, classes)
 
 
-def build_model(kind: str, data: TabularDataset, config: TrainConfig) -> nn.Module:
-    """``"mlp"``: the wide-and-deep ``TabularMLP`` (its linear part from ``config.init_wide`` when
-    given); ``"linear"``: a ``LinearModel``."""
-    torch.manual_seed(config.seed)
-    if kind == "linear":
-        return LinearModel(data.n_numeric, data.cardinalities, data.outputs)
-    model = TabularMLP(data.n_numeric, data.cardinalities, hidden=config.hidden, dropout=config.dropout,
-                       outputs=data.outputs)
-    if config.init_wide:
-        model.init_wide(torch.load(config.init_wide, weights_only=True))
-    return model
-
-
 def check_label(data: TabularDataset) -> None:
     """A label the training split gives one value (or too many classes) is an error saying what to check."""
     label = data.spec.label
@@ -253,6 +249,21 @@ def check_label(data: TabularDataset) -> None:
                          f"classification --positive-above.")
 
 
+def positive_class_line(data: TabularDataset) -> str | None:
+    """The binary label's positive class, said once per run: which class, and by which rule."""
+    positive = positive_class_of(data.spec, data.stats)
+    if positive is None:
+        return None
+    spec = data.spec
+    if spec.positive_above is not None:
+        return (f"classes: label {spec.label!r} > {spec.positive_above:g} is the positive class {positive!r} "
+                f"(--positive-above)")
+    negative = next((c for c in data.classes or [] if c != positive), "?")
+    rule = "--positive-class" if spec.positive_class is not None else \
+        "the later of the two in sorted order; --positive-class chooses"
+    return f"classes: {positive!r} is the positive class, {negative!r} the negative ({rule})"
+
+
 def baseline_metrics(data: TabularDataset, split: TabularSplit) -> dict:
     """Predict the training mean (regression) or the class frequencies (classification)."""
     return metrics_of(majority_outputs(data, len(split)), split.y, data.spec.task, data.classes)
@@ -261,16 +272,6 @@ def baseline_metrics(data: TabularDataset, split: TabularSplit) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------
-def make_engine(model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module, train: TabularSplit):
-    """The engine that runs the steps: the D x S x T grid (``config.stages`` or
-    ``config.tensor_parallel`` > 1: ``flowtrain.train.hybrid``) or data parallelism."""
-    if config.stages > 1 or config.tensor_parallel > 1:
-        first = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False))
-        return GridEngine(model, ctx, config, loss_fn, pack(first.x_num, first.x_cat),
-                              device=next(model.parameters()).device)
-    return DataParallelEngine(model, ctx, config, loss_fn)
-
-
 def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir: Path | None = None,
         resume: bool = False, name: str = "model", ctx: DistContext | None = None) -> FitResult:
     """Train ``model``; with a distributed ``ctx`` every replica trains its shard of each global
@@ -297,14 +298,29 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     loss_fn = loss_function(data.spec.task, data.outputs)
     shift, scale = target_scale(data)
     classes = data.classes
-    engine = make_engine(model, ctx, config, loss_fn, train)
+    ckpt_dir = run_dir / "checkpoints" if run_dir else None
+    run_id = rundir.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
+    # a resume reads its checkpoint before the engine is made: the newest that verifies and loads (a corrupt
+    # newer one is skipped, logged); none is a CheckpointError naming each file, never a silent fresh start
+    found = checkpoint.require_latest(ckpt_dir, run_id=run_id) if resume and ckpt_dir else None
+    if found is not None and config.stages > 1:
+        # a resumed grid keeps the checkpoint's stage cut: rank 0 cuts by measured time, which varies (under
+        # load another cut gave a stage other layers, and the checkpoint's optimizer state did not load)
+        bounds = found[1].get("stage_bounds")
+        if isinstance(bounds, list) and len(bounds) == config.stages:
+            config = replace(config, stage_bounds=[list(b) for b in bounds])
+    grid = config.stages > 1 or config.tensor_parallel > 1  # the grid measures its layers on a few rows
+    sample = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False)) if grid else None
+    trainer = Trainer(model, ctx, config, loss_fn, sample, seed=config.seed, target_scale=(shift, scale))
+    engine = trainer.engine
+    mem_plan = memory_plan_of(model, ctx, config, plan.batch_size, id_rows=len(train))
+    if ctx.is_main:
+        print(f"{name}: {mem_plan.describe()}", flush=True)
     writer = run_dir is not None and ctx.is_main
     board = Board(run_dir) if writer else None  # TensorBoard: rank 0 mirrors metrics.jsonl, adds the rest
     log = MetricsLog(run_dir / "metrics.jsonl", board=board) if writer else None
     # what differs per worker (time waiting on data, step time): one TensorBoard directory per rank
     worker_board = Board(run_dir, worker=ctx.rank) if run_dir is not None and ctx.world_size > 1 else None
-    ckpt_dir = run_dir / "checkpoints" if run_dir else None
-    run_id = rundir.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
     if ckpt_dir and writer:
         checkpoint.remove_temporaries(ckpt_dir, run_id)  # what a crash of this run left
 
@@ -312,23 +328,29 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     step, best_step, bad_evals = 0, 0, 0
     best_valid: dict | None = None
     start_valid: dict | None = None  # the initial model's (its linear part's) validation metrics
-    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
     resumed = False
-    if resume and ckpt_dir:
-        # the newest checkpoint that verifies and loads (a corrupt newer one is skipped, logged);
-        # none is a CheckpointError naming each file, never a silent fresh start
-        path, state = checkpoint.require_latest(ckpt_dir, run_id=run_id)
-        engine.load(state["model"], state["optimizer"])
+    if found is not None:
+        path, state = found
+        if state.get("sharded_state"):  # each rank reads its pieces, whichever ranks wrote them (DCP)
+            best_state = checkpoint.load_sharded(engine, model, path, state)
+        else:
+            engine.load(state["model"], state["optimizer"])
+            best_state = state["best_model"]
         torch.set_rng_state(state["rng"])
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
         best_step = int(state.get("best_step", 0))
-        best_state, best_valid = state["best_model"], dict(state["best_valid"]) or None
+        best_valid = dict(state["best_valid"]) or None
         start_valid = dict(state.get("start_valid") or {}) or best_valid
         resumed = True
         if log:
             log.truncate_after(step)
         if ctx.is_main:
             print(f"{name}: resumed from {path.name} (step {step})", flush=True)
+            if state.get("decay_steps") not in (None, plan.horizon):  # a new budget: the schedule follows it
+                print(f"{name}: the learning-rate schedule now spans {plan.horizon} steps (it spanned "
+                      f"{state['decay_steps']}: the budget changed); --decay-steps {state['decay_steps']} keeps it",
+                      flush=True)
     elif log and not resume:
         log.path.unlink(missing_ok=True)
 
@@ -348,28 +370,45 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             start_valid is None or best_step > 0 or clears(metrics, start_valid, plan.select_by, len(valid)))
         return metrics, improved
 
+    stage_plan = getattr(engine, "plan", None)
+    stage_bounds = [list(b) for b in stage_plan.bounds] if stage_plan is not None else None
+
     def save_checkpoint(step_: int) -> None:
-        optimizer_state = engine.optimizer_state()  # a collective under pipeline parallelism
+        shards = None
+        if ckpt_dir and hasattr(engine, "shard_pieces"):
+            # ZeRO: every rank writes its own shard of parameters, optimizer state and best weights (DCP, a
+            # collective); the checkpoint file holds the rest and names the shards
+            tensors, chunks = engine.shard_pieces({"best": best_state})
+            shards = checkpoint.save_shards(ckpt_dir, step_, tensors, chunks, run_id=run_id)
+            whole = {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
+                                          for g in engine.optimizer.param_groups][:1],
+                     "layout": {"workers": ctx.world_size, "shard_states": config.shard_states}}
+        else:
+            whole = {"model": _model_state(model),  # a collective with sharded ID tables
+                     "stages": engine.stage_states(), "shards": engine.shard_states(),
+                     "optimizer": engine.optimizer_state(),  # a collective under pipeline parallelism
+                     "best_model": best_state}
         if ckpt_dir and writer:
             checkpoint.save(ckpt_dir, step_, cpu_state({  # opens on any machine, GPU or not
-                "model": model.state_dict(), "stages": engine.stage_states(), "shards": engine.shard_states(),
-                "optimizer": optimizer_state, "rng": torch.get_rng_state(),
+                **whole, "rng": torch.get_rng_state(),
                 "epoch": step_ // plan.steps_per_epoch, "step": step_, "best_step": best_step,
                 "best_loss": float(best_valid["loss"]) if best_valid else math.inf,
-                "bad_evals": bad_evals, "best_model": best_state, "best_valid": best_valid or {},
-                "start_valid": start_valid or {},
+                "bad_evals": bad_evals, "best_valid": best_valid or {},
+                "start_valid": start_valid or {}, "decay_steps": plan.horizon,
+                "stage_bounds": stage_bounds,  # a grid's stage cut: a resume keeps it
                 "data_position": {"split": "train", "epoch": step_ // plan.steps_per_epoch,
                                   "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
                                   "stages": config.stages},
                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-            }), run_id=run_id)
+            }), run_id=run_id, shards=shards)
 
+    trainer.schedule(plan.scheduler(engine.optimizer, start=step))  # the learning rate: torch's LambdaLR
     t_start = time.perf_counter()
     data_wait = step_time = 0.0
     if not resumed:  # the initial model is a candidate too (its linear part may be a fitted model)
         best_valid, _ = validate(0)
         start_valid = best_valid
-        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
 
     bar = _progress(plan.steps, name, config.progress and ctx.is_main, initial=step)
     running, seen, t_log = 0.0, 0, time.perf_counter()
@@ -385,10 +424,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             if batch is None:
                 break
             batch = move_batch(batch, device)  # pinned memory, non-blocking copy on a GPU
-            # dropout: per step and rank (the shards of a tensor group share it: engine.rng_rank)
-            torch.manual_seed(config.seed * 1_000_003 + step * 1009 + engine.rng_rank)
-            engine.set_lr(plan.lr_at(step))
-            global_n, mean_loss = engine.train_step(batch, (batch.y - shift) / scale)
+            done = trainer.step(batch, step)
+            global_n, mean_loss = done.rows, done.loss
             t2 = time.perf_counter()
             heartbeat()
             data_wait += t1 - t0
@@ -414,7 +451,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 metrics, improved = validate(step)
                 if improved:
                     best_valid, best_step, bad_evals = metrics, step, 0
-                    best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                    best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
                 else:
                     bad_evals += 1
                 save_checkpoint(step)
@@ -422,21 +459,36 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if bar is not None:
         bar.close()
     stopped_early = bad_evals >= plan.patience and step < plan.steps
-    engine.close()
+    from flowtrain.parallel.context import gather_json
+
+    memory = {"plan": mem_plan.as_dict(), "measured": gather_json(measured_memory(engine))}  # a collective
+    if board is not None:  # TensorBoard: memory/plan_* and memory/rank<r>_* in bytes
+        board.scalars("memory", {f"plan_{k}": v for k, v in memory["plan"].items()}, step)
+        for r, held in enumerate(memory["measured"]):
+            board.scalars("memory", {f"rank{r}_{k}": v for k, v in held.items()}, step)
+    trainer.close()
     for b in (board, worker_board):
         if b is not None:
             b.close()
     model.to("cpu")  # the fitted model comes back on the CPU
     model.load_state_dict(best_state)
+    if getattr(model, "sharded", False):  # every rank gets the ID tables whole: the fitted model
+        model.unshard_ids()
     torch.set_num_threads(threads_before)
     if writer:
         atomic_write(run_dir / "training.json", json.dumps({
             "plan": asdict(plan), "best_step": best_step, "steps": step, "stopped_early": stopped_early,
-            "select_by": plan.select_by, "best_valid": best_valid}, default=float))
+            "select_by": plan.select_by, "best_valid": best_valid, "memory": memory}, default=float))
     spe = plan.steps_per_epoch
     return FitResult(model, step, math.ceil(step / spe), best_step // spe + (1 if best_step % spe else 0),
                      best_valid or {}, stopped_early, time.perf_counter() - t_start, data_wait, step_time,
-                     history=log.read() if log else [], best_step=best_step, plan=plan)
+                     history=log.read() if log else [], best_step=best_step, plan=plan,
+                     memory=memory)
+
+
+def _model_state(model: nn.Module) -> dict:
+    """The model's ``state_dict``; with ID tables sharded over the ranks, each table whole (a collective)."""
+    return model.full_state_dict() if getattr(model, "sharded", False) else model.state_dict()
 
 
 def _log_train(log: MetricsLog, name: str, step: int, plan: TrainPlan, loss_sum: float, rows: int,
@@ -444,53 +496,6 @@ def _log_train(log: MetricsLog, name: str, step: int, plan: TrainPlan, loss_sum:
     log.write({"kind": "train", "model": name, "step": step, "epoch": (step - 1) // plan.steps_per_epoch,
                "loss": loss_sum / rows, "lr": plan.lr_at(step - 1),
                "rows_per_s": rows / max(time.perf_counter() - since, 1e-9)})
-
-
-class DataParallelEngine:
-    """Every replica holds the whole model and trains its shard of each global batch."""
-
-    def __init__(self, model: nn.Module, ctx: DistContext, config: TrainConfig, loss_fn: nn.Module):
-        self.model, self.ctx, self.loss_fn = model, ctx, loss_fn
-        self.rng_rank = ctx.rank
-        self.reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def train_step(self, batch: Batch, target: torch.Tensor) -> tuple[int, float]:
-        lo, hi = local_rows(len(batch), self.ctx)
-        loss_sum = None
-        if hi > lo:
-            loss_sum = sum_loss(self.loss_fn, self.model(batch.x_num[lo:hi], batch.x_cat[lo:hi]), target[lo:hi])
-        self.optimizer.zero_grad(set_to_none=True)
-        global_n, mean_loss = self.reducer.backward(loss_sum, hi - lo)
-        self.optimizer.step()
-        self.reducer.sync_buffers(hi - lo)
-        return global_n, mean_loss
-
-    def sync_model(self) -> None:
-        """The whole model is already here."""
-
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def stage_states(self) -> list[dict]:
-        return [self.model.state_dict()]
-
-    def shard_states(self) -> list:
-        """No tensor shards: the model is whole."""
-        return []
-
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        self.model.load_state_dict(model_state)
-        if "stages" in optimizer_state:
-            raise ValueError("this checkpoint was written by a pipeline-parallel run: resume it with the same --stages")
-        self.optimizer.load_state_dict(optimizer_state)
-
-    def close(self) -> None:
-        self.reducer.close()
 
 
 def _progress(total: int, desc: str, enabled: bool, initial: int = 0):

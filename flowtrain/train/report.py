@@ -1,85 +1,23 @@
-"""What a run leaves for a person: curves and evaluation figures as PNG, ``report.md``, a self-contained
-``report.html`` (the same, figures embedded) and ``summary.json``."""
+"""What a run leaves for a person: ``report.md`` (the data, test metrics with intervals next to the baselines,
+the figures of ``flowtrain.train.figures``), a self-contained ``report.html`` (the same, figures embedded) and
+``summary.json``."""
 from __future__ import annotations
 
+import base64
+import datetime as dt
+import html
 import json
+import re
 from pathlib import Path
 
-import matplotlib
-
-from connectors.atomic import atomic_file, atomic_write
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from connectors.atomic import atomic_write
+from flowtrain.train.figures import flat_within_one_row
 
 #: Test metrics shown in the report per kind of task: (summary key, column title).
 REPORT_METRICS = {"binary": [("auc", "AUC"), ("accuracy", "accuracy"), ("log_loss", "log loss")],
                   "multiclass": [("accuracy", "accuracy"), ("macro_f1", "macro-F1"), ("log_loss", "log loss")],
                   "regression": [("rmse", "RMSE"), ("mae", "MAE"), ("r2", "R²")]}
 
-
-def plot_curves(history: list[dict], run_dir: Path, *, task: str, name: str = "model",
-                metric: str | None = None) -> list[str]:
-    """``loss.png`` (train and validation loss) and ``metric.png`` (the validation metric that
-    selects the best model: ``metric``, else AUC or RMSE)."""
-    train = [r for r in history if r.get("kind") == "train" and r.get("model") == name]
-    valid = [r for r in history if r.get("kind") == "valid" and r.get("model") == name]
-    files = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", alpha=0.7)
-    if valid:
-        ax.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="validation loss", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_file(run_dir / "loss.png") as fh:  # whole or not at all
-        fig.savefig(fh, format="png", dpi=100)
-    plt.close(fig)
-    files.append("loss.png")
-    key = metric or ("auc" if task == "classification" else "rmse")
-    valid = [r for r in valid if key in r]
-    if valid:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in valid], [r[key] for r in valid], "o-", markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"validation {key}")
-        ax.set_title(f"validation {key}")
-        fig.tight_layout()
-        with atomic_file(run_dir / "metric.png") as fh:
-            fig.savefig(fh, format="png", dpi=100)
-        plt.close(fig)
-        files.append("metric.png")
-    return files
-
-
-def plot_confusion(run_dir: Path, confusion: list[list[int]], classes: list[str], *,
-                   name: str = "confusion.png", title: str = "test confusion matrix (model)") -> Path:
-    """The confusion matrix as a PNG: rows the true class, columns the predicted one, counts in the cells."""
-    k = len(classes)
-    size = min(2.0 + 0.6 * k, 14)
-    fig, ax = plt.subplots(figsize=(size + 1, size))
-    image = ax.imshow(confusion, cmap="Blues")
-    ax.set_xticks(range(k), labels=classes, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center")
-    ax.set_yticks(range(k), labels=classes)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    ax.set_title(title)
-    top = max((max(row) for row in confusion), default=0)
-    if k <= 30:
-        for i, row in enumerate(confusion):
-            for j, n in enumerate(row):
-                ax.text(j, i, str(n), ha="center", va="center", color="white" if n > top / 2 else "black")
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    fig.tight_layout()
-    path = run_dir / name
-    with atomic_file(path) as fh:
-        fig.savefig(fh, format="png", dpi=100)
-    plt.close(fig)
-    return path
 
 
 def _fmt(v) -> str:
@@ -97,82 +35,115 @@ def _ci(m: dict | None) -> str:
     return f"{_fmt(m['value'])} [{_fmt(m['low'])}, {_fmt(m['high'])}]"
 
 
-# --- figures of the evaluation ---------------------------------------------------------------------
-def plot_evaluation(run_dir: Path, evaluation) -> list[str]:
-    """The figures of an ``flowtrain.train.evaluation.Evaluation``: binary ``roc.png``, ``pr.png``,
-    ``calibration.png``; regression ``residuals.png``, ``predicted_vs_actual.png``; every task
-    ``importance.png``. One curve (or panel) per model. Returns the file names."""
-    from sklearn.metrics import precision_recall_curve, roc_curve
 
-    run_dir = Path(run_dir)
-    y, preds, kind, files = evaluation.y, evaluation.predictions, evaluation.kind, []
+# --- the data a run trained on, as a person checks it -----------------------------------------------
+def format_date(seconds: float | None) -> str:
+    """Epoch seconds as an ISO 8601 date (midnight UTC) or date and time (``...Z``)."""
 
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        with atomic_file(run_dir / name) as fh:
-            fig.savefig(fh, format="png", dpi=100)
-        plt.close(fig)
-        files.append(name)
+    if seconds is None:
+        return "–"
+    try:
+        t = dt.datetime.fromtimestamp(float(seconds), dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return f"{seconds:g}"
+    if t.hour == t.minute == t.second == t.microsecond == 0:
+        return t.date().isoformat()
+    return t.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
-    if kind == "binary" and 0 < (y > 0.5).sum() < len(y):
-        fig, ax = plt.subplots(figsize=(5.5, 5))
-        for name, p in preds.items():
-            fpr, tpr, _ = roc_curve(y > 0.5, p)
-            auc = evaluation.summary["intervals"]["models"][name]["auc"]["value"]
-            ax.plot(fpr, tpr, label=f"{name} (AUC {auc:.3f})")
-        ax.plot([0, 1], [0, 1], ":", color="grey")
-        ax.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC curve (test)")
-        ax.legend(loc="lower right")
-        save(fig, "roc.png")
-        fig, ax = plt.subplots(figsize=(5.5, 5))
-        for name, p in preds.items():
-            precision, recall, _ = precision_recall_curve(y > 0.5, p)
-            ap = evaluation.summary["binary"][name]["average_precision"]
-            ax.plot(recall, precision, label=f"{name} (AP {ap:.3f})")
-        ax.axhline(float((y > 0.5).mean()), ls=":", color="grey", label="positive rate")
-        ax.set(xlabel="recall", ylabel="precision", title="precision / recall (test)")
-        ax.legend(loc="upper right")
-        save(fig, "pr.png")
-        fig, ax = plt.subplots(figsize=(5.5, 5))
-        for name in preds:
-            b = evaluation.summary["binary"][name]
-            cal = b["calibration"]
-            ax.plot(cal["mean_predicted"], cal["observed_rate"], "o-", markersize=3,
-                    label=f"{name} (Brier {b['brier']:.4f})")
-        ax.plot([0, 1], [0, 1], ":", color="grey", label="perfectly calibrated")
-        ax.set(xlabel="mean predicted probability (decile of the test rows)", ylabel="observed positive rate",
-               title="calibration (test)")
-        ax.legend(loc="upper left")
-        save(fig, "calibration.png")
-    if kind == "regression" and len(y):
-        k = len(preds)
-        for name_file, title in (("predicted_vs_actual.png", "predicted vs actual"), ("residuals.png", "residuals")):
-            fig, axes = plt.subplots(1, k, figsize=(4.2 * k, 4), squeeze=False)
-            for ax, (name, p) in zip(axes[0], preds.items()):
-                if name_file == "residuals.png":
-                    ax.scatter(p, y - p, s=3, alpha=0.3)
-                    ax.axhline(0, color="grey", ls=":")
-                    ax.set(xlabel="predicted", ylabel="actual - predicted")
-                else:
-                    ax.scatter(y, p, s=3, alpha=0.3)
-                    lo, hi = float(min(y.min(), p.min())), float(max(y.max(), p.max()))
-                    ax.plot([lo, hi], [lo, hi], color="grey", ls=":")
-                    ax.set(xlabel="actual", ylabel="predicted")
-                ax.set_title(f"{title}: {name}", fontsize=9)
-            save(fig, name_file)
-    features = evaluation.summary["importance"]["features"][:15]
-    if features:
-        fig, ax = plt.subplots(figsize=(6.5, 0.35 * len(features) + 1.2))
-        names = [f["feature"] for f in features][::-1]
-        mean = np.array([f["importance"] for f in features])[::-1]
-        err = np.array([[f["importance"] - f["low"] for f in features],
-                        [f["high"] - f["importance"] for f in features]])
-        ax.barh(names, mean, xerr=np.nan_to_num(err[:, ::-1]), color="tab:blue", alpha=0.8)
-        ax.axvline(0, color="grey", lw=0.8)
-        metric = evaluation.summary["importance"]["metric"]
-        ax.set(xlabel=f"drop of test {metric} when the feature is shuffled", title="permutation importance (model)")
-        save(fig, "importance.png")
-    return files
+
+def input_columns(path: str) -> list[str]:
+    """The column names of an input file: a CSV header, a Parquet schema, the keys of the first
+    JSON-lines objects. ``OSError``/``ValueError`` when it cannot be read."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from connectors.files import avro_head, csv_header, file_format
+
+    fmt = file_format(path)
+    if fmt == "csv":
+        return csv_header(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with FileSystems.open(path) as fh:
+            return list(pq.ParquetFile(fh).schema_arrow.names)
+    if fmt == "avro":
+        return list(avro_head(path, rows=1).schema.names)
+    with FileSystems.open(path) as fh:
+        head = fh.read(1 << 16)
+    names: dict[str, None] = {}
+    for line in head[: head.rfind(b"\n") + 1].splitlines()[:100]:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            names.update(dict.fromkeys(obj))
+    return list(names)
+
+
+def describe_data(manifest: dict) -> dict:
+    """What a data scientist checks first about a run's data, from its dataset's manifest: the label,
+    the feature columns used, the input's columns left unused (neither feature, label nor time
+    column), the time column's role and the split's boundaries as dates (the manifest keeps seconds)."""
+    spec = manifest.get("spec") or {}
+    features = {"numeric": list(spec.get("numeric") or []), "optional_numeric": list(spec.get("optional_numeric") or []),
+                "categorical": list(spec.get("categorical") or []), "id": list(spec.get("id_columns") or [])}
+    used = {spec.get("label"), spec.get("time_column"), *(c for cols in features.values() for c in cols)}
+    out: dict = {"label": spec.get("label"), "features": features}
+    inputs = manifest.get("inputs") or []
+    if isinstance(inputs, dict):  # a preset's manifest (the demo's): {table name: file}
+        inputs = list(inputs.values())
+    if inputs:
+        try:
+            columns = input_columns(str(inputs[0]))
+            out["input_columns"] = {"file": str(inputs[0]), "columns": columns,
+                                    "unused": [c for c in columns if c not in used]}
+        except (OSError, ValueError) as err:
+            out["input_columns"] = {"file": str(inputs[0]), "error": f"{type(err).__name__}: {err}"[:200]}
+    split = manifest.get("split") or {}
+    time_column = spec.get("time_column")
+    if time_column:
+        is_feature = any(time_column in cols for cols in features.values())
+        given = bool(spec.get("valid_from") and spec.get("test_from"))
+        out["split"] = {
+            "by": "time", "time_column": time_column,
+            "role": "splits the rows by time and is a feature" if is_feature else
+                    "splits the rows by time; not a feature",
+            "cutoffs": "given (--valid-from, --test-from)" if given else
+                       f"by fraction {'/'.join(f'{f:g}' for f in spec.get('fractions') or [])} of the time range",
+            "first": format_date(split.get("min")), "last": format_date(split.get("max")),
+            "valid_from": format_date(split.get("valid_from")), "test_from": format_date(split.get("test_from")),
+            "seconds": {k: split.get(k) for k in ("min", "max", "valid_from", "test_from")}}
+    else:
+        out["split"] = {"by": "random", "fractions": list(spec.get("fractions") or []), "seed": spec.get("seed")}
+    return out
+
+
+def _data_lines(data: dict | None) -> list[str]:
+    """The Data section's lines about columns and the split."""
+    if not data:
+        return []
+    f = data.get("features") or {}
+    kinds = [(f.get("numeric"), "numeric"), (f.get("optional_numeric"), "numeric, may be missing"),
+             (f.get("categorical"), "categorical"), (f.get("id"), "ID (an embedding row per ID)")]
+    lines = [f"label: `{data.get('label')}`; features used: " + "; ".join(
+        f"{kind} {', '.join(f'`{c}`' for c in cols)}" for cols, kind in kinds if cols)]
+    cols = data.get("input_columns") or {}
+    if "unused" in cols:
+        lines.append(f"columns of `{cols['file']}` not used (neither a feature, the label nor the time column): "
+                     + (", ".join(f"`{c}`" for c in cols["unused"]) or "none"))
+    elif cols:
+        lines.append(f"columns of `{cols['file']}`: not read ({cols['error']})")
+    split = data.get("split") or {}
+    if split.get("by") == "time":
+        lines.append(f"time column `{split['time_column']}`: {split['role']}; its values run from {split['first']} "
+                     f"to {split['last']}")
+        lines.append(f"split by time (cutoffs {split['cutoffs']}): train before {split['valid_from']}; validation "
+                     f"from {split['valid_from']} to before {split['test_from']}; test from {split['test_from']}")
+    elif split.get("by") == "random":
+        lines.append(f"no time column: rows split at random, fractions "
+                     f"{'/'.join(f'{x:g}' for x in split.get('fractions') or [])} by seed {split.get('seed')}")
+    return lines
 
 
 # --- which model is reported, in words -------------------------------------------------------------
@@ -187,7 +158,9 @@ def which_model(summary: dict, history: list[dict] | None = None) -> str:
     if best == 0:
         return (f"The reported model is the wide-and-deep model at step 0, which equals its linear part (the "
                 f"fitted linear baseline): no checkpoint beat it on validation {metric} by one standard error"
-                + (f" (its validation {metric}: {_fmt(start[metric])})." if start and metric in start else "."))
+                + (f" (its validation {metric}: {_fmt(start[metric])})" if start and metric in start else "")
+                + ". Its test predictions are the linear model's: in the figures its curves lie under the "
+                  "linear model's, and their difference is 0.")
     if best is None:
         return f"The reported model has the best validation {metric} of the run."
     text = (f"The reported model is the checkpoint at step {best:,}, the best by validation {metric}"
@@ -196,6 +169,18 @@ def which_model(summary: dict, history: list[dict] | None = None) -> str:
         text += (f"; it beat the initial model (its linear part, validation {metric} {_fmt(start[metric])}) by more "
                  f"than one standard error of the validation split")
     return text + "."
+
+
+def _memory_line(memory: dict) -> str:
+    """The memory plan per rank against what the ranks held (flowtrain.train.memory_plan)."""
+    from flowtrain.train.memory_plan import gib  # torch: the report's other parts do without it
+
+    plan, measured = memory["plan"], memory.get("measured") or []
+    held = max((m.get("total", 0) for m in measured), default=0)
+    rss = max((m.get("peak_rss", 0) for m in measured), default=0)
+    return (f"memory per rank ({plan['layout']}): planned {gib(plan['state'])} of parameters, gradients and "
+            f"optimizer state (+ ~{gib(plan['activations'])} activations); measured {gib(held)} on the busiest of "
+            f"{len(measured)} rank(s), peak RSS {gib(rss)}")
 
 
 # --- the report: blocks rendered as Markdown and as self-contained HTML ---------------------------------
@@ -210,7 +195,9 @@ def _blocks(summary: dict, history: list[dict] | None, figures: list[str]) -> li
     b: list[tuple] = [("h1", f"flowtrain run: {summary['title']}"),
                       ("p", f"Target: {summary['target']} ({what}). Test split: {summary['rows']['test']:,} rows.")]
     if summary.get("classes"):
-        b.append(("p", f"Classes (from the training split): {', '.join(summary['classes'])}."))
+        b.append(("p", f"Classes (from the training split): {', '.join(summary['classes'])}."
+                  + (f" Positive class: {summary['positive_class']} (the probabilities, AUC and curves are of it)."
+                     if summary.get("positive_class") else "")))
     b.append(("p", which_model(summary, history)))
     models = [("flowtrain model", summary["test"]["model"])] + list(summary["test"]["baselines"].items())
     label = {"flowtrain model": "flowtrain model"}
@@ -285,6 +272,7 @@ def _blocks(summary: dict, history: list[dict] | None, figures: list[str]) -> li
                   f"{counts['dead_letters']:,} (`dead_letters.jsonl`)",
                   *[f"dead letters, {reason}: {n:,}" for reason, n in counts.get("dead_letters_by_reason", {}).items()],
                   "splits: " + ", ".join(f"{k} {v:,}" for k, v in summary["rows"].items()),
+                  *_data_lines(summary.get("data")),
                   f"dataset: `{summary['dataset']}`"]),
           ("h2", "Training"),
           ("ul", [*([f"plan: batch size {plan['batch_size']}, {plan['steps']:,}-step budget ({plan['steps_per_epoch']} "
@@ -296,15 +284,34 @@ def _blocks(summary: dict, history: list[dict] | None, figures: list[str]) -> li
                   f"{' (stopped early)' if training['stopped_early'] else ''}",
                   f"training time {training['seconds']:.1f} s; waiting on data "
                   f"{100 * training['data_wait_fraction']:.2f}% of step time",
+                  *([_memory_line(training["memory"])] if training.get("memory") else []),
                   *([f"linear baseline: {linear['method']}, {linear['iterations']} iterations, final gradient norm "
                      f"{linear['grad_norm']:.1e}, L2 {linear['l2']:.2e}; the model's linear part starts from it"]
                     if linear else []),
                   f"wall time of the whole run {summary['wall_seconds']:.1f} s",
                   "TensorBoard: `tensorboard --logdir tensorboard` in the run directory"])]
+    metric = summary.get("select_by") or "loss"
+    values = [r[metric] for r in history or [] if r.get("kind") == "valid" and r.get("model", "model") == "model"
+              and isinstance(r.get(metric), (int, float))]
+    one_row = flat_within_one_row(values, metric, (summary.get("rows") or {}).get("valid"))
+    if one_row is not None:
+        b.append(("p", f"The validation {metric} moved by {max(values) - min(values):.4g} over the run, less than "
+                       f"one row of the validation split (1/{summary['rows']['valid']:,} = {one_row:.4g}): the curve "
+                       f"is flat within what the split can show (the figure's y-axis is widened to one row either "
+                       f"side); a larger validation split would resolve it."))
     for name, alt in (("loss.png", "loss"), ("metric.png", "validation metric")):
         if name in figures:
             b.append(("img", name, alt))
     return b
+
+
+def md_text(text, *, cell: bool = False) -> str:
+    """Text for Markdown that stays text, whatever the data holds (column, class and file names,
+    values): no HTML (``<``, ``>``, ``&`` as entities), no link or image (``](``), one line; in a table
+    cell no column break (``|``). The report's own Markdown is only backtick code spans, kept."""
+    text = str(text).replace("\r", " ").replace("\n", " ")
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("](", "]\\(")
+    return text.replace("|", "\\|") if cell else text
 
 
 def _markdown(blocks: list[tuple]) -> str:
@@ -312,27 +319,24 @@ def _markdown(blocks: list[tuple]) -> str:
     for block in blocks:
         kind = block[0]
         if kind == "h1":
-            out += [f"# {block[1]}", ""]
+            out += [f"# {md_text(block[1])}", ""]
         elif kind == "h2":
-            out += [f"## {block[1]}", ""]
+            out += [f"## {md_text(block[1])}", ""]
         elif kind == "p":
-            out += [block[1], ""]
+            out += [md_text(block[1]), ""]
         elif kind == "ul":
-            out += [f"- {item}" for item in block[1]] + [""]
+            out += [f"- {md_text(item)}" for item in block[1]] + [""]
         elif kind == "table":
             header, rows = block[1], block[2]
-            out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                    *["| " + " | ".join(str(c) for c in row) + " |" for row in rows], ""]
+            out += ["| " + " | ".join(md_text(c, cell=True) for c in header) + " |", "|" + "---|" * len(header),
+                    *["| " + " | ".join(md_text(c, cell=True) for c in row) + " |" for row in rows], ""]
         elif kind == "img":
-            out += [f"![{block[2]}]({block[1]})", ""]
+            out += [f"![{md_text(block[2])}]({block[1]})", ""]
     return "\n".join(out)
 
 
 def _html(blocks: list[tuple], run_dir: Path) -> str:
     """One HTML file, the figures inside it (base64 PNG): it opens anywhere, offline, alone."""
-    import base64
-    import html
-    import re
 
     def inline(text: str) -> str:
         return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))

@@ -5,8 +5,10 @@ Every run directory flowtrain writes holds ``run.json``, the run marker, written
     {"format": "flowtrain.run/1", "command": "batch", "run_id": "...", "options_hash": "...",
      "options": {...}, "status": "running" | "complete", "created": ..., "updated": ...}
 
-``status`` becomes ``complete`` last, after every final output is written (``mark_complete``):
-a directory whose marker says ``running`` holds a run that is in progress, crashed or failed.
+``status`` becomes ``complete`` last, after every final output is written (``mark_complete``), or
+``failed`` with the ``error`` when the run stops on an error (``mark_failed``); both record ``files``,
+the files the run wrote (relative paths). A directory whose marker says ``running`` holds a run that
+is in progress or crashed.
 
 The rules (``prepare_run_dir``; the CLI and the Python API both call it before writing anything):
 
@@ -17,17 +19,31 @@ The rules (``prepare_run_dir``; the CLI and the Python API both call it before w
   (the budget ``--epochs``/``--steps``/``--patience`` and where it runs may change:
   ``RESUME_MAY_CHANGE``); options not given are taken from the marker; the checkpoint resumed from
   must belong to this run id (``flowtrain.train.checkpoint``);
-* ``--overwrite``, or a run of the same options again: the earlier run's files are deleted first
-  (only those flowtrain writes, ``RUN_FILES``; the dataset only if it holds nothing else; the
-  checkpoints only of that run id), then a fresh run starts with a new run id; files of others
-  in the directory stay;
+* ``--overwrite``, or a run of the same options again, or any run after a failed one that left no
+  model: the earlier run's files are deleted first (only those it recorded in ``files``, or for a run
+  that crashed before recording them, those of ``RUN_FILES``; the bundle and the dataset only if they
+  hold nothing else; the checkpoints only of that run id), then a fresh run starts with a new run id;
+  files of others in the directory stay. A symbolic link where a run file or directory belongs, or a
+  file flowtrain did not write in ``bundle/``, is an error naming it before anything is deleted:
+  flowtrain never follows a link when it deletes or replaces run files;
 * anything else (a run with other options there): an error naming the options that differ.
+
+One run at a time: ``prepare_run_dir`` and ``prepare_stream_dir`` take an exclusive lock on the directory
+(``fcntl.flock`` on the directory itself: no lock file is left in it) before they look at what it holds, and
+the run keeps it until ``mark_complete`` or ``mark_failed`` (``release``), or until its process ends (a killed
+run's lock goes with it, so ``--resume`` works at once). A second run of the same ``--out`` meanwhile is a
+``RunDirError`` naming the directory and the running run's pid (``run.json`` records ``pid`` and ``host``
+while a run holds it).
 """
 from __future__ import annotations
 
+import calendar
+import fcntl
 import hashlib
 import json
 import os
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -38,12 +54,14 @@ from typing import Any
 from connectors.atomic import TMP_INFIX, atomic_write
 from connectors.dataset import DatasetError, owned_files, remove_dataset
 from connectors.secrets import REDACTED, is_secret, redact
+from connectors.spill import remove_stale_spills
 from flowtrain.errors import FlowtrainError
 from flowtrain.fields import OptionError
 from flowtrain.train import checkpoint
 
 __all__ = ["RUN_MARKER", "RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "RunDirError", "prepare_run_dir",
-           "mark_complete", "read_marker", "run_id_of", "options_hash"]
+           "mark_complete", "mark_failed", "read_marker", "run_id_of", "options_hash", "prepare_stream_dir",
+           "STREAM_IDENTITY", "release"]
 
 RUN_MARKER = "run.json"
 FORMAT = "flowtrain.run/1"
@@ -51,19 +69,85 @@ FORMAT = "flowtrain.run/1"
 NOT_IDENTITY = frozenset({"out", "resume", "overwrite", "config", "no_progress"})
 #: Options a ``--resume`` may change: the budget, and where and how fast it runs.
 RESUME_MAY_CHANGE = NOT_IDENTITY | {"epochs", "steps", "patience", "threads", "workers", "failure_timeout",
-                                    "job_only", "dataset", "device", "memory_budget", "runner", "flink_master"}
+                                    "job_only", "dataset", "device", "memory_budget", "runner", "flink_master",
+                                    "shard_states", "worker_memory", "print_plan"}  # a ZeRO checkpoint is whole
 #: What a run writes in its directory (glob patterns relative to it), besides ``dataset/`` (removed
 #: only if it holds nothing but a dataset flowtrain wrote) and ``checkpoints/`` (only the run's own).
 RUN_FILES = ("model.pt", "linear.pt", "training.json", "fit.json", "confusion.png", "metrics.jsonl", "loss.png",
              "metric.png", "roc.png", "pr.png", "calibration.png", "residuals.png", "predicted_vs_actual.png",
              "importance.png", "report.md", "report.html", "summary.json", "config.json", "job.json",
              "dead_letters.jsonl", f".*{TMP_INFIX}*", "workers/job.json", "workers/rank-*.log", "workers/heartbeats/*",
-             "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*", "bundle/*")
-_RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle")
+             "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*", "ledger.jsonl",
+             "drift_reference.json")
+#: The directories a run makes (``bundle/`` and ``dataset/`` are replaced whole, only when they hold
+#: nothing but what their manifest lists); a link in their place is never followed.
+_RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle", "dataset")
 
 
 class RunDirError(FlowtrainError):
     """``--out`` cannot be used as asked; the message names the directory and what to do."""
+
+
+#: The run directories this process holds locked: path -> the open directory's file descriptor.
+_HELD: dict[Path, int] = {}
+#: Seconds a run that finds the directory locked waits for the holder's pid to appear in its run.json.
+_PID_WAIT_S = 2.0
+
+
+def _holder(path: Path) -> str:
+    """``pid N on host H`` of the run holding ``path`` (from its run.json), as soon as the holder wrote it."""
+    deadline = time.monotonic() + _PID_WAIT_S
+    while True:
+        try:
+            marker = read_marker(path)
+        except RunDirError:
+            marker = None
+        if marker and marker.get("pid"):
+            return f"pid {marker['pid']} on host {marker.get('host', '?')}, {marker.get('command', 'a')} run " \
+                   f"{marker.get('run_id')}"
+        if time.monotonic() >= deadline:
+            return "pid not recorded yet"
+        time.sleep(0.05)
+
+
+def _lock(path: Path) -> None:
+    """Hold ``path`` (an existing directory) for this run: an exclusive ``flock`` on the directory, kept until
+    ``release(path)`` or the process ends. Another run holding it is a ``RunDirError`` naming its pid. A lock
+    this process already holds (an earlier run here that ended without ``mark_complete``) is taken over."""
+    old = _HELD.pop(path, None)
+    if old is not None:
+        os.close(old)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirError(f"--out {path} is in use by another flowtrain run ({_holder(path)}); two runs never share "
+                          f"a run directory: wait for it to end (or stop it), or choose another --out") from None
+    except OSError as err:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run, and say so
+        os.close(fd)
+        print(f"warning: --out {path}: its filesystem does not lock ({err.strerror}); two runs started into it "
+              f"at once are not kept apart", file=sys.stderr, flush=True)
+        return
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD[path] = fd
+
+
+def release(path: str | Path) -> None:
+    """Let go of the lock this process holds on run directory ``path`` (nothing when it holds none)."""
+    fd = _HELD.pop(Path(os.path.abspath(path)), None)
+    if fd is None:
+        fd = _HELD.pop(Path(path).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _running(marker: dict) -> dict:
+    """``marker`` with this process as the one running it (``pid``, ``host``)."""
+    marker.update(pid=os.getpid(), host=socket.gethostname())
+    return marker
 
 
 @dataclass
@@ -122,13 +206,92 @@ def _write_marker(path: Path, marker: dict) -> None:
 
 
 def mark_complete(path: str | Path) -> None:
-    """Record that the run in ``path`` finished: call it after the last final output is written."""
+    """Record that the run in ``path`` finished: call it after the last final output is written. The
+    marker records the files the run wrote (``files``): what a later run that replaces it may delete."""
     path = Path(path)
     marker = read_marker(path)
     if marker is None:
         raise RunDirError(f"{path} has no {RUN_MARKER}: prepare_run_dir was not called for it")
     marker["status"] = "complete"
+    for key in ("error", "pid", "host"):
+        marker.pop(key, None)
+    marker["files"] = _written(path, marker)
     _write_marker(path, marker)
+    release(path)
+
+
+def mark_failed(path: str | Path, run_id: str, error: BaseException | str) -> None:
+    """Record that run ``run_id`` in ``path`` stopped on ``error``: ``status`` ``failed``, the error's first
+    line, and the files it wrote. A later run of the same ``--out`` replaces a failed run that left no
+    model without ``--overwrite``. Nothing happens when ``path`` holds another run's marker (or none)."""
+    path = Path(path)
+    try:
+        marker = read_marker(path)
+        if marker is not None and marker.get("run_id") == run_id:
+            _record_failure(path, marker, error)
+    except RunDirError:
+        pass
+    finally:
+        release(path)  # the run has ended, whatever its marker says
+
+
+def _record_failure(path: Path, marker: dict, error: BaseException | str) -> None:
+    marker.pop("pid", None)
+    marker.pop("host", None)
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    what = type(error).__name__ if isinstance(error, BaseException) else ""
+    marker["status"] = "failed"
+    marker["error"] = (f"{what}: {text}" if what and not isinstance(error, FlowtrainError) else text or what)[:1000]
+    marker["files"] = _written(path, marker)
+    _write_marker(path, marker)
+
+
+def _link_on_the_way(path: Path, rel: str) -> Path | None:
+    """The first of ``path/rel``'s components below ``path`` (``rel`` itself included) that is a symbolic link."""
+    here = path
+    for part in Path(rel).parts:
+        here = here / part
+        if here.is_symlink():
+            return here
+    return None
+
+
+def _created(marker: dict) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(str(marker.get("created")), "%Y-%m-%dT%H:%M:%SZ")))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _written(path: Path, marker: dict) -> list[str]:
+    """The files of ``RUN_FILES`` in ``path`` written since the run of ``marker`` was created (relative paths,
+    sorted): found without following any link (a file behind a linked directory is not the run's)."""
+    since = _created(marker)
+    found = set()
+    for pattern in RUN_FILES:
+        for p in path.glob(pattern):
+            rel = str(p.relative_to(path))
+            if _link_on_the_way(path, rel) is None and p.is_file() and (
+                    since is None or p.stat().st_mtime >= since - 1):
+                found.add(rel)
+    return sorted(found)
+
+
+def _recorded(path: Path, marker: dict) -> list[str]:
+    """What the run of ``marker`` wrote: the ``files`` it recorded (a run that completed or failed); for a run
+    that crashed before recording them, what ``_written`` finds."""
+    files = marker.get("files")
+    if not isinstance(files, list):
+        return _written(path, marker)
+    good = []
+    for rel in files:
+        if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise RunDirError(f"{path / RUN_MARKER} lists {rel!r} among the run's files, which is not a path inside "
+                              f"the run directory; flowtrain deletes nothing: check the marker, or choose another "
+                              f"--out")
+        if Path(rel).parts[0] not in ("bundle", "dataset"):  # replaced whole, by their own manifests
+            good.append(rel)
+    return good
 
 
 def _show(key: str, value) -> str:
@@ -147,43 +310,69 @@ def _differences(recorded: Mapping, given: Mapping, may_change) -> list[str]:
     return out
 
 
-def _run_files(path: Path, old_run_id: str | None) -> list[Path]:
-    """The files of ``RUN_FILES`` in ``path`` and the checkpoints (with checksums) of run ``old_run_id``."""
-    files = {p for pattern in RUN_FILES for p in path.glob(pattern) if p.is_file() or p.is_symlink()}
-    ckpts = path / "checkpoints"
-    if ckpts.is_dir():
-        for ckpt in checkpoint.all_checkpoints(ckpts):
-            if checkpoint.run_of(ckpt) == old_run_id:
-                files |= {ckpt, ckpt.with_suffix(".sha256")}
-    return sorted(f for f in files if f.exists())
+def _links(path: Path) -> list[Path]:
+    """The run's directories that are symbolic links (``_RUN_DIRS``, found without following one)."""
+    found = []
+    for pattern in _RUN_DIRS:
+        for d in path.glob(pattern):
+            link = _link_on_the_way(path, str(d.relative_to(path)))
+            if link is not None and link not in found:
+                found.append(link)
+    return found
 
 
 def _clear(path: Path, marker: dict, *, keep_dataset: bool = False) -> int:
-    """Delete what the run of ``marker`` wrote in ``path``; returns how many files. Checks first:
-    a dataset holding anything else is an error before anything is deleted. ``keep_dataset``: the
-    new run reads ``dataset/`` (``--dataset <out>/dataset``), so it stays."""
-    dataset = path / "dataset"
-    if keep_dataset:
-        pass
-    elif dataset.exists():
-        try:
+    """Delete what the run of ``marker`` wrote in ``path``; returns how many files. Checks first, and an
+    error names what fails before anything is deleted: a symbolic link in place of a run file or
+    directory (never followed), a dataset or bundle holding anything flowtrain did not write.
+    ``keep_dataset``: the new run reads ``dataset/`` (``--dataset <out>/dataset``), so it stays."""
+    from flowtrain.train.bundle import owned_bundle_files, remove_bundle
+
+    run_id = marker.get("run_id")
+    files = [rel for rel in _recorded(path, marker)
+             if not (keep_dataset and rel == "dead_letters.jsonl")]  # the dataset's own dead letters
+    links = _links(path) + [link for rel in files if (link := _link_on_the_way(path, rel)) is not None]
+    if links:
+        shown = ", ".join(f"{p.relative_to(path)} -> {os.readlink(p)}" for p in dict.fromkeys(links))
+        raise RunDirError(f"{path} holds an earlier flowtrain run, but {shown} is a symbolic link where the run "
+                          f"wrote its files; flowtrain never follows a link when it replaces or deletes run files, "
+                          f"and deleted nothing: remove the link, or choose another --out")
+    dataset, bundle = path / "dataset", path / "bundle"
+    try:
+        if dataset.exists() and not keep_dataset:
             owned_files(dataset)
-        except DatasetError as err:
-            raise RunDirError(f"{path} holds an earlier flowtrain run, but {err}") from None
-    files = [f for f in _run_files(path, marker.get("run_id"))
-             if not (keep_dataset and f.name == "dead_letters.jsonl")]  # the dataset's own dead letters
-    for f in files:
-        f.unlink(missing_ok=True)
-    checkpoint.remove_temporaries(path / "checkpoints", marker.get("run_id"))
-    n = len(files) + (len(remove_dataset(dataset)) if dataset.exists() and not keep_dataset else 0)
+        owned_bundle_files(bundle, "--out: its bundle/")
+    except (DatasetError, FlowtrainError) as err:
+        raise RunDirError(f"{path} holds an earlier flowtrain run, but {err}") from None
+    ckpts = path / "checkpoints"
+    for ckpt in checkpoint.all_checkpoints(ckpts) if ckpts.is_dir() else []:
+        if checkpoint.run_of(ckpt) == run_id:
+            files += [str(ckpt.relative_to(path)), str(ckpt.with_suffix(".sha256").relative_to(path))]
+    gone = 0
+    for rel in dict.fromkeys(files):
+        f = path / rel
+        if f.is_file() and not f.is_symlink():
+            f.unlink()
+            gone += 1
+    checkpoint.remove_temporaries(ckpts, run_id)
+    gone += len(remove_bundle(bundle, "--out: its bundle/"))
+    gone += len(remove_dataset(dataset)) if dataset.exists() and not keep_dataset else 0
     for pattern in _RUN_DIRS:
         for d in sorted(path.glob(pattern), key=lambda q: len(q.parts), reverse=True):
-            if d.is_dir():
+            if d.is_dir() and not d.is_symlink():
                 try:
                     d.rmdir()  # only when empty: what others put there stays
                 except OSError:
                     pass
-    return n
+    return gone
+
+
+def _has_model(path: Path, marker: dict) -> bool:
+    """Whether the run of ``marker`` left a model: ``model.pt``, a bundle or a checkpoint of its own."""
+    ckpts = path / "checkpoints"
+    return (path / "model.pt").exists() or (path / "bundle").exists() or any(
+        checkpoint.run_of(c) == marker.get("run_id") for c in (checkpoint.all_checkpoints(ckpts)
+                                                               if ckpts.is_dir() and not ckpts.is_symlink() else []))
 
 
 def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: bool = False,
@@ -199,6 +388,9 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
 
     Both the command line (``flowtrain batch --out``) and the Python API call this; pass the run's
     options as a dict keyed by option name (``"epochs"``, ``"input"``, ...; unset ones absent or None).
+
+    The directory is locked for this run first (module docstring): a run of it in progress is a
+    ``RunDirError`` naming its pid. ``mark_complete``/``mark_failed`` let go of the lock.
     """
     path = Path(path).resolve()
     if resume and overwrite:
@@ -206,6 +398,24 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
                           "--overwrite replaces it; give one")
     if path.exists() and not path.is_dir():
         raise RunDirError(f"--out {path} is a file, not a directory")
+    if not _lockable(path, resume):  # says why (not flowtrain's, nothing to resume): nothing made, nothing locked
+        return _prepare(path, options, resume=resume, overwrite=overwrite, command=command)
+    path.mkdir(parents=True, exist_ok=True)
+    _lock(path)
+    try:
+        return _prepare(path, options, resume=resume, overwrite=overwrite, command=command)
+    except BaseException:
+        release(path)
+        raise
+
+
+def _lockable(path: Path, resume: bool) -> bool:
+    """Whether a run may lock ``path``: new or empty (unless to resume), or holding a run marker."""
+    entries = any(path.iterdir()) if path.is_dir() else False
+    return (not resume) if not entries else (path / RUN_MARKER).exists()
+
+
+def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite: bool, command: str) -> RunDir:
     given = dict(options)
     entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     marker = read_marker(path) if entries else None
@@ -214,9 +424,9 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
     def fresh(note: str | None = None) -> RunDir:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]
-        _write_marker(path, {"format": FORMAT, "command": command, "run_id": run_id,
-                             "options_hash": options_hash(given), "options": _recordable(given),
-                             "status": "running", "created": now})
+        _write_marker(path, _running({"format": FORMAT, "command": command, "run_id": run_id,
+                                      "options_hash": options_hash(given), "options": _recordable(given),
+                                      "status": "running", "created": now}))
         return RunDir(path, run_id, given, resumed=False, note=note)
 
     if not entries:
@@ -247,6 +457,17 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
         if diffs:
             raise RunDirError(f"--resume: the run in {path} was started with other options ({'; '.join(diffs)}); "
                               f"resume it with the same options, or give --overwrite to start it over")
+        links = _links(path) + [p for pattern in RUN_FILES for p in path.glob(pattern) if p.is_symlink()]
+        if links:  # the resumed run would write (and prune) through them
+            shown = ", ".join(f"{p.relative_to(path)} -> {os.readlink(p)}" for p in dict.fromkeys(links))
+            raise RunDirError(f"--resume: in {path}, {shown} is a symbolic link where the run writes its files; "
+                              f"flowtrain never writes or deletes through a link: remove it, or choose another --out")
+        from flowtrain.train.bundle import owned_bundle_files
+
+        try:  # the bundle the resumed run replaces at its end must be flowtrain's: said now, not after training
+            owned_bundle_files(path / "bundle", "--out: its bundle/")
+        except FlowtrainError as err:
+            raise RunDirError(f"--resume: {err}") from None
         try:  # a loadable checkpoint of this very run: never another run's state, never a silent start over
             checkpoint.require_latest(path / "checkpoints", run_id=marker["run_id"])
         except checkpoint.CheckpointError as err:
@@ -254,16 +475,82 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
                               f"the run over") from None
         merged = {**{k: v for k, v in recorded.items() if v != "<redacted>"}, **given}
         marker["status"] = "running"
-        _write_marker(path, marker)
+        for key in ("files", "error"):  # recorded again when the resumed run ends
+            marker.pop(key, None)
+        _write_marker(path, _running(marker))
+        remove_stale_spills(path / "dataset")
         return RunDir(path, marker["run_id"], merged, resumed=True)
-    if overwrite or marker.get("options_hash") == options_hash(given):
-        reads_own = given.get("dataset") is not None and Path(str(given["dataset"])).resolve() == path / "dataset"
+    failed = marker.get("status") == "failed" and not _has_model(path, marker)
+    if overwrite or marker.get("options_hash") == options_hash(given) or failed:
+        reads_own = given.get("dataset") is not None and Path(os.path.abspath(str(given["dataset"]))) == \
+            path / "dataset"
         n = _clear(path, marker, keep_dataset=reads_own)
+        remove_stale_spills(path / "dataset")
+        if failed and not overwrite:
+            error = str(marker.get("error") or "no error recorded")
+            return fresh(f"{path}: replaced flowtrain's own failed run {marker['run_id']} (it failed: "
+                         f"{error[:200]}; it left no model; {n} file(s) it wrote deleted)")
         why = "--overwrite" if overwrite else "the same options"
         return fresh(f"{path}: replaced the earlier run {marker['run_id']} ({why}; {n} file(s) it wrote deleted)")
     diffs = "; ".join(_differences(recorded, _identity(given, NOT_IDENTITY), NOT_IDENTITY)) or "options differ"
     raise RunDirError(f"--out {path} holds a flowtrain run with other options ({diffs}); "
                       f"give --resume to continue it, --overwrite to replace it, or choose another --out")
+
+
+#: The options that define an online trainer's run (``flowtrain stream train``): what it trains on and the
+#: model. Everything else (budget, workers, checkpoint cadence, Kafka settings, keys) may change between starts.
+STREAM_IDENTITY = ("dataset", "features_topic", "updates_topic", "init_weights", "hidden", "dropout", "seed", "lr")
+
+
+def prepare_stream_dir(path: str | Path, options: Mapping[str, Any], *, command: str = "stream train") -> RunDir:
+    """The run-directory rules for an online trainer's ``--out``, before it writes anything: a new or empty
+    directory starts a run (``run.json`` written first); a directory holding the same trainer's run
+    (``STREAM_IDENTITY`` equal) continues it, as a restarted trainer does from its checkpoint; anything
+    else is a ``RunDirError`` naming the directory, and the options that differ: a directory that is not a
+    flowtrain run (flowtrain never writes into it), another command's run, or a run of other options."""
+    path = Path(os.path.abspath(path))
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise RunDirError(f"--out {path} is {'a symbolic link' if path.is_symlink() else 'a file'}, not a "
+                          f"directory; choose another --out")
+    if not _lockable(path, False):  # not flowtrain's: said without making or locking anything
+        return _prepare_stream(path, options, command)
+    path.mkdir(parents=True, exist_ok=True)
+    _lock(path)  # held while this process runs the trainer (one trainer per --out)
+    try:
+        return _prepare_stream(path, options, command)
+    except BaseException:
+        release(path)
+        raise
+
+
+def _prepare_stream(path: Path, options: Mapping[str, Any], command: str) -> RunDir:
+    given = {k: options.get(k) for k in STREAM_IDENTITY if options.get(k) not in (None, (), [], "")}
+    entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    marker = read_marker(path) if entries else None
+    if not entries:
+        path.mkdir(parents=True, exist_ok=True)
+        run_id = uuid.uuid4().hex[:16]
+        _write_marker(path, _running({"format": FORMAT, "command": command, "run_id": run_id,
+                                      "options_hash": options_hash(given), "options": _recordable(given),
+                                      "status": "running",
+                                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        return RunDir(path, run_id, dict(options))
+    if marker is None:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise RunDirError(f"--out {path} is not empty ({shown}) and is not a flowtrain run directory (no "
+                          f"{RUN_MARKER}); flowtrain never writes into a directory it cannot prove is its own: "
+                          f"choose a new or empty --out")
+    if marker.get("command") != command:
+        raise RunDirError(f"--out {path} holds a 'flowtrain {marker.get('command')}' run, not a '{command}' run; "
+                          f"choose another --out")
+    if marker.get("options_hash") != options_hash(given):
+        diffs = "; ".join(_differences(dict(marker.get("options") or {}), redact(given), ())) or "options differ"
+        raise RunDirError(f"--out {path} holds a flowtrain {command} run with other options ({diffs}); a trainer "
+                          f"continues its run only with the options it started with: give those, or choose "
+                          f"another --out")
+    marker["status"] = "running"
+    _write_marker(path, _running(marker))
+    return RunDir(path, marker["run_id"], dict(options), resumed=True)
 
 
 def usable_dir(path: str | Path, option: str = "--out") -> Path:

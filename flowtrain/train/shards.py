@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_BUDGET_FRACTION", "LOAD_OVERHEAD", "PREFETCH_CHUNKS", "RAMP"
 #: the workers on this machine.
 DEFAULT_BUDGET_FRACTION = 0.25
 #: Peak bytes while loading a split into memory per byte of its tensors (the Arrow table, the
-#: stacked numpy arrays and the tensors are alive at once); measured 3.07 on the 10x flights dataset.
+#: stacked numpy arrays and the tensors are alive at once); measured 3.07 on the 10x demo dataset.
 LOAD_OVERHEAD = 3
 #: Chunks the reader thread may hold ready ahead of the shuffle buffer.
 PREFETCH_CHUNKS = 2

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,19 +43,50 @@ from typing import Any
 
 import numpy as np
 import torch
+from kafka.errors import KafkaError
 
-from connectors.kafka import KafkaDelivery, close_client, ensure_topic, new_consumer, new_producer
+from connectors.id_keys import reason_counts
+from connectors.kafka import (
+    KafkaDelivery,
+    KafkaUnavailable,
+    close_client,
+    describe_error,
+    ensure_topic,
+    new_consumer,
+    new_producer,
+    topic_partitions,
+)
 from connectors.model_updates import UpdateKeySource
 from flowtrain.observe.board import Board
-from flowtrain.parallel import DistContext, make_reducer, sum_loss
+from flowtrain.parallel import DistContext, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
+from flowtrain.parallel.grid import Grid
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint
-from flowtrain.train.loader import TabularDataset
+from flowtrain.train.ids.publish import IdPublisher, published_tables
+from flowtrain.train.loader import Batch, TabularDataset, target_scale
+from flowtrain.train.loop import metrics_of
 from flowtrain.train.metrics import MetricsLog
+from flowtrain.train.models import Architecture
 from flowtrain.train.published import Publisher, new_run_id
-from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, BadFeatureMessage, FeatureMessageCheck
+from flowtrain.train.stream_input import (
+    DEFAULT_MAX_DECODED_BYTES,
+    DEFAULT_MAX_SOURCE_GAP,
+    BadFeatureMessage,
+    FeatureMessageCheck,
+    RawTopicEnds,
+    SourceCheck,
+)
 from flowtrain.train.stream_rejects import InputRejects
+from flowtrain.train.trainer import EngineOptions, Trainer, loss_function
+
+#: Seconds a stopping trainer waits for Kafka (its final checkpoint and version); a stop is never held
+#: longer by brokers that do not answer.
+STOP_KAFKA_S = 10.0
+#: Seconds the trainer waits at its start for the features topic (and for brokers that do not answer), and the
+#: bound on each question about its partitions.
+FEATURES_WAIT_S = 30.0
+PARTITIONS_ASK_S = 5.0
 
 
 @dataclass
@@ -62,8 +94,11 @@ class StreamTrainConfig:
     bootstrap: str
     run_dir: str
     dataset: str  # the batch dataset: feature spec, statistics, vocabularies
-    features_topic: str = "flights-features"
-    updates_topic: str = "flights-model-updates"
+    # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs all three
+    features_topic: str | None = None
+    updates_topic: str | None = None
+    # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
+    dead_letter_topic: str | None = None
     init_weights: str | None = None  # a batch run's model.pt (its config.json gives the architecture) or a checkpoint
     lr: float = 1e-3
     hidden: tuple[int, ...] = (128, 64)  # architecture without init_weights
@@ -75,9 +110,11 @@ class StreamTrainConfig:
     max_steps: int | None = None
     ledger: bool = False  # test hook: trained sources, per checkpoint version, in ledger.jsonl
     kafka_config: dict[str, Any] = field(default_factory=dict)
-    # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
-    dead_letter_topic: str = "flights-dead-letters"
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES  # a feature message decoding to more is a dead letter
+    # the raw events topic the features come from: a row whose source offset is past its end is a dead letter
+    # (None, or not on the brokers: a step of more than max_source_gap past the highest offset trained is)
+    raw_topic: str | None = None
+    max_source_gap: int = DEFAULT_MAX_SOURCE_GAP
     device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
     # torch threads of each replica (None: torch's default). A step is one feature message (up to
     # the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared with the pipeline and
@@ -86,7 +123,15 @@ class StreamTrainConfig:
     replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
     # published versions: <run_dir>/published keeps this many (its own retention, apart from the checkpoints')
     keep_published: int = 10
+    # with ID tables: each version carries only the ID rows changed since the previous one, with a full
+    # snapshot every this many versions (flowtrain.train.ids.publish)
+    snapshot_every: int = 20
     update_key_file: str | None = None  # signs each published version (else $FLOWTRAIN_UPDATE_KEY; else unsigned)
+    # the engine (flowtrain.train.trainer): workers = replicas x stages x tensor_parallel
+    stages: int = 1  # pipeline stages of the model
+    microbatches: int = 4  # micro-batches per step in the pipeline
+    tensor_parallel: int = 1  # tensor shards of each stage
+    shard_states: str = "none"  # ZeRO over the replicas: none, optimizer, gradients or parameters
 
     def __post_init__(self) -> None:
         self.hidden = tuple(int(h) for h in self.hidden)
@@ -96,42 +141,17 @@ class StreamTrainConfig:
                   "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
                   "max_steps": self.max_steps is None or self.max_steps >= 1,
                   "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
-                  "keep_published": self.keep_published >= 1,
+                  "max_source_gap": not isinstance(self.max_source_gap, bool) and self.max_source_gap >= 1,
+                  "keep_published": self.keep_published >= 1, "stages": self.stages >= 1,
+                  "snapshot_every": not isinstance(self.snapshot_every, bool) and self.snapshot_every >= 1,
+                  "microbatches": self.microbatches >= 1, "tensor_parallel": self.tensor_parallel >= 1,
+                  "shard_states": self.shard_states in ("none", "optimizer", "gradients", "parameters"),
                   "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
                   "replication_factor": self.replication_factor is None or (
                       not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError("StreamTrainConfig: out of range: " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad))
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What the model is: the batch trainer's ``build_model`` kind and ``TrainConfig`` fields."""
-    kind: str
-    hidden: tuple[int, ...]
-    dropout: float
-    seed: int
-    source: str = "config"  # where it came from, for messages
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "hidden": list(self.hidden), "dropout": self.dropout, "seed": self.seed}
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str) -> Architecture:
-        from flowtrain.train.loop import TrainConfig
-
-        defaults = TrainConfig()
-        return cls(kind=str(d.get("kind") or d.get("model") or "mlp"),
-                   hidden=tuple(int(h) for h in d.get("hidden", defaults.hidden)),
-                   dropout=float(d.get("dropout", defaults.dropout)), seed=int(d.get("seed", defaults.seed)),
-                   source=source)
-
-    def build(self, data: TabularDataset) -> torch.nn.Module:
-        """The same model the batch job builds for these settings (seeded: the same initial weights)."""
-        from flowtrain.train.loop import TrainConfig, build_model
-
-        return build_model(self.kind, data, TrainConfig(hidden=self.hidden, dropout=self.dropout, seed=self.seed))
 
 
 def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
@@ -144,6 +164,9 @@ def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
     state = torch.load(path, weights_only=True, map_location="cpu")
     if isinstance(state, dict) and isinstance(state.get("model"), dict) and isinstance(state.get("config"), dict):
         return Architecture.from_dict(state["config"], f"checkpoint {path}"), state["model"]  # a batch checkpoint
+    if isinstance(state, dict) and state.get("sharded_state"):  # a --shard-states batch run's: each rank's pieces
+        raise ValueError(f"--init-weights {path} is a checkpoint of a --shard-states run (its weights are sharded in "
+                         f"{state['sharded_state']}); give that run's model.pt, which is whole")
     run_config = path.parent / "config.json"
     if not run_config.is_file():
         raise ValueError(f"--init-weights {path}: no config.json beside it, so the batch run's architecture "
@@ -194,9 +217,14 @@ class StreamTrainer:
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", board=Board(self.run_dir) if self.ctx.is_main else None)
         self.data = TabularDataset(cfg.dataset)
         self.task = self.data.spec.task
-        from flowtrain.train.loader import target_scale
-        from flowtrain.train.loop import loss_function
-
+        # the engine's grid: one rank of each replica (stage 0, tensor shard 0) reads that replica's feature
+        # partitions; the other ranks of the replica get its rows from the engine's global batch
+        pos = Grid.from_world(self.ctx.world_size, stages=cfg.stages, tensor=cfg.tensor_parallel).position(self.ctx.rank)
+        self.reader, self.replica, self.replicas = pos.stage == 0 and pos.tensor == 0, pos.replica, pos.replicas
+        spec = self.data.spec  # no rows: the shapes of a batch (the grid measures its layers on 256 of them)
+        self.sample = Batch(torch.zeros(256, self.data.n_numeric),
+                            torch.zeros(256, len(spec.categorical) + len(spec.id_columns), dtype=torch.int64),
+                            torch.zeros(256))
         self.loss_fn = loss_function(self.task, self.data.outputs)  # K classes: cross-entropy over K logits
         self.shift, self.scale = target_scale(self.data)  # regression trains on a standardized target
         # progress: restored from the checkpoint, never from Kafka's group offsets
@@ -207,10 +235,18 @@ class StreamTrainer:
         # every feature message is checked against the dataset (flowtrain.train.stream_input); what fails
         # is a dead letter with its reason, counted per kind in the checkpoint (flowtrain.train.stream_rejects)
         self.check = FeatureMessageCheck(self.data, max_decoded_bytes=cfg.max_decoded_bytes)
+        # a row's source must exist on the raw topic: an impossible one never moves the seen-source state
+        self.raw_ends = RawTopicEnds(cfg.bootstrap, cfg.kafka_config, cfg.raw_topic, should_stop=self.should_stop,
+                                     progress=heartbeat) if cfg.raw_topic else None
+        self.source_check = SourceCheck(self.raw_ends, raw_topic=cfg.raw_topic, max_gap=cfg.max_source_gap)
         self.rejects = InputRejects(cfg.bootstrap, cfg.kafka_config, features_topic=cfg.features_topic,
                                     dead_letter_topic=cfg.dead_letter_topic,
                                     replication_factor=cfg.replication_factor)
         self.rejected_total: dict[str, int] = {}  # every replica's counts, summed at each checkpoint and the end
+        # rows trained whose ID value had no key, so used the fallback vector, by "column: reason"
+        # (connectors.id_keys.BAD_KEYS): the checkpoint's total, plus this replica's since (summed at each checkpoint)
+        self.id_fallbacks_base: dict[str, int] = {}
+        self.id_fallbacks_new: dict[str, int] = {}
         self.pending_ledger: list[tuple[int, int]] = []
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # prequential (outputs, labels) since the last log
         self.steps_since_ckpt = 0
@@ -218,17 +254,24 @@ class StreamTrainer:
         now = time.monotonic()
         self.last_ckpt_t = self.last_data_t = self.last_status_t = now
         self.first_data_t: float | None = None
-        self.model = self.optimizer = self.reducer = self.architecture = None
+        self.model = self.trainer = self.architecture = None
+        self.sharded_ids = False  # ID tables sharded row-wise over the replicas (--workers N with ID columns)
         self.consumer = self.producer = self.delivery = None
         self.mine: list = []
         self.run_id = new_run_id()  # a resumed run keeps its checkpoint's: versions are numbered per run
         self.publisher = Publisher(self.run_dir, keep=cfg.keep_published,
                                    key_source=UpdateKeySource.from_options(cfg.update_key_file)) \
             if self.ctx.is_main else None
+        self.id_publisher: IdPublisher | None = None  # a model with ID tables: made at this process's first version
 
     # --- the whole run ------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train until ``should_stop``, ``idle_exit_s`` or ``max_steps``; returns a summary."""
+        missing = [f"--{n.replace('_', '-')}" for n in ("features_topic", "updates_topic", "dead_letter_topic")
+                   if not getattr(self.cfg, n)]
+        if missing:
+            raise ValueError(f"the stream trainer needs its topics: {', '.join(missing)} (the command names them after "
+                             f"the dataset)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         restored = self._restore()
         try:
@@ -244,21 +287,27 @@ class StreamTrainer:
                     # nothing trained since the last version: re-saving it would rewrite that
                     # version's file (named by step) under a new version number
                     if self.steps_since_ckpt or self.version == 0 or agreed["rejects_pending"]:
-                        self._checkpoint("final")
+                        if not agreed["stop"] or self._brokers_answer():
+                            self._checkpoint_unless_stopped("final")
+                        else:  # a stop is honoured whatever Kafka does (issue 28 item 15)
+                            self._not_checkpointed(f"did not answer within {STOP_KAFKA_S:g} s")
                     # every replica's rejections, summed (the same step on every replica: a collective)
                     self.rejected_total = _sum_counts(_gather(self.ctx, dict(self.rejects.counts)))
+                    self.id_fallbacks_base = self._id_fallbacks_total()
+                    self.id_fallbacks_new = {}
                     break
                 self._write_status_every_second()
                 if (self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
                                                or agreed["checkpoint_due"])) \
                         or (agreed["rejects_pending"] and agreed["checkpoint_due"]):  # only rejected messages
-                    self._checkpoint("periodic")
+                    if not self._checkpoint_unless_stopped("periodic"):
+                        break
         finally:
             self.close()
         busy = (self.last_data_t - self.first_data_t) if self.first_data_t else 0.0
         return {"step": self.step, "version": self.version, "rows": self.rows_trained,
                 "dropped_duplicates": self.dropped, "rows_per_s": self.rows_trained / busy if busy > 0 else 0.0,
-                "rejected": self.rejected_total,
+                "rejected": self.rejected_total, "id_fallbacks": self.id_fallbacks_base,
                 "resumed_from": restored, "architecture": self.architecture.to_dict()}
 
     # --- state: from the last checkpoint only ------------------------------------------------------------
@@ -286,26 +335,39 @@ class StreamTrainer:
         if not _weights_finite(self.model):  # a model that would train and publish NaN
             raise NonFiniteModel(f"the starting weights ({self.architecture.source}) are not finite; start from a "
                                  f"model.pt or checkpoint whose weights are")
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
+        if found is not None and not found[1].get("sharded_state"):
+            self.model.load_state_dict(found[1]["model"])  # before the engine: a grid cuts the model it is given
+        cfg = self.cfg
+        # a resumed grid keeps its checkpoint's stage cut (rank 0 cuts by measured time, which varies)
+        options = EngineOptions(lr=cfg.lr, stages=cfg.stages, microbatches=cfg.microbatches,
+                                tensor_parallel=cfg.tensor_parallel, shard_states=cfg.shard_states,
+                                stage_bounds=_stage_bounds(found[1], cfg.stages) if found is not None else None)
+        # every replica starts from rank 0's weights; a step whose gradient is not finite changes nothing
+        self.trainer = Trainer(self.model, self.ctx, options, self.loss_fn, self.sample, seed=self.architecture.seed,
+                               target_scale=(self.shift, self.scale), local_batches=True, skip_non_finite=True)
+        # with ID columns on N replicas each owns the rows of its keys (flowtrain.train.ids): every lookup is a
+        # collective, and a checkpoint holds each table whole (so any --workers resumes it)
+        self.sharded_ids = bool(getattr(self.model, "sharded", False))
         if found is None:
             self.rejects.restore(None, self.run_dir, is_main=self.ctx.is_main)
             self._drop_ledger_after(0)
             if self.ctx.is_main and self.log.path.exists():
                 self.log.truncate_after(0)
-            self.reducer = make_reducer(self.model, self.ctx)  # every replica starts from rank 0's weights
             return None
         path, state = found
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("sharded_state"):  # --shard-states: each rank its pieces, whichever ranks wrote them (DCP)
+            checkpoint.load_sharded(self.trainer.engine, self.model, path, state)
+        else:
+            self.trainer.engine.load(state["model"], state["optimizer"])
         self.step, self.version = int(state["step"]), int(state["version"])
         self.run_id = str(state.get("run_id") or self.run_id)
         self.positions = {int(k): int(v) for k, v in state["positions"].items()}
         self.seen = {int(k): int(v) for k, v in state["seen"].items()}
+        self.id_fallbacks_base = {str(k): int(v) for k, v in (state.get("id_fallbacks") or {}).items()}
         self.rejects.restore(state, self.run_dir, is_main=self.ctx.is_main)
         self._drop_ledger_after(self.version)
         if self.ctx.is_main and self.log.path.exists():
             self.log.truncate_after(self.step)
-        self.reducer = make_reducer(self.model, self.ctx)
         if self.ctx.is_main:
             print(f"stream train: resumed from {path.name} (version {self.version}, step {self.step}, positions "
                   f"{self.positions})", flush=True)
@@ -315,26 +377,30 @@ class StreamTrainer:
         """The audit ledger keeps only what belongs to the checkpoint restored (or nothing)."""
         if not (self.cfg.ledger and self.ctx.is_main and self.ledger_path.exists()):
             return
-        kept = [line for line in self.ledger_path.read_text().splitlines() if json.loads(line)["version"] <= version]
-        self.ledger_path.write_text("".join(line + "\n" for line in kept))
+        from connectors.atomic import atomic_write
+
+        kept = []
+        for line in self.ledger_path.read_text().splitlines():
+            try:
+                if json.loads(line)["version"] <= version:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line a crash tore in the middle of an append: no record
+                continue
+        # a new file renamed over the old one: a crash here leaves the old ledger whole, never a truncated one
+        atomic_write(self.ledger_path, "".join(line + "\n" for line in kept))
+
+    def _consumer_config(self) -> dict:
+        return {"max_poll_records": 1, "fetch_max_wait_ms": 100, "max_partition_fetch_bytes": 16 * 1024 * 1024,
+                **self.cfg.kafka_config}
 
     def _open_kafka(self) -> None:
         from kafka import TopicPartition
 
         cfg = self.cfg
-        self.consumer = new_consumer(cfg.bootstrap, {"max_poll_records": 1, "fetch_max_wait_ms": 100,
-                                                     "max_partition_fetch_bytes": 16 * 1024 * 1024,
-                                                     **cfg.kafka_config}, group_id=None)
-        parts = sorted(self.consumer.partitions_for_topic(cfg.features_topic) or [])
-        deadline = time.monotonic() + 30
-        while not parts and time.monotonic() < deadline:
-            time.sleep(0.5)
-            heartbeat()
-            parts = sorted(self.consumer.partitions_for_topic(cfg.features_topic) or [])
-        if not parts:
-            raise ValueError(f"features topic {cfg.features_topic!r} does not exist on {cfg.bootstrap}; start the "
-                             f"stream pipeline first (flowtrain stream pipeline)")
-        self.mine = [TopicPartition(cfg.features_topic, p) for p in parts if p % self.ctx.world_size == self.ctx.rank]
+        self.consumer = new_consumer(cfg.bootstrap, self._consumer_config(), group_id=None)
+        parts = self._features_partitions()
+        self.mine = [TopicPartition(cfg.features_topic, p) for p in parts
+                     if self.reader and p % self.replicas == self.replica]
         if self.mine:
             self.consumer.assign(self.mine)
             for tp in self.mine:
@@ -355,11 +421,41 @@ class StreamTrainer:
             self.producer = new_producer(cfg.bootstrap, cfg.kafka_config)
             self.delivery = KafkaDelivery(self.producer, what="publishing a model version")
 
+    def _features_partitions(self) -> list[int]:
+        """The features topic's partitions, waiting up to ``FEATURES_WAIT_S`` for the topic (the pipeline may create
+        it just now) and for the brokers, each question within ``PARTITIONS_ASK_S`` (kafka-python's own metadata wait
+        has no bound); a stop requested while the brokers do not answer ends the wait. A ``ValueError`` naming the
+        brokers and the topic when they never answered, or saying the topic never appeared."""
+        cfg = self.cfg
+        deadline = time.monotonic() + FEATURES_WAIT_S
+        while True:
+            try:
+                parts = sorted(topic_partitions(self.consumer, cfg.features_topic, timeout_s=PARTITIONS_ASK_S))
+                unavailable = None
+            except KafkaUnavailable as err:  # a new consumer for the next question (closing this one ends its wait)
+                parts, unavailable = [], err
+                close_client(self.consumer)
+                self.consumer = None
+            heartbeat()
+            if parts or time.monotonic() >= deadline or (unavailable is not None and self.should_stop()):
+                break
+            time.sleep(0.5)
+            if self.consumer is None:
+                self.consumer = new_consumer(cfg.bootstrap, self._consumer_config(), group_id=None)
+        if unavailable is not None:  # a one-line error, as a missing topic is (the command says it so)
+            raise ValueError(f"the partitions of features topic {cfg.features_topic!r} (asked for "
+                             f"{FEATURES_WAIT_S:g} s): {unavailable}") from None
+        if not parts:
+            raise ValueError(f"features topic {cfg.features_topic!r} does not exist on {cfg.bootstrap}; start the "
+                             f"stream pipeline first (flowtrain stream pipeline)")
+        return parts
+
     # --- one step ---------------------------------------------------------------------------------------------
     def _poll_local_batch(self):
         """At most one feature message of this replica's partitions, without rows already trained."""
         if not self.mine:  # more replicas than feature partitions: this one only takes part in the reduce
-            time.sleep(0.2)
+            if self.reader:  # (a rank of a grid that does not read waits in the collectives)
+                time.sleep(0.2)
             return None
         polled = self.consumer.poll(timeout_ms=200)
         msg = next((m for records in polled.values() for m in records), None)
@@ -370,6 +466,7 @@ class StreamTrainer:
         self.positions[msg.partition] = msg.offset + 1
         try:
             rows = self.check(msg.value)
+            self.source_check(rows.src_partition, rows.src_offset, self.seen)
         except BadFeatureMessage as bad:
             self.rejects.reject(msg.partition, msg.offset, msg.value, bad.kind, str(bad))
             return None
@@ -398,49 +495,117 @@ class StreamTrainer:
                 "checkpoint_due": due > 0, "rejects_pending": rejected > 0}
 
     def _train_step(self, local) -> None:
-        """Evaluate (prequential), then train; a replica without data takes part with a count of 0.
+        """Evaluate (prequential), then train; a replica without data takes part with no rows.
 
         A message whose rows give a non-finite output or loss is not trained on (it is a dead letter,
-        this replica takes part with a count of 0); a step whose reduced gradient is not finite is
-        skipped on every replica (each sends its message of the step to the dead letters)."""
-        loss_sum, n_local, scored = None, 0, None
+        this replica takes part with no rows); a step whose reduced gradient is not finite changes no
+        weight on any replica (each sends its message of the step to the dead letters)."""
+        trainer = self.trainer
+        if not trainer.whole_model_is_current:
+            trainer.engine.sync_model()  # a collective: the current whole model, for the prequential evaluation
+        scored = batch = None
+        if local is None and self.sharded_ids:  # ID tables over the replicas: the lookups are collectives
+            self.model.eval()
+            with torch.no_grad():
+                empty = move_batch(self.sample.take(torch.arange(0)), next(self.model.parameters()).device)
+                self.model(empty.x_num, empty.x_cat)
+            self.model.train()
         if local is not None:
             b, bp, bo, message = local
             labels = b.y.numpy()
-            b = move_batch(b, self.device)  # pinned memory, non-blocking copy on a GPU
+            on_model = move_batch(b, next(self.model.parameters()).device)  # pinned memory, non-blocking on a GPU
             self.model.eval()
             with torch.no_grad():
-                scored = self.model(b.x_num, b.x_cat)
+                scored = self.model(on_model.x_num, on_model.x_cat)
+                loss_sum = sum_loss(self.loss_fn, scored, (on_model.y - self.shift) / self.scale)
             self.model.train()
-            torch.manual_seed(self.architecture.seed * 1_000_003 + self.step * 1009 + self.ctx.rank)  # dropout
-            target = (b.y - self.shift) / self.scale
-            loss_sum, n_local = sum_loss(self.loss_fn, self.model(b.x_num, b.x_cat), target), len(b)
             if not bool(torch.isfinite(loss_sum) & torch.isfinite(scored).all()):  # one device-to-host copy
                 self.rejects.reject(*message, "non_finite_loss",
                                     f"the model's output or loss on these {len(b)} finite rows is not finite "
                                     f"(step {self.step}); the rows were not trained on")
-                loss_sum, n_local, local = None, 0, None
-        self.optimizer.zero_grad(set_to_none=True)
-        global_n, self.last_loss = self.reducer.backward(loss_sum, n_local)
-        if global_n and not _gradients_finite(self.model):  # reduced: the same answer on every replica
-            self.optimizer.zero_grad(set_to_none=True)
+                local = None
+            else:
+                batch = move_batch(b, trainer.device)
+        if trainer.local_batches:
+            batch = batch if batch is not None else move_batch(self.sample.take(torch.arange(0)), trainer.device)
+        else:  # the engine takes a global batch: every replica's rows on every rank (a collective)
+            batch = trainer.global_batch(batch)
+            if batch is None:  # the same on every rank: no replica has rows left
+                return
+        done = trainer.step(batch, self.step)
+        if done.skipped:  # reduced: the same answer on every replica
             self.last_loss = None
             if local is not None:
                 self.rejects.reject(*message, "non_finite_loss",
                                     f"the gradient of step {self.step} is not finite; the step was skipped and "
-                                    f"these {n_local} rows were not trained on")
+                                    f"these {len(b)} rows were not trained on")
             return
+        self.last_loss = done.loss
         if local is not None:
             self.window.append((scored.cpu().numpy(), labels))
+            self._count_id_fallbacks(b)
             for p in np.unique(bp):  # a column at a time: one max per raw partition
                 self.seen[int(p)] = max(self.seen.get(int(p), -1), int(bo[bp == p].max()))
             if self.cfg.ledger:
-                self.pending_ledger.extend(zip(bp.tolist(), bo.tolist()))
-        if global_n:
-            self.optimizer.step()
+                self.pending_ledger.extend((p, o, self.step) for p, o in zip(bp.tolist(), bo.tolist()))
+        if done.rows:
             self.step += 1
             self.steps_since_ckpt += 1
-            self.rows_trained += global_n
+            self.rows_trained += done.rows
+
+    def _count_id_fallbacks(self, batch: Batch) -> None:
+        """This replica's rows trained with an ID value that has no key (the fallback vector), by column and reason:
+        the ID columns' keys are the last columns of ``x_cat`` (``flowtrain.train.loader``)."""
+        ids = self.data.spec.id_columns
+        if not ids:
+            return
+        keys = batch.x_cat[:, batch.x_cat.shape[1] - len(ids):].numpy()
+        for i, col in enumerate(ids):
+            for kind, n in reason_counts(keys[:, i]).items():
+                name = f"{col}: {kind}"
+                self.id_fallbacks_new[name] = self.id_fallbacks_new.get(name, 0) + n
+
+    def _id_fallbacks_total(self) -> dict[str, int]:
+        """The checkpoint's counts plus every replica's since (a collective)."""
+        return _sum_counts([self.id_fallbacks_base, *_gather(self.ctx, dict(self.id_fallbacks_new))])
+
+    def _checkpoint_unless_stopped(self, reason: str) -> bool:
+        """``_checkpoint``; False when a stop came while it waited for brokers that do not answer."""
+        try:
+            self._checkpoint(reason)
+            return True
+        except _StoppedWithoutKafka as err:
+            self._not_checkpointed(f"did not answer before the stop ({str(err).split(':', 2)[0]})")
+            return False
+
+    def _not_checkpointed(self, why: str) -> None:
+        """The one line a trainer stopped without its final checkpoint prints: what was not committed."""
+        if self.ctx.is_main:
+            print(f"stream train: stopped without a final checkpoint: Kafka at {self.cfg.bootstrap} {why}; not "
+                  f"committed: {self.steps_since_ckpt} step(s) since checkpoint version {self.version} (step "
+                  f"{self.step - self.steps_since_ckpt}), no new version published; a restart trains them again "
+                  f"from that checkpoint (exactly once)", file=sys.stderr, flush=True)
+
+    def _brokers_answer(self) -> bool:
+        """At a stop: whether Kafka answers within ``STOP_KAFKA_S`` (the final checkpoint needs it: the
+        dead-letter topic's end, the published version). Every replica asks; all must be answered."""
+        from connectors.kafka import KafkaUnavailable, check_brokers
+
+        heartbeat()
+        try:
+            check_brokers(self.cfg.bootstrap, timeout_s=STOP_KAFKA_S, client_config=self.cfg.kafka_config,
+                          cached=False)
+            answered = True
+        except KafkaUnavailable:
+            answered = False
+        heartbeat()
+        if self.ctx.distributed:
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(answered)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            answered = bool(flag.item() > 0)
+        return answered
 
     def _should_end(self, agreed: dict) -> bool:
         return bool(agreed["stop"] or (self.cfg.max_steps and self.step >= self.cfg.max_steps)
@@ -450,51 +615,100 @@ class StreamTrainer:
     def _checkpoint(self, reason: str) -> None:
         """A collective: every replica gathers positions, seen offsets, ledger and prequential rows."""
         ctx = self.ctx
-        if not _weights_finite(self.model):  # identical on every replica
+        self.trainer.engine.sync_model()  # a grid's stages and shards into the whole model (a collective)
+        finite = _weights_finite(self.model)  # this replica's: sharded ID tables differ between replicas
+        if self.ctx.distributed:  # every replica raises, or none does (one alone would leave the rest in a gather)
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(finite)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = bool(flag.item() > 0)
+        if not finite:
             raise NonFiniteModel(self._diverged())
         # before the gathers (a barrier): a dead letter sent after these offsets is one of a message
         # past this checkpoint's positions, which a restart reads again
-        dead_letter_ends = self.rejects.end_offsets(self.should_stop, heartbeat) if ctx.is_main else {}
+        try:
+            dead_letter_ends = self.rejects.end_offsets(self.should_stop, heartbeat) if ctx.is_main else {}
+        except (KafkaError, KafkaUnavailable) as err:
+            if not self.should_stop():
+                raise
+            raise _StoppedWithoutKafka(describe_error(err)) from None  # a stop while waiting for the brokers
         self.version += 1
+        engine, shards = self.trainer.engine, None
+        if hasattr(engine, "shard_pieces"):  # --shard-states: every rank writes its own shard (DCP, a collective)
+            tensors, chunks = engine.shard_pieces()
+            shards = checkpoint.save_shards(self.ckpt_dir, self.step, tensors, chunks)
+            whole = {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
+                                          for g in engine.optimizer.param_groups][:1],
+                     "layout": {"workers": ctx.world_size, "shard_states": self.cfg.shard_states}}
+        else:
+            whole = {"optimizer": engine.optimizer_state()}  # a collective under a grid
+        # each ID table whole, whatever the number of replicas that trained it (a collective when sharded)
+        model_state = self.model.full_state_dict() if self.sharded_ids else self.model.state_dict()
+        if shards is None:  # sharded: the checkpoint holds no whole model (the published version does)
+            whole["model"] = model_state
+        plan = getattr(self.trainer.engine, "plan", None)  # a grid's stage cut: a restart keeps it
+        stage_bounds = [list(b) for b in plan.bounds] if plan is not None else None
         positions = _gather_dict(ctx, self.positions)
         seen = _gather_dict(ctx, self.seen)
         window = _gather_list(ctx, self.window)
         ledger = _gather_list(ctx, self.pending_ledger) if self.cfg.ledger else []
         rejected_now = _gather_list(ctx, self.rejects.pending) if self.cfg.ledger else []
         rejected = self.rejected_total = _sum_counts(_gather(ctx, dict(self.rejects.counts)))
+        id_fallbacks = self.id_fallbacks_base = self._id_fallbacks_total()
+        self.id_fallbacks_new = {}
+        # ID tables: the dense parameters + the rows changed since the last version (a delta), or a snapshot;
+        # tables sharded over the replicas: every replica's changed rows gathered to rank 0 (a collective)
+        ids = self._id_publisher()
+        id_version = ids.publish(self.version, info={"architecture": json.dumps(self.architecture.to_dict())}) \
+            if ids is not None else None
         if ctx.is_main:
             preq = self._prequential(window)
             if ledger or rejected_now:
                 with open(self.ledger_path, "a") as fh:
-                    for p, o in ledger:
-                        fh.write(json.dumps({"version": self.version, "partition": int(p), "offset": int(o)}) + "\n")
+                    for p, o, s in ledger:  # s: the step that trained the row (a step's rows: replicas in rank order)
+                        fh.write(json.dumps({"version": self.version, "partition": int(p), "offset": int(o),
+                                             "step": int(s)}) + "\n")
                     for p, o, kind in rejected_now:  # feature messages (not raw sources) sent to the dead letters
                         fh.write(json.dumps({"version": self.version, "rejected": {"partition": int(p),
                                                                                    "offset": int(o)},
                                              "kind": kind}) + "\n")
             path = checkpoint.save(self.ckpt_dir, self.step, cpu_state({  # opens on any machine
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
+                **whole, "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
                 "architecture": self.architecture.to_dict(), "run_id": self.run_id,
+                "stage_bounds": stage_bounds,
                 "positions": {str(k): v for k, v in positions.items()},
-                "seen": {str(k): v for k, v in seen.items()}, "rejected": rejected,
-                "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}}), keep=3)
+                "seen": {str(k): v for k, v in seen.items()}, "rejected": rejected, "id_fallbacks": id_fallbacks,
+                "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}}), keep=3, shards=shards)
             # "rows": scored since the last checkpoint (absent with none), "rows_trained": in all
             self.log.write({"kind": "prequential", "step": self.step, "version": self.version,
                             "rows_trained": self.rows_trained, **preq})
             # the version the scorers load: its own file and retention (the checkpoints keep 3)
-            self._publish(self.publisher.publish(
-                model=cpu_state(self.model.state_dict()), architecture=self.architecture.to_dict(),
-                version=self.version, step=self.step, run_id=self.run_id, trainer_checkpoint=str(path),
-                positions=positions, metrics=preq, reason=reason, time=time.time()))
+            extra = dict(trainer_checkpoint=str(path), positions=positions, metrics=preq, reason=reason,
+                         time=time.time())
+            if id_version is not None:
+                payload, meta = id_version
+                self._publish(self.publisher.publish_ids(payload, meta, step=self.step, run_id=self.run_id,
+                                                         **extra))
+            else:
+                self._publish(self.publisher.publish(
+                    model=cpu_state(model_state), architecture=self.architecture.to_dict(),
+                    version=self.version, step=self.step, run_id=self.run_id, **extra))
             _plot(self.log, self.run_dir, self.task)
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": preq.get("loss"),
-                                   "positions": positions, "rejected": rejected})
+                                   "positions": positions, "rejected": rejected, "id_fallbacks": id_fallbacks})
         self.rejects.checkpointed()
         self.pending_ledger.clear()
         self.window.clear()
         self.last_ckpt_t, self.steps_since_ckpt = time.monotonic(), 0
+
+    def _id_publisher(self) -> IdPublisher | None:
+        """The publisher of ID versions when the model has ID tables, whole or sharded over the replicas (made at
+        the first version of this process, on every replica: a restarted trainer's first version is a snapshot)."""
+        if self.id_publisher is None and published_tables(self.model):
+            self.id_publisher = IdPublisher(self.model, self.cfg.snapshot_every)
+        return self.id_publisher
 
     def _diverged(self) -> str:
         return (f"the model's weights are not finite after step {self.step}: training diverged (lower --lr); "
@@ -502,9 +716,22 @@ class StreamTrainer:
                 f"from that version")
 
     def _publish(self, record: dict) -> None:
-        """The model version on the updates topic; a send Kafka does not acknowledge is an error."""
-        self.delivery.send(self.cfg.updates_topic, json.dumps(record).encode(), key=str(record["version"]).encode())
-        self.delivery.confirm()
+        """The model version on the updates topic; a send Kafka does not acknowledge is an error, except
+        while stopping: then it waits ``STOP_KAFKA_S`` at most and says the version was not published."""
+        from connectors.kafka import KafkaWriteError
+
+        stopping = bool(self.should_stop())
+        try:
+            self.delivery.send(self.cfg.updates_topic, json.dumps(record).encode(),
+                               key=str(record["version"]).encode())
+            self.delivery.confirm(within_s=STOP_KAFKA_S if stopping else None)
+        except KafkaWriteError as err:
+            if not stopping:
+                raise
+            self.delivery.discard()
+            print(f"stream train: not committed: version {record['version']} is checkpointed but was not published "
+                  f"on {self.cfg.updates_topic} ({err}); scorers keep the previous version until the next one",
+                  file=sys.stderr, flush=True)
 
     def _prequential(self, window: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         """The task's metrics (flowtrain.train.metrics) on predictions made before training on the rows."""
@@ -512,8 +739,6 @@ class StreamTrainer:
             return {}
         outputs = torch.from_numpy(np.concatenate([s for s, _ in window]))
         labels = torch.from_numpy(np.concatenate([y for _, y in window]))
-        from flowtrain.train.loop import metrics_of
-
         if self.task == "regression":
             outputs = outputs * self.scale + self.shift  # in the label's units
         found = metrics_of(outputs, labels, self.task, self.data.classes)
@@ -527,7 +752,9 @@ class StreamTrainer:
             _status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
                                    "dropped_duplicates": self.dropped, "loss": self.last_loss,
                                    "positions": self.positions,  # with replicas: the last checkpoint's sum
-                                   "rejected": self.rejected_total if self.ctx.distributed else self.rejects.counts})
+                                   "rejected": self.rejected_total if self.ctx.distributed else self.rejects.counts,
+                                   "id_fallbacks": self.id_fallbacks_base if self.ctx.distributed else
+                                   _sum_counts([self.id_fallbacks_base, self.id_fallbacks_new])})
             busy = self.last_data_t - self.first_data_t if self.first_data_t else 0.0
             self.log.board.scalars("stream", {"loss": self.last_loss, "rows_trained": self.rows_trained,
                                               "rows_per_s": self.rows_trained / busy if busy > 0 else None,
@@ -543,15 +770,24 @@ class StreamTrainer:
             close_client(self.consumer)
         if self.producer is not None:
             close_client(self.producer, timeout=10)
-        if self.reducer is not None:
-            self.reducer.close()
+        if self.trainer is not None:
+            self.trainer.close()
         self.rejects.close()
+        if self.raw_ends is not None:
+            self.raw_ends.close()
 
 
 def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
                        should_stop: Callable[[], bool] | None = None) -> dict:
     """Train until ``should_stop()`` (polled every step), ``idle_exit_s`` or ``max_steps``; returns a summary."""
     return StreamTrainer(cfg, ctx, should_stop=should_stop).run()
+
+
+def _stage_bounds(state: dict, stages: int) -> list | None:
+    """The stage cut a checkpoint recorded, if it has ``stages`` stages (else the engine cuts anew and its
+    ``load`` names the layout the checkpoint was written with)."""
+    bounds = state.get("stage_bounds")
+    return bounds if isinstance(bounds, list) and len(bounds) == stages else None
 
 
 def _unseen(partitions: np.ndarray, offsets: np.ndarray, seen: dict[int, int]) -> np.ndarray:
@@ -563,14 +799,12 @@ def _unseen(partitions: np.ndarray, offsets: np.ndarray, seen: dict[int, int]) -
     return fresh
 
 
+class _StoppedWithoutKafka(RuntimeError):
+    """A stop requested while a checkpoint waited for brokers that do not answer: no checkpoint."""
+
+
 class NonFiniteModel(ValueError):
     """The model's weights stopped being finite: training diverged (no message is to blame)."""
-
-
-def _gradients_finite(model: torch.nn.Module) -> bool:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    # the largest |value| (never overflows; NaN if any is NaN): one fused reduction, one copy to host
-    return not grads or math.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
 
 
 def _weights_finite(model: torch.nn.Module) -> bool:

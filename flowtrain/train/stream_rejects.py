@@ -26,6 +26,8 @@ from pathlib import Path
 from connectors.deadletter import DeadLetter, dead_letter_record
 from connectors.kafka import (
     KafkaDelivery,
+    KafkaUnavailable,
+    check_brokers,
     close_client,
     describe_error,
     ensure_topic,
@@ -33,6 +35,7 @@ from connectors.kafka import (
     new_consumer,
     new_producer,
     topic_max_message_bytes,
+    topic_partitions,
 )
 
 __all__ = ["InputRejects", "START_FILE"]
@@ -106,15 +109,18 @@ class InputRejects:
         while True:
             consumer = None
             try:
+                # kafka-python's metadata wait (partitions_for_topic) has no bound: ask the brokers first
+                # (within 5 s), and the topic's partitions within 5 s, so a stop requested meanwhile is seen
+                check_brokers(self.bootstrap, timeout_s=5.0, client_config=self.kafka_config, cached=False)
                 consumer = new_consumer(self.bootstrap, self.kafka_config, group_id=None)
-                parts = sorted(consumer.partitions_for_topic(self.topic) or [])
+                parts = sorted(topic_partitions(consumer, self.topic, timeout_s=5.0))
                 ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in parts]) if parts else {}
                 if waiting_since is not None:
                     print(f"stream train: the brokers answer again after {time.monotonic() - waiting_since:.0f} s",
                           flush=True)
                 return {tp.partition: int(o) for tp, o in ends.items()}
-            except KafkaError as err:
-                if should_stop() or not is_retriable(err):
+            except (KafkaError, KafkaUnavailable) as err:
+                if should_stop() or not (is_retriable(err) or isinstance(err, KafkaUnavailable)):
                     raise
                 if waiting_since is None:
                     waiting_since = time.monotonic()
@@ -134,7 +140,7 @@ class InputRejects:
         prefix = f"{self.features_topic}/"
         found: set[tuple[int, int]] = set()
         try:
-            tps = [TopicPartition(self.topic, p) for p in sorted(consumer.partitions_for_topic(self.topic) or [])]
+            tps = [TopicPartition(self.topic, p) for p in sorted(topic_partitions(consumer, self.topic))]
             ends = consumer.end_offsets(tps) if tps else {}
             todo = {tp: end for tp, end in ends.items() if end > since.get(tp.partition, 0)}
             if not todo:

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 from connectors.deadletter import DeadLetter
 from pipelines.flights.features import HOUR_TYPE, RAW_COLUMNS
 from pipelines.stream import events as E
+from pipelines.stream import parse as stream_parse
 from pipelines.stream.events import DEFAULT_BOUNDS, ISO_Z, EventField, EventSchema, ParseBounds
 
 #: field -> accepted JSON types; None in the tuple means the field may be null.
@@ -85,5 +86,5 @@ def events_table(events: list[dict], sources: list[tuple[str, int, int]]) -> pa.
 
 def parse_batch(payloads: Sequence[bytes | None], sources: Sequence[tuple[str, int, int]],
                 bounds: ParseBounds = DEFAULT_BOUNDS) -> tuple[pa.Table | None, list[DeadLetter]]:
-    """``pipelines.stream.events.parse_batch`` with the flights' fields."""
-    return E.parse_batch(payloads, sources, FLIGHT_EVENTS, bounds)
+    """``pipelines.stream.parse.parse_batch`` with the flights' fields."""
+    return stream_parse.parse_batch(payloads, sources, FLIGHT_EVENTS, bounds)

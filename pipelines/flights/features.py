@@ -124,6 +124,9 @@ def derive(table: pa.Table) -> pa.Table:
         "month_name": pa.array(np.where((month >= 1) & (month <= 12), _MONTHS[np.clip(month, 0, 12)], None)),
         "weekday": pa.array(np.where(weekday >= 0, _DAYS[np.clip(weekday, 0, 6)], None)),
         "dep_hour": pc.cast(pc.cast(pc.floor(pc.divide(sched, 100.0)), pa.int64()), pa.string()),
+        # the route as one value (an ID column: flowtrain batch --id-columns tailnum,route; docs/ids.md)
+        "route": pc.binary_join_element_wise(pc.cast(table.column("origin"), pa.string()),
+                                             pc.cast(table.column("dest"), pa.string()), "-"),
     }
     for name, values in columns.items():
         table = table.append_column(name, values)
@@ -174,7 +177,7 @@ def featurize_raw(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes:
     batch = joined.combine_chunks().to_batches()[0] if joined.num_rows else None
     if batch is None:
         return None, []
-    good, letters = split_valid(batch, spec, impossible_values(batch))
+    good, letters = split_valid(batch, spec, impossible_values(batch), stats=stats)  # the numeric ranges too
     features, unknown = featurize_rows(good, spec, stats)  # the label code of the batch ETL
     if unknown:  # rows whose label has no target: dead letters, and not passed through either
         good = good.filter(pa.array(encode_labels(good.column(spec.label), spec, stats)[1]))

@@ -25,16 +25,11 @@ from pipelines.flights import features as FF
 from pipelines.flights.events import FLIGHT_EVENTS
 from pipelines.stream.events import EventSchema
 from pipelines.stream.featurize import EventFeatures, StreamFeaturizer
-from pipelines.stream.pipeline import (
-    KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
-    MicroBatcher,
-    ParsedEvent,
-    StreamConfig,
-    featurize_events,
-)
+from pipelines.stream.pipeline import KAFKA_DEFAULT_MAX_MESSAGE_BYTES, StreamConfig
+from pipelines.stream.steps import MicroBatcher, ParsedEvent, featurize_events
 
 __all__ = ["FlightEnrichment", "FlightReference", "FlightFeaturizer", "flights_featurizer", "flights_stream_config",
-           "is_flights_dataset", "load_reference_tables", "read_table", "MicroBatcher", "StreamConfig",
+           "load_reference_tables", "read_table", "MicroBatcher", "StreamConfig",
            "KAFKA_DEFAULT_MAX_MESSAGE_BYTES"]
 
 
@@ -86,13 +81,6 @@ class FlightReference:
 def flights_featurizer(stats: dict, weather_path: str, planes_path: str, spec=FF.FLIGHTS_SPEC) -> StreamFeaturizer:
     """The generic featurizer with the flights' enrichment (a flights dataset's stats)."""
     return StreamFeaturizer(spec, stats, FlightReference(weather_path, planes_path)())
-
-
-def is_flights_dataset(manifest: dict) -> bool:
-    """Whether a dataset manifest is the flights ETL's (its inputs name the weather and planes tables)."""
-    inputs = manifest.get("inputs") or {}
-    spec = manifest.get("spec") or {}
-    return isinstance(inputs, dict) and {"weather", "planes"} <= set(inputs) and spec.get("label") == "arr_delay"
 
 
 def flights_stream_config(*, stats: dict, weather_path: str, planes_path: str, spec: dict | None = None,

@@ -4,9 +4,10 @@
       -> FeaturizeForPrediction   (the ETL's feature code with the training statistics; bad rows -> dead letters)
       -> RunInference(FlowtrainModelHandler)   (the stream scorer's handler, one fixed model: one forward per
                                                Arrow batch)
-      -> one Arrow batch of predictions per input batch
+      -> one Arrow batch of predictions per input batch (column names: ``rows.output_names``)
       -> WriteToParquetBatched / WriteToText (CSV)     (one file, at --out)
-    dead letters -> WriteDeadLettersToJsonl; counts in / predictions / dead letters -> a small JSON file
+    dead letters -> WriteDeadLettersToJsonl; counts in / predictions / dead letters and the unseen categorical
+    values per column -> a small JSON file
 
 This module needs no flowtrain import (imports flow flowtrain -> pipelines): the caller passes ``load``, a
 picklable callable ``path -> (torch module in eval mode, version)``, as for the stream scorer.
@@ -25,7 +26,7 @@ from apache_beam.ml.inference.base import PredictionResult, RunInference
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
 from connectors.files import ReadFromFiles
-from pipelines.predict.rows import featurize_for_prediction, output_batch, read_types
+from pipelines.predict.rows import OutputNames, featurize_for_prediction, output_batch, read_types, unseen_counts
 from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.versions import ModelVersion
 
@@ -47,20 +48,23 @@ def bundle_handler(load: Callable[[str], tuple[Any, int]], path: str, run: str, 
 class _OutputFn(beam.DoFn):
     """A predicted batch -> its output record batch (carried columns, predictions, model version)."""
 
-    def __init__(self, kind: str, classes: Sequence[str] | None, version: str, schema: pa.Schema):
+    def __init__(self, kind: str, classes: Sequence[str] | None, version: str, schema: pa.Schema, names: OutputNames,
+                 spec: FeatureSpec | None):
         self._kind, self._classes, self._version, self._schema = kind, classes, version, schema
+        self._names, self._spec = names, spec
 
     def process(self, result: PredictionResult):
         outputs, _scored_ms = result.inference
-        yield output_batch(result.example, outputs, self._kind, self._classes, self._version).cast(self._schema)
+        yield output_batch(result.example, outputs, self._kind, self._classes, self._version, self._names,
+                           self._spec).cast(self._schema)
 
 
 class _FeaturizeFn(beam.DoFn):
-    def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str]):
-        self._spec, self._stats, self._carry = spec, stats, list(carry)
+    def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str], source_name: str):
+        self._spec, self._stats, self._carry, self._source = spec, stats, list(carry), source_name
 
     def process(self, batch: pa.RecordBatch):
-        inp, letters = featurize_for_prediction(batch, self._spec, self._stats, self._carry)
+        inp, letters = featurize_for_prediction(batch, self._spec, self._stats, self._carry, self._source)
         for letter in letters:
             yield beam.pvalue.TaggedOutput(ERRS, letter)
         if inp is not None:
@@ -83,16 +87,28 @@ def csv_header(schema: pa.Schema) -> str:
     return buf.getvalue().decode("utf-8").rstrip("\n")
 
 
+def _sum_counts(parts) -> dict:
+    total: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, spec: FeatureSpec, stats: dict,
                   carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str,
-                  kind: str, classes: Sequence[str] | None, version: str):
-    """Wire the prediction pipeline into ``p``."""
+                  kind: str, classes: Sequence[str] | None, version: str, names: OutputNames,
+                  flag_unseen: bool = False, drift: tuple[dict, str] | None = None):
+    """Wire the prediction pipeline into ``p`` (``names``: the output's ``pred_*`` column names). ``drift``:
+    (a reference profile, a path): the rows' counts in its buckets as JSON there (``pipelines.drift``)."""
     types = {**{c: None for c in carry}, **read_types(spec)}
     raw, read_errs = p | "ReadFiles" >> ReadFromFiles(files, with_source=True, columns=list(types),
                                                       column_types=types, with_errors=True)
-    inputs, errs = raw | "Featurize" >> beam.ParDo(_FeaturizeFn(spec, stats, carry)).with_outputs(ERRS, main="rows")
+    inputs, errs = raw | "Featurize" >> beam.ParDo(
+        _FeaturizeFn(spec, stats, carry, names.source)).with_outputs(ERRS, main="rows")
     batches = (inputs | "RunInference" >> RunInference(handler)
-               | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema)))
+               | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema, names,
+                                                       spec if flag_unseen else None)))
     if out.lower().endswith(".csv"):
         _ = (batches | "CsvText" >> beam.Map(_csv_text) | "NonEmpty" >> beam.Filter(bool)
              | "WriteCsv" >> beam.io.WriteToText(out, shard_name_template="", header=csv_header(schema)))
@@ -100,6 +116,10 @@ def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, sp
         _ = (batches | "Tables" >> beam.Map(lambda b: pa.Table.from_batches([b], schema=schema))
              | "WriteParquet" >> beam.io.WriteToParquetBatched(out, schema, shard_name_template="", num_shards=1))
     _ = (read_errs, errs) | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
+    if drift is not None:
+        from pipelines.drift.transforms import WriteDriftCounts
+
+        _ = inputs | "DriftCounts" >> WriteDriftCounts(drift[0], spec, stats, drift[1])
 
     def total(pcoll, label, size):
         return pcoll | f"Size{label}" >> beam.Map(size) | f"Sum{label}" >> beam.CombineGlobally(sum)
@@ -108,9 +128,12 @@ def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, sp
     rejected = total(read_errs, "ReadErrs", lambda _: 1)
     dead = total(errs, "Dead", lambda _: 1)
     predicted = total(batches, "Predicted", lambda b: b.num_rows)
+    unseen = (inputs | "UnseenPerBatch" >> beam.Map(lambda inp: unseen_counts(inp.features, spec))
+              | "Unseen" >> beam.CombineGlobally(_sum_counts))
     counts = (p | "CountsStart" >> beam.Create([None])
-              | "Counts" >> beam.Map(lambda _, r, re, d, pr: json.dumps({"in": r + re, "predictions": pr,
-                                                                          "dead_letters": re + d}),
+              | "Counts" >> beam.Map(lambda _, r, re, d, pr, u: json.dumps({"in": r + re, "predictions": pr,
+                                                                             "dead_letters": re + d, "unseen": u}),
                                      r=beam.pvalue.AsSingleton(read), re=beam.pvalue.AsSingleton(rejected),
-                                     d=beam.pvalue.AsSingleton(dead), pr=beam.pvalue.AsSingleton(predicted)))
+                                     d=beam.pvalue.AsSingleton(dead), pr=beam.pvalue.AsSingleton(predicted),
+                                     u=beam.pvalue.AsSingleton(unseen)))
     _ = counts | "WriteCounts" >> beam.io.WriteToText(counts_path, shard_name_template="")

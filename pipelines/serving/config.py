@@ -22,16 +22,19 @@ class ScoreConfig:
     bootstrap: str
     load_version: Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
     spec: FeatureSpec
+    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
+    raw_topic: str
+    predictions_topic: str
+    dead_letter_topic: str
+    updates_topic: str
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
     initial_model: str = ""  # ModelVersion.model_id() of the version to serve before the first tick
-    # a picklable factory of the domain's enrichment step (the flights' weather/planes join), called
-    # in each worker; None: events hold the dataset's own columns
+    # a picklable factory of the domain's enrichment step (a dataset preset's, e.g. the demo's weather/planes
+    # join), called in each worker; None: events hold the dataset's own columns
     enrichment: Callable[[], Any] | None = None
     id_column: str | None = None  # an event field copied into its prediction ("id")
-    raw_topic: str = "flights-raw"
-    predictions_topic: str = "flights-predictions"
-    dead_letter_topic: str = "flights-scoring-dead-letters"
-    updates_topic: str = "flights-model-updates"
+    # the longest id-column value (UTF-8 bytes) copied into a prediction; a longer one is a dead letter
+    max_id_bytes: int = 1024
     group_id: str = "flowtrain-scorer"
     batch_size: int = 2000  # the featurizer's cost per event falls with the micro-batch (the stream pipeline's size)
     max_delay_s: float = 0.25  # a micro-batch closes this long after its first event (or at batch_size)
@@ -50,12 +53,21 @@ class ScoreConfig:
     kafka_config: dict[str, Any] = field(default_factory=dict)
     status_path: str | None = None  # prefix of per-instance JSON counters (`flowtrain stream --score`)
     bounds: ParseBounds = DEFAULT_BOUNDS  # limits on one raw event, as in the feature pipeline
+    # how raw values are decoded, as in the feature pipeline (--event-format, --schema-registry, --schema-file)
+    event_format: str = "json"
+    schema_registry: str | None = None
+    schema_file: str | None = None
+    # how predictions are written (pipelines.serving.predictions.PREDICTIONS_FORMATS); None: as the events are
+    # (JSON events: Arrow record batches)
+    predictions_format: str | None = None
     # model updates: the key's source (never the key: each worker reads it), the scorer's own
     # copies of the versions it serves and their retention, the largest model file read
     update_key: UpdateKeySource | None = None
     model_cache_dir: str = ""
     keep_models: int = 3
     max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
+    # drift monitoring: a pipelines.serving.drift.DriftConfig (reference profile, window, thresholds, topic), or None
+    drift: Any = None
 
     @property
     def n_classes(self) -> int:

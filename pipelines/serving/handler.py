@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from connectors.dataset_spec import CAT_PREFIX, NUM_PREFIX, FeatureSpec
+from connectors.dataset_spec import FeatureSpec
+from pipelines.serving.forward import forward
 from pipelines.serving.versions import ModelCache, ModelVersion
 
 __all__ = ["ServedModel", "FlowtrainModelHandler", "model_tag", "parse_model_tag"]
@@ -80,8 +81,6 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
         self._shift, self._scale = target_scale  # regression: the model predicts the standardized target
         self._n_classes = n_classes
         self._threads = torch_threads
-        self._num = [NUM_PREFIX + c for c in spec.all_numeric]
-        self._cat = [CAT_PREFIX + c for c in spec.categorical]
         self._token = uuid.uuid4().hex  # shared by the handler's copies in every DoFn instance
 
     def update_model_path(self, model_path: str | None = None):
@@ -140,27 +139,12 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
 
     def run_inference(self, batch: Sequence[Any], model: ServedModel,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
-        import torch
-
         parts = [b.features for b in batch if b.features is not None and b.features.num_rows]
         sizes = [0 if b.features is None else b.features.num_rows for b in batch]
-        k = self._n_classes if self._spec.task == "classification" else 1
-        outputs = np.zeros((0, k) if k > 2 else 0, dtype=np.float32)
-        if parts:
-            table = pa.Table.from_batches(parts)
-            x_num = _stack(table, self._num, np.float32)
-            x_cat = _stack(table, self._cat, np.int64)
-            with torch.inference_mode():
-                out = model.module(torch.from_numpy(x_num).to(self._device), torch.from_numpy(x_cat).to(self._device))
-                want = (len(table), k) if k > 2 else (len(table),)
-                if tuple(out.shape) != want:
-                    raise ValueError(f"model version {model.version.version} gives outputs of shape "
-                                     f"{tuple(out.shape)}; this dataset's task needs {want}")
-                if self._spec.task == "regression":
-                    out = out * self._scale + self._shift  # in the label's units
-                else:
-                    out = torch.softmax(out, dim=1) if k > 2 else torch.sigmoid(out)
-                outputs = out.float().cpu().numpy()
+        table = pa.Table.from_batches(parts) if parts else pa.table({})
+        outputs = forward(model.module, table, self._spec, n_classes=self._n_classes,
+                          target_scale=(self._shift, self._scale), device=self._device,
+                          what=f"model version {model.version.version}")  # pipelines.serving.forward
         scored_ms = int(time.time() * 1000)
         tag = model_tag(model.version)
         bounds = np.cumsum([0] + sizes)
@@ -173,8 +157,3 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
     def get_metrics_namespace(self) -> str:
         return "flowtrain_scoring"
 
-
-def _stack(table: pa.Table, names: list[str], dtype) -> np.ndarray:
-    if not names:
-        return np.zeros((table.num_rows, 0), dtype=dtype)
-    return np.ascontiguousarray(np.stack([table.column(c).to_numpy() for c in names], axis=1).astype(dtype))

@@ -1,4 +1,6 @@
-"""Predictions: one Arrow record batch per scored micro-batch, on the predictions topic.
+"""Predictions: one Arrow record batch per scored micro-batch, on the predictions topic (``--predictions-format``:
+or one JSON object, Avro or Protobuf record per prediction; Avro/Protobuf events give Avro/Protobuf predictions,
+``pipelines.serving.codec``).
 
 ``PREDICTION_SCHEMA``, one row per event:
 
@@ -24,13 +26,16 @@ import pyarrow.compute as pc
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import PredictionResult
 
-from connectors.arrow import encode_batches
-from connectors.dataset_spec import LABEL
+from connectors.dataset_spec import CAT_PREFIX, LABEL
+from connectors.deadletter import DeadLetter, dead_letter_record
 from connectors.kafka import KafkaDelivery, close_client, new_producer, value_budget
-from pipelines.flights.status import write_status
+from pipelines.serving.codec import PREDICTION_SCHEMA, PredictionsCodec, predictions_format
 from pipelines.serving.handler import parse_model_tag
+from pipelines.stream.formats.registry import SchemaRegistry
+from pipelines.stream.status import write_status
 
-__all__ = ["PREDICTION_SCHEMA", "LATENCY_BUCKETS_S", "METRICS_NAMESPACE", "predictions_batch", "WritePredictions"]
+__all__ = ["LATENCY_BUCKETS_S", "METRICS_NAMESPACE", "predictions_batch", "WritePredictions"]
+
 
 #: Upper bounds (seconds) of the prediction-latency histogram (event time to scoring time) the scorer
 #: keeps in its status (``latency_buckets``: counts per bucket, the last one above the last bound);
@@ -43,20 +48,18 @@ _BUCKET_MS = np.asarray([b * 1000 for b in LATENCY_BUCKETS_S])
 #: latency: one update per batch, so counting costs nothing per event).
 METRICS_NAMESPACE = "flowtrain.serving"
 
-PREDICTION_SCHEMA = pa.schema([
-    ("source", pa.string()),
-    ("src_partition", pa.int64()),
-    ("src_offset", pa.int64()),
-    ("id", pa.string()),
-    ("prediction", pa.float32()),
-    ("predicted_class", pa.string()),
-    ("probabilities", pa.list_(pa.float32())),
-    ("model_version", pa.int64()),
-    ("model_run", pa.string()),
-    ("event_time", pa.timestamp("ms", tz="UTC")),
-    ("scoring_time", pa.timestamp("ms", tz="UTC")),
-    ("label", pa.float32()),
-])
+
+def _own_column(features: pa.RecordBatch, name: str) -> pa.Array:
+    """The featurizer's column ``name`` (the first of that name: a carried event field of the same name follows)."""
+    return features.column(features.schema.get_all_field_indices(name)[0])
+
+
+def unseen_counts(features: pa.RecordBatch | None, categorical) -> dict[str, int]:
+    """Per categorical feature, the rows whose value the model does not know: never seen in training (or too
+    rare to be kept), or missing (the out-of-vocabulary code 0)."""
+    if features is None:
+        return {c: 0 for c in categorical}
+    return {c: int((features.column(CAT_PREFIX + c).to_numpy(zero_copy_only=False) == 0).sum()) for c in categorical}
 
 
 def predictions_batch(result: PredictionResult, task: str, classes: list[str] | None,
@@ -85,16 +88,17 @@ def predictions_batch(result: PredictionResult, task: str, classes: list[str] | 
         names = pa.array(np.asarray(classes, dtype=object)[best], type=pa.string())
     else:
         prediction = outputs
-    ids = f.column(id_column).cast(pa.string()) if id_column and id_column in f.schema.names \
-        else pa.nulls(n, pa.string())
+    # an event field carried as the id comes after the featurizer's own columns, whatever its name (`label`...)
+    ids = f.column(f.schema.get_all_field_indices(id_column)[-1]).cast(pa.string()) \
+        if id_column and id_column in f.schema.names else pa.nulls(n, pa.string())
     label = pa.nulls(n, pa.float32())
     if LABEL in f.schema.names:  # NaN (the featurizer's "no label": unlabelled, unseen class) -> null
-        values = f.column(LABEL).cast(pa.float32())
+        values = _own_column(f, LABEL).cast(pa.float32())
         label = pc.if_else(pc.is_nan(values), pa.scalar(None, pa.float32()), values)
     return pa.RecordBatch.from_arrays([
-        f.column("source").cast(pa.string()),
-        f.column("src_partition").cast(pa.int64()),
-        f.column("src_offset").cast(pa.int64()),
+        _own_column(f, "source").cast(pa.string()),
+        _own_column(f, "src_partition").cast(pa.int64()),
+        _own_column(f, "src_offset").cast(pa.int64()),
         ids,
         pa.array(prediction, type=pa.float32()),
         names,
@@ -108,7 +112,9 @@ def predictions_batch(result: PredictionResult, task: str, classes: list[str] | 
 
 
 class _WritePredictionsFn(beam.DoFn):
-    """Each scored micro-batch -> Arrow messages, acknowledged; then its offset range goes on."""
+    """Each scored micro-batch -> messages (``PredictionsCodec``), acknowledged; then its offset range goes on. A
+    prediction that cannot be written (too large for a message, an encoding error) is a dead letter
+    on the scorer's dead-letter topic with the reason, acknowledged the same way."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -117,33 +123,108 @@ class _WritePredictionsFn(beam.DoFn):
         from pipelines.serving.config import topic_limits
 
         cfg = self.cfg
-        self.limits = topic_limits(cfg, [cfg.predictions_topic])
+        self.limits = topic_limits(cfg, [cfg.predictions_topic, cfg.dead_letter_topic])
         self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
+        fmt = predictions_format(getattr(cfg, "predictions_format", None), cfg.event_format)
+        registry = SchemaRegistry(cfg.schema_registry) if cfg.schema_registry and fmt in ("avro", "protobuf") else None
+        self.codec = PredictionsCodec(fmt, registry, f"{cfg.predictions_topic}-value")
+        self.codec.register()  # the predictions' schema, once (a registry that does not answer is waited for)
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "run_id": None,
                        "versions": {}, "latency_ms_sum": 0, "to_featurized_ms_sum": 0,
                        "latency_buckets_s": list(LATENCY_BUCKETS_S),
-                       "latency_buckets": [0] * (len(LATENCY_BUCKETS_S) + 1)}
+                       "latency_buckets": [0] * (len(LATENCY_BUCKETS_S) + 1), "dead_letters": 0}
         self.metrics = {name: Metrics.counter(METRICS_NAMESPACE, name)
                         for name in ("predictions", "scored_batches", "labelled", "correct")}
         self.latency = Metrics.distribution(METRICS_NAMESPACE, "batch_latency_ms")
+        self.drift = None
+        if getattr(cfg, "drift", None) is not None:  # drift monitoring (pipelines.serving.drift)
+            from pipelines.serving.drift import DriftReporter, kafka_sender
+
+            self.drift = DriftReporter(cfg.drift, classification=cfg.spec.task == "classification",
+                                       status_path=cfg.status_path,
+                                       send=kafka_sender(self.producer, cfg.drift.topic) if cfg.drift.topic else None)
 
     def teardown(self):
+        if getattr(self, "drift", None) is not None:
+            self.drift.close()  # the last window published, its records sent before the producer closes
         if getattr(self, "producer", None) is not None:
             close_client(self.producer)
             self.producer = None
 
     def process(self, result: PredictionResult):
         batch = result.example
-        preds = predictions_batch(result, self.cfg.spec.task, self.cfg.classes, self.cfg.id_column)
-        if preds.num_rows:
+        try:
+            preds = predictions_batch(result, self.cfg.spec.task, self.cfg.classes, self.cfg.id_column)
+            messages, preds, unwritable = self.codec.encode(
+                preds, value_budget(self.limits[self.cfg.predictions_topic], str(batch.partition).encode()))
+        except Exception as err:  # noqa: BLE001 - a micro-batch that cannot be written: its events are dead letters
+            f = batch.features
+            messages, preds = [], None
+            unwritable = [(i, f"its prediction cannot be written: {type(err).__name__}: {str(err)[:500]}")
+                          for i in range(0 if f is None else f.num_rows)]
+        if unwritable:
+            self._dead_letters(batch, unwritable)
+        if messages:
             key = str(batch.partition).encode()
-            budget = value_budget(self.limits[self.cfg.predictions_topic], key)
-            for message in encode_batches(preds, budget):
+            for message in messages:
                 self.delivery.send(self.cfg.predictions_topic, message, key=key)
-            self.delivery.confirm()
+        if messages or unwritable:
+            self.delivery.confirm()  # acknowledged before the offsets can be committed, and before counting
+        self.totals["dead_letters"] += len(unwritable)
+        if preds is not None and preds.num_rows:
+            self._count_unseen(batch.features)
             self._count(preds, batch.featurized_ms)
+            if self.drift is not None:
+                self._drift(batch.features, preds)
+        elif unwritable:
+            write_status(self.cfg.status_path, self, self.totals, kind="predictions")
         yield (f"{batch.topic}/{batch.partition}", (batch.first_offset, batch.last_offset))
+
+    def _dead_letters(self, batch, rows: list[tuple[int, str]]) -> None:
+        """The events of ``rows`` (indices of the micro-batch's features) as dead letters with the reason."""
+        f = batch.features
+        sources = f.column("source").to_pylist()
+        ids = f.column(self.cfg.id_column) if self.cfg.id_column and self.cfg.id_column in f.schema.names else None
+        topic = self.cfg.dead_letter_topic
+        for i, reason in rows:
+            payload = {"source": sources[i]}
+            if ids is not None:
+                value = ids[i].as_py()
+                payload["id"] = value if value is None or len(str(value)) <= 256 else str(value)[:256] + "..."
+            key, value, headers = dead_letter_record(DeadLetter(payload, sources[i], reason),
+                                                     max_bytes=self.limits[topic])
+            self.delivery.send(topic, value, key=key, headers=headers)
+
+    def _count_unseen(self, features: pa.RecordBatch) -> None:
+        """Scored events with an unseen categorical value, per column: the status's ``unseen`` and the Beam
+        counters ``unseen_<column>``."""
+        totals = self.totals.setdefault("unseen", {c: 0 for c in self.cfg.spec.categorical})
+        for col, n in unseen_counts(features, self.cfg.spec.categorical).items():
+            totals[col] = totals.get(col, 0) + n
+            if n:
+                Metrics.counter(METRICS_NAMESPACE, f"unseen_{col}").inc(n)
+
+    def _drift(self, features: pa.RecordBatch, preds: pa.RecordBatch) -> None:
+        """The micro-batch into the drift window (``pipelines.serving.drift.DriftReporter``: the window's counts go
+        to the status file, kind ``drift``, and its measures to the drift topic, from the reporter's thread)."""
+        label = preds.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
+        k = self.cfg.n_classes
+        if k > 2:
+            scores = np.asarray(preds.column("probabilities").flatten().to_numpy(zero_copy_only=False),
+                                dtype=np.float64).reshape(preds.num_rows, k)
+        else:
+            scores = preds.column("prediction").to_numpy(zero_copy_only=False).astype(np.float64)
+        known = np.isfinite(label)
+        wrong = None
+        if known.any():
+            if self.cfg.spec.task == "classification":
+                guess = scores.argmax(axis=1) if k > 2 else (scores > 0.5).astype(np.int64)
+                wrong = (guess[known] != label[known].astype(np.int64)).astype(np.float64)
+            else:  # an error in [0, 1]: the absolute error in units of 4 training standard deviations
+                std = float(self.cfg.stats.get("label_std") or 1.0)
+                wrong = np.minimum(1.0, np.abs(scores[known] - label[known]) / (4.0 * std))
+        self.drift.add(features, label, scores, wrong)
 
     def _count(self, preds: pa.RecordBatch, featurized_ms: int) -> None:
         t = self.totals

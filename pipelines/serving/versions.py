@@ -6,18 +6,37 @@ update key. ``VersionTracker`` decides which version serves:
 
 - a record is believed only if it is well formed, at most ``MAX_RECORD_BYTES``, and, when this
   scorer has an update key, signed with it (unsigned and mis-signed records are rejected; without
-  a key the tracker warns once, loudly, that updates are not authenticated);
+  a key the tracker warns once, loudly, that updates are not authenticated). Any record at all is
+  either believed or a rejection with its reason: nothing in a record raises out of the tracker;
 - versions are numbered per trainer run (``run_id``): a record older than or equal to a version
   already seen *of its own run* is rejected (a replay); a record of another run never compares
   with this run's numbers, so no number, however large, pins the scorer. Among believable
-  records the one published last (Kafka timestamp, then partition and offset) that loads serves;
+  records the one published last that loads serves: publication order is the record's signed
+  ``sequence`` (then partition and offset; the Kafka timestamp for an unsigned record without
+  one), so a byte-identical re-send of an old record, however late, is older than what followed
+  it, and a restarted scorer starts with the newest version on the topic, not the newest re-sent;
 - the file it names is read only if it is a regular file (a FIFO is refused without blocking)
   of at most ``max_model_bytes``, with the record's digest; the scorer keeps its **own copy**
   (``ModelCache``: ``<cache>/<sha256>.pt`` plus its record), so the trainer's retention can never
-  take away a version a scorer serves. The copies have their own retention (``keep``).
+  take away a version a scorer serves. The copies have their own retention (``keep``). A record
+  whose file is gone but whose digest names a copy the scorer holds loads that copy; a scorer
+  that finds no loadable version on the topic at start serves its newest valid copy
+  (``VersionTracker.fall_back_to_stored``).
 
-Every rejected record is remembered with its reason (``rejected``, ``rejected_count``) and
-logged with the version that serves instead. ``LatestModelVersion`` is the side input of the
+A model with ID tables is published as ID versions (``connectors.id_deltas``: a record with ``kind``
+snapshot or delta and its ``base``; the payload holds the dense parameters and only the ID rows
+changed). The tracker applies them per run with ``pipelines.ids.serving.ServedIds``, strictly in
+order: a delta only on top of exactly its base; a delta after a gap (lost, late or reordered) is
+held, never applied out of order, until its base is served or the next snapshot makes it moot;
+a scorer starting late (or fallen behind) reads nothing before the newest snapshot on the topic
+and applies the deltas after it. An evicted ID is served from its last row until the delta that
+removes it. The version that serves is the scorer's own copy of what it applied, whole (a snapshot
+payload in the model cache), so the handler, the fall-back to a stored copy and a restart load it
+like any version. ``ids_status()`` has the counts (held, applied, stale, rejected).
+
+Every rejected record is remembered with its reason (``rejected``, ``rejected_count``, counts by
+kind in ``rejected_kinds``) and logged with the version that serves instead, once per kind (a
+flood of bad records is counted, not logged line by line). ``LatestModelVersion`` is the side input of the
 scoring pipeline (one look-up per serving window, Beam's "slowly updating side input").
 """
 from __future__ import annotations
@@ -37,7 +56,9 @@ from apache_beam.transforms import window
 from apache_beam.transforms.periodicsequence import PeriodicImpulse
 from apache_beam.utils.timestamp import Timestamp
 
-from connectors.kafka import close_client, new_consumer, retry_kafka
+from connectors.id_deltas import FORMAT as ID_FORMAT
+from connectors.id_deltas import encode as encode_id_version
+from connectors.kafka import KafkaUnavailable, close_client, new_consumer, retry_kafka, topic_partitions
 from connectors.model_updates import (
     DEFAULT_MAX_MODEL_BYTES,
     RejectedUpdate,
@@ -46,7 +67,8 @@ from connectors.model_updates import (
     read_model_file,
     sha256_hex,
 )
-from pipelines.flights.status import write_status
+from pipelines.ids.serving import ServedIds
+from pipelines.stream.status import write_status
 
 __all__ = ["ModelVersion", "UpdateMessage", "VersionTracker", "ModelCache", "read_updates", "updates_consumer",
            "new_tracker", "wait_for_version", "LatestModelVersion", "first_tick", "WINDOW_OFFSET_S"]
@@ -57,6 +79,9 @@ _log = logging.getLogger(__name__)
 #: whole milliseconds, so no event lands exactly on a tick (a tick at T is not in the side input
 #: before the side input's watermark has passed T).
 WINDOW_OFFSET_S = 0.0005
+
+#: Trainer runs whose ID tables a tracker keeps (the serving one and the newest others).
+MAX_ID_RUNS = 2
 
 LoadVersion = Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
 
@@ -119,6 +144,19 @@ class ModelCache:
         os.replace(tmp_meta, meta)
         return mine
 
+    def adopt(self, version: ModelVersion, max_bytes: int) -> ModelVersion | None:
+        """The copy of ``version`` (named by its digest, at most ``max_bytes``) when this cache holds
+        it, else None; the copy's description is written again with ``version``'s publication."""
+        final = self.dir / f"{version.sha256}.pt"
+        if not version.sha256 or not final.is_file() or final.stat().st_size > max_bytes:
+            return None
+        mine = version._replace(path=str(final))
+        meta = self.dir / f"{version.sha256}.json"
+        tmp_meta = meta.with_suffix(f".json.{os.getpid()}.tmp")
+        tmp_meta.write_text(mine.model_id())
+        os.replace(tmp_meta, meta)
+        return mine
+
     def listed(self) -> list[ModelVersion]:
         """The complete copies, most recently published first."""
         out = []
@@ -152,74 +190,211 @@ class VersionTracker:
         self.current: ModelVersion | None = None
         self.rejected: list[dict] = []  # the newest 100, each with its reason
         self.rejected_count = 0
+        self.rejected_kinds: dict[str, int] = {}  # kind -> count (each kind is logged once)
         self.newest_by_run: dict[str, int] = {}
         self._seen: set[str] = set()  # records already decided (a record is never tried twice)
+        self.ids: dict[str, ServedIds] = {}  # run id -> its ID tables as applied (models with ID tables)
+        self._id_orders: dict[str, dict[int, tuple[str, tuple]]] = {}  # run -> version -> (where, order)
+        self.ids_superseded = 0  # ID records before the newest snapshot read with them: never read
+        self._held_logged = False
         if key is None and warn_unsigned:
             _log.warning("MODEL UPDATES ARE NOT AUTHENTICATED: no update key (--update-key-file or "
                          "$FLOWTRAIN_UPDATE_KEY), so any producer on the updates topic can make this scorer load "
                          "its file; set the trainer's key here too")
 
     def offer(self, records: Iterable[UpdateMessage | tuple]) -> bool:
-        """Records in any order; True if the current version changed. Each rejection is logged."""
+        """Records in any order; True if the current version changed. Each rejection is counted and
+        remembered; the first of each kind is logged. Nothing a record holds raises out of here."""
         believed: list[tuple[UpdateMessage, UpdateRecord]] = []
-        rejects: list[tuple[str, Any, str]] = []
+        rejects: list[tuple[str, Any, str, str]] = []  # (where, version, reason, kind)
         for msg in records:
             msg = UpdateMessage(*msg)
             if msg.where in self._seen:
                 continue
             self._seen.add(msg.where)
             try:
-                believed.append((msg, check_record(msg.value, self.key)))
+                rec = check_record(msg.value, self.key)
             except RejectedUpdate as err:
-                rejects.append((msg.where, None, str(err)))
+                rejects.append((msg.where, None, str(err), err.kind))
+                continue
+            except Exception as err:  # noqa: BLE001 - check_record raises only RejectedUpdate; a guard
+                rejects.append((msg.where, None, f"not a model-update record ({type(err).__name__})", "malformed"))
+                continue
+            if rec.sequence is not None:  # the signed publication order (a re-send keeps it)
+                msg = msg._replace(order=(rec.sequence, *tuple(msg.order)[1:]))
+            believed.append((msg, rec))
+        id_versions = [(m, r) for m, r in believed if r.raw.get("format") == ID_FORMAT]
+        believed = [(m, r) for m, r in believed if r.raw.get("format") != ID_FORMAT]
         candidates = []
-        for msg, rec in sorted(believed, key=lambda mr: mr[0].order):  # in publication order
+        run_high: dict[str, tuple] = {}  # run -> (version, sha256) of its newest record read so far
+        for msg, rec in sorted(believed, key=lambda mr: tuple(mr[0].order)):  # in publication order
             newest = self.newest_by_run.get(rec.run_id)
-            if newest is not None and rec.version <= newest:
+            high = run_high.get(rec.run_id)
+            if (newest is not None and rec.version <= newest) or (high is not None and rec.version <= high[0]):
                 cur = self.current
-                if cur is None or (rec.run_id, rec.version, rec.sha256) != (cur.run_id, cur.version, cur.sha256):
-                    rejects.append((msg.where, rec.version, f"not newer than version {newest} of its run "
+                again = (high is not None and (rec.version, rec.sha256) == high) or (
+                    cur is not None and (rec.run_id, rec.version, rec.sha256) == (cur.run_id, cur.version, cur.sha256))
+                if not again:  # (the same version published again: a producer's retry)
+                    than = max(newest or 0, high[0] if high else 0)
+                    rejects.append((msg.where, rec.version, f"not newer than version {than} of its run "
                                                             f"{rec.run_id or '(unnamed)'}: versions of a run only "
-                                                            f"move forward (a replayed or stale record)"))
-                continue  # (the serving version itself published again: a producer's retry)
+                                                            f"move forward (a replayed or stale record)", "stale"))
+                continue
+            run_high[rec.run_id] = (rec.version, rec.sha256)
             candidates.append((msg, rec))
         changed = False
         for msg, rec in reversed(candidates):  # the last published first; older ones are superseded
-            if self.current is not None and msg.order <= self.current.order:
-                break
+            cur = self.current
+            if cur is not None and tuple(msg.order) <= tuple(cur.order):  # published before what serves
+                rejects.append((msg.where, rec.version, f"published before the serving version {cur.version} of "
+                                                        f"run {cur.run_id or '(unnamed)'} (a replayed or stale "
+                                                        f"record)", "stale"))
+                continue
             try:
                 self.current, changed = self._try(msg, rec), True
             except Exception as err:  # noqa: BLE001 - any failure to read or load rejects the version
+                kind = err.kind if isinstance(err, RejectedUpdate) else "load"
                 reason = str(err) if isinstance(err, RejectedUpdate) else f"{type(err).__name__}: {err}"
-                rejects.append((msg.where, rec.version, reason))
+                rejects.append((msg.where, rec.version, reason, kind))
                 continue
             # numbers move forward per run from what served (a record that failed to load, however
             # large its number, never blocks the run's next versions)
             self.newest_by_run[rec.run_id] = max(self.newest_by_run.get(rec.run_id, 0), rec.version)
             break
-        for where, version, reason in rejects:
-            serving = (f"; serving version {self.current.version} of run {self.current.run_id or '(unnamed)'}"
-                       if self.current else "; no version to serve yet")
-            _log.warning("model version %s published at %s rejected: %s%s",
-                         version if version is not None else "?", where, reason, serving)
-            self.rejected = (self.rejected + [{"version": version, "published_at": where, "reason": reason}])[-100:]
-            self.rejected_count += 1
+        changed = self._offer_ids(id_versions, rejects) or changed
+        for where, version, reason, kind in rejects:
+            self._reject(where, version, reason, kind)
         if changed:
             self.cache.prune(keep_paths=[self.current.path])
         return changed
 
+    def _offer_ids(self, believed: list[tuple[UpdateMessage, UpdateRecord]], rejects: list) -> bool:
+        """ID versions (see the module doc), per run in publication order; True if the serving version changed."""
+        runs: dict[str, list[tuple[UpdateMessage, UpdateRecord]]] = {}
+        for msg, rec in sorted(believed, key=lambda mr: tuple(mr[0].order)):
+            runs.setdefault(rec.run_id, []).append((msg, rec))
+        changed = False
+        for run, items in sorted(runs.items(), key=lambda kv: tuple(kv[1][-1][0].order)):
+            served = self.ids.get(run)
+            snaps = [i for i, (_, r) in enumerate(items) if r.raw.get("kind") == "snapshot"]
+            if snaps and (served is None or served.version is None or items[snaps[-1]][1].version > served.version):
+                self.ids_superseded += snaps[-1]  # a late start or a scorer behind: the newest snapshot on
+                items = items[snaps[-1]:]
+            if served is None:
+                served = self.ids[run] = ServedIds(self.key, self.max_model_bytes)
+                for other in [r for r in self.ids if r != run and (self.current is None or r != self.current.run_id)]:
+                    if len(self.ids) <= MAX_ID_RUNS:
+                        break
+                    del self.ids[other]
+                    self._id_orders.pop(other, None)
+            before = served.version
+            orders = self._id_orders.setdefault(run, {})
+            for msg, rec in items:
+                orders[rec.version] = (msg.where, tuple(msg.order))
+                try:
+                    payload = read_model_file(rec, self.max_model_bytes)
+                except RejectedUpdate as err:
+                    rejects.append((msg.where, rec.version, str(err), err.kind))
+                    continue
+                result = served.offer(rec.raw, payload)
+                if result.startswith("rejected"):
+                    rejects.append((msg.where, rec.version, result.partition(": ")[2], "ID version"))
+                elif result == "stale":
+                    rejects.append((msg.where, rec.version, f"not newer than ID version {served.version} of its run "
+                                                            f"{run or '(unnamed)'} (a replayed or stale record)",
+                                    "stale"))
+                elif result == "held" and not self._held_logged:
+                    self._held_logged = True
+                    _log.warning("ID delta version %d (on version %s) published at %s does not follow the served "
+                                 "version %s: held until its base is served or the next snapshot, never applied out "
+                                 "of order (further ones are counted in the status)", rec.version,
+                                 rec.raw.get("base"), msg.where, served.version)
+            if served.version is None or served.version == before:
+                continue
+            for v in [v for v in orders if v < served.version]:
+                del orders[v]
+            where, order = orders.get(served.version, (f"ID version {served.version}", (0, 0, 0)))
+            cur = self.current
+            if cur is not None and tuple(order) <= tuple(cur.order):
+                continue  # published before what serves
+            try:
+                self.current, changed = self._store_ids(run, served, where, order), True
+            except Exception as err:  # noqa: BLE001 - a version that does not load is rejected, the previous serves
+                reason = str(err) if isinstance(err, RejectedUpdate) else f"{type(err).__name__}: {err}"
+                rejects.append((where, served.version, reason, "load"))
+                continue
+            self.newest_by_run[run] = max(self.newest_by_run.get(run, 0), served.version)
+        return changed
+
+    def _store_ids(self, run: str, served: ServedIds, where: str, order: tuple) -> ModelVersion:
+        """The applied ID version whole into the model cache (the copy the handler loads), checked to load."""
+        version = self.cache.put(encode_id_version(served.snapshot()),
+                                 ModelVersion(int(served.version), run, "", None, where, tuple(order)))
+        _, loaded = self._load(version.path, version.sha256)
+        if int(loaded) != version.version:
+            raise RejectedUpdate(f"the ID version {version.version} stored loads as version {loaded}", "load")
+        return version
+
+    def ids_status(self) -> dict | None:
+        """The serving run's ID tables (``ServedIds.status``) and the records superseded by a newer snapshot;
+        None without ID versions."""
+        if not self.ids:
+            return None
+        run = self.current.run_id if self.current is not None and self.current.run_id in self.ids else \
+            next(reversed(self.ids))
+        return {"run_id": run, **self.ids[run].status(), "superseded": self.ids_superseded}
+
+    def _reject(self, where: str, version: int | None, reason: str, kind: str) -> None:
+        self.rejected = (self.rejected + [{"version": version, "published_at": where, "reason": reason,
+                                           "kind": kind}])[-100:]
+        self.rejected_count += 1
+        self.rejected_kinds[kind] = self.rejected_kinds.get(kind, 0) + 1
+        if self.rejected_kinds[kind] > 1:
+            _log.debug("model version %s published at %s rejected: %s", version, where, reason)
+            return
+        serving = (f"; serving version {self.current.version} of run {self.current.run_id or '(unnamed)'}"
+                   if self.current else "; no version to serve yet")
+        _log.warning("model version %s published at %s rejected: %s%s (further rejections of kind %r are "
+                     "counted in the status, not logged)", version if version is not None else "?", where,
+                     reason, serving, kind)
+
     def _try(self, msg: UpdateMessage, rec: UpdateRecord) -> ModelVersion:
-        """Read, copy and load the record's file; the served ``ModelVersion`` (or an exception)."""
+        """Read, copy and load the record's file; the served ``ModelVersion`` (or an exception).
+        A copy this scorer already holds (named by the record's digest) is loaded instead of the
+        trainer's file: the record authenticates it as well, and the trainer may have pruned its own."""
         version = ModelVersion(rec.version, rec.run_id, rec.path, rec.sha256, msg.where, tuple(msg.order))
         if rec.sha256 is None:  # an old unsigned record: the trainer's file, checked against its sidecar
             _, loaded = self._load(rec.path)
         else:
-            data = read_model_file(rec, self.max_model_bytes)
-            version = self.cache.put(data, version)
+            mine = self.cache.adopt(version, self.max_model_bytes)
+            if mine is None:
+                mine = self.cache.put(read_model_file(rec, self.max_model_bytes), version)
+            version = mine
             _, loaded = self._load(version.path, version.sha256)
         if int(loaded) != rec.version:
-            raise RejectedUpdate(f"the record says version {rec.version}, its checkpoint holds version {loaded}")
+            raise RejectedUpdate(f"the record says version {rec.version}, its checkpoint holds version {loaded}",
+                                 "load")
         return version
+
+    def fall_back_to_stored(self) -> ModelVersion | None:
+        """No loadable version on the topic: serve the newest copy in this scorer's cache that loads
+        (each was authenticated when it was stored); None when there is none."""
+        for cand in self.cache.listed():
+            try:
+                _, loaded = self._load(cand.path, cand.sha256)
+                if int(loaded) != cand.version:
+                    raise ValueError(f"holds version {loaded}, not {cand.version}")
+            except Exception as err:  # noqa: BLE001 - the next older copy, then
+                _log.warning("stored model version %d at %s cannot be loaded (%s: %s)", cand.version, cand.path,
+                             type(err).__name__, err)
+                continue
+            self.current = cand
+            self.newest_by_run[cand.run_id] = max(self.newest_by_run.get(cand.run_id, 0), cand.version)
+            _log.warning("no model version on the updates topic can be loaded; serving version %d of run %s, the "
+                         "newest valid copy this scorer stored (%s)", cand.version, cand.run_id or "(unnamed)",
+                         cand.path)
+            return cand
+        return None
 
 
 def read_updates(consumer, *, rounds: int = 20, poll_ms: int = 50) -> list[UpdateMessage]:
@@ -238,16 +413,37 @@ def read_updates(consumer, *, rounds: int = 20, poll_ms: int = 50) -> list[Updat
     return out
 
 
+#: The bound on each question about the updates topic's partitions (kafka-python's own wait has none).
+PARTITIONS_ASK_S = 5.0
+
+
 def updates_consumer(bootstrap: str, topic: str, kafka_config: dict, *, wait_s: float = 30.0):
-    """A consumer assigned to every partition of the updates topic, from the beginning."""
+    """A consumer assigned to every partition of the updates topic, from the beginning.
+
+    It waits up to ``wait_s`` for the topic (the trainer creates it) and for brokers that do not answer, each
+    question bounded (``connectors.kafka.topic_partitions``); then a ``ValueError`` says the topic does not
+    exist, or names the brokers that never answered and the topic."""
     from kafka import TopicPartition
 
-    consumer = new_consumer(bootstrap, {"fetch_max_wait_ms": 50, **kafka_config}, group_id=None)
+    config = {"fetch_max_wait_ms": 50, **kafka_config}
+    consumer = new_consumer(bootstrap, config, group_id=None)
     deadline = time.monotonic() + wait_s
-    parts = consumer.partitions_for_topic(topic)
-    while not parts and time.monotonic() < deadline:
+    while True:
+        try:
+            parts = topic_partitions(consumer, topic, timeout_s=PARTITIONS_ASK_S)
+            unavailable = None
+        except KafkaUnavailable as err:  # a new consumer for the next question (closing this one ends its wait)
+            parts, unavailable = set(), err
+            close_client(consumer)
+            consumer = None
+        if parts or time.monotonic() >= deadline:
+            break
         time.sleep(0.5)
-        parts = consumer.partitions_for_topic(topic)
+        if consumer is None:
+            consumer = new_consumer(bootstrap, config, group_id=None)
+    if unavailable is not None:  # a one-line error, as a missing topic is (the callers say it so)
+        raise ValueError(f"the partitions of model-updates topic {topic!r} (asked for {wait_s:g} s): "
+                         f"{unavailable}") from None
     if not parts:
         close_client(consumer)
         raise ValueError(f"model-updates topic {topic!r} does not exist on {bootstrap}; the online trainer creates "
@@ -266,23 +462,55 @@ def new_tracker(cfg, *, warn_unsigned: bool = True) -> VersionTracker:
                           max_model_bytes=cfg.max_model_bytes, warn_unsigned=warn_unsigned)
 
 
+def _read_to_end(consumer) -> Callable[[], bool]:
+    """A check: has ``consumer`` read every partition up to its end offset of now?"""
+    tps = list(consumer.assignment())
+    ends = retry_kafka(lambda: consumer.end_offsets(tps), "end offsets of the updates topic")
+    return lambda: all(consumer.position(tp) >= ends[tp] for tp in tps)
+
+
 def wait_for_version(cfg, *, timeout_s: float) -> tuple[ModelVersion, VersionTracker]:
-    """The newest valid version on ``cfg.updates_topic``, waiting up to ``timeout_s`` for one."""
+    """The newest valid version on ``cfg.updates_topic``, waiting up to ``timeout_s`` for one.
+
+    The topic is read to its end before a version is chosen (the newest there wins, not the first
+    read; ID versions start at the newest snapshot there); when nothing there loads, the newest
+    valid copy the scorer stored serves (``VersionTracker.fall_back_to_stored``: the trainer's
+    ``published/`` may be gone)."""
     consumer = updates_consumer(cfg.bootstrap, cfg.updates_topic, dict(cfg.kafka_config), wait_s=timeout_s)
     tracker = new_tracker(cfg)
     deadline = time.monotonic() + timeout_s
     try:
+        at_end, fell_back, empty, pending = _read_to_end(consumer), False, 0, []
         while True:
-            tracker.offer(read_updates(consumer, poll_ms=200))
-            if tracker.current is not None:
+            records = read_updates(consumer, poll_ms=200)
+            pending += records
+            empty = 0 if records else empty + 1
+            done = at_end()
+            out_of_time = time.monotonic() >= deadline
+            if done or empty >= 3 or out_of_time:  # what the topic holds, in one offer: the newest snapshot of
+                tracker.offer(pending)  # ID versions is found before any file older than it is read
+                pending = []
+            if tracker.current is None and not fell_back and (done or out_of_time):
+                fell_back = True
+                tracker.fall_back_to_stored()
+            # (three empty reads: caught up, where offsets without records, e.g. transaction markers,
+            # keep the position below the end offset)
+            if tracker.current is not None and (done or empty >= 3 or out_of_time):
                 return tracker.current, tracker
-            if time.monotonic() >= deadline:
+            if out_of_time:
                 raise TimeoutError(f"no valid model version on {cfg.updates_topic!r} after {timeout_s:.0f} s "
-                                   f"({tracker.rejected_count} rejected); start the online trainer "
+                                   f"({tracker.rejected_count} rejected{_kinds(tracker)}) and none stored in "
+                                   f"{cfg.model_cache_dir or 'the model cache'}; start the online trainer "
                                    f"(flowtrain stream train) or wait longer (--wait-model)")
-            time.sleep(0.5)
+            if done:
+                time.sleep(0.5)
     finally:
         close_client(consumer)
+
+
+def _kinds(tracker: VersionTracker) -> str:
+    return (": " + ", ".join(f"{n} {kind}" for kind, n in sorted(tracker.rejected_kinds.items()))
+            if tracker.rejected_kinds else "")
 
 
 class _LatestVersionFn(beam.DoFn):
@@ -305,13 +533,16 @@ class _LatestVersionFn(beam.DoFn):
 
     def process(self, _tick):
         before = self.tracker.rejected_count
+        ids_before = self.tracker.ids_status()
         changed = self.tracker.offer(read_updates(self.consumer))
         current = self.tracker.current
-        if changed or self.tracker.rejected_count != before:
+        ids = self.tracker.ids_status()
+        if changed or self.tracker.rejected_count != before or ids != ids_before:
             write_status(self.cfg.status_path, self, kind="versions", status={
                 "version": current.version if current else None, "run_id": current.run_id if current else None,
                 "path": current.path if current else None, "rejected_count": self.tracker.rejected_count,
-                "rejected": self.tracker.rejected[-20:]})
+                "rejected_kinds": dict(self.tracker.rejected_kinds), "rejected": self.tracker.rejected[-20:],
+                **({"ids": ids} if ids is not None else {})})
         if changed:
             _log.info("model version %d of run %s (%s) is the newest valid one", current.version,
                       current.run_id or "(unnamed)", current.path)

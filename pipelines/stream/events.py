@@ -3,14 +3,14 @@
 An event is one row of a table as a JSON object whose keys are the table's column names. An
 ``EventSchema`` says which fields an event must or may have and of which JSON types; for a
 ``flowtrain batch`` dataset it comes from the dataset's spec (``event_schema``), for a domain
-with raw fields of its own (the flights demo) from that domain's adapter.
+with raw fields of its own (a dataset preset's, as the demo's) from that domain's adapter.
 
 Parsing checks presence and type of every field; whatever fails becomes a ``DeadLetter`` with a
 reason naming the field. Parsing never raises on the content of an event: it has bounds
 (``ParseBounds``: event size, JSON nesting depth, number magnitude) and anything else that goes
 wrong with one event (recursion, overflow, encoding, ...) is that event's dead letter, not the
-pipeline's failure. ``parse_batch`` parses a micro-batch in one pyarrow JSON read checked with
-compute kernels and equals ``parse_event`` + ``events_table`` row by row.
+pipeline's failure. ``pipelines.stream.parse.parse_batch`` parses a micro-batch in one pyarrow JSON read
+checked with compute kernels and equals ``parse_event`` + ``events_table`` row by row.
 
 The events table: one column per field, in the schema's order, typed by ``EventField.arrow``
 (a field without one holds its value as text: a category or class label keeps the text the
@@ -21,10 +21,8 @@ batch ETL's readers give it: ``"UA"``, ``3`` -> ``"3"``, ``true`` -> ``"true"``)
 from __future__ import annotations
 
 import datetime as dt
-import io
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -139,6 +137,8 @@ def event_schema(spec: FeatureSpec) -> EventSchema:
     fields += [EventField(c, _NUMBER, pa.float64(), required=True, nullable=True) for c in spec.numeric]
     fields += [EventField(c, _NUMBER, pa.float64(), required=False, nullable=True) for c in spec.optional_numeric]
     fields += [EventField(c, _ANY_VALUE, None, required=False, nullable=True) for c in spec.categorical]
+    # ID columns: text or a number, may be absent or null (the ID table's fallback vector)
+    fields += [EventField(c, _ANY_VALUE, None, required=False, nullable=True) for c in spec.id_columns]
     if spec.time_column and spec.time_column not in {f.name for f in fields}:
         epoch = spec.time_format in EPOCH_FORMATS  # numbers: inferred by the reader, then text
         fields.append(EventField(spec.time_column, (str, int, float), None, required=True, nullable=True,
@@ -204,7 +204,15 @@ def _parse_event(payload, source: str, schema: EventSchema, bounds: ParseBounds)
         return DeadLetter(payload, source, f"broken JSON: expected an object, got {type(event).__name__}")
     if _depth_exceeds(event, bounds.max_depth):
         return DeadLetter(payload, source, f"too deeply nested JSON: more than max_depth {bounds.max_depth} levels")
-    missing = [f.name for f in schema.fields if f.required and f.name not in event]
+    return validate_event(event, payload, source, schema, bounds)
+
+
+def validate_event(event: dict, payload, source: str, schema: EventSchema, bounds: ParseBounds = DEFAULT_BOUNDS,
+                   *, absent_is_null: bool = False) -> dict | DeadLetter:
+    """A decoded event (a dict of field values, from any event format) checked as ``parse_event`` checks a
+    JSON object: required fields present, types, NaN/inf, number bounds, times. ``payload`` is what a dead
+    letter keeps. ``absent_is_null``: a format without null (Protobuf) gives an absent field as null."""
+    missing = [] if absent_is_null else [f.name for f in schema.fields if f.required and f.name not in event]
     if missing:
         return DeadLetter(payload, source, f"missing field(s): {', '.join(missing)}")
     for f in schema.fields:
@@ -231,7 +239,7 @@ def _parse_event(payload, source: str, schema: EventSchema, bounds: ParseBounds)
     return {f.name: event.get(f.name) for f in schema.fields}
 
 
-def _text_value(value) -> str | None:
+def text_value(value) -> str | None:
     """A JSON value as the text the batch readers give a category (Arrow's casts, as ``as_text``)."""
     if value is None or isinstance(value, str):
         return value
@@ -252,7 +260,8 @@ def as_text(col: pa.Array | pa.ChunkedArray, f: EventField) -> pa.Array | pa.Chu
     return pc.cast(col, pa.string())
 
 
-def _times(col, f: EventField):
+def as_times(col, f: EventField):
+    """A text column of times written as ``f.time_format`` -> ``timestamp[s, UTC]``."""
     hours = pc.strptime(col, format=f.time_format, unit="s")
     hours = pc.assume_timezone(hours, "UTC") if hours.type.tz is None else hours
     return pc.cast(hours, TIME_TYPE)
@@ -264,209 +273,11 @@ def events_table(events: list[dict], sources: list[tuple[str, int, int]], schema
     for f in schema.fields:
         values = [e.get(f.name) for e in events]
         if f.arrow is None:
-            values = [_text_value(v) for v in values]
+            values = [text_value(v) for v in values]
         columns[f.name] = pa.array(values, f.read_type or pa.string())
         if f.time_format:
-            columns[f.name] = _times(columns[f.name], f)
+            columns[f.name] = as_times(columns[f.name], f)
     columns["source"] = pa.array([f"{t}/{p}/{o}" for t, p, o in sources], pa.string())
     columns["src_partition"] = pa.array([p for _, p, _ in sources], pa.int64())
     columns["src_offset"] = pa.array([o for _, _, o in sources], pa.int64())
     return pa.table(columns, schema=schema.table_schema())
-
-
-# ---------------------------------------------------------------------------------------------
-# A micro-batch at a time: one pyarrow JSON read, validated with compute kernels
-# ---------------------------------------------------------------------------------------------
-_SMALLEST_GROUP = 16  # a rejected group this small is parsed row by row instead of split again
-
-
-def _fast_candidate(payload, bounds: ParseBounds) -> bool:
-    """Whether the JSON reader may read this payload as exactly one row that ``parse_event`` would
-    judge alike; anything else goes row by row (multi-line values, empty ones, too large or
-    possibly too deep ones, anything that is not one object)."""
-    if not isinstance(payload, bytes) or len(payload) > bounds.max_event_bytes:
-        return False
-    if b"\n" in payload or b"\r" in payload:
-        return False
-    if not payload.isascii():  # the JSON reader does not check UTF-8; json.loads does
-        try:
-            payload.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-    body = payload.strip()
-    return (body[:1] == b"{" and body[-1:] == b"}"
-            and payload.count(b"{") + payload.count(b"[") <= bounds.max_depth)
-
-
-def _read_options(schema: EventSchema):
-    import pyarrow.json as pj
-
-    explicit = pa.schema([(f.name, f.read_type) for f in schema.fields if f.read_type is not None])
-    inferred = any(f.read_type is None for f in schema.fields)
-    return pj.ParseOptions(explicit_schema=explicit, unexpected_field_behavior="infer" if inferred else "ignore")
-
-
-def _inferred_ok(col: pa.ChunkedArray, f: EventField) -> bool:
-    """Whether a column the reader inferred holds only types the field accepts (as one type)."""
-    t = col.type
-    if pa.types.is_null(t) or pa.types.is_string(t):
-        return pa.types.is_null(t) or str in f.types
-    if pa.types.is_boolean(t):
-        return bool in f.types
-    if pa.types.is_integer(t):
-        return int in f.types
-    if pa.types.is_floating(t):
-        return float in f.types
-    return False  # e.g. a timestamp the reader made of text: row by row
-
-
-def _kernel_valid(table: pa.Table, schema: EventSchema, bounds: ParseBounds) -> pa.ChunkedArray:
-    """Rows every check of ``parse_event`` passes, judged column by column; the others are left
-    to ``parse_event`` to name their reason."""
-    ok = pa.chunked_array([pa.array([True] * table.num_rows)])
-    int_bound = math.floor(bounds.max_abs_number)
-    for f in schema.fields:
-        if f.name not in table.column_names:
-            if f.required:  # no row has it
-                return pa.chunked_array([pa.array([False] * table.num_rows)])
-            continue
-        col = table.column(f.name)
-        present = pc.is_valid(col)
-        if f.required or not f.nullable:  # the reader cannot tell null from missing: parse_event tells them apart
-            ok = pc.and_(ok, present)
-        if f.read_type is None and not _inferred_ok(col, f):
-            ok = pc.and_(ok, pc.invert(present))
-            continue
-        if pa.types.is_floating(col.type):
-            good = pc.and_(pc.invert(pc.or_(pc.is_nan(col), pc.is_inf(col))),
-                           pc.less_equal(pc.abs(col), bounds.max_abs_number))
-        elif pa.types.is_integer(col.type):
-            good = pc.and_(pc.less_equal(col, int_bound), pc.greater_equal(col, -int_bound))
-        elif f.time_format:
-            good = pc.is_valid(pc.strptime(col, format=f.time_format, unit="s", error_is_null=True))
-        else:
-            continue
-        ok = pc.and_(ok, pc.fill_null(good, True))
-    return ok
-
-
-def _normalize(table: pa.Table, schema: EventSchema) -> pa.Table:
-    """The reader's columns (only rows ``_kernel_valid`` kept) -> the events-table fields."""
-    columns = {}
-    for f in schema.fields:
-        if f.name not in table.column_names:
-            columns[f.name] = pa.nulls(table.num_rows, f.table_type)
-            continue
-        col = table.column(f.name)
-        if f.read_type is None:
-            col = as_text(col, f)
-        elif f.time_format:
-            col = _times(col, f)
-        columns[f.name] = col.cast(f.table_type)
-    return pa.table(columns)
-
-
-def _read_json(payloads: list[bytes], indices: list[int], schema: EventSchema, bounds: ParseBounds,
-               good: list[tuple[list[int], pa.Table]], slow: list[int]) -> None:
-    """Read ``indices`` in one call; a group the reader rejects is split in halves until small."""
-    import pyarrow.json as pj
-
-    try:
-        table = pj.read_json(io.BytesIO(b"\n".join(payloads[i] for i in indices)), parse_options=_read_options(schema))
-        if table.num_rows != len(indices):
-            raise ValueError("not one row per payload")
-        table.validate(full=True)  # e.g. invalid UTF-8 in a string
-        valid = _kernel_valid(table, schema, bounds).to_numpy(zero_copy_only=False)
-        kept = [i for i, v in zip(indices, valid) if v]
-        normalized = _normalize(table.filter(pa.array(valid)), schema) if kept else None
-    except Exception:  # noqa: BLE001 - a broken or mistyped event somewhere in the group
-        if len(indices) <= _SMALLEST_GROUP:
-            slow.extend(indices)
-            return
-        half = len(indices) // 2
-        _read_json(payloads, indices[:half], schema, bounds, good, slow)
-        _read_json(payloads, indices[half:], schema, bounds, good, slow)
-        return
-    slow.extend(i for i, v in zip(indices, valid) if not v)
-    if kept:
-        good.append((kept, normalized))
-
-
-def _with_sources(table: pa.Table, sources: list[tuple[str, int, int]], schema: EventSchema) -> pa.Table:
-    partitions = pa.array([p for _, p, _ in sources], pa.int64())
-    offsets = pa.array([o for _, _, o in sources], pa.int64())
-    topics = pa.array([t for t, _, _ in sources], pa.string())
-    text = pc.binary_join_element_wise(topics, pc.cast(partitions, pa.string()), pc.cast(offsets, pa.string()), "/")
-    table = table.append_column("source", text).append_column("src_partition", partitions) \
-        .append_column("src_offset", offsets)
-    return table.cast(schema.table_schema())
-
-
-def parse_batch(payloads: Sequence[bytes | None], sources: Sequence[tuple[str, int, int]], schema: EventSchema,
-                bounds: ParseBounds = DEFAULT_BOUNDS) -> tuple[pa.Table | None, list[DeadLetter]]:
-    """A micro-batch of raw events -> (events table as ``events_table`` builds it, dead letters).
-
-    The batch's JSON values are read in one pyarrow call and checked with compute kernels;
-    only values the kernels cannot vouch for (and those in a group the reader rejects) are
-    parsed row by row by ``parse_event``, which names each reject's reason. The result equals
-    ``parse_event`` + ``events_table`` row by row, in the order of ``payloads``. Never raises on
-    the content of an event.
-    """
-    payloads, sources = list(payloads), list(sources)
-    fast = [i for i, p in enumerate(payloads) if _fast_candidate(p, bounds)]
-    slow = sorted(set(range(len(payloads))) - set(fast))
-    good: list[tuple[list[int], pa.Table]] = []
-    if fast:
-        _read_json(payloads, fast, schema, bounds, good, slow)
-    letters: list[tuple[int, DeadLetter]] = []
-    parsed_idx, parsed = [], []
-    for i in sorted(slow):
-        t, p, o = sources[i]
-        out = parse_event(payloads[i], f"{t}/{p}/{o}", schema, bounds)
-        if isinstance(out, DeadLetter):
-            letters.append((i, out))
-        else:
-            parsed_idx.append(i)
-            parsed.append(out)
-    tables, order = [], []
-    for indices, table in good:
-        tables.append(_with_sources(table, [sources[i] for i in indices], schema))
-        order += indices
-    if parsed:
-        try:
-            tables.append(events_table(parsed, [sources[i] for i in parsed_idx], schema))
-            order += parsed_idx
-        except Exception:  # noqa: BLE001 - find the event(s) that cannot become a row
-            for i, event in zip(parsed_idx, parsed):
-                try:
-                    tables.append(events_table([event], [sources[i]], schema))
-                    order.append(i)
-                except Exception as err:  # noqa: BLE001
-                    t, p, o = sources[i]
-                    letters.append((i, DeadLetter(payloads[i], f"{t}/{p}/{o}",
-                                                  f"unparseable event: {type(err).__name__}: {str(err)[:500]}")))
-    letters.sort(key=lambda pair: pair[0])
-    if not tables:
-        return None, [letter for _, letter in letters]
-    table = pa.concat_tables(tables)
-    if order != sorted(order):
-        table = table.take(pc.sort_indices(pa.array(order)))
-    return table, [letter for _, letter in letters]
-
-
-def foreign_keys(payloads: Sequence[bytes | None], schema: EventSchema, sample: int = 20) -> list[str] | None:
-    """The keys of an event of another table, when every JSON object among the first ``sample``
-    payloads has none of ``schema``'s fields (events meant for another dataset); else None."""
-    names, example, objects = set(schema.names), None, 0
-    for payload in payloads[:sample]:
-        try:
-            event = json.loads(payload) if payload is not None else None
-        except Exception:  # noqa: BLE001 - a broken event is its own dead letter
-            continue
-        if not isinstance(event, dict) or not event:  # an empty object says nothing about its table
-            continue
-        if names & set(event):
-            return None
-        objects += 1
-        example = example or sorted(event)
-    return example if objects else None

@@ -26,7 +26,7 @@ training mean for a missing optional numeric), ``label`` (``encode_labels``' tar
 row has none), ``source`` (``topic/partition/offset``), ``src_partition``, ``src_offset``, then the
 ``keep`` columns (an event's own fields carried as text, e.g. an id), in payload order.
 
-An ``Enrichment`` (a domain's reference-data step, e.g. the flights' weather and planes join)
+An ``Enrichment`` (a domain's reference-data step, e.g. the demo preset's weather and planes join)
 gives its own raw event fields and derives the spec's input columns from them; without one the
 event fields are the spec's input columns (``event_schema``).
 """
@@ -48,7 +48,6 @@ from pipelines.stream.events import (
     EventSchema,
     ParseBounds,
     event_schema,
-    parse_batch,
 )
 from pipelines.tabular.features import encode_labels, featurize_rows, split_valid
 
@@ -56,7 +55,7 @@ _ROW = "__stream_row"
 
 
 class Enrichment(Protocol):
-    """A domain's step between parsing and the feature code (the flights' weather/planes join)."""
+    """A domain's step between parsing and the feature code (a dataset preset's, e.g. the demo's weather/planes join)."""
 
     #: the domain's raw event fields
     events: EventSchema
@@ -124,17 +123,24 @@ class StreamFeaturizer:
 
     ``spec`` and ``stats`` are the dataset manifest's; ``enrichment`` an optional domain step;
     ``keep`` event fields (not features) carried into the features as text, e.g. an id.
+    ``event_format`` (``--event-format``: json, avro, protobuf; ``pipelines.stream.formats``) says how the raw
+    values are decoded, with ``schema_registry`` (the Confluent wire format) or ``schema_file`` (the writer's
+    schema without a registry).
     A failure on a batch (an event no check foresaw) is retried row by row, so only the rows
     that fail become dead letters (reason: the error); the batch goes on.
     """
 
     def __init__(self, spec: FeatureSpec, stats: dict, enrichment: Enrichment | None = None,
-                 keep: Sequence[str] = ()):
+                 keep: Sequence[str] = (), *, event_format: str = "json", schema_registry: str | None = None,
+                 schema_file: str | None = None):
+        from pipelines.stream.formats import event_format as make_format
+
         self.spec, self.stats, self.enrichment, self.keep = spec, stats, enrichment, tuple(keep)
         events = enrichment.events if enrichment is not None else event_schema(spec)
         extra = [EventField(k, (str, int, float, bool), None, required=False, nullable=True)
                  for k in self.keep if k not in events.names]
         self.events = EventSchema(events.fields + tuple(extra))
+        self.format = make_format(event_format, self.events, schema_file=schema_file, registry=schema_registry)
 
     @classmethod
     def from_manifest(cls, manifest: dict, enrichment: Enrichment | None = None,
@@ -151,7 +157,7 @@ class StreamFeaturizer:
     def featurize_payloads(self, payloads: Sequence[bytes | None], sources: Sequence[tuple[str, int, int]],
                            bounds: ParseBounds = DEFAULT_BOUNDS) -> EventFeatures:
         """Raw Kafka values and their ``(topic, partition, offset)`` -> ``EventFeatures``."""
-        table, letters = parse_batch(payloads, sources, self.events, bounds)
+        table, letters = self.format.decode(payloads, sources, bounds)
         out = self.featurize_table(table)
         if letters:  # parse letters first, then the feature code's, as the pipeline sends them
             out = out._replace(dead_letters=letters + out.dead_letters)
@@ -190,7 +196,7 @@ class StreamFeaturizer:
         fill = _placeholder(spec, stats, label.type)
         checked = _with_label(batch, spec, labelled, fill) if not labelled.all() else batch
         extra = self.enrichment.checks(checked) if self.enrichment is not None else []
-        good, letters = split_valid(checked, spec, extra)
+        good, letters = split_valid(checked, spec, extra, stats=stats)  # the statistics' numeric ranges too
         if letters:
             letters = _clean_letters(letters, spec.label, {s for s, ok in zip(
                 batch.column("source").to_pylist(), labelled) if not ok})

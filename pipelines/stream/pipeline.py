@@ -10,7 +10,7 @@ It is made of named public pieces, each a Beam transform over a plain step that 
       -> MicroBatchEvents    per raw partition: close at ``batch_size`` events, ``max_delay_s``
                              after the first, or at the end of the reader's bundle (``MicroBatcher``)
       -> FeaturizeBatches    an optional enrichment (a domain's reference-data join, e.g. the
-                             flights' weather and planes) and the *batch* ETL's feature code with
+                             demo preset's weather and planes) and the *batch* ETL's feature code with
                              the batch dataset's spec, statistics and vocabularies
                              (``StreamFeaturizer``); training rows on, dead letters to ``errs``;
                              unlabelled events are counted (scored elsewhere, not trained on)
@@ -53,9 +53,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
@@ -63,7 +63,7 @@ from apache_beam.metrics import Metrics
 
 from connectors.arrow import EncodeArrow, encode_batches
 from connectors.dataset_spec import FeatureSpec
-from connectors.deadletter import ERRS, DeadLetter, WriteDeadLettersToKafka, dead_letter_record
+from connectors.deadletter import ERRS, DeadLetter, WriteDeadLettersToKafka, dead_letter_record, reason_kind
 from connectors.kafka import (
     DEFAULT_CONNECT_TIMEOUT_S,
     PRODUCER_DEFAULTS,
@@ -79,9 +79,10 @@ from connectors.kafka import (
     topic_max_message_bytes,
     value_budget,
 )
-from pipelines.flights.status import write_status
-from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds, events_table, foreign_keys, parse_event
-from pipelines.stream.featurize import Enrichment, StreamFeaturizer, concat_results
+from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds
+from pipelines.stream.featurize import Enrichment, StreamFeaturizer
+from pipelines.stream.status import write_status
+from pipelines.stream.steps import MicroBatcher, ParsedEvent, featurize_events, parse_records
 
 _log = logging.getLogger(__name__)
 
@@ -96,16 +97,17 @@ class ForeignEventsError(ValueError):
 @dataclass
 class StreamConfig:
     bootstrap: str
-    raw_topic: str = "flights-raw"
-    features_topic: str = "flights-features"
-    dead_letter_topic: str = "flights-dead-letters"
+    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
+    raw_topic: str
+    features_topic: str
+    dead_letter_topic: str
     group_id: str = "flowtrain-features"
     batch_size: int = 2000  # --batch-size; 500 cost 2x the CPU per event in parse + featurize + train (bench stream)
     max_delay_s: float = 1.0
     spec: dict | None = None  # the batch dataset manifest's "spec"
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
-    # A picklable callable returning the domain's Enrichment (e.g. the flights' weather/planes
-    # join), called once per DoFn instance; None: events carry the spec's input columns.
+    # A picklable callable returning the domain's Enrichment (e.g. the demo preset's weather/
+    # planes join), called once per DoFn instance; None: events carry the spec's input columns.
     enrichment: Callable[[], Enrichment] | None = None
     kafka_config: dict[str, Any] = field(default_factory=dict)  # SASL/SSL etc., for every client
     status_path: str | None = None  # prefix of per-instance JSON counters for `flowtrain stream`'s live line
@@ -118,6 +120,11 @@ class StreamConfig:
     # takes alike. read_client: ReadFromKafka(client=...), "kafka-python" or "confluent".
     read_batch_records: int | None = 2000
     read_client: str = "kafka-python"
+    # How raw values are decoded (--event-format json|avro|protobuf, pipelines.stream.formats), with
+    # --schema-registry URL (the Confluent wire format) or --schema-file (the writer's schema).
+    event_format: str = "json"
+    schema_registry: str | None = None
+    schema_file: str | None = None
 
     def __post_init__(self):
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -135,76 +142,9 @@ class StreamConfig:
         if not self.spec:
             raise ValueError("StreamConfig.spec: the batch dataset's spec is needed (its manifest's \"spec\")")
         return StreamFeaturizer(FeatureSpec.from_dict(self.spec), self.stats,
-                                self.enrichment() if self.enrichment is not None else None)
-
-
-# ---------------------------------------------------------------------------------------------
-# The steps
-# ---------------------------------------------------------------------------------------------
-class ParsedEvent(NamedTuple):
-    """A raw event that parsed and validated, with where it came from."""
-
-    topic: str
-    partition: int
-    offset: int
-    event: dict
-
-
-def parse_records(records: Iterable, schema: EventSchema,
-                  bounds: ParseBounds = DEFAULT_BOUNDS) -> tuple[list[ParsedEvent], list[DeadLetter]]:
-    """``KafkaRecord``s -> parsed events and dead letters (one of the two per record, never an error)."""
-    parsed, letters = [], []
-    for r in records:
-        out = parse_event(r.value, f"{r.topic}/{r.partition}/{r.offset}", schema, bounds)
-        if isinstance(out, DeadLetter):
-            letters.append(out)
-        else:
-            parsed.append(ParsedEvent(r.topic, r.partition, r.offset, out))
-    return parsed, letters
-
-
-def featurize_events(featurizer: StreamFeaturizer, events: list[ParsedEvent]):
-    """Parsed events -> ``EventFeatures`` (an event that cannot become a row is a dead letter alone)."""
-    if not events:
-        return concat_results([])
-    sources = [(e.topic, e.partition, e.offset) for e in events]
-    try:
-        return featurizer.featurize_table(events_table([e.event for e in events], sources, featurizer.events))
-    except Exception:  # noqa: BLE001 - find the event(s) that cannot become a row
-        parts, letters = [], []
-        for e, src in zip(events, sources):
-            try:
-                parts.append(featurizer.featurize_table(events_table([e.event], [src], featurizer.events)))
-            except Exception as err:  # noqa: BLE001
-                letters.append(DeadLetter(e.event, f"{src[0]}/{src[1]}/{src[2]}",
-                                          f"unparseable event: {type(err).__name__}: {str(err)[:500]}"))
-        return concat_results(parts, letters)
-
-
-class MicroBatcher:
-    """Buffers items per key; a key's batch closes at ``batch_size`` items or ``max_delay_s`` after
-    its first item (checked when an item arrives), and ``drain`` closes every open batch."""
-
-    def __init__(self, batch_size: int, max_delay_s: float):
-        if batch_size < 1:
-            raise ValueError(f"MicroBatcher(batch_size={batch_size}): must be >= 1")
-        self.batch_size, self.max_delay_s = batch_size, max_delay_s
-        self._buffers: dict[Any, list] = {}
-        self._first_at: dict[Any, float] = {}
-
-    def add(self, key, item) -> list | None:
-        buf = self._buffers.setdefault(key, [])
-        if not buf:
-            self._first_at[key] = time.monotonic()
-        buf.append(item)
-        if len(buf) >= self.batch_size or time.monotonic() - self._first_at[key] >= self.max_delay_s:
-            return self._buffers.pop(key)
-        return None
-
-    def drain(self) -> list[tuple[Any, list]]:
-        out = [(k, v) for k, v in self._buffers.items() if v]
-        self._buffers = {}
-        return out
+                                self.enrichment() if self.enrichment is not None else None,
+                                event_format=self.event_format, schema_registry=self.schema_registry,
+                                schema_file=self.schema_file)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +245,9 @@ def build_features(records, cfg: StreamConfig, *, max_message_bytes: int | None 
 
     Feature messages are split to fit ``max_message_bytes`` (default: the features topic's
     ``max.message.bytes``, read from the broker now)."""
+    if cfg.event_format != "json":
+        raise ValueError(f"build_features parses JSON events (ParseEvents); --event-format {cfg.event_format} is "
+                         f"read by the streaming job's fused step (build_stream_pipeline)")
     if max_message_bytes is None:
         max_message_bytes = _message_limit(cfg, cfg.features_topic)
     events, parse_errs = records | "ParseEvents" >> ParseEvents(cfg.featurizer().events, cfg.bounds)
@@ -333,7 +276,7 @@ def _message_limit(cfg: StreamConfig, topic: str) -> int:
 # ---------------------------------------------------------------------------------------------
 #: Beam metrics of the stream pipeline (``PipelineResult.metrics()``, the runner's UI), counted after
 #: Kafka acknowledged a micro-batch's outputs and its offsets were committed: counters ``events``,
-#: ``bytes_read``, ``rows``, ``unlabelled``, ``dead_letters`` and ``dead_letters: <reason>``,
+#: ``bytes_read``, ``rows``, ``unlabelled``, ``dead_letters`` and ``dead_letters: <kind>`` (``reason_kind``),
 #: ``micro_batches``, ``feature_messages``; distribution ``micro_batch_ms`` (featurize, deliver, commit).
 METRICS_NAMESPACE = "flowtrain.stream"
 
@@ -345,8 +288,8 @@ def _count_flush(items: list, rows: int, unlabelled: int, letters: list, message
     counter(METRICS_NAMESPACE, "rows").inc(rows)
     counter(METRICS_NAMESPACE, "unlabelled").inc(unlabelled)
     counter(METRICS_NAMESPACE, "dead_letters").inc(len(letters))
-    for letter in letters:
-        counter(METRICS_NAMESPACE, f"dead_letters: {letter.reason}").inc()
+    for letter in letters:  # by kind: "broken JSON", not one counter per error position
+        counter(METRICS_NAMESPACE, f"dead_letters: {reason_kind(letter.reason)}").inc()
     counter(METRICS_NAMESPACE, "micro_batches").inc()
     counter(METRICS_NAMESPACE, "feature_messages").inc(messages)
     Metrics.distribution(METRICS_NAMESPACE, "micro_batch_ms").update(int(seconds * 1000))
@@ -402,7 +345,7 @@ class _FusedFeaturizeFn(beam.DoFn):
     def _check_foreign(self, topic: str, partition: int, payloads: list) -> None:
         if (topic, partition) in self.valid_seen:
             return
-        keys = foreign_keys(payloads, self.featurizer.events)
+        keys = self.featurizer.format.foreign_keys(payloads)
         if keys is not None:
             shown = ", ".join(keys[:12]) + (", ..." if len(keys) > 12 else "")
             text = (f"raw topic {topic!r} holds events of another table: an event has the keys {{{shown}}}, and "

@@ -10,6 +10,23 @@ A regression target is a float; a classification label of any type (string, bool
 is the index of its class in the vocabulary of the training split (``stats["classes"]``, stored
 in the dataset manifest), or 0/1 with ``positive_above``. A class the training split never saw
 cannot be encoded: its row becomes a dead letter, never a silently wrong target.
+
+Numeric ranges: ``range_checks`` is the one check of a numeric value's size, for the batch ETL, the
+streaming pipeline and predict alike. A column's range is declared (``FeatureSpec.numeric_range``,
+``--numeric-range col=LO:HI``; checked when rows are validated, before any statistics) or derived
+from the training statistics: a magnitude below ``2**RANGE_MARGIN_BITS`` times the 99th percentile
+of the column's nonzero magnitudes in the training split, rounded up to a power of two
+(``stats["numeric"][col]["max_abs"]``). The statistics count magnitudes by power of two, so the
+mean and std leave out exactly the training rows beyond that bound (which the ETL's featurize step
+then sends to the dead letters): one absurd value (1e30) neither trains nor skews the
+standardization. With ``FeatureSpec.clip_numeric`` (``--clip-outliers``) such values are clipped to
+the range instead of rejecting their row.
+
+A regression label is bounded the same way (``label_range_check``): its statistics count its magnitudes by
+power of two, ``stats["label_max_abs"]`` is its bound, ``label_mean``/``label_std`` leave out the training
+rows beyond it (``stats["label_outside"]``: how many), and featurizing sends a row whose label is beyond it
+to the dead letters with the reason, in the batch ETL and the stream alike. A label is never clipped (that
+would train on a target the data does not hold), ``--clip-outliers`` or not.
 """
 from __future__ import annotations
 
@@ -24,6 +41,7 @@ import pyarrow.compute as pc
 from connectors.dataset_spec import (
     CAT_PREFIX,
     EPOCH_FORMATS,
+    ID_PREFIX,
     LABEL,
     MAX_CLASSES,
     NUM_PREFIX,
@@ -31,8 +49,14 @@ from connectors.dataset_spec import (
     VOCAB_SKETCH_FACTOR,
     FeatureSpec,
 )
-from connectors.deadletter import DeadLetter
-from connectors.files import SOURCE_FILE, SOURCE_ROW, parse_numbers
+from connectors.id_keys import BAD_KEYS, keys_of
+from connectors.rows import SOURCE_FILE, SOURCE_ROW, DeadLetter, parse_numbers
+
+#: A numeric column without a declared range accepts magnitudes below 2**RANGE_MARGIN_BITS (about a million)
+#: times the RANGE_QUANTILE quantile of its nonzero magnitudes in the training split, rounded up to a power of 2.
+RANGE_MARGIN_BITS = 20
+RANGE_QUANTILE = 0.99
+_ZERO = -2000  # the magnitude bucket of exact zeros (np.frexp's exponents are >= -1073)
 
 
 class SchemaError(ValueError):
@@ -67,6 +91,7 @@ def check_schema(schema: pa.Schema, spec: FeatureSpec, where: str) -> None:
                           f"the file has {', '.join(schema.names)}")
     wanted = {c: ("number",) for c in spec.all_numeric}
     wanted.update({c: ("string", "number", "boolean") for c in spec.categorical})
+    wanted.update({c: ("string", "number") for c in spec.id_columns})
     wanted[spec.label] = ("number", "boolean") if spec.task == "regression" or spec.positive_above is not None \
         else ("number", "boolean", "string")
     if spec.time_column:
@@ -85,6 +110,7 @@ def read_types(spec: FeatureSpec) -> dict[str, pa.DataType | None]:
     so a late odd value rejects its row instead of failing the file)."""
     types: dict[str, pa.DataType | None] = {c: pa.float64() for c in spec.all_numeric}
     types.update({c: pa.string() for c in spec.categorical})
+    types.update({c: pa.string() for c in spec.id_columns})  # 42 and "42" are the same ID
     numeric_label = spec.task == "regression" or spec.positive_above is not None
     types[spec.label] = pa.float64() if numeric_label else None  # class labels keep their type
     if spec.time_column and spec.time_column not in types:
@@ -127,7 +153,7 @@ def _is_classes(spec: FeatureSpec) -> bool:
     return spec.task == "classification" and spec.positive_above is None
 
 
-def row_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.ndarray]]:
+def row_checks(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None = None) -> list[tuple[str, np.ndarray]]:
     """(reason, rows that fail) for the checks every tabular dataset gets."""
     label = batch.column(spec.label)
     missing = np.asarray(label.is_null().to_numpy(zero_copy_only=False), dtype=bool)
@@ -138,7 +164,7 @@ def row_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.n
     else:
         vals = _floats(label)
         checks.append((f"label {spec.label!r} is not a finite number", ~np.isfinite(vals) & ~missing))
-    checks += feature_checks(batch, spec)
+    checks += feature_checks(batch, spec, stats)
     if spec.time_column:
         t = time_seconds(batch.column(spec.time_column), spec.time_format)
         checks.append((f"time column {spec.time_column!r} is missing or not a time ({_time_formats(spec.time_format)})",
@@ -146,8 +172,10 @@ def row_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.n
     return checks
 
 
-def feature_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, np.ndarray]]:
-    """(reason, rows that fail) for the feature columns: what a row needs to be predicted (no label, no time)."""
+def feature_checks(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None = None
+                   ) -> list[tuple[str, np.ndarray]]:
+    """(reason, rows that fail) for the feature columns: what a row needs to be predicted (no label, no time);
+    with ``stats``, the ranges derived from them too (``range_checks``)."""
     checks = []
     for col in spec.numeric:
         checks.append((f"numeric feature {col!r} is missing or not a finite number", ~np.isfinite(_floats(batch.column(col)))))
@@ -156,7 +184,72 @@ def feature_checks(batch: pa.RecordBatch, spec: FeatureSpec) -> list[tuple[str, 
         present = np.asarray(values.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
         checks.append((f"optional numeric feature {col!r} is not a finite number",
                        present & ~np.isfinite(_floats(values))))
+    for col in spec.required_ids:  # an ID the spec requires: no key is a dead letter, not the fallback vector
+        keys = keys_of(batch.column(col).to_pylist(), spec.max_id_bytes)
+        for kind, key in BAD_KEYS.items():
+            checks.append((f"required ID {col!r} is {kind.replace('_', ' ')}"
+                           f"{f' (over {spec.max_id_bytes} bytes)' if kind == 'too_long' else ''}; it has no key "
+                           f"(--required-ids)", keys == key))
+    return checks + range_checks(batch, spec, stats)
+
+
+def numeric_ranges(spec: FeatureSpec, stats: dict | None) -> dict[str, tuple[float, float, str]]:
+    """Each numeric column's range as (low, high, where from): declared, else from ``stats`` (``max_abs``:
+    values with a magnitude of it or more are out); a column with neither is not listed."""
+    out = {col: (lo, hi, "declared") for col, (lo, hi) in spec.numeric_range.items()}
+    for col in spec.all_numeric:
+        bound = ((stats or {}).get("numeric") or {}).get(col, {}).get("max_abs")
+        if col not in out and bound:
+            out[col] = (-float(bound), float(bound), "statistics")
+    return out
+
+
+def range_checks(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None = None
+                 ) -> list[tuple[str, np.ndarray]]:
+    """(reason, rows that fail) for numeric values outside their column's range (``numeric_ranges``: declared
+    ones always, the statistics' with ``stats``); none with ``spec.clip_numeric`` (values are clipped)."""
+    if spec.clip_numeric:
+        return []
+    checks = []
+    for col, (lo, hi, source) in numeric_ranges(spec, stats).items():
+        v = _floats(batch.column(col))
+        with np.errstate(invalid="ignore"):
+            if source == "declared":
+                fails = (v < lo) | (v > hi)
+                reason = f"numeric feature {col!r} is outside its declared range [{lo:g}, {hi:g}] (--numeric-range)"
+            else:
+                fails = np.abs(v) >= hi
+                reason = (f"numeric feature {col!r} is out of range: a magnitude of {hi:.4g} or more, over "
+                          f"2^{RANGE_MARGIN_BITS} times the training split's usual size (if such values are real, "
+                          f"declare the range with --numeric-range {col}=LO:HI, or pass --clip-outliers)")
+        checks.append((reason, fails & np.isfinite(v)))
     return checks
+
+
+def label_range_check(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None) -> tuple[str, np.ndarray] | None:
+    """(reason, rows that fail) for a regression label at or past the bound its statistics allow
+    (``stats["label_max_abs"]``); None for a classification label or statistics without a bound."""
+    bound = (stats or {}).get("label_max_abs")
+    if spec.task != "regression" or not bound:
+        return None
+    v = _floats(batch.column(spec.label))
+    with np.errstate(invalid="ignore"):
+        fails = (np.abs(v) >= float(bound)) & np.isfinite(v)
+    return (f"label {spec.label!r} is out of range: a magnitude of {float(bound):.4g} or more, over "
+            f"2^{RANGE_MARGIN_BITS} times the training split's usual size (fix or drop such rows upstream)", fails)
+
+
+def _clipped(values: np.ndarray, col: str, spec: FeatureSpec, stats: dict | None) -> np.ndarray:
+    """``values`` clipped to the column's range (``spec.clip_numeric``), else as they are."""
+    if not spec.clip_numeric:
+        return values
+    found = numeric_ranges(spec, stats).get(col)
+    if found is None:
+        return values
+    lo, hi, source = found
+    if source == "statistics":  # magnitudes below the bound
+        lo, hi = np.nextafter(lo, 0.0), np.nextafter(hi, 0.0)
+    return np.clip(values, lo, hi)
 
 
 def _letters(batch: pa.RecordBatch, rows: np.ndarray, reasons) -> list[DeadLetter]:
@@ -168,14 +261,16 @@ def _letters(batch: pa.RecordBatch, rows: np.ndarray, reasons) -> list[DeadLette
 
 
 def split_valid(batch: pa.RecordBatch, spec: FeatureSpec, extra_checks: list[tuple[str, np.ndarray]] = (), *,
-                features_only: bool = False) -> tuple[pa.RecordBatch, list[DeadLetter]]:
+                features_only: bool = False, stats: dict | None = None) -> tuple[pa.RecordBatch, list[DeadLetter]]:
     """Rows the features can use, and a dead letter (first failed check) for each row they cannot.
 
     ``extra_checks`` (a dataset's own rules, e.g. impossible values) come first, so their more
     specific reasons win over the generic ones. ``features_only``: only the feature columns' checks (rows to
-    predict: the label and the time column may be absent).
+    predict: the label and the time column may be absent). ``stats``: the dataset's statistics, whose numeric
+    ranges are checked too (without them only declared ranges are: the ETL validates before its statistics).
     """
-    checks = list(extra_checks) + (feature_checks(batch, spec) if features_only else row_checks(batch, spec))
+    checks = list(extra_checks) + (feature_checks(batch, spec, stats) if features_only
+                                   else row_checks(batch, spec, stats))
     bad = np.zeros(batch.num_rows, dtype=bool)
     code = np.full(batch.num_rows, -1, dtype=np.int32)
     for i, (_, fails) in enumerate(checks):
@@ -371,6 +466,24 @@ def sort_classes(keys) -> list[str]:
         return sorted(keys)
 
 
+def order_classes(keys, spec: FeatureSpec) -> list[str]:
+    """The class vocabulary (index = target): ``sort_classes``; with ``spec.positive_class`` (two classes
+    only) that class second, so it is the positive one. A positive class the training split does not
+    hold, or a label with other than two classes, is a ``SchemaError``."""
+    classes = sort_classes(keys)
+    if spec.positive_class is None:
+        return classes
+    positive = label_keys(pa.array([spec.positive_class])).to_pylist()[0]
+    shown = ", ".join(repr(c) for c in classes[:20]) + (", ..." if len(classes) > 20 else "")
+    if positive not in classes:
+        raise SchemaError(f"--positive-class {spec.positive_class!r} is not a class of label {spec.label!r} in the "
+                          f"training split; its classes are {shown}")
+    if len(classes) != 2:
+        raise SchemaError(f"--positive-class is for a label with two classes; label {spec.label!r} has "
+                          f"{len(classes)} in the training split ({shown}): leave it out for a multi-class model")
+    return [c for c in classes if c != positive] + [positive]
+
+
 def encode_labels(col: pa.Array, spec: FeatureSpec, stats: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The label column as float32 training targets, and which rows have one.
 
@@ -408,9 +521,10 @@ class StatsAccumulator:
     the fix), instead of holding millions of them.
     """
 
-    count: dict[str, int] = field(default_factory=dict)
-    total: dict[str, float] = field(default_factory=dict)
-    total_sq: dict[str, float] = field(default_factory=dict)
+    #: numeric column -> {power of two of |value| (np.frexp's exponent; _ZERO for 0): [rows, sum, sum of squares]}
+    magnitudes: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    #: a regression label's magnitudes, as ``magnitudes``' (its mean, std and bound come from them)
+    label_magnitudes: dict[int, list[float]] = field(default_factory=dict)
     values: dict[str, dict] = field(default_factory=dict)
     label_values: dict = field(default_factory=dict)
     label_counts: dict[str, int] = field(default_factory=dict)  # classes: canonical key -> rows
@@ -442,9 +556,9 @@ class StatsAccumulator:
         for col in spec.all_numeric:
             vals = _floats(batch.column(col))
             vals = vals[np.isfinite(vals)]
-            self.count[col] = self.count.get(col, 0) + int(vals.size)
-            self.total[col] = self.total.get(col, 0.0) + float(vals.sum())
-            self.total_sq[col] = self.total_sq.get(col, 0.0) + float(np.square(vals).sum())
+            if spec.clip_numeric and col in spec.numeric_range:
+                vals = np.clip(vals, *spec.numeric_range[col])
+            _add_magnitudes(self.magnitudes.setdefault(col, {}), vals)
         for col in spec.categorical:
             counts = self.values.setdefault(col, {})
             vc = pc.value_counts(pc.cast(batch.column(col), pa.string()))
@@ -459,6 +573,13 @@ class StatsAccumulator:
             self._bound()
             return self
         self._bound()
+        if spec.task == "regression":
+            values = _floats(batch.column(spec.label))  # float64: a float32 target would round (or overflow)
+            values = values[np.isfinite(values)]
+            _add_magnitudes(self.label_magnitudes, values)
+            for v in np.unique(values)[:3]:
+                self.label_values[float(v)] = self.label_values.get(float(v), 0) + 1
+            return self
         labels = encode_labels(batch.column(spec.label), spec)[0].astype(np.float64)
         self.label_sum += float(labels.sum())
         self.label_sq += float(np.square(labels).sum())
@@ -478,10 +599,13 @@ class StatsAccumulator:
             self.pruned[col] = self.pruned.get(col, 0) + n
         self.label_sum += other.label_sum
         self.label_sq += other.label_sq
-        for name in ("count", "total", "total_sq"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0) + v
+        for mine, buckets in [(self.magnitudes.setdefault(col, {}), b) for col, b in other.magnitudes.items()] + [
+                (self.label_magnitudes, other.label_magnitudes)]:
+            for e, (n, total, sq) in buckets.items():
+                acc = mine.setdefault(e, [0, 0.0, 0.0])
+                acc[0] += n
+                acc[1] += total
+                acc[2] += sq
         for col, counts in other.values.items():
             mine = self.values.setdefault(col, {})
             for k, v in counts.items():
@@ -494,13 +618,8 @@ class StatsAccumulator:
         return self
 
     def finalize(self, spec: FeatureSpec) -> dict:
-        numeric = {}
-        for col in spec.all_numeric:
-            n = self.count.get(col, 0)
-            mean = self.total.get(col, 0.0) / n if n else 0.0
-            var = max(self.total_sq.get(col, 0.0) / n - mean * mean, 0.0) if n else 0.0
-            std = math.sqrt(var)
-            numeric[col] = {"mean": mean, "std": std if std > 1e-12 else 1.0, "count": n}
+        numeric = {col: _numeric_stats(self.magnitudes.get(col, {}), col in spec.numeric_range)
+                   for col in spec.all_numeric}
         vocab = {}
         for col in spec.categorical:
             counts = self.values.get(col, {})
@@ -511,21 +630,69 @@ class StatsAccumulator:
                # per column, the largest undercount of a value's training count (0: exact counts)
                "vocab_count_error": {col: int(self.pruned.get(col, 0)) for col in spec.categorical}}
         if _is_classes(spec):
-            classes = sort_classes(self.label_counts)
+            classes = order_classes(self.label_counts, spec)  # with two, the positive class second
             counts = [self.label_counts[c] for c in classes]
             index_sum = float(sum(i * n for i, n in enumerate(counts)))
             mean = index_sum / self.rows if self.rows else 0.0
             var = float(sum(i * i * n for i, n in enumerate(counts))) / self.rows - mean ** 2 if self.rows else 0.0
             return {**out, "classes": classes, "class_counts": counts, "label_mean": mean,
                     "label_std": math.sqrt(max(var, 0.0)) or 1.0,
-                    "label_values": [float(i) for i in range(len(classes))]}
+                    "label_values": [float(i) for i in range(len(classes))],
+                    **({"positive_class": classes[1]} if len(classes) == 2 else {})}
+        if spec.task == "regression":  # bounded as a numeric feature is: one 1e30 does not skew mean and std
+            label = _numeric_stats(self.label_magnitudes, False)
+            out.update({"label_mean": label["mean"], "label_std": label["std"], "label_values": sorted(self.label_values)})
+            if "max_abs" in label:
+                out.update({"label_max_abs": label["max_abs"], "label_outside": label["outside"]})
+            return out
         label_mean = self.label_sum / self.rows if self.rows else 0.0
         label_var = self.label_sq / self.rows - label_mean ** 2 if self.rows else 0.0
         out.update({"label_mean": label_mean, "label_std": math.sqrt(max(label_var, 0.0)) or 1.0,
                     "label_values": sorted(self.label_values)})
         if spec.task == "classification":  # positive_above: two classes, 0 and 1
             out["class_counts"] = [int(self.label_values.get(0.0, 0)), int(self.label_values.get(1.0, 0))]
+            out["positive_class"] = "1"  # label > positive_above
         return out
+
+
+def _add_magnitudes(buckets: dict[int, list[float]], vals: np.ndarray) -> None:
+    """Count finite ``vals`` into ``buckets`` by the power of two of their magnitude."""
+    if not vals.size:
+        return
+    exps = np.frexp(vals)[1].astype(np.int64)
+    exps[vals == 0] = _ZERO
+    keys, which = np.unique(exps, return_inverse=True)
+    with np.errstate(over="ignore"):
+        n = np.bincount(which, minlength=keys.size)
+        total = np.bincount(which, weights=vals, minlength=keys.size)
+        sq = np.bincount(which, weights=vals * vals, minlength=keys.size)
+    for k, a, b, c in zip(keys.tolist(), n.tolist(), total.tolist(), sq.tolist()):
+        acc = buckets.setdefault(k, [0, 0.0, 0.0])
+        acc[0] += a
+        acc[1] += b
+        acc[2] += c
+
+
+def _numeric_stats(buckets: dict[int, list[float]], declared: bool) -> dict:
+    """mean, std and count of a numeric column, and (without a declared range) ``max_abs``: the bound of the
+    magnitudes it accepts (None when the column has no nonzero value); rows at or past it are left out of the
+    mean and std (``outside``: how many)."""
+    bound_exp = None
+    nonzero = sorted(e for e in buckets if e != _ZERO)
+    if not declared and nonzero:
+        cumulative = np.cumsum([buckets[e][0] for e in nonzero])
+        typical = nonzero[int(np.searchsorted(cumulative, RANGE_QUANTILE * cumulative[-1]))]
+        bound_exp = typical + RANGE_MARGIN_BITS if typical + RANGE_MARGIN_BITS < 1024 else None
+    kept = [acc for e, acc in buckets.items() if bound_exp is None or e <= bound_exp]
+    n = int(sum(acc[0] for acc in kept))
+    mean = sum(acc[1] for acc in kept) / n if n else 0.0
+    var = max(sum(acc[2] for acc in kept) / n - mean * mean, 0.0) if n else 0.0
+    std = math.sqrt(var) if math.isfinite(var) else 1.0
+    out = {"mean": mean, "std": std if std > 1e-12 else 1.0, "count": n}
+    if bound_exp is not None:
+        out["max_abs"] = math.ldexp(1.0, bound_exp)
+        out["outside"] = int(sum(acc[0] for e, acc in buckets.items() if e > bound_exp))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,14 +707,22 @@ def featurize_rows(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict
                    ) -> tuple[pa.RecordBatch, list[DeadLetter]]:
     """Valid input rows -> (model features, dead letters): standardized numerics, category codes,
     the label's target (``encode_labels``) and the source; a row whose label has no target (a
-    class the training split never saw) is a dead letter instead."""
+    class the training split never saw), with a numeric value outside the range its statistics
+    allow (``range_checks``), or with a regression label past its bound (``label_range_check``), is a
+    dead letter instead."""
     targets, known = encode_labels(batch.column(spec.label), spec, stats)
     letters: list[DeadLetter] = []
-    if not known.all():
-        rows = np.flatnonzero(~known)
-        letters = _letters(batch, rows, [f"label {spec.label!r} holds a class not seen in the training split"]
-                           * len(rows))
-        batch, targets = batch.filter(pa.array(known)), targets[known]
+    ok = known.copy()
+    reasons = np.full(batch.num_rows, f"label {spec.label!r} holds a class not seen in the training split",
+                      dtype=object)
+    label_check = label_range_check(batch, spec, stats)
+    for reason, fails in range_checks(batch, spec, stats) + ([label_check] if label_check else []):
+        reasons[fails & ok] = reason
+        ok &= ~fails
+    if not ok.all():
+        rows = np.flatnonzero(~ok)
+        letters = _letters(batch, rows, reasons[rows].tolist())
+        batch, targets = batch.filter(pa.array(ok)), targets[ok]
     arrays, names = feature_arrays(batch, spec, stats)
     arrays.append(pa.array(targets, type=pa.float32()))
     names.append(LABEL)
@@ -563,12 +738,17 @@ def feature_arrays(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict) -> tup
     arrays, names = [], []
     for col in spec.all_numeric:
         s = stats["numeric"][col]
-        z = (_floats(batch.column(col)) - s["mean"]) / s["std"]
+        z = (_clipped(_floats(batch.column(col)), col, spec, stats) - s["mean"]) / s["std"]
         arrays.append(pa.array(np.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0).astype(np.float32)))
         names.append(NUM_PREFIX + col)
     for col in spec.categorical:
         arrays.append(pa.array(_codes(batch.column(col), stats["vocab"][col])))
         names.append(CAT_PREFIX + col)
+    for col in spec.id_columns:  # ID keys (int64), never a vocabulary index: the model's ID tables map them to rows
+        # the values as given (files read them as text): a boolean, a fractional number or a nested value is of
+        # the wrong type, and gets that reason's reserved key (connectors.id_keys), as missing/empty/too long ones do
+        arrays.append(pa.array(keys_of(batch.column(col).to_pylist(), spec.max_id_bytes), type=pa.int64()))
+        names.append(ID_PREFIX + col)
     return arrays, names
 
 

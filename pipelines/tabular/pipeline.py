@@ -33,17 +33,21 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics import Metrics
 
 from connectors.dataset import WriteDataset
-from connectors.dataset_spec import SPLITS, FeatureSpec
-from connectors.deadletter import ERRS, PARTS_SUFFIX, WriteDeadLettersToJsonl
+from connectors.dataset_spec import ID_PREFIX, SPLITS, FeatureSpec
+from connectors.deadletter import ERRS, PARTS_SUFFIX, WriteDeadLettersToJsonl, reason_kind
 from connectors.files import (
     CSV_NULLS,
     MAX_RECORD_BYTES,
     ReadFromFiles,
+    avro_head,
+    check_avro_file,
     csv_header,
     file_format,
     read_csv_header,
     record_end,
 )
+from connectors.id_keys import reason_counts
+from connectors.paths import origin_of
 from connectors.spill import SPILL_SUFFIX, ReadFromSpill, WriteToSpill, remove_spill, spill_directory
 from pipelines.tabular import features as F
 
@@ -62,6 +66,9 @@ def file_head(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> pa.Table:
     skipped here. Only for guessing what was not declared (``infer_task``): declared types are never
     taken from it."""
     fmt = file_format(path)
+    if fmt == "avro":  # every block's framing read first: a truncated or corrupt file is named before any run
+        check_avro_file(path)
+        return avro_head(path)  # typed from the file's schema, as a Parquet file's
     with FileSystems.open(path) as fh:
         if fmt == "parquet":
             pf = pq.ParquetFile(fh)
@@ -141,6 +148,8 @@ def infer_task(label: str, head: pa.Table) -> tuple[str, str]:
     float is a regression target, integers are classes when they take few values."""
     if label not in head.schema.names:
         return "regression", f"label {label!r} not found in the first rows"
+    if head.column(label).null_count == head.num_rows:
+        return "regression", f"label {label!r} holds no values in the first rows"
     t = head.schema.field(label).type
     kind = F._kind(t)
     if kind in ("string", "boolean"):
@@ -154,11 +163,35 @@ def infer_task(label: str, head: pa.Table) -> tuple[str, str]:
 
 
 def resolve_task(files: Sequence[str], spec: FeatureSpec) -> tuple[FeatureSpec, str | None]:
-    """``spec`` with its task decided from the first file when it has none; (spec, why or None)."""
+    """``spec`` with its task decided from the first file whose first rows hold a label value, when it
+    has none; (spec, why or None). A label that is no column of the first file, or that no file's first
+    rows hold a value of, is a ``SchemaError`` naming it (before anything is printed about the task)."""
     if spec.task is not None:
         return spec, None
-    task, why = infer_task(spec.label, file_head(files[0]))
-    return dataclasses.replace(spec, task=task), why
+    if spec.positive_class is not None:  # a positive class: the label is classes, whatever its type
+        return dataclasses.replace(spec, task="classification"), f"--positive-class {spec.positive_class}"
+    rows = 0
+    for path in files:
+        head = file_head(path)
+        if head.num_columns and spec.label not in head.schema.names:  # as preflight would say, but first
+            raise F.SchemaError(_no_label(spec.label, path, head.schema.names))
+        rows += head.num_rows
+        if head.num_rows and head.column(spec.label).null_count < head.num_rows:
+            task, why = infer_task(spec.label, head)
+            return dataclasses.replace(spec, task=task), why
+    if not rows:  # no rows at all: preflight says so
+        return dataclasses.replace(spec, task="regression"), None
+    raise F.SchemaError(f"label column {spec.label!r} holds no values: it is empty in the first {rows:,} rows of "
+                        f"{', '.join(files)}; check --label, or give --task if later rows hold values")
+
+
+def _no_label(label: str, path: str, names: Sequence[str]) -> str:
+    """``--label 'tir' is not a column of t.csv (did you mean 'tip'?); it has ...``."""
+    import difflib
+
+    close = difflib.get_close_matches(label, list(names), n=1)
+    return (f"--label {label!r} is not a column of {path}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+            f"it has {', '.join(names)}")
 
 
 def preflight(files: Sequence[str], spec: FeatureSpec, *, max_record_bytes: int = MAX_RECORD_BYTES) -> None:
@@ -169,7 +202,7 @@ def preflight(files: Sequence[str], spec: FeatureSpec, *, max_record_bytes: int 
     nonempty = False
     for path in files:
         fmt = file_format(path)
-        if fmt == "parquet":
+        if fmt in ("parquet", "avro"):
             head = file_head(path)
             F.check_schema(head.schema, spec, where=path)  # the file's declared schema, not an inference
             nonempty = nonempty or head.num_rows > 0
@@ -182,7 +215,7 @@ def preflight(files: Sequence[str], spec: FeatureSpec, *, max_record_bytes: int 
                 _check_columns(_keys(rows), spec, where=path)
             nonempty = nonempty or _text_has_rows(path, fmt, max_record_bytes)
     if not nonempty:
-        raise F.SchemaError(f"the input is empty: {', '.join(files)} hold no rows")
+        raise F.SchemaError(f"the input is empty: {', '.join(files)} hold{'s' if len(files) == 1 else ''} no rows")
     if spec.time_column and spec.valid_from is not None and spec.test_from is not None:
         lo, hi = (F.time_cutoff(spec.valid_from, spec.time_format), F.time_cutoff(spec.test_from, spec.time_format))
         if lo > hi:
@@ -239,20 +272,31 @@ def check_splits(manifest: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 #: Beam metrics of the ETL (``PipelineResult.metrics()``, the runner's UI): counters ``rows_in``
 #: (rows read, the reader's dead letters included), ``bytes_read`` (Arrow bytes of the rows read),
-#: ``rows_out`` and ``rows_out: <split>``, ``dead_letters`` and ``dead_letters: <reason>``;
+#: ``rows_out`` and ``rows_out: <split>``, ``dead_letters`` and ``dead_letters: <kind>`` (``reason_kind``);
 #: distributions ``validate_ms`` and ``featurize_ms`` (per record batch).
 METRICS_NAMESPACE = "flowtrain.etl"
 
 
 def _count_dead(letter) -> tuple[str, int]:
+    """Counted by kind (``reason_kind``: ``malformed JSON line``, not one count per error position)."""
+    kind = reason_kind(letter.reason)
     Metrics.counter(METRICS_NAMESPACE, "dead_letters").inc()
-    Metrics.counter(METRICS_NAMESPACE, f"dead_letters: {letter.reason}").inc()
-    return letter.reason, 1
+    Metrics.counter(METRICS_NAMESPACE, f"dead_letters: {kind}").inc()
+    return kind, 1
 
 
 def _count_read_dead(letter) -> tuple[str, int]:
     Metrics.counter(METRICS_NAMESPACE, "rows_in").inc()  # a row the reader could not read is a row in
     return _count_dead(letter)
+
+
+def _count_id_fallbacks(split_batch: tuple[str, pa.RecordBatch], id_columns: Sequence[str]):
+    """("<column>: <reason>", n) for the rows of a (split, batch) whose ID value has no key (``connectors.id_keys``)."""
+    _, batch = split_batch
+    for col in id_columns:
+        for kind, n in reason_counts(batch.column(ID_PREFIX + col).to_numpy()).items():
+            Metrics.counter(METRICS_NAMESPACE, f"id_fallbacks: {col}: {kind}").inc(n)
+            yield f"{col}: {kind}", n
 
 
 def _count_out(split: str, batch: pa.RecordBatch) -> tuple[str, int]:
@@ -502,9 +546,12 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
         rows_in = counts_in | "CountsIn" >> beam.Flatten() | "SumIn" >> beam.CombineGlobally(sum)
     rows_out = (featurized | "CountOut" >> beam.MapTuple(_count_out)
                 | "OutDict" >> beam.CombineGlobally(_CountByKey()))
+    # rows written whose ID value had no key (they use the fallback vector): {"<column>: <reason>": n}
+    id_fallbacks = (featurized | "CountIdFallbacks" >> beam.FlatMap(_count_id_fallbacks, spec.id_columns)
+                    | "IdFallbacksDict" >> beam.CombineGlobally(_CountByKey())) if spec.id_columns else None
     extra = dict(extra_metadata or {})
 
-    def metadata(stats_, n_in, out, dead_, rng, cut):
+    def metadata(stats_, n_in, out, dead_, rng, cut, ids_=None):
         n_out, n_dead = sum(out.values()), sum(dead_.values())
         if n_in != n_out + n_dead:
             raise RuntimeError(f"row counts do not reconcile: in {n_in} != out {n_out} + dead letters {n_dead}")
@@ -515,12 +562,13 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
                      "max": float(hi) if np.isfinite(hi) else None, "valid_from": cut[0], "test_from": cut[1]}
         return {**extra, "spec": spec.to_dict(), "stats": stats_, "split": split,
                 "counts": {"in": n_in, "out": n_out, "dead_letters": n_dead, "out_by_split": out,
-                           "dead_letters_by_reason": dead_}}
+                           "dead_letters_by_reason": dead_, **({"id_fallbacks": ids_} if ids_ is not None else {})}}
 
     meta = stats | "Metadata" >> beam.Map(metadata, n_in=beam.pvalue.AsSingleton(rows_in),
                                           out=beam.pvalue.AsSingleton(rows_out),
                                           dead_=beam.pvalue.AsSingleton(dead),
-                                          rng=beam.pvalue.AsSingleton(time_range), cut=cutoffs)
+                                          rng=beam.pvalue.AsSingleton(time_range), cut=cutoffs,
+                                          **({"ids_": beam.pvalue.AsSingleton(id_fallbacks)} if id_fallbacks else {}))
     if dead_letters_path:
         _ = tuple(sources.values()) | "WriteDeadLetters" >> WriteDeadLettersToJsonl(dead_letters_path)
     manifest = featurized | "WriteDataset" >> WriteDataset(dataset_path, metadata=meta, overwrite=overwrite)
@@ -625,7 +673,7 @@ def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: s
             files, with_source=True, columns=[*spec.input_columns], column_types=F.read_types(spec),
             with_errors=True, max_record_bytes=max_record_bytes)
         build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
-                  extra_metadata={"inputs": files}, read_errs=read_errs)
+                  extra_metadata={"inputs": [origin_of(f) for f in files]}, read_errs=read_errs)  # URLs as given
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
     return manifest

@@ -84,11 +84,12 @@ def _dead_letters(path: str | Path) -> Counter:
 # --- batch ---------------------------------------------------------------------------------------
 @pytest.mark.timeout(360)
 def test_flights_etl_on_flink_writes_the_same_dataset_as_the_fnapi_runner(flink_cluster, tmp_path):
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import export_tables, run_flights_etl
+    from pipelines.flights.batch import run_flights_etl
+    from pipelines.flights.preset import FLIGHTS
 
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     flights = pq.read_table(tables["flights"])
     pq.write_table(flights.take(pa.array(np.arange(0, flights.num_rows, 40))), tmp_path / "flights.parquet",
                    row_group_size=2048)  # several row groups: read in parallel by both TaskManagers
@@ -134,9 +135,10 @@ def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_ru
 
 
 def test_flink_command_start_is_idempotent_and_status_reports_the_cluster(flink_cluster):
-    where = ["--data-dir", str(flink_cluster.data_dir), "--rest-port", str(flink_cluster.rest_port),
-             "--job-port", str(flink_cluster.job_port)]
-    started = subprocess.run(CLI + ["flink", "start", *where], capture_output=True, text=True, timeout=120)
+    where = ["--data-dir", str(flink_cluster.data_dir)]
+    started = subprocess.run(CLI + ["flink", "start", *where, "--rest-port", str(flink_cluster.rest_port),
+                                    "--job-port", str(flink_cluster.job_port)], capture_output=True, text=True,
+                             timeout=120)
     assert started.returncode == 0 and "already running" in started.stdout, started.stdout + started.stderr
     status = subprocess.run(CLI + ["flink", "status", "--json", *where], capture_output=True, text=True,
                             timeout=120)
@@ -146,6 +148,90 @@ def test_flink_command_start_is_idempotent_and_status_reports_the_cluster(flink_
     assert set(got["processes"]) == {"worker-pool", "jobmanager", "taskmanager-1", "taskmanager-2", "job-server"}
     assert all(p["alive"] for p in got["processes"].values())
     assert got["rest"] == f"http://127.0.0.1:{flink_cluster.rest_port}"
+    assert f"127.0.0.1:{flink_cluster.job_port}" in got["listening"]["job-server"], got["listening"]
+    shown = subprocess.run(CLI + ["flink", "status", *where], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "listening   on 127.0.0.1 only" in shown.stdout, shown.stdout + shown.stderr
+
+
+# --- issue 28 item 3: what listens where ----------------------------------------------------------
+_TINY_JOB = """
+import sys
+import apache_beam as beam
+from flowtrain.local.runners import pipeline_options
+with beam.Pipeline(options=pipeline_options("batch", runner="flink")) as p:
+    _ = (p | beam.Create(list(range(3000))) | beam.Map(lambda x: (x % 7, x)) | beam.GroupByKey()
+         | beam.MapTuple(lambda k, v: f"{k},{sum(v)}") | beam.io.WriteToText(sys.argv[1], shard_name_template=""))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_cluster, tmp_path):
+    """Every socket the local cluster listens on, idle and while a job runs (the TaskManagers then open Beam's Fn
+    API services for the SDK workers: control, data, state, logging, provisioning, artifacts), is on 127.0.0.1:
+    the JobManager (RPC, REST, blob server, metrics RPC), the TaskManagers (RPC, data port, metrics RPC), Beam's
+    job server (job service, artifact staging, expansion), the worker pool and its SDK workers. Beam 2.62 binds the
+    job server's and the TaskManagers' gRPC servers on every interface; flowtrain's bind patch does not."""
+    from tests.procs import descendants, is_loopback, listening_sockets
+
+    state = flink_cluster.read_state()
+    names = {p["pid"]: name for name, p in state["processes"].items()}
+    pool = state["processes"]["worker-pool"]["pid"]
+
+    def sockets() -> dict[str, set]:
+        found = listening_sockets([*names, *descendants(pool)])
+        return {names.get(pid, f"sdk worker {pid}"): set(addrs) for pid, addrs in found.items()}
+
+    idle = sockets()
+    assert set(idle) == set(state["processes"]), idle  # every process listens somewhere (and is found)
+    ports = {name: {port for _, port in addrs} for name, addrs in idle.items()}
+    assert {flink_cluster.rest_port, int(state["jobmanager"].rsplit(":", 1)[1])} <= ports["jobmanager"], idle
+    assert flink_cluster.job_port in ports["job-server"] and len(ports["job-server"]) == 3, idle  # + artifacts, exp.
+    # RPC, data, metrics RPC; more while an earlier test's job environment is cached (--environment_cache_millis)
+    assert len(ports["jobmanager"]) == 4 and all(len(ports[f"taskmanager-{i}"]) >= 3 for i in (1, 2)), idle
+
+    job = subprocess.Popen([sys.executable, "-c", _TINY_JOB, str(tmp_path / "sums")], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = {name: set(addrs) for name, addrs in idle.items()}
+    try:
+        deadline = time.monotonic() + 240
+        while job.poll() is None and time.monotonic() < deadline:
+            for name, addrs in sockets().items():
+                seen.setdefault(name, set()).update(addrs)
+            time.sleep(0.2)
+        assert job.poll() == 0, f"the job failed or hung: {job.poll()}\n{job.stdout.read()[-3000:] if job.poll() else ''}"
+    finally:
+        _stop(job, timeout=30)
+    assert len((tmp_path / "sums").read_text().splitlines()) == 7
+    opened = {name: seen[name] - idle.get(name, set()) for name in seen}
+    assert all(len(opened[f"taskmanager-{i}"]) >= 4 for i in (1, 2)), opened  # the Fn API services were seen
+    exposed = {name: sorted(a for a in addrs if not is_loopback(a[0])) for name, addrs in seen.items()}
+    assert not {name: a for name, a in exposed.items() if a}, f"listening beyond 127.0.0.1: {exposed}"
+
+
+def test_item3_without_the_bind_patch_flink_start_refuses_to_expose_the_job_server(tmp_path):
+    """No JDK to build the bind patch (a cache provisioned without one, no `javac` or `mvn` on PATH) on a machine
+    with a network interface: `flowtrain flink start` refuses in one line naming --expose-job-server, starts
+    nothing."""
+    import os
+    import shutil
+    import socket
+
+    libs = tmp_path / "cache" / "flink" / "beam-2.62.0-flink-1.19" / "libs"
+    libs.mkdir(parents=True)
+    (libs / ".complete").write_text(json.dumps({"beam_runner": "2.62.0", "flink": "1.19", "no_staging_helper": False,
+                                                "bind_patch": False, "jars": 0}))
+    bin_dir = tmp_path / "bin"  # java only: no javac, no mvn
+    bin_dir.mkdir()
+    (bin_dir / "java").symlink_to(shutil.which("java"))
+    env = {**os.environ, "FLOWTRAIN_CACHE": str(tmp_path / "cache"),
+           "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent)])}
+    proc = subprocess.run(CLI + ["flink", "start", "--data-dir", str(tmp_path / "flink"), "--rest-port", "0",
+                                 "--job-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert [n for _, n in socket.if_nameindex() if n != "lo"], "this test needs a machine with a network interface"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "would listen on every interface" in proc.stderr and "--expose-job-server" in proc.stderr, proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("flowtrain flink start")]) == 1
+    assert not (tmp_path / "flink" / "cluster.json").exists()
 
 
 def test_runner_flink_without_a_cluster_and_a_bare_flink_master_are_clear_errors(tmp_path, monkeypatch, capsys):
@@ -209,7 +295,7 @@ def _read_topic(bootstrap: str, topic: str) -> list:
 
 
 def _cancel_active_jobs(cluster: LocalFlink) -> None:
-    from flowtrain.local.flink.cluster import cancel_flink_jobs
+    from flowtrain.local.flink.rest import cancel_flink_jobs
 
     for job in _jobs(cluster):
         if job["state"] not in ("FINISHED", "CANCELED", "FAILED"):
@@ -376,7 +462,8 @@ def test_predict_on_flink_equals_the_local_run(flink_cluster, tmp_path):
     local, flink = pq.read_table(outs["local"]).sort_by("id"), pq.read_table(outs["flink"]).sort_by("id")
     assert flink.num_rows == local.num_rows == 1500 - 16
     assert flink.column("id").to_pylist() == local.column("id").to_pylist()
-    np.testing.assert_allclose(flink.column("probability").to_numpy(), local.column("probability").to_numpy(),
+    np.testing.assert_allclose(flink.column("pred_probability_1").to_numpy(),
+                               local.column("pred_probability_1").to_numpy(),
                                atol=1e-6, rtol=0)
     assert _dead_letters(f"{outs['flink']}.dead_letters.jsonl") == _dead_letters(f"{outs['local']}.dead_letters.jsonl")
     a, b = (json.loads(Path(f"{outs[n]}.metrics.json").read_text()) for n in ("local", "flink"))

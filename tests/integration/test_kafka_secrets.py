@@ -61,6 +61,7 @@ def _properties(path: Path, password: str) -> Path:
                     "sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required \\\n"
                     f'    username="alice" password="{password}";\n'
                     "client.id=flowtrain-secrets-test\n")
+    path.chmod(0o600)  # it writes the password out: only its owner may read it
     return path
 
 

@@ -54,6 +54,8 @@ def _key_source(tmp_path: Path, key: bytes = KEY):
 
     path = tmp_path / "update.key"
     path.write_bytes(key + b"\n")
+    path.chmod(0o600)  # a secret: only its owner reads it
+    path.chmod(0o600)  # a key only its owner may read (a group- or world-readable one is refused)
     return UpdateKeySource.from_options(str(path))
 
 
@@ -271,7 +273,7 @@ def _records(bootstrap: str, topic: str) -> list[bytes]:
 
 def test_a_version_with_another_architectures_weights_is_rejected_with_the_reason(dataset, tmp_path):
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.model import TabularMLP
+    from flowtrain.train.models import TabularMLP
 
     data = TabularDataset(dataset)
     pub = _publisher(tmp_path / "run", key_source=_key_source(tmp_path))
@@ -282,3 +284,93 @@ def test_a_version_with_another_architectures_weights_is_rejected_with_the_reaso
     tracker = _tracker(dataset, tmp_path)
     assert tracker.offer(topic.records[:1]) and not tracker.offer(topic.records)
     assert tracker.current.version == 1 and "Error(s) in loading state_dict" in tracker.rejected[0]["reason"]
+
+
+def test_item7_a_replayed_old_signed_record_never_rolls_a_restarted_scorer_back(dataset, tmp_path):
+    """#28.7: a byte-identical re-send of a legitimately signed old record (version 1 after 4) is
+    published later on Kafka, but its signed sequence is old: a restarted scorer starts with
+    version 4, a running one rejects the replay; a replay of another run's record never displaces
+    the run published after it."""
+    from connectors.model_updates import check_record
+
+    key = _key_source(tmp_path)
+    a = _publisher(tmp_path / "a", key_source=key)
+    topic = _Topic()
+    published = [_publish(a, dataset, v, "runA") for v in (1, 2, 3, 4)]
+    checked = [check_record(json.dumps(r).encode(), KEY) for r in published]
+    assert all(c.signed and c.run_id == "runA" for c in checked)
+    assert [c.sequence for c in checked] == sorted({c.sequence for c in checked})  # strictly increasing
+    for r in published:
+        topic.add(r)
+    running = _tracker(dataset, tmp_path / "running")
+    assert running.offer(topic.records) and running.current.version == 4
+    topic.add(published[0])  # the replay: the same bytes, a new Kafka offset and timestamp
+    assert topic.records[-1][1] == topic.records[0][1]
+    restarted = _tracker(dataset, tmp_path / "restarted")  # a scorer reading the whole topic at start
+    assert restarted.offer(topic.records) and (restarted.current.run_id, restarted.current.version) == ("runA", 4)
+    assert not running.offer(topic.records) and running.current.version == 4
+    assert "not newer than version 4 of its run runA" in running.rejected[-1]["reason"]
+
+    # another run published after run A's version 4; then run A's version 4 re-sent
+    b = _publisher(tmp_path / "b", key_source=key)
+    topic.add(_publish(b, dataset, 1, "runB"))
+    assert running.offer(topic.records) and (running.current.run_id, running.current.version) == ("runB", 1)
+    topic.add(published[3])
+    again = _tracker(dataset, tmp_path / "again")
+    assert again.offer(topic.records) and (again.current.run_id, again.current.version) == ("runB", 1)
+    assert not running.offer(topic.records) and running.current.run_id == "runB"
+    assert running.rejected[-1]["kind"] == "stale" and "a replayed or stale record" in running.rejected[-1]["reason"]
+
+
+def test_item11_a_record_whose_file_is_gone_loads_the_scorers_own_copy(dataset, tmp_path):
+    """#28.11, the tracker: the trainer's published/ is gone; the scorer's copy (named by the
+    record's digest, which the signed record authenticates) loads."""
+    import shutil
+
+    pub = _publisher(tmp_path / "run", key_source=_key_source(tmp_path))
+    topic = _Topic()
+    for v in (1, 2):
+        topic.add(_publish(pub, dataset, v, "r"))
+    first = _tracker(dataset, tmp_path)
+    assert first.offer(topic.records) and first.current.version == 2
+    shutil.rmtree(tmp_path / "run" / "published")
+    restarted = _tracker(dataset, tmp_path)  # the same scorer --out: its cache
+    assert restarted.offer(topic.records) and restarted.current.version == 2
+    assert restarted.current.path == first.current.path and restarted.rejected_count == 0
+
+
+@pytest.mark.kafka
+def test_item11_a_restarted_scorer_whose_trainers_published_is_gone_starts_from_its_stored_version(
+        bootstrap, new_topic, dataset, tmp_path):
+    """#28.11, the start-up wait (`wait_for_version`, on the real broker): the trainer's published/
+    is gone and the copy of the newest version was pruned from the scorer's cache; the scorer starts
+    at once with the newest valid version it stored instead of failing with "no valid model version"."""
+    import shutil
+
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.published import LoadPublishedVersion
+    from pipelines.serving.config import ScoreConfig
+    from pipelines.serving.versions import ModelCache, wait_for_version
+    from tests.scoring_helpers import send
+
+    topic = new_topic(partitions=1, prefix="upd")
+    key = _key_source(tmp_path)
+    pub = _publisher(tmp_path / "run", key_source=key)
+    cfg = ScoreConfig(bootstrap=bootstrap, load_version=LoadPublishedVersion(dataset),
+                      spec=TabularDataset(dataset).spec, updates_topic=topic, update_key=key, raw_topic="unused-raw",
+                      predictions_topic="unused-predictions", dead_letter_topic="unused-dead-letters",
+                      model_cache_dir=str(tmp_path / "scorer" / "models"), keep_models=3)
+    send(bootstrap, topic, json.dumps(_publish(pub, dataset, 1, "r")).encode())
+    served, _ = wait_for_version(cfg, timeout_s=30)  # the first run of the scorer stores version 1
+    assert served.version == 1
+    send(bootstrap, topic, json.dumps(_publish(pub, dataset, 2, "r")).encode())
+    shutil.rmtree(tmp_path / "run" / "published")  # the trainer's files: gone
+    # version 2 was never copied by the scorer; version 1's copy is all it has
+    assert [v.version for v in ModelCache(cfg.model_cache_dir).listed()] == [1]
+    served, tracker = wait_for_version(cfg, timeout_s=10)  # before: TimeoutError after 10 s
+    assert (served.version, served.run_id) == (1, "r") and Path(served.path).parent == Path(cfg.model_cache_dir)
+    assert any("does not exist" in r["reason"] for r in tracker.rejected)  # version 2: said why
+
+    empty = new_topic(partitions=1, prefix="upd")  # the records gone too (retention): the stored copy serves
+    served, _ = wait_for_version(ScoreConfig(**{**cfg.__dict__, "updates_topic": empty}), timeout_s=10)
+    assert served.version == 1

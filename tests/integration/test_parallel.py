@@ -139,7 +139,7 @@ def test_sigkill_of_a_worker_ends_the_job_within_the_bound(small_dataset, tmp_pa
 
 def test_resume_with_a_different_worker_count(small_dataset, tmp_path):
     common = ["--dataset", small_dataset, "--dropout", "0", "--batch-size", "256", "--patience", "100",
-              "--device", "cpu"]
+              "--device", "cpu", "--decay-steps", "400"]  # one schedule for the 2- and the 4-epoch budget
     full = subprocess.run(_batch_cli(*common, "--out", str(tmp_path / "full"), "--workers", "2", "--epochs", "4"),
                           capture_output=True, text=True, timeout=240)
     assert full.returncode == 0, full.stderr[-2000:]

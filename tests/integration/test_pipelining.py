@@ -121,7 +121,7 @@ def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
     import sys
 
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.model import TabularMLP
+    from flowtrain.train.models import TabularMLP
     from tests.flights_data import make_flights_dataset
 
     make_flights_dataset(tmp_path, every=40)

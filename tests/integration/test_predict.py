@@ -51,7 +51,7 @@ def _in_process(run_dir: Path, rows: pa.Table) -> np.ndarray:
     from flowtrain.commands.batch import BatchJob, train_config
     from flowtrain.fields import build
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.model import build_run_model
+    from flowtrain.train.models import build_run_model
     from pipelines.tabular.features import feature_arrays
 
     data = TabularDataset(run_dir / "dataset")
@@ -85,11 +85,11 @@ def test_predict_on_held_out_file_equals_the_in_process_model(run, tmp_path):
     assert len(dead) == 1 and dead[0]["source"] == f"{run['base'] / 'new.csv'}:9"  # line 9: header + rows 0..7
     assert "x1" in dead[0]["reason"]
     pred = pq.read_table(out).sort_by("id")
-    assert pred.column_names == ["source", "id", "y", "probability", "class", "model_version"]
+    assert pred.column_names == ["pred_source", "id", "y", "pred_probability_1", "pred_class", "pred_model_version"]
     rows = _good_rows(run["base"] / "new.csv").sort_by("id")
     expected = _in_process(run["run"], rows.select(["x1", "x2", "c"]))
     assert pred.column("id").to_pylist() == rows.column("id").to_pylist()
-    np.testing.assert_allclose(pred.column("probability").to_numpy(), expected, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(pred.column("pred_probability_1").to_numpy(), expected, atol=1e-6, rtol=0)
     # unseen categories ("zz": every third row) were predicted (out-of-vocabulary code), not dropped
     assert sum(1 for c in rows.column("c").to_pylist() if c == "zz") == 100
     assert "auc" in summary["metrics"] and summary["metrics"]["rows"] == 299
@@ -107,7 +107,7 @@ def test_unlabelled_rows_are_predicted_as_csv(run, tmp_path):
     pred = pacsv.read_csv(out)
     assert pred.num_rows == 50 and "y" not in pred.column_names and "metrics" not in json.loads(
         (tmp_path / "pred.csv.metrics.json").read_text())
-    assert {str(v) for v in pred.column("class").to_pylist()} <= {"0", "1"} and "zz" in pred.column("c").to_pylist()
+    assert {str(v) for v in pred.column("pred_class").to_pylist()} <= {"0", "1"} and "zz" in pred.column("c").to_pylist()
 
 
 def test_bundle_in_a_fresh_process_without_dataset_or_run_equals_predict(run, tmp_path):
@@ -121,7 +121,9 @@ def test_bundle_in_a_fresh_process_without_dataset_or_run_equals_predict(run, tm
         "import sys, pyarrow.csv as c, pyarrow.parquet as pq, flowtrain\n"
         "t = c.read_csv(sys.argv[2], convert_options=c.ConvertOptions(column_types={'x1': 'string'}))\n"
         "p = flowtrain.load(sys.argv[1])\n"
-        "pq.write_table(p.predict(t.to_pylist(), keep=['id']), sys.argv[3])\n"
+        "out = p.predict(t, keep=['id'])\n"
+        "assert out.num_rows == t.num_rows and out.column('id').equals(t.column('id'))\n"
+        "pq.write_table(out.filter(out.column('pred_reason').is_null()), sys.argv[3])\n"
         "print(len(p.last_dead_letters), p.last_dead_letters[0].reason)\n")
     proc = subprocess.run([sys.executable, "-c", script, str(exported), str(run["base"] / "new.csv"),
                            str(tmp_path / "loaded.parquet")], capture_output=True, text=True, timeout=120,
@@ -130,17 +132,17 @@ def test_bundle_in_a_fresh_process_without_dataset_or_run_equals_predict(run, tm
     assert proc.stdout.startswith("1 numeric feature 'x1'")
     a, b = pq.read_table(out).sort_by("id"), pq.read_table(tmp_path / "loaded.parquet").sort_by("id")
     assert a.column("id").to_pylist() == b.column("id").to_pylist()
-    np.testing.assert_allclose(a.column("probability").to_numpy(), b.column("probability").to_numpy(),
+    np.testing.assert_allclose(a.column("pred_probability_1").to_numpy(), b.column("pred_probability_1").to_numpy(),
                                atol=1e-6, rtol=0)
-    assert a.column("class").to_pylist() == b.column("class").to_pylist()
+    assert a.column("pred_class").to_pylist() == b.column("pred_class").to_pylist()
     # the same weights: the same checksum in the version (the run's name is the copy's)
-    digest = [t.column("model_version").to_pylist()[0].split("@")[1] for t in (a, b)]
+    digest = [t.column("pred_model_version").to_pylist()[0].split("@")[1] for t in (a, b)]
     assert digest[0] == digest[1]
     # a pandas DataFrame of the same rows gives the same predictions
     frame = pacsv.read_csv(run["base"] / "unlabelled.csv").to_pandas()
     loaded = flowtrain.load(str(exported))
-    np.testing.assert_allclose(loaded.predict(frame).column("probability").to_numpy(),
-                               loaded.predict(pa.Table.from_pandas(frame)).column("probability").to_numpy())
+    np.testing.assert_allclose(loaded.predict(frame)["pred_probability_1"].to_numpy(),
+                               loaded.predict(pa.Table.from_pandas(frame)).column("pred_probability_1").to_numpy())
 
 
 def test_bad_bundles_and_missing_columns_are_one_line_errors(run, tmp_path):
@@ -208,25 +210,25 @@ def test_k_classes_and_regression_predict_in_label_terms(task, tmp_path):
     summary = flowtrain.predict(model=str(tmp_path / "run"), input=str(tmp_path / "t.csv"),
                                 out=str(tmp_path / "p.parquet"))
     pred = pq.read_table(tmp_path / "p.parquet")
-    order = np.argsort([int(s.rsplit(":", 1)[1]) for s in pred.column("source").to_pylist()])
+    order = np.argsort([int(s.rsplit(":", 1)[1]) for s in pred.column("pred_source").to_pylist()])
     loaded = flowtrain.load(str(tmp_path / "run")).predict(pacsv.read_csv(tmp_path / "t.csv"))
     if task == "multiclass":
-        probs = [f"probability_{c}" for c in ("hi", "lo", "mid")]  # the classes in the training split's order
-        assert pred.column_names == ["source", "k", *probs, "class", "model_version"]
+        probs = [f"pred_probability_{c}" for c in ("hi", "lo", "mid")]  # the classes in the training split's order
+        assert pred.column_names == ["pred_source", "k", *probs, "pred_class", "pred_model_version"]
         p = np.stack([pred.column(c).to_numpy()[order] for c in probs], 1)
         np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-5)
         np.testing.assert_allclose(p, np.stack([loaded.column(c).to_numpy() for c in probs], 1), atol=1e-6, rtol=0)
         assert summary["metrics"]["accuracy"] > 0.8
     else:
-        got = pred.column("prediction").to_numpy()[order]
-        np.testing.assert_allclose(got, loaded.column("prediction").to_numpy(), atol=1e-6, rtol=0)
+        got = pred.column("pred_value").to_numpy()[order]
+        np.testing.assert_allclose(got, loaded.column("pred_value").to_numpy(), atol=1e-6, rtol=0)
         assert abs(got.mean() - 100) < 1.0 and summary["metrics"]["r2"] > 0.9  # in the label's units
 
 
 def test_export_with_a_torch_export_program_equals_the_bundle_model(run, tmp_path):
     from flowtrain.train.bundle import build_module, read_bundle
 
-    out = flowtrain.export(str(run["run"]), str(tmp_path / "b"), torch_export=True)
+    out = Path(flowtrain.export(str(run["run"]), str(tmp_path / "b"), torch_export=True))
     bundle = read_bundle(out)  # model.pt2 is checksummed like the rest
     assert "model.pt2" in bundle.manifest["files"]
     program = torch.export.load(str(out / "model.pt2")).module()

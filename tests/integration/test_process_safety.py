@@ -16,7 +16,7 @@ import pytest
 from flowtrain.local.kafka import LocalKafka, free_port
 from flowtrain.local.processes import identity, same_process
 from tests.flights_data import make_flights_dataset
-from tests.procs import descendants, is_loopback, listening_sockets, still_running
+from tests.procs import descendants, is_loopback, kill_tree, listening_sockets, still_running
 
 pytestmark = pytest.mark.timeout(300)
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -98,17 +98,6 @@ def _await_workers(proc: subprocess.Popen, run: Path, timeout: float = 180) -> d
     raise AssertionError(f"the two workers did not start within {timeout:.0f} s")
 
 
-def _kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
-    for pid in still_running(tree):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_item5_a_signal_to_batch_workers_parent_ends_every_worker(small_dataset, tmp_path, sig):
     proc = _start_batch(small_dataset, tmp_path / "run")
@@ -124,7 +113,7 @@ def test_item5_a_signal_to_batch_workers_parent_ends_every_worker(small_dataset,
         assert not left, f"{sig.name} to flowtrain batch left workers running (parent now 1): {left}"
         assert proc.returncode != 0  # stopped, not finished
     finally:
-        _kill_tree(proc, tree)
+        kill_tree(proc, tree)
 
 
 def test_item7_a_workers_2_batch_job_listens_on_loopback_only(small_dataset, tmp_path):
@@ -139,7 +128,7 @@ def test_item7_a_workers_2_batch_job_listens_on_loopback_only(small_dataset, tmp
         exposed = {pid: addrs for pid, addrs in exposed.items() if addrs}
         assert not exposed, f"listening beyond 127.0.0.1: {exposed} (all: {sockets})"
     finally:
-        _kill_tree(proc, tree)
+        kill_tree(proc, tree)
 
 
 _PARENT = """
@@ -182,4 +171,4 @@ def test_item5_supervised_children_and_theirs_end_with_the_parent_whatever_signa
         if sig != signal.SIGKILL:
             assert "supervise returned" in parent.stdout.read()  # it stopped them and went on
     finally:
-        _kill_tree(parent, tree)
+        kill_tree(parent, tree)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.flights_data import make_flights_dataset
-from tests.procs import descendants, is_loopback, listening_sockets, still_running
+from tests.procs import descendants, is_loopback, kill_tree, listening_sockets, still_running
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -38,7 +38,7 @@ def _start_job(bootstrap: str, new_topic, dataset: str, out: Path) -> subprocess
                                    "--updates-topic", f"{raw}-updates", "--group-id", f"{raw}-group",
                                    "--dataset", dataset, "--out", str(out), "--batch-size", "50",
                                    "--workers", "2", "--checkpoint-every", "2"],
-                            stdout=open(out / "stream-test.log", "ab"), stderr=subprocess.STDOUT,
+                            stdout=open(out.parent / "stream-test.log", "ab"), stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -46,7 +46,8 @@ def _logs(out: Path) -> str:
     text = ""
     for name in ("stream-test.log", "pipeline.log", "trainer.log"):
         try:
-            text += f"\n--- {name} ---\n" + (out / name).read_text(errors="replace")[-2500:]
+            where = out.parent if name == "stream-test.log" else out  # the test's own log: beside --out
+            text += f"\n--- {name} ---\n" + (where / name).read_text(errors="replace")[-2500:]
         except OSError:
             pass
     return text
@@ -85,17 +86,6 @@ def _await_gone(proc: subprocess.Popen, tree: dict[int, str], timeout: float) ->
     return still_running(tree)
 
 
-def _kill_tree(proc: subprocess.Popen, tree: dict[int, str]) -> None:
-    for pid in still_running(tree):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 def test_item7_a_running_stream_job_listens_on_loopback_only(bootstrap, new_topic, dataset, tmp_path):
     out = tmp_path / "run"
     proc = _start_job(bootstrap, new_topic, dataset, out)
@@ -112,7 +102,7 @@ def test_item7_a_running_stream_job_listens_on_loopback_only(bootstrap, new_topi
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the normal stop
             _await_gone(proc, tree, 120)
-        _kill_tree(proc, tree)
+        kill_tree(proc, tree)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
@@ -130,4 +120,4 @@ def test_item5_a_signal_to_flowtrain_stream_ends_every_process_of_the_job(bootst
         assert proc.poll() is not None, f"flowtrain stream still runs 180 s after {sig.name}"
         assert not left, f"{sig.name} to flowtrain stream left processes running: {left}"
     finally:
-        _kill_tree(proc, tree)
+        kill_tree(proc, tree)

@@ -188,5 +188,231 @@ def test_a_failed_rerun_never_leaves_the_old_report_beside_new_results(synthetic
         assert not (out / name).exists(), name
     from flowtrain.train.rundir import read_marker
 
-    assert read_marker(out)["status"] == "running"  # never marked complete
+    assert read_marker(out)["status"] == "failed"  # never marked complete: failed, with the error
     assert (out / "notes.txt").read_text() == "mine"
+
+
+# --- #28 item 4: links and files flowtrain did not write ------------------------------------------------
+def _files(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_rerun_never_deletes_through_a_symlinked_bundle(synthetic, tmp_path, capsys):
+    """The probe: run, `rm -rf r/bundle; ln -s ~/victim r/bundle`, rerun with the same options."""
+    import shutil
+
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "thesis.tex").write_text("years of work")
+    (victim / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    (victim / "bundle.json").write_text("{}")
+    before = _files(victim)
+    out = tmp_path / "r"
+    assert main(_batch(synthetic, out, "--epochs", "1")) == 0
+    shutil.rmtree(out / "bundle")
+    (out / "bundle").symlink_to(victim)
+    capsys.readouterr()
+    assert main(_batch(synthetic, out, "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert f"bundle -> {victim} is a symbolic link" in err and "deleted nothing" in err, err
+    assert _files(victim) == before
+    assert (out / "model.pt").exists() and (out / "bundle").is_symlink()
+
+
+def test_a_users_file_in_a_runs_bundle_is_never_deleted(synthetic, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(_batch(synthetic, out, "--epochs", "1")) == 0
+    (out / "bundle" / "notes.md").write_text("mine")
+    capsys.readouterr()
+    assert main(_batch(synthetic, out, "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert "bundle.json does not list (notes.md)" in err, err
+    assert main(_batch(synthetic, out, "--epochs", "2", "--resume")) == 2  # said before training, not after
+    assert "--resume: --out: its bundle/" in capsys.readouterr().err
+    assert (out / "bundle" / "notes.md").read_text() == "mine" and (out / "model.pt").exists()
+
+
+def test_a_symlinked_dataset_is_never_rewritten_or_deleted(tmp_path, capsys):
+    """The ETL's dataset/ replaced by a link to another dataset: the rerun refuses, the target stays as it was."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=300)
+    csv = tmp_path / "data.csv"
+    csv.write_text("x,y\n" + "".join(f"{v:.5f},{2 * v:.5f}\n" for v in x))
+    args = ["batch", "--input", str(csv), "--label", "y", "--task", "regression", "--numeric", "x", "--epochs", "1",
+            "--threads", "1", "--no-progress", "--hidden", "8", "--batch-size", "64"]
+    elsewhere = tmp_path / "elsewhere"
+    assert main([*args, "--out", str(elsewhere)]) == 0
+    out = tmp_path / "r"
+    assert main([*args, "--out", str(out)]) == 0
+    import shutil
+
+    shutil.rmtree(out / "dataset")
+    (out / "dataset").symlink_to(elsewhere / "dataset")
+    before = _files(elsewhere / "dataset")
+    capsys.readouterr()
+    assert main([*args, "--out", str(out)]) == 2
+    assert f"dataset -> {elsewhere / 'dataset'} is a symbolic link" in capsys.readouterr().err
+    assert _files(elsewhere / "dataset") == before
+
+
+def test_a_rerun_deletes_only_the_files_the_run_recorded(tmp_path):
+    from flowtrain.train.rundir import RunDirError, mark_complete, prepare_run_dir, read_marker
+
+    out = tmp_path / "run"
+    prepare_run_dir(out, {"epochs": 1})
+    (out / "report.md").write_text("the run's")
+    mark_complete(out)
+    assert read_marker(out)["files"] == ["report.md"]
+    (out / "summary.json").write_text("a user's file under a run file's name, written after the run")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "rank-0.log").write_text("not flowtrain's")
+    (out / "workers").symlink_to(victim)
+    with pytest.raises(RunDirError, match=r"workers -> .*victim is a symbolic link"):
+        prepare_run_dir(out, {"epochs": 1})
+    assert (out / "report.md").exists() and (victim / "rank-0.log").exists()
+    (out / "workers").unlink()
+    prepare_run_dir(out, {"epochs": 1})
+    assert not (out / "report.md").exists()
+    assert (out / "summary.json").read_text().startswith("a user's file")
+
+
+# --- #29 item 3: a failed run is recorded, and the corrected rerun replaces it ---------------------------------
+def test_a_failed_run_records_failed_and_the_corrected_rerun_replaces_it_without_overwrite(tmp_path, capsys):
+    from flowtrain.train.rundir import read_marker
+
+    csv = tmp_path / "data.csv"
+    csv.write_text("amount,y\n" + "".join(f"{i / 10:.2f},{i % 3 / 10:.2f}\n" for i in range(200)))
+    args = ["batch", "--input", str(csv), "--label", "y", "--task", "regression", "--epochs", "1", "--threads", "1",
+            "--no-progress", "--hidden", "8", "--out", str(tmp_path / "r")]
+    assert main([*args, "--numeric", "amout"]) == 2
+    capsys.readouterr()
+    marker = read_marker(tmp_path / "r")
+    assert marker["status"] == "failed" and "amout" in marker["error"], marker
+    assert main([*args, "--numeric", "amount"]) == 0
+    printed = capsys.readouterr().out
+    lines = [ln for ln in printed.splitlines() if "replaced flowtrain's own failed run" in ln]
+    assert len(lines) == 1 and marker["run_id"] in lines[0] and "amout" in lines[0], printed
+    assert read_marker(tmp_path / "r")["status"] == "complete"
+
+
+def test_a_failed_run_that_left_a_model_is_still_replaced_only_with_overwrite(tmp_path):
+    from flowtrain.train.rundir import RunDirError, mark_failed, prepare_run_dir
+
+    out = tmp_path / "run"
+    run = prepare_run_dir(out, {"epochs": 1})
+    checkpoint.save(out / "checkpoints", 5, {"w": torch.zeros(1)}, run_id=run.run_id)
+    mark_failed(out, run.run_id, RuntimeError("worker died"))
+    with pytest.raises(RunDirError, match="other options"):
+        prepare_run_dir(out, {"epochs": 2})
+    assert prepare_run_dir(out, {"epochs": 2}, overwrite=True).note
+
+
+# --- #28 item 13: a killed run's spill ---------------------------------------------------------------------------
+def test_the_spill_a_killed_etl_left_is_removed_by_the_next_run_of_the_same_out(tmp_path):
+    from flowtrain.train.rundir import prepare_run_dir
+
+    out = tmp_path / "run"
+    prepare_run_dir(out, {"epochs": 1})
+    spill = out / "dataset.spill-0123456789ab"  # what SIGKILL during the ETL leaves
+    (spill / "raw").mkdir(parents=True)
+    (spill / "a.arrows").write_bytes(b"batches")
+    (spill / "raw" / "b.arrows").write_bytes(b"batches")
+    mine = out / "dataset.spill-mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a spill file")
+    prepare_run_dir(out, {"epochs": 1})
+    assert not spill.exists()
+    assert (mine / "notes.txt").exists()  # not flowtrain's spill: it stays
+
+
+# --- #28 item 10: rewrites are atomic ------------------------------------------------------------------------
+def test_the_metrics_log_truncation_on_resume_never_truncates_in_place(tmp_path, monkeypatch):
+    from flowtrain.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def crash(fd):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        log.truncate_after(1)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    log.truncate_after(1)
+    assert [r["step"] for r in log.read()] == [1]
+
+
+def test_the_stream_ledger_rewrite_on_resume_is_atomic_and_survives_a_torn_line(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from flowtrain.train.stream import StreamTrainer
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps({"version": v, "partition": 0, "offset": v}) + "\n" for v in (1, 2, 3))
+                      + '{"version": 4, "parti')  # a crash in the middle of an append
+    before = ledger.read_text()
+    trainer = SimpleNamespace(cfg=SimpleNamespace(ledger=True), ctx=SimpleNamespace(is_main=True), ledger_path=ledger)
+
+    def crash(fd):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        StreamTrainer._drop_ledger_after(trainer, 2)
+    monkeypatch.undo()
+    assert ledger.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]
+    StreamTrainer._drop_ledger_after(trainer, 2)
+    assert [json.loads(line)["version"] for line in ledger.read_text().splitlines()] == [1, 2]
+
+
+# --- #29 item 9: `stream train --out` follows the run-directory rules ------------------------------------------
+def test_stream_train_out_has_a_marker_and_refuses_a_foreign_or_another_runs_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from flowtrain.train.rundir import read_marker
+
+    def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flowtrain.cli", "stream", "train", "--bootstrap", "127.0.0.1:1",
+                               "--connect-timeout", "1", "--dataset", str(tmp_path / "ds"), "--out", str(out),
+                               *extra], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[2])
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    proc = train(mine)
+    assert proc.returncode == 2 and f"--out {mine} is not empty (thesis.tex) and is not a flowtrain run" in \
+        proc.stderr, proc.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]  # not even a config.json
+    out = tmp_path / "run"
+    proc = train(out, "--hidden", "8")  # a new run: its marker first (then no broker answers)
+    assert "no Kafka broker answered" in proc.stderr, proc.stderr
+    marker = read_marker(out)
+    assert marker["command"] == "stream train" and marker["options"]["hidden"] == [8]
+    proc = train(out, "--hidden", "16")
+    assert proc.returncode == 2 and "holds a flowtrain stream train run with other options (--hidden: [8] in the " \
+                                    "run, [16] now)" in proc.stderr, proc.stderr
+    proc = train(out, "--hidden", "8", "--idle-exit", "5")  # the same run again (the budget may change): continues
+    assert "no Kafka broker answered" in proc.stderr and read_marker(out)["run_id"] == marker["run_id"]
+
+
+def test_resume_never_writes_or_prunes_through_a_symlinked_checkpoints_directory(tmp_path):
+    from flowtrain.train.rundir import RunDirError, prepare_run_dir
+
+    out = tmp_path / "run"
+    run = prepare_run_dir(out, {"epochs": 1})
+    victim = tmp_path / "victim"
+    checkpoint.save(victim, 5, {"w": torch.zeros(1)}, run_id=run.run_id)
+    (out / "checkpoints").symlink_to(victim)
+    with pytest.raises(RunDirError, match=r"--resume: in .*, checkpoints -> .*victim is a symbolic link"):
+        prepare_run_dir(out, {"epochs": 2}, resume=True)
+    assert sorted(p.name for p in victim.iterdir()) == ["ckpt-000000005.pt", "ckpt-000000005.sha256"]

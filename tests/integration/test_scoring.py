@@ -147,7 +147,9 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
         unsigned = {k: v for k, v in real.items() if k != "signature"}
         bad = [json.dumps({**unsigned, "version": 2 ** 62, "checkpoint": str(copied)}).encode(),  # unsigned
                json.dumps({**real, "version": 2 ** 62, "run_id": "run-a"}).encode(),  # mis-signed
-               json.dumps(sign_record({**unsigned, "version": 2 ** 62, "checkpoint": str(fifo)}, KEY)).encode()]
+               # signed, naming a FIFO (and a digest the scorer holds no copy of, so it must open the path)
+               json.dumps(sign_record({**unsigned, "version": 2 ** 62, "checkpoint": str(fifo), "sha256": "0" * 64},
+                                      KEY)).encode()]
         for value in bad:
             _send(bootstrap, names["updates"], value)
         feed = _Feed(bootstrap, names, events, start=n)
@@ -293,13 +295,13 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     not authenticated."""
     from connectors.dataset import read_manifest
     from connectors.kafka import ensure_topic
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.train.loader import TabularDataset, table_to_split
     from flowtrain.train.published import Publisher
     from flowtrain.train.stream import Architecture
-    from pipelines.flights.batch import export_tables
     from pipelines.flights.events import events_from_table
     from pipelines.flights.nycflights import load_table
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.streaming import FlightReference
     from pipelines.stream.featurize import StreamFeaturizer
     from tests.flights_data import make_flights_dataset
@@ -339,7 +341,7 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     finally:
         _stop(proc)
     assert "model updates are NOT authenticated" in log.read_text()
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     featurizer = StreamFeaturizer.from_manifest(read_manifest(dataset),
                                                 FlightReference(tables["weather"], tables["planes"])())
     records = _read(bootstrap, names["raw"])
@@ -362,6 +364,65 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     unlabelled = sum(p["label"] is None for p in preds)
     assert unlabelled >= 0.8 * not_landed  # the rest are dead letters for other reasons (no departure time, ...)
     say(f"\nscoring: flights: {len(preds)} predictions ({unlabelled} without an outcome yet), {len(dead)} dead letters")
+
+
+@_apply(live)
+def test_item1_item2_hostile_update_records_and_a_megabyte_id_are_rejections_and_dead_letters_not_a_crash(
+        bootstrap, sensor, tmp_path, say):
+    """#28.1 and #28.2 on the broker and Prism: the updates topic holds every kind of hostile record
+    (NaN, deep nesting, wrong types, huge, ...) before the scorer starts and more arrive while it
+    runs; an event just under the 1 MiB event bound has a ~1 MB id. The scorer starts, stays up,
+    rejects each record with a reason (logged once per kind), the event is a dead letter naming
+    --max-id-bytes, every other event is predicted, and a real new version still serves."""
+    from connectors.kafka import ensure_topic
+    from tests.unit.test_serving_hostile_inputs import hostile_records
+
+    names = _names()
+    ensure_topic(bootstrap, names["raw"], partitions=2)
+    ensure_topic(bootstrap, names["updates"])
+    arch, trained = _batch_model(sensor)
+    pub = _publisher(sensor, tmp_path / "trainer")
+    _publish(bootstrap, names, pub, 1, arch, trained)
+    hostile = hostile_records()
+    for value in hostile:
+        _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
+    events = _events(600, seed=5)
+    k = next(i for i, e in enumerate(events) if i >= 7 and e["pressure"] is not None)  # otherwise valid
+    big = {**events[k], "reading_id": "x" * 1_000_000}
+    n = _produce(bootstrap, names["raw"], events[:k])
+    _send(bootstrap, names["raw"], json.dumps(big).encode())
+    n += 1 + _produce(bootstrap, names["raw"], events[k + 1:200])
+    proc = _scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"])
+    log = tmp_path / "run" / "scorer.log"
+    try:
+        preds, dead = _wait_covered(bootstrap, names, n, proc, log)
+        for value in hostile:  # the same while it runs
+            _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
+        _publish(bootstrap, names, pub, 2, arch, _random_weights(sensor["data"], arch, 2))
+        feed = _Feed(bootstrap, names, events, start=200)
+        feed.until(lambda p, _: any(r["model_version"] == 2 for r in p), proc, log, within_s=BOUND_S, then_s=0)
+        preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
+        assert proc.poll() is None, log.read_text()[-3000:]
+    finally:
+        _stop(proc)
+    text = log.read_text()
+    assert proc.returncode == 0 and "FAILED" not in text, text[-3000:]
+    too_long = [d for d in dead if "--max-id-bytes" in d["reason"]]
+    assert len(too_long) == 1 and "1,000,000 bytes, over --max-id-bytes 1,024" in too_long[0]["reason"]
+    raw = {f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])}
+    assert {p["source"] for p in preds} | {d["source"] for d in dead} == raw and len(raw) == feed.n
+    assert all(len(p["id"] or "") < 100 for p in preds)
+    for kind in ("not JSON", "malformed", "oversized", "tombstone"):  # each kind logged once by the start-up
+        # wait and once by the serving side input's tracker (which reads the topic again), not per record
+        assert 1 <= text.count(f"further rejections of kind '{kind}'") <= 2, kind
+    say(f"\nscoring: {len(hostile)} hostile update records at start and {len(hostile)} while running rejected; "
+        f"the 1 MB id a dead letter; {len(preds)} predictions")
+
+
+def _send_tombstone(bootstrap, names) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer.send(names["updates"], key=b"t", value=None).get(timeout=30)
+    producer.close()
 
 
 # --- the pieces, without a runner ----------------------------------------------------------------
@@ -445,7 +506,7 @@ def test_regression_predictions_are_in_the_labels_units(tmp_path):
 
 
 def test_serving_line_shows_the_serving_version_and_online_accuracy(tmp_path):
-    from flowtrain.cli.score import serving_line
+    from flowtrain.commands.stream_status import serving_line
 
     now = time.time()
     (tmp_path / "score-status.json.predictions.1-1").write_text(json.dumps(

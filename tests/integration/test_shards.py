@@ -147,7 +147,8 @@ def test_open_split_keeps_small_splits_in_memory_and_streams_over_budget(dataset
 
 @pytest.mark.timeout(300)
 def test_training_forced_onto_the_streaming_path_learns(dataset, capsys):
-    from flowtrain.train.loop import TrainConfig, build_model, evaluate, fit
+    from flowtrain.train.loop import TrainConfig, evaluate, fit
+    from flowtrain.train.models import build_model
 
     data = TabularDataset(dataset)
     results = {}
@@ -201,3 +202,37 @@ def test_linear_baseline_over_budget_streams_the_split_and_fits_the_same_model(d
     assert streamed.objective == pytest.approx(held.objective, rel=1e-6)
     for (name, a), (_, b) in zip(held.model.state_dict().items(), streamed.model.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-4), name
+
+
+@pytest.mark.timeout(60)
+def test_a_split_directory_or_shard_symlinked_outside_the_dataset_is_refused(tmp_path):
+    """Issue 28 item 13: a split directory (or a shard) replaced by a symlink to files outside the dataset
+    was read as the dataset's own; now loading the split, streamed or whole, is a DatasetError naming the
+    link and where it leads. A symlink that stays inside the dataset is still read."""
+    import shutil
+
+    from connectors.dataset import DatasetError
+
+    ds = make_dataset(tmp_path / "a")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(ds / "valid", elsewhere)
+    shutil.rmtree(ds / "valid")
+    (ds / "valid").symlink_to(elsewhere, target_is_directory=True)
+    test_shard = next((ds / "test").glob("*.parquet"))
+    shutil.copy(test_shard, tmp_path / "outside.parquet")
+    test_shard.unlink()
+    test_shard.symlink_to(tmp_path / "outside.parquet")
+    data = TabularDataset(ds)
+    assert len(data.split("train")) == sum(SHARDS["train"])  # the real directories still load
+    for split, link in (("valid", ds / "valid"), ("test", test_shard)):
+        with pytest.raises(DatasetError, match="leads outside the dataset directory") as err:
+            data.split(split)
+        assert f"{link} is a symlink to {(tmp_path / ('elsewhere' if split == 'valid' else 'outside.parquet'))}" \
+            in str(err.value)
+        with pytest.raises(DatasetError, match="leads outside"):
+            StreamedSplit(data, split, plan=StreamPlan(buffer_rows=100, chunk_rows=50))
+    # inside the dataset, a link is only another name for its own files
+    shutil.move(str(tmp_path / "outside.parquet"), str(ds / "test" / "kept.parquet"))
+    test_shard.unlink()
+    test_shard.symlink_to(ds / "test" / "kept.parquet")
+    assert len(TabularDataset(ds).split("test")) == sum(SHARDS["test"])

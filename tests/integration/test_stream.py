@@ -105,7 +105,7 @@ def test_counts_reconcile_and_every_malformed_kind_is_a_dead_letter(bootstrap, d
 
 
 def _status_totals(out) -> dict:
-    from pipelines.flights.status import read_status
+    from pipelines.stream.status import read_status
 
     totals: dict = {}
     for data in read_status(str(Path(out) / "pipeline-status.json")):
@@ -266,11 +266,11 @@ def _events(n: int, skip: int = 0) -> list[bytes]:
 
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
+    from flowtrain.local.paths import cache_root
     from pipelines.flights.events import events_from_table
+    from pipelines.flights.preset import FLIGHTS
 
-    flights = pq.read_table(export_tables(demo_tables_dir())["flights"]).slice(0, skip + n + 2000)
+    flights = pq.read_table(FLIGHTS.demo_inputs(cache_root())["flights"]).slice(0, skip + n + 2000)
     return [json.dumps(e).encode() for e in itertools.islice(events_from_table(flights), skip, skip + n)]
 
 
@@ -415,8 +415,10 @@ def test_no_broker_every_streaming_command_fails_fast_with_one_line(dataset, tmp
     nobody = f"127.0.0.1:{free_port()}"
     commands = {
         "replay": ["replay", "--bootstrap", nobody, "--limit", "5"],
-        "stream pipeline": ["stream", "pipeline", "--bootstrap", nobody, "--dataset", dataset, "--out", str(tmp_path)],
-        "stream": ["stream", "--bootstrap", nobody, "--dataset", dataset, "--out", str(tmp_path)],
+        "stream pipeline": ["stream", "pipeline", "--bootstrap", nobody, "--dataset", dataset, "--out",
+                            str(tmp_path / "pipeline")],
+        # its own --out: the whole job's trainer refuses a directory another command wrote into (run.json rules)
+        "stream": ["stream", "--bootstrap", nobody, "--dataset", dataset, "--out", str(tmp_path / "job")],
     }
     t0 = time.monotonic()
     procs = {name: subprocess.Popen(CLI + args + ["--connect-timeout", "3"], stdout=subprocess.PIPE,
@@ -443,19 +445,20 @@ def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, da
 
     from connectors.dataset import read_manifest
     from connectors.kafka import ReadFromKafka
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import export_tables
     from pipelines.flights.events import FLIGHT_EVENTS
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.streaming import flights_stream_config
-    from pipelines.stream.pipeline import build_features, featurize_events, parse_records
+    from pipelines.stream.pipeline import build_features
+    from pipelines.stream.steps import featurize_events, parse_records
 
     names = _names()
     _topics(new_topic, names, raw_partitions=2)
     values = _events(400)
     values[7], values[8] = b'{"broken', json.dumps({**json.loads(values[8]), "distance": 1e40}).encode()
     _produce(bootstrap, names["raw"], values, partitions=2)
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     cfg = flights_stream_config(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
                                 dead_letter_topic=names["dead"], group_id=names["group"], batch_size=150,
                                 stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],

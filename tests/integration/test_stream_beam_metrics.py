@@ -36,9 +36,9 @@ def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_t
     from kafka import KafkaConsumer, TopicPartition
 
     from connectors.dataset import read_manifest
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import cancel_pipeline, pipeline_options
-    from pipelines.flights.batch import export_tables
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.streaming import FlightReference
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
 
@@ -48,7 +48,7 @@ def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_t
                             capture_output=True, text=True, timeout=180, env=ENV)
     assert replay.returncode == 0, replay.stderr[-2000:]
     manifest = read_manifest(flights_dataset)
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     cfg = StreamConfig(bootstrap=bootstrap, raw_topic=raw, features_topic=features, dead_letter_topic=dead,
                        group_id=f"{raw}-group", batch_size=50, max_delay_s=0.5, spec=manifest["spec"],
                        stats=manifest["stats"], enrichment=FlightReference(tables["weather"], tables["planes"]))

@@ -131,11 +131,12 @@ def test_pipeline_reads_lists_of_records_reconciles_and_its_runner_idles(bootstr
 def test_read_batch_records_is_checked_and_on_by_default():
     from pipelines.flights.streaming import StreamConfig
 
+    topics = {"raw_topic": "r", "features_topic": "f", "dead_letter_topic": "d"}
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="read_batch_records"):
-            StreamConfig(bootstrap="x", read_batch_records=bad)
-    assert StreamConfig(bootstrap="x").read_batch_records == 2000  # lists of records per fetched chunk
-    assert StreamConfig(bootstrap="x", read_batch_records=None).read_batch_records is None  # per record
+            StreamConfig(bootstrap="x", read_batch_records=bad, **topics)
+    assert StreamConfig(bootstrap="x", **topics).read_batch_records == 2000  # lists of records per fetched chunk
+    assert StreamConfig(bootstrap="x", read_batch_records=None, **topics).read_batch_records is None  # per record
 
 
 # --- flowtrain replay --client confluent ----------------------------------------------------------

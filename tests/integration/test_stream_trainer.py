@@ -266,7 +266,7 @@ def test_stream_runs_both_halves_from_a_config_file_and_stops_cleanly(bootstrap,
     dead = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     ends = dead.end_offsets([TopicPartition(f"{raw}-dead", p) for p in range(2)])
     dead.close()
-    from pipelines.flights.status import read_status
+    from pipelines.stream.status import read_status
 
     unlabelled = sum(d.get("unlabelled", 0) for d in read_status(str(out / "pipeline-status.json")))
     assert unlabelled > 0  # flights without an arrival delay: scored, not trained, not dead letters
@@ -321,7 +321,7 @@ def test_stream_trainer_on_explicit_cpu_and_cuda_without_a_gpu_is_an_error(fligh
         producer.send(topic, value=encode_batch(chunk.to_batches()[0]), partition=0).get(timeout=30)
     producer.close()
     common = dict(bootstrap=bootstrap, dataset=flights, features_topic=topic, updates_topic=f"{topic}-updates",
-                  hidden=(16, 8))
+                  dead_letter_topic=f"{topic}-dead", hidden=(16, 8))
     with pytest.raises(DeviceError, match="--device cuda: no CUDA device is visible"):
         StreamTrainer(StreamTrainConfig(run_dir=str(tmp_path / "gpu"), device="cuda", **common))
     summary = run_stream_trainer(StreamTrainConfig(run_dir=str(tmp_path / "cpu"), device="cpu", idle_exit_s=2.0,

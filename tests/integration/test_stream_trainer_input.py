@@ -77,7 +77,8 @@ def _bad_messages(table: pa.Table, index: int) -> list[tuple[str, bytes, str]]:
     nan[3] = np.nan
     label = good.column("label").to_numpy().astype(np.float32)
     label[5] = np.inf
-    huge = np.full(len(x), 1e30, np.float32)  # finite, but the model's squared error is not
+    huge = np.full(len(x), 1e30, np.float32)  # finite, but far outside the dataset's range of x
+    huge_label = np.full(len(x), 3e38, np.float32)  # finite, but the model's squared error is not
     return [
         ("not_arrow", b'{"x": 1.5, "c": "a"}', "not an Arrow IPC stream"),
         ("schema", encode_batch(good.drop(["cat__c"])), "missing column(s) 'cat__c'"),
@@ -87,7 +88,8 @@ def _bad_messages(table: pa.Table, index: int) -> list[tuple[str, bytes, str]]:
         ("values", encode_batch(_set(good, "num__x", pa.array(nan))), "'num__x' has 1 value(s) that are not finite"),
         ("values", encode_batch(_set(good, "label", pa.array(label))), "'label' has 1 value(s) that are not finite"),
         ("too_large", _bomb(), "decodes to 268,435,456 bytes"),
-        ("non_finite_loss", encode_batch(_set(good, "num__x", pa.array(huge))), "output or loss"),
+        ("values", encode_batch(_set(good, "num__x", pa.array(huge))), "column's range"),
+        ("non_finite_loss", encode_batch(_set(good, "label", pa.array(huge_label))), "output or loss"),
     ]
 
 
@@ -152,7 +154,7 @@ def test_every_bad_kind_is_a_dead_letter_once_and_the_good_rows_train_exactly_on
     out = tmp_path / "run"
     summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=2.0, checkpoint_every_steps=3))
     assert summary["rows"] == len(good_sources)
-    assert summary["rejected"] == {"not_arrow": 1, "schema": 2, "values": 3, "too_large": 1, "non_finite_loss": 1}
+    assert summary["rejected"] == {"not_arrow": 1, "schema": 2, "values": 4, "too_large": 1, "non_finite_loss": 1}
 
     letters = _dead_letters(bootstrap, f"{topic}-dead")
     assert sorted(letter.source for letter in letters) == sorted(f"{topic}/0/{o}" for o in bad_offsets)
@@ -288,3 +290,53 @@ def test_with_two_replicas_each_rejects_its_own_and_the_counts_add_up_once(boots
     assert again.returncode == 0, again.stderr[-3000:]
     assert "4 feature message(s) rejected" in again.stdout  # the checkpoint's counts, none added
     assert len(_dead_letters(bootstrap, f"{topic}-dead")) == 4
+
+
+def _sourced(table: pa.Table, index: int, offsets, partition: int = 0) -> pa.Table:
+    """A feature message of len(offsets) dataset rows whose sources are (partition, offsets)."""
+    offsets = list(offsets)
+    chunk = table.slice((index * ROWS) % (table.num_rows - len(offsets)), len(offsets)).combine_chunks()
+    chunk = chunk.append_column("src_partition", pa.array([partition] * len(offsets), pa.int32()))
+    return chunk.append_column("src_offset", pa.array(offsets, pa.int64()))
+
+
+@pytest.mark.timeout(240)
+def test_an_impossible_source_offset_is_a_dead_letter_and_never_marks_later_rows_duplicates(bootstrap, new_topic,
+                                                                                             dataset, tmp_path):
+    """Issue 28 item 6: a valid 1-row message with src_offset 2**62 (and one from a raw partition that does not
+    exist) between rows 0-399 and 400-599 of raw partition 0: both are dead letters naming the source, rows
+    400-599 are trained (not dropped as duplicates), and the checkpoint's seen state is 599. Checked against
+    the raw topic's end offsets, and, without a raw topic, against the highest offset trained."""
+    from flowtrain.train.stream import run_stream_trainer
+
+    table = _table(dataset)
+    raw = new_topic(partitions=1, prefix="raw")
+    _produce(bootstrap, raw, [b'{"x": 1}'] * 600)  # the raw events the 600 legitimate rows came from
+    payloads = [encode_batch(_sourced(table, i, range(i * ROWS, (i + 1) * ROWS))) for i in range(10)]
+    attacks = {len(payloads): "2**62", len(payloads) + 1: "partition"}
+    payloads.append(encode_batch(_sourced(table, 0, [2**62])))
+    payloads.append(encode_batch(_sourced(table, 1, [5], partition=7)))
+    payloads += [encode_batch(_sourced(table, i, range(i * ROWS, (i + 1) * ROWS))) for i in range(10, 15)]
+
+    for name, raw_topic, says in (("with-raw", raw, "at or past the end of the raw topic"),
+                                  ("without-raw", None, "past the highest offset trained")):
+        topic = new_topic(partitions=1)
+        _produce(bootstrap, topic, payloads)
+        out = tmp_path / name
+        summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=2.0, raw_topic=raw_topic))
+        # without the raw topic, a partition not trained yet has no reference: partition 7's row is trained
+        legit = {(0, o) for o in range(600)} | (set() if raw_topic else {(7, 5)})
+        assert summary["dropped_duplicates"] == 0 and summary["rows"] == len(legit), (name, summary)
+        rows, rejected = _ledger(out)
+        assert set(rows) == legit and set(rows.values()) == {1}, name
+        ckpt = torch.load(sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+        assert ckpt["seen"]["0"] == 599, (name, ckpt["seen"])
+        letters = {int(letter.source.rsplit("/", 1)[1]): letter.reason
+                   for letter in _dead_letters(bootstrap, f"{topic}-dead")}
+        if raw_topic:  # partition 7 is not one of the raw topic's
+            assert set(letters) == set(attacks) and set(rejected) == {(0, o) for o in attacks}, (name, letters)
+            assert "has 7, but the raw topic" in letters[max(attacks)], letters
+        else:
+            assert set(letters) == {min(attacks)}, (name, letters)
+        assert str(2**62) in letters[min(attacks)] and says in letters[min(attacks)], letters
+        assert summary["rejected"].get("source") == len(letters), summary

@@ -215,3 +215,57 @@ def test_small_regression_table_from_json_lines_beats_the_mean(tmp_path):
     assert {"rmse", "mae", "r2"} <= set(test["model"])
     assert test["model"]["rmse"] < 0.3 * test["baselines"]["training mean"]["rmse"], test
     assert test["model"]["r2"] > 0.9
+
+
+@pytest.mark.timeout(240)
+def test_positive_class_chooses_and_names_the_positive_class(table_csv, tmp_path, capsys):
+    """--positive-class: a two-class label's positive class is the user's, listed second in the manifest's
+    classes (target 1), recorded, printed once, in summary.json and the report; the default is the later in
+    sorted order, said so. A value that is no class, or a label with three classes, is a one-line error."""
+    from flowtrain import batch as run_batch
+    from flowtrain.errors import FlowtrainError
+
+    path, data = table_csv
+    m = _etl(path, tmp_path / "chosen", label="sex", positive_class="female")
+    assert m["stats"]["classes"] == ["male", "female"] and m["stats"]["positive_class"] == "female"
+    assert m["spec"]["positive_class"] == "female" and m["spec"]["task"] == "classification"
+    targets = _targets(str(tmp_path / "chosen" / "ds"))
+    assert all(targets[i + 2] == (1.0 if data["sex"][i] == "female" else 0.0) for i in range(N))
+    default = _etl(path, tmp_path / "default", label="sex")
+    assert default["stats"]["classes"] == ["female", "male"] and default["stats"]["positive_class"] == "male"
+    assert "positive_class" not in default["spec"]  # unset: the manifest's spec as before
+    with pytest.raises(F.SchemaError, match="--positive-class 'other' is not a class of label 'sex' in the training "
+                                            "split; its classes are 'female', 'male'"):
+        _etl(path, tmp_path / "bad", label="sex", positive_class="other")
+    with pytest.raises(F.SchemaError, match="--positive-class is for a label with two classes; label 'species' has 3"):
+        _etl(path, tmp_path / "three", label="species", positive_class="gentoo")
+    with pytest.raises(FlowtrainError, match="not both"):
+        run_batch(input=[path], label="flag", numeric="x1", positive_class="true", positive_above=0.5,
+                  out=str(tmp_path / "both"))
+
+    capsys.readouterr()
+    common = {"dataset": str(tmp_path / "chosen" / "ds"), "no_progress": True, "steps": 5, "threads": 1}
+    summary = run_batch(**common, out=str(tmp_path / "run"))
+    printed = capsys.readouterr().out
+    assert summary["positive_class"] == "female" and summary["classes"] == ["male", "female"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["positive_class"] == "female"
+    assert "Positive class: female" in (tmp_path / "run" / "report.md").read_text()
+    assert [line for line in printed.splitlines() if line.startswith("classes:")] == [
+        "classes: 'female' is the positive class, 'male' the negative (--positive-class)"]
+    run_batch(**{**common, "dataset": str(tmp_path / "default" / "ds")}, out=str(tmp_path / "run-default"))
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("classes:")] == [
+        "classes: 'male' is the positive class, 'female' the negative (the later of the two in sorted order; "
+        "--positive-class chooses)"]
+
+
+def test_batch_dead_letters_are_counted_by_kind_and_keep_their_message(tmp_path):
+    """Malformed JSON lines at different positions are one kind in the manifest's (and report's) counts,
+    not one reason per error position; the dead letters file keeps each whole message."""
+    rows = [json.dumps({"x1": float(i), "x2": 1.0, "c": "abc"[i % 3], "y": float(i % 2)}) for i in range(60)]
+    rows[5], rows[9], rows[13] = '{"x1": 1 "x2": 2}', '{"x1": 1, "x2": 2,, "c": "a"}', '{"x1": 1, "y" 2}'
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    m = _etl(str(path), tmp_path, label="y", task="regression")
+    assert m["counts"]["dead_letters_by_reason"] == {"malformed JSON line": 3}
+    dead = [json.loads(line)["reason"] for line in open(tmp_path / "dead.jsonl")]
+    assert len(set(dead)) == 3 and all(r.startswith("malformed JSON line: JSONDecodeError: Expecting") for r in dead)

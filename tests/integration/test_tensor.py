@@ -179,7 +179,7 @@ def _batch(*args, timeout=280) -> subprocess.CompletedProcess:
 
 def test_batch_tensor_parallel_on_explicit_cpu_writes_sharded_and_merged_checkpoints(flights, tmp_path):
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.model import TabularMLP
+    from flowtrain.train.models import TabularMLP
 
     run = tmp_path / "run"
     proc = _batch("--dataset", flights, "--out", str(run), "--tensor-parallel", "2", "--device", "cpu",

@@ -42,10 +42,11 @@ def test_user_model_with_two_workers_equals_one_worker(dataset, tmp_path):
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
     assert abs(one["test"]["model"]["auc"] - two["test"]["model"]["auc"]) <= 1e-5
-    # the bundle names the factory and predicts with the user's module
-    predictor = flowtrain.load(str(tmp_path / "one"))
+    # the bundle names the factory and predicts with the user's module (its code: only when trusted)
+    predictor = flowtrain.load(str(tmp_path / "one"), trust_code=True)
     assert predictor.bundle.model["architecture"] == {"kind": "factory", "factory": "examples.my_model:build"}
-    assert predictor.predict([{"x1": 0.1, "x2": -0.3, "c": "b"}, {"x1": 1.0, "x2": 0.0, "c": "new"}]).num_rows == 2
+    got = predictor.predict([{"x1": 0.1, "x2": -0.3, "c": "b"}, {"x1": 1.0, "x2": 0.0, "c": "new"}])
+    assert len(got) == 2 and all(0 <= row["pred_probability_1"] <= 1 for row in got)
 
 
 def test_pipeline_parallel_user_model_and_a_clear_error_for_a_plain_module(dataset, tmp_path):

@@ -108,7 +108,8 @@ def _assert_predict_on_hosts_equals_local(lan, tmp_path: Path, env: dict) -> tup
     local, flink = pq.read_table(outs["local"]).sort_by("id"), pq.read_table(outs["flink"]).sort_by("id")
     assert flink.num_rows == local.num_rows == 1500 - 16
     assert flink.column("id").to_pylist() == local.column("id").to_pylist()
-    np.testing.assert_allclose(flink.column("probability").to_numpy(), local.column("probability").to_numpy(),
+    np.testing.assert_allclose(flink.column("pred_probability_1").to_numpy(),
+                               local.column("pred_probability_1").to_numpy(),
                                atol=1e-6, rtol=0)
     assert Counter(Path(f"{outs['flink']}.dead_letters.jsonl").read_text().splitlines()) == Counter(
         Path(f"{outs['local']}.dead_letters.jsonl").read_text().splitlines())
@@ -165,14 +166,18 @@ def test_batch_etl_and_predict_across_hosts_equal_the_local_runs_and_a_killed_ta
         registered = {tm["id"] for tm in _rest(lan, "/taskmanagers")["taskmanagers"]}
         assert registered == {f"tm-{lan.addresses[k]}-1" for k in tms}, registered
 
-        # every Flink process listens on its host's LAN address only; the worker pools on loopback only. Beam's
-        # job server is the exception: Beam's gRPC ServerFactory binds its ports on every interface (by port
-        # only), advertising --job-host (docs/cluster-rehearsal.md says so)
-        jm_pid = _pid(dirs[0], "jobmanager")
+        # every Flink process and Beam's job server (job service, artifact staging, expansion: flowtrain's bind
+        # patch of Beam's ServerFactory) listen on their host's LAN address only; the worker pools on loopback only;
+        # nothing of the cluster on a wildcard address (issue 28 item 3)
+        jm_pid, js_pid = _pid(dirs[0], "jobmanager"), _pid(dirs[0], "job-server")
         listening0 = _listening(lan, 0)
         assert {(jm, port) for port in (REST_PORT, RPC_PORT)} <= {(a, p) for a, p, pid in listening0 if pid == jm_pid}
-        assert [p for a, p, pid in listening0 if pid == _pid(dirs[0], "job-server") and p == JOB_PORT], listening0
-        assert all(a == jm for a, p, pid in listening0 if pid == jm_pid), listening0
+        assert (jm, JOB_PORT) in {(a, p) for a, p, pid in listening0 if pid == js_pid}, listening0
+        assert len([p for a, p, pid in listening0 if pid == js_pid]) == 3, listening0
+        assert all(a == jm for a, p, pid in listening0 if pid in (jm_pid, js_pid)), listening0
+        ours = {p["pid"] for k in range(3) for p in json.loads((dirs[k] / "cluster.json").read_text())["processes"].values()}
+        assert not [row for k in range(3) for row in _listening(lan, k)
+                    if row[2] in ours and row[0] in ("*", "0.0.0.0", "::")], [_listening(lan, k) for k in range(3)]
         for k in tms:
             sockets = _listening(lan, k)
             tm = [(a, p) for a, p, pid in sockets if pid == _pid(dirs[k], "taskmanager-1")]

@@ -184,8 +184,8 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     _replay(boot, names["raw"], backlog)
     pipe_out, run = tmp_path / "pipeline", tmp_path / "trainer"
     pipe_out.mkdir()
-    run.mkdir()
-    pipe_log, train_log = pipe_out / "pipeline.log", run / "trainer.log"
+    # the trainer's --out follows the run-directory rules (a new or empty directory): its log lives beside it
+    pipe_log, train_log = pipe_out / "pipeline.log", tmp_path / "trainer.log"
     pipeline = subprocess.Popen(CLI + ["stream", "pipeline", *common, "--out", str(pipe_out), "--batch-size", "100"],
                                 stdout=open(pipe_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     trainer = subprocess.Popen(CLI + ["stream", "train", *common, "--out", str(run), "--ledger",

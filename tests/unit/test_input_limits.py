@@ -78,7 +78,7 @@ def test_a_csv_record_over_the_bound_is_a_dead_letter_naming_its_line_and_readin
     assert [(r["id"], r["_source_row"]) for r in rows] == [(1.0, 2), (3.0, 4 + 300_000), (4.0, 5 + 300_000)]
     assert [(d.source, d.reason) for d in dead] == [
         (f"{path}:3", "CSV record is larger than 100,000 bytes (--max-record-bytes); it was skipped, not read")]
-    assert dead[0].payload.startswith('2,"x\nx\n') and dead[0].payload.endswith("(600,005 bytes)")
+    assert dead[0].payload.startswith('2,"x\nx\n') and dead[0].payload.endswith("(600,004 bytes)")  # without the newline ending it
 
 
 def test_a_64_mb_json_line_is_a_dead_letter_costing_little_time_and_memory(tmp_path):
@@ -114,3 +114,38 @@ def test_a_header_longer_than_4_mb_is_read_and_one_over_the_bound_is_named(tmp_p
     assert len(rows) == 50 and dead == [] and rows[-1]["_source_row"] == 51
     with pytest.raises(FileReadError, match=rf"{path}: the header \(line 1\) is longer than 1,048,576 bytes"):
         csv_header(str(path), max_record_bytes=1 << 20)
+
+
+def test_the_csv_record_bound_is_exact_whatever_the_block(tmp_path):
+    """Issue 28 item 13: a record that ended inside the block where it was noticed slipped by up to a block
+    (10 MiB accepted under the 8 MiB default; 5 MB, or any record inside one 4 MiB block, under 1,000,000).
+    Now a record of exactly the bound is read and one byte more is a dead letter, in every position."""
+    def record(i: int, size: int) -> str:  # a record of `size` bytes, its newline not counted
+        head = f'{i},"'
+        return head + "y" * (size - len(head) - 1) + '"\n'
+
+    types = {"id": pa.float64(), "note": pa.string()}
+    path = tmp_path / "ten.csv"
+    path.write_text("id,note\n1,a\n" + record(2, 10 << 20) + "3,b\n")
+    rows, dead = _read(path, "csv", column_types=types)
+    assert [r["id"] for r in rows] == [1.0, 3.0], [r["id"] for r in rows]
+    assert [(d.source, d.payload.endswith(f"({10 << 20:,} bytes)")) for d in dead] == [(f"{path}:3", True)]
+
+    bound = 1_000_000
+    path = tmp_path / "mixed.csv"
+    sizes = {2: 5_000_000, 3: bound, 4: bound + 1, 5: 20, 6: 3_000_000, 7: bound + 1}
+    path.write_text("id,note\n" + "".join(record(i, n) for i, n in sizes.items()))
+    rows, dead = _read(path, "csv", column_types=types, max_record_bytes=bound)
+    assert [(r["id"], r["_source_row"]) for r in rows] == [(3.0, 3), (5.0, 5)]
+    assert [d.source for d in dead] == [f"{path}:{i}" for i in (2, 4, 6, 7)]
+    assert all("larger than 1,000,000 bytes" in d.reason for d in dead)
+    assert [d.payload.rsplit("(", 1)[1] for d in dead] == [f"{sizes[i]:,} bytes)" for i in (2, 4, 6, 7)]
+
+
+def test_a_header_of_exactly_the_bound_is_read_and_one_byte_more_is_named(tmp_path):
+    """The header is measured like a record: its bytes without the newline that ends it."""
+    name = "h" * 999
+    (tmp_path / "ok.csv").write_text(f"x,{name}\n1,2\n")  # 1,001 bytes + the newline
+    assert csv_header(str(tmp_path / "ok.csv"), max_record_bytes=1001) == ["x", name]
+    with pytest.raises(FileReadError, match="longer than 1,000 bytes"):
+        csv_header(str(tmp_path / "ok.csv"), max_record_bytes=1000)

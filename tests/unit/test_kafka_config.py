@@ -14,6 +14,7 @@ JAAS = "org.apache.kafka.common.security.{}.{} required username=\"alice\" passw
 def _file(tmp_path, text: str):
     path = tmp_path / "client.properties"
     path.write_text(text)
+    path.chmod(0o600)  # a file that writes a password out is refused when others may read it (below)
     return path
 
 
@@ -115,3 +116,26 @@ def test_redact_hides_secrets_in_dicts_command_lines_and_text():
     assert red["epochs"] == 3 and config["kafka_config"]["sasl_plain_password"] == "pw"  # a copy
     assert split_secrets(config["kafka_config"]) == ({"sasl_plain_username": "alice"},
                                                      {"sasl_plain_password": "pw", "ssl_password": "k"})
+
+
+def test_a_properties_file_writing_a_password_out_is_refused_when_group_or_others_may_read_it(tmp_path,
+                                                                                              monkeypatch):
+    """#28 item 14: a secret file with group/other permissions is refused naming its mode (as ssh does); a
+    file whose passwords come from the environment may stay world-readable."""
+    literal = _file(tmp_path, "sasl.jaas.config=" + JAAS.format("plain", "PlainLoginModule", "pw") + "\n")
+    literal.chmod(0o644)
+    with pytest.raises(KafkaConfigError, match=r"mode 0644 .*chmod 600 .*sasl.jaas.config"):
+        load_client_properties(literal)
+    literal.chmod(0o600)
+    assert load_client_properties(literal)["sasl_plain_password"] == "pw"
+    key = tmp_path / "key.properties"
+    key.write_text("ssl.key.password=kpw\n")
+    key.chmod(0o640)
+    with pytest.raises(KafkaConfigError, match=r"mode 0640 lets its group.*ssl.key.password"):
+        load_client_properties(key)
+    monkeypatch.setenv("KAFKA_PW", "from-env")
+    from_env = tmp_path / "env.properties"
+    from_env.write_text("sasl.jaas.config=" + JAAS.format("plain", "PlainLoginModule", "${env:KAFKA_PW}") +
+                        "\nssl.key.password=${env:KAFKA_PW}\n")
+    from_env.chmod(0o644)
+    assert load_client_properties(from_env)["sasl_plain_password"] == "from-env"

@@ -49,7 +49,7 @@ def test_millis_and_validation():
 
 
 def test_tracker_claims_checkpoints_and_ends_by_claiming_stop():
-    from connectors.kafka.read import PartitionRange, PartitionTracker
+    from connectors.kafka.restriction import PartitionRange, PartitionTracker
 
     class NoEnds:
         def get(self, topic, partition, fallback):

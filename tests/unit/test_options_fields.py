@@ -47,6 +47,10 @@ def _sample(opt):
         return ["a", "b"]
     if name == "key-value pairs":
         return ["client_id=a"]
+    if name == "column ranges":
+        return ["a=0:1"]
+    if name == "preset_name":  # --preset: a registered dataset preset (checked with the options)
+        return "flights"
     return "text"
 
 
@@ -100,7 +104,8 @@ def test_config_json_is_a_valid_config_and_print_config_shows_the_effective_opti
 
 def test_each_command_help_shows_its_own_options():
     batch, predict, export = (_sub(n).format_help() for n in ("batch", "predict", "export"))
-    assert "--epochs" in batch and "--id-column" not in batch
+    # predict's --id-column (the row's id) is not batch's; batch's --id-columns (ID tables) is another option
+    assert "--epochs" in batch and "--id-column " not in batch and "--id-column]" not in batch
     assert "--id-column" in predict and "--epochs" not in predict and "--keep-columns" in predict
     assert "--out" in export and "--epochs" not in export and "--input" not in export
 

@@ -12,13 +12,13 @@ import pytest
 
 @pytest.mark.timeout(120)
 def test_scaled_tables_repeat_the_year_and_join_like_the_real_one(tmp_path):
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from pipelines.flights import features as FF
-    from pipelines.flights.batch import export_tables
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables, scaled_spec
     from pipelines.tabular import features as F
 
-    real = export_tables(demo_tables_dir())
+    real = FLIGHTS.demo_inputs(cache_root())
     flights = pq.read_table(real["flights"])
     flights = flights.take(pa.array(np.arange(0, flights.num_rows, 50)))  # every month, every carrier
     pq.write_table(flights, tmp_path / "flights.parquet")

@@ -12,6 +12,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +26,11 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
             if isinstance(node, ast.ImportFrom)]
 
 
-def test_the_scorer_cli_does_not_import_the_stream_cli_and_nobody_imports_its_privates():
-    score = _imports(CLI / "score.py")
-    assert not [m for m, _ in score if m == "flowtrain.cli.stream"], "score.py imports flowtrain.cli.stream"
-    for name in ("cli/stream.py", "cli/score.py", "cli/stream_status.py", "commands/stream_inputs.py"):
+def test_the_stream_job_does_not_import_the_cli_and_nobody_imports_its_privates():
+    for name in ("commands/stream_job.py", "commands/stream_status.py", "commands/replay.py"):
+        assert not [m for m, _ in _imports(CLI.parent / name) if m.startswith("flowtrain.cli")], name
+    for name in ("cli/stream.py", "commands/stream_job.py", "commands/stream_status.py", "commands/replay.py",
+                 "commands/stream_inputs.py"):
         private = [(m, n) for m, names in _imports(CLI.parent / name) for n in names
                    if m.startswith("flowtrain.") and n.startswith("_")]
         assert not private, f"{name} imports private names {private}"
@@ -76,31 +78,50 @@ def test_stream_option_defaults_are_the_engines():
         return SimpleNamespace(**{f.name: f.default if f.default is not MISSING else f.default_factory()
                                   for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING})
 
-    job = StreamJob()
+    from flowtrain.commands.stream import with_dataset_topics
+    from pipelines.presets import default_preset
+
+    job = with_dataset_topics(StreamJob())  # topics: the dataset's, the flights demo's without --dataset
     pipe, bounds, train, launch, score = map(defaults, (StreamConfig, ParseBounds, StreamTrainConfig, LaunchConfig,
                                                         ScoreConfig))
     pairs = {
-        "connect_timeout": pipe.connect_timeout_s, "raw_topic": pipe.raw_topic, "features_topic": pipe.features_topic,
-        "dead_letter_topic": pipe.dead_letter_topic, "group_id": pipe.group_id, "batch_size": pipe.batch_size,
+        "connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id, "batch_size": pipe.batch_size,
         "max_delay": pipe.max_delay_s, "read_batch_records": pipe.read_batch_records, "read_client": pipe.read_client,
         "max_event_bytes": bounds.max_event_bytes, "max_json_depth": bounds.max_depth,
-        "max_abs_number": bounds.max_abs_number, "updates_topic": train.updates_topic, "hidden": tuple(train.hidden),
+        "max_abs_number": bounds.max_abs_number, "hidden": tuple(train.hidden),
         "dropout": train.dropout, "seed": train.seed, "lr": train.lr, "device": train.device, "threads": train.threads,
         "checkpoint_every": train.checkpoint_every_steps, "checkpoint_seconds": train.checkpoint_every_s,
         "max_decoded_bytes": train.max_decoded_bytes, "idle_exit": train.idle_exit_s,
         "keep_published": train.keep_published, "workers": launch.workers, "failure_timeout": launch.failure_timeout_s,
-        "predictions_topic": score.predictions_topic, "score_dead_letter_topic": score.dead_letter_topic,
         "score_group_id": score.group_id, "swap_interval": score.swap_interval_s, "score_batch_size": score.batch_size,
         "score_max_delay": score.max_delay_s, "keep_models": score.keep_models,
         "max_model_bytes": score.max_model_bytes}
     assert {k: getattr(job, k) for k in pairs} == pairs
-    assert ReplayJob().topic == pipe.raw_topic
+    # the topics have no engine defaults (issue 30 item 3): the command names them after the dataset, the
+    # demo's without --dataset (flights-raw, flights-features, ...: its preset's name)
+    for cfg in (pipe, score):
+        assert not {"raw_topic", "features_topic", "dead_letter_topic", "predictions_topic"} & set(vars(cfg))
+    name = default_preset().name
+    assert (job.raw_topic, job.features_topic, job.dead_letter_topic, job.updates_topic, job.predictions_topic,
+            job.score_dead_letter_topic) == tuple(f"{name}-{suffix}" for suffix in (
+                "raw", "features", "dead-letters", "model-updates", "predictions", "scoring-dead-letters"))
+    assert with_dataset_topics(ReplayJob()).topic == job.raw_topic
     from connectors.kafka import CLIENTS
 
     assert StreamJob().read_client == ReplayJob().client == CLIENTS[0]
 
 
-def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path):
+def _printed(capsys, *argv) -> str:
+    """What ``flowtrain ARGV --print-config`` prints, run in this process (a process per call cost the fast lane
+    seconds each; the command line's own process is tested by the broker-less run above and --help)."""
+    from flowtrain.cli import main
+
+    capsys.readouterr()
+    assert main([*argv, "--print-config"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path, capsys):
     """`stream pipeline` writes <out>/config.json (before it needs a broker); fed back with --config,
     --print-config shows the same options; a whole job's --config is valid for a part."""
     out = tmp_path / "run"
@@ -117,18 +138,9 @@ def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path):
     assert written["batch_size"] == 7 and written["runner"] == "prism" and "hush" not in json.dumps(written)
     written["kafka_config"] = []  # the redacted secret is not a value to feed back
     (tmp_path / "c.json").write_text(json.dumps(written))
-    shown = subprocess.run(cli + ["pipeline", "--config", str(tmp_path / "c.json"), "--print-config"],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert shown.returncode == 0, shown.stderr
-    assert yaml.safe_load(shown.stdout) == written
-    whole = subprocess.run(cli + ["--lr", "0.5", "--score", "--print-config"], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT)
-    assert whole.returncode == 0, whole.stderr
-    (tmp_path / "whole.yaml").write_text(whole.stdout)
-    part = subprocess.run(cli + ["train", "--config", str(tmp_path / "whole.yaml"), "--print-config"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert part.returncode == 0, part.stderr
-    config = yaml.safe_load(part.stdout)
+    assert yaml.safe_load(_printed(capsys, "stream", "pipeline", "--config", str(tmp_path / "c.json"))) == written
+    (tmp_path / "whole.yaml").write_text(_printed(capsys, "stream", "--lr", "0.5", "--score"))
+    config = yaml.safe_load(_printed(capsys, "stream", "train", "--config", str(tmp_path / "whole.yaml")))
     assert config["lr"] == 0.5 and "score" not in config and "batch_size" not in config
 
 
@@ -158,3 +170,84 @@ def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
     assert (cfg.keep_published, cfg.threads, cfg.features_topic, cfg.run_dir) == (2, 2, "f", str(tmp_path / "run"))
     assert cfg.kafka_config == {"sasl_plain_password": "pa,ss", "client_id": "t"}  # commas stay in a value
     assert cfg.dataset == str((tmp_path / "ds").resolve())
+
+
+def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_topics(tmp_path, capsys):
+    """Topics left unset are named after --dataset (NAME-raw, NAME-features, ...), in every part, replay and the
+    whole job alike; a given topic stays; the flights demo's dataset (and no --dataset) gives flights-*."""
+    manifest = {"format": "flowtrain.dataset/1", "spec": {"label": "y"}, "stats": {}}
+    (tmp_path / "sensors" / "dataset").mkdir(parents=True)
+    (tmp_path / "sensors" / "dataset" / "_manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "demo" / "dataset").mkdir(parents=True)
+    (tmp_path / "demo" / "dataset" / "_manifest.json").write_text(json.dumps(
+        {**manifest, "spec": {"label": "arr_delay"}, "inputs": {"flights": "f", "weather": "w", "planes": "p"}}))
+    roles = {"raw_topic": "raw", "features_topic": "features", "dead_letter_topic": "dead-letters",
+             "updates_topic": "model-updates", "predictions_topic": "predictions",
+             "score_dead_letter_topic": "scoring-dead-letters"}
+
+    def shown(*argv):
+        return yaml.safe_load(_printed(capsys, *argv))
+
+    sensors = str(tmp_path / "sensors" / "dataset")
+    assert {k: v for k, v in shown("stream", "--dataset", sensors).items() if k in roles} == {
+        k: f"sensors-{suffix}" for k, suffix in roles.items()}
+    train = shown("stream", "train", "--dataset", sensors, "--features-topic", "mine")
+    assert (train["features_topic"], train["updates_topic"]) == ("mine", "sensors-model-updates")
+    assert shown("stream", "score", "--dataset", sensors)["predictions_topic"] == "sensors-predictions"
+    assert shown("replay", "--input", "t.csv", "--dataset", sensors)["topic"] == "sensors-raw"
+    flights = shown("stream", "--dataset", str(tmp_path / "demo" / "dataset"))
+    assert {k: v for k, v in flights.items() if k in roles} == {k: f"flights-{s}" for k, s in roles.items()}
+    assert shown("replay")["topic"] == "flights-raw"
+    from flowtrain.commands.stream import StreamTrainJob
+    from flowtrain.commands.stream_train import stream_train_config
+    from flowtrain.fields import build
+
+    cfg = stream_train_config(build(StreamTrainJob, {"dataset": sensors}))  # the Python API names them too
+    assert (cfg.features_topic, cfg.updates_topic, cfg.raw_topic) == ("sensors-features", "sensors-model-updates",
+                                                                      "sensors-raw")
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+def test_dead_letters_are_counted_by_kind_not_by_message(bootstrap, new_topic, tmp_path):
+    """Broken JSON at different positions is one kind on the status page ("broken JSON"), not one row per
+    "Expecting ',' delimiter: line 1 column N" message; each dead letter keeps its whole message."""
+    from types import SimpleNamespace
+
+    from connectors.dataset_spec import FeatureSpec
+    from connectors.deadletter import dead_letter_record, reason_kind
+    from connectors.kafka import close_client, new_producer
+    from flowtrain.commands.stream_status import StreamSampler
+    from pipelines.stream.events import event_schema, parse_event
+
+    schema = event_schema(FeatureSpec(label="y", task="regression", numeric=["x"], categorical=["c"]))
+    payloads = [b'{"x": 1 "c": "a"}', b'{"x": 1, "c": "a", "y" 2}', b'{"x": 1,, "c": "a"}', b'[1, 2]',
+                b'{"c": "a"}', b'{"x": "one", "c": "a"}', b'{"x": "two", "c": "b"}']
+    letters = [parse_event(p, f"raw/0/{i}", schema) for i, p in enumerate(payloads)]
+    reasons = [letter.reason for letter in letters]
+    assert len(set(reasons[:3])) == 3 and all(r.startswith("broken JSON: Expecting") for r in reasons[:3])
+    assert [reason_kind(r) for r in reasons] == ["broken JSON"] * 4 + ["missing field(s)"] + [
+        "wrong type: field 'x'"] * 2
+    dead, updates = new_topic(1), new_topic(1)
+    producer = new_producer(bootstrap, {})
+    try:
+        for letter in letters:
+            key, value, headers = dead_letter_record(letter)
+            producer.send(dead, value=value, key=key, headers=headers)
+        producer.flush(30)
+    finally:
+        close_client(producer)
+    args = SimpleNamespace(out=str(tmp_path), kafka_config=(), kafka_config_file=None, bootstrap=bootstrap,
+                           dead_letter_topic=dead, updates_topic=updates, update_key_file=None)
+    sampler = StreamSampler(args, lambda: {})
+    snap: dict = {"counters": {}}
+    try:
+        for _ in range(100):
+            sampler._kafka(snap)
+            if sum(snap["dead_letters_by_reason"].values()) >= len(letters):
+                break
+    finally:
+        sampler.letters.close()
+        sampler.updates.close()
+    assert snap["dead_letters_by_reason"] == {"broken JSON": 4, "missing field(s)": 1, "wrong type: field 'x'": 2}
+    assert sorted(d["reason"] for d in snap["dead_letters"]) == sorted(reasons)  # the whole messages

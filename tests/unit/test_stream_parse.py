@@ -12,8 +12,9 @@ import pytest
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import DeadLetter
 from flowtrain.local.runners import pipeline_options
-from pipelines.stream.events import ParseBounds, event_schema, events_table, parse_batch, parse_event
+from pipelines.stream.events import ParseBounds, event_schema, events_table, parse_event
 from pipelines.stream.featurize import StreamFeaturizer
+from pipelines.stream.parse import parse_batch
 from pipelines.stream.replay import MALFORMED_KINDS, drop_label, malform_event, order_by_time, read_files, table_events
 from pipelines.tabular.pipeline import run_tabular_etl
 from tests.sensor_data import CLASSES, sensor_rows, write_csv
@@ -172,7 +173,7 @@ def test_replay_reads_csv_parquet_and_json_lines_alike_in_event_time_order(tmp_p
 
 
 def test_foreign_keys_names_another_tables_event_only_when_no_event_has_a_field():
-    from pipelines.stream.events import foreign_keys
+    from pipelines.stream.parse import foreign_keys
 
     schema = event_schema(SPEC)
     diamonds = [json.dumps({"carat": 0.3, "cut": "Ideal", "price": 500}).encode()] * 3

@@ -190,12 +190,12 @@ class _MemoryFileSystem(FileSystem):
 
 
 def test_reference_tables_are_read_through_beam_filesystems():
-    from flowtrain.local.paths import demo_tables_dir
+    from flowtrain.local.paths import cache_root
     from pipelines.flights import features as FF
-    from pipelines.flights.batch import export_tables
+    from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.streaming import load_reference_tables
 
-    tables = export_tables(demo_tables_dir())
+    tables = FLIGHTS.demo_inputs(cache_root())
     for name in ("weather", "planes"):
         sink = io.BytesIO()
         pq.write_table(pq.read_table(tables[name]), sink)
@@ -220,11 +220,11 @@ def _row_wise(payloads, sources, bounds=ParseBounds()):
 def test_parse_batch_rejects_exactly_what_parse_event_rejects_with_the_same_reasons():
     import itertools
 
-    from flowtrain.local.paths import demo_tables_dir
-    from pipelines.flights.batch import export_tables
+    from flowtrain.local.paths import cache_root
     from pipelines.flights.events import events_from_table, parse_batch
+    from pipelines.flights.preset import FLIGHTS
 
-    flights = pq.read_table(export_tables(demo_tables_dir())["flights"]).slice(0, 3000)
+    flights = pq.read_table(FLIGHTS.demo_inputs(cache_root())["flights"]).slice(0, 3000)
     events = list(itertools.islice(events_from_table(flights), 2000))  # real rows: nulls, cancelled flights
     rng = random.Random(7)
     payloads = [json.dumps(e).encode() for e in events[:1500]]
@@ -266,7 +266,7 @@ def test_parse_batch_rejects_exactly_what_parse_event_rejects_with_the_same_reas
 
 def test_status_files_are_read_whole_or_not_at_all_and_cleared(tmp_path):
     """A status file being replaced (.tmp) or cut short is skipped, not read as zeros or an error."""
-    from pipelines.flights.status import clear_status, read_status, write_status
+    from pipelines.stream.status import clear_status, read_status, write_status
 
     prefix = str(tmp_path / "[run]" / "score-status.json")
     (tmp_path / "[run]").mkdir()

@@ -6,7 +6,8 @@ distribution, no Docker), as detached processes that ``flowtrain flink start`` l
 * a JobManager (``StandaloneSessionClusterEntrypoint``), REST API on ``rest_port``;
 * ``taskmanagers`` TaskManagers (``TaskManagerRunner``) with ``slots`` slots each, their
   memory given explicitly (the options Flink's start scripts would compute);
-* Beam's ``FlinkJobServerDriver`` on ``job_port``, submitting to the JobManager;
+* Beam's ``FlinkJobServerDriver`` on ``job_port``, submitting to the JobManager (on ``bind`` only with the
+  bind patch of :mod:`flowtrain.local.flink.jars`; Beam alone binds it on every interface);
 * a worker pool (:mod:`flowtrain.local.flink.worker_pool`) that starts the Python SDK workers
   (``--environment_type=EXTERNAL``) with this Python, so they import flowtrain's code.
 
@@ -31,7 +32,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +40,19 @@ from flowtrain.local.flink.jars import (
     FLINK_VERSION,
     NO_STAGING_FACTORY,
     FlinkError,
+    bind_patched,
+    classpath,
     ensure_jars,
     provisioned,
     require_tool,
 )
+from flowtrain.local.flink.listeners import listening, network_interfaces
+from flowtrain.local.flink.memory import LOG4J, TaskManagerMemory
+from flowtrain.local.flink.rest import LOOPBACK, rest_json
 from flowtrain.local.flink.worker_pool import worker_env
 from flowtrain.local.paths import cache_root
 from flowtrain.local.processes import identity, same_process, stop_recorded
+from flowtrain.local.service import LocalService
 from flowtrain.local.tools import free_port, java_major, port_open
 
 #: Where `flowtrain flink` keeps the default cluster; FLOWTRAIN_FLINK_DIR picks another one
@@ -56,7 +62,6 @@ DIR_ENV = "FLOWTRAIN_FLINK_DIR"
 # C1 only: on a couple of busy cores the C2 compiler's threads cost more CPU than its code saves
 # for these processes (the data path is the Python SDK workers; the JVMs move bytes, schedule, translate).
 _JVM_FLAGS = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
-LOOPBACK = "127.0.0.1"
 #: Across hosts the ports must be known in advance (every TaskManager host names the JobManager's RPC
 #: port, every worker pool listens on the port the jobs name): Flink's and Beam's conventional ones.
 DEFAULT_RPC_PORT = 6123
@@ -74,63 +79,8 @@ _JAVA_OPENS = [
         "java.util.concurrent.locks")],
 ]
 
-_LOG4J = """\
-rootLogger.level = INFO
-rootLogger.appenderRef.file.ref = MainAppender
-appender.main.name = MainAppender
-appender.main.type = File
-appender.main.fileName = ${sys:log.file}
-appender.main.layout.type = PatternLayout
-appender.main.layout.pattern = %d{yyyy-MM-dd HH:mm:ss,SSS} %-5p %-60c %x - %m%n
-logger.pekko.name = org.apache.pekko
-logger.pekko.level = WARN
-"""
-
-
 def default_dir() -> Path:
     return Path(os.environ.get(DIR_ENV) or cache_root() / "flink-cluster").expanduser()
-
-
-@dataclass
-class TaskManagerMemory:
-    """One TaskManager's memory (MiB), given to Flink explicitly as its start scripts would.
-
-    The defaults suit the tests' inputs. A pipeline that broadcasts a big side input or
-    aggregates into one big element (the flights ETL's reference tables at 10x: one 23 MB
-    record) needs more of all three of task heap (records on the JVM side), managed memory
-    (Flink's sort buffers: a record must fit one) and task off-heap (the gRPC data plane to the
-    Python workers uses direct memory); the 10x flights ETL ran with 1024 / 768 / 768.
-    """
-
-    framework_heap: int = 128
-    task_heap: int = 384
-    framework_off_heap: int = 128
-    task_off_heap: int = 256  # Beam's Fn API data plane (gRPC, Netty) allocates direct buffers
-    network_per_slot: int = 256  # Beam's batch jobs deploy every operator at once: many channels
-    managed: int = 128
-    metaspace: int = 256
-    overhead: int = 192
-
-    def flink_options(self, slots: int) -> dict[str, str]:
-        net = f"{self.network_per_slot * slots}m"
-        return {
-            "taskmanager.memory.framework.heap.size": f"{self.framework_heap}m",
-            "taskmanager.memory.task.heap.size": f"{self.task_heap}m",
-            "taskmanager.memory.framework.off-heap.size": f"{self.framework_off_heap}m",
-            "taskmanager.memory.task.off-heap.size": f"{self.task_off_heap}m",
-            "taskmanager.memory.network.min": net,
-            "taskmanager.memory.network.max": net,
-            "taskmanager.memory.managed.size": f"{self.managed}m",
-            "taskmanager.memory.jvm-metaspace.size": f"{self.metaspace}m",
-            "taskmanager.memory.jvm-overhead.min": f"{self.overhead}m",
-            "taskmanager.memory.jvm-overhead.max": f"{self.overhead}m",
-        }
-
-    def jvm_options(self, slots: int) -> list[str]:
-        heap = self.framework_heap + self.task_heap
-        direct = self.framework_off_heap + self.task_off_heap + self.network_per_slot * slots
-        return [f"-Xmx{heap}m", f"-Xms{heap}m", f"-XX:MaxDirectMemorySize={direct}m",
-                f"-XX:MaxMetaspaceSize={self.metaspace}m"]
 
 
 def _logged(path: Path, text: str) -> bool:
@@ -144,42 +94,8 @@ def _alive(proc: dict) -> bool:
     return same_process(proc)
 
 
-def _rest(port: int, path: str, timeout: float = 3.0, host: str = LOOPBACK):
-    with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-_ACTIVE = ("INITIALIZING", "CREATED", "RUNNING", "RESTARTING", "CANCELLING", "FAILING", "RECONCILING")
-
-
-def cancel_flink_jobs(rest_url: str, job_name: str, *, timeout_s: float = 60.0) -> list[str]:
-    """Cancel the Flink jobs named ``job_name`` through the REST API; returns their ids once
-    they are CANCELED (or otherwise ended). Beam's job server cannot do it: its cancel only stops
-    waiting for the job, which would run on (and keep reading and committing)."""
-    base = rest_url.rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        base = f"http://{base}"
-
-    def jobs() -> list[dict]:
-        with urllib.request.urlopen(f"{base}/jobs/overview", timeout=10) as resp:
-            return [j for j in json.loads(resp.read())["jobs"] if j["name"] == job_name]
-
-    ids = [j["jid"] for j in jobs() if j["state"] in _ACTIVE]
-    for jid in ids:
-        req = urllib.request.Request(f"{base}/jobs/{jid}?mode=cancel", method="PATCH")
-        urllib.request.urlopen(req, timeout=10).close()
-    deadline = time.monotonic() + timeout_s
-    while ids and time.monotonic() < deadline:
-        if all(j["state"] not in _ACTIVE for j in jobs() if j["jid"] in ids):
-            return ids
-        time.sleep(0.5)
-    if ids:
-        raise FlinkError(f"Flink jobs {ids} ({job_name}) were not cancelled within {timeout_s:.0f} s; see {base}")
-    return ids
-
-
 @dataclass
-class LocalFlink:
+class LocalFlink(LocalService):
     """A Flink session cluster with ``taskmanagers`` x ``slots`` slots, a job server and a worker pool.
 
     ``bind``: the address every process listens on and advertises (127.0.0.1 by default).
@@ -188,6 +104,12 @@ class LocalFlink:
     ``taskmanagers=0`` on the JobManager's host: only the JobManager and the job server, TaskManagers join
     from other hosts; ``parallelism`` (the jobs' default) is then required. ``rpc_port`` / ``pool_port``:
     free ports on loopback, 6123 / 50000 with another ``bind`` (every host must agree on them).
+
+    Every process listens on ``bind`` (the worker pool and the TaskManagers' Fn API services on loopback),
+    never on every interface: Beam's job server only with the bind patch of :mod:`~flowtrain.local.flink.jars`
+    (it needs a JDK). Without the patch ``start`` refuses to run the job server on a machine with a network
+    interface unless ``expose_job_server``; and a started cluster any of whose processes listens on a wildcard
+    address (other than that job server, so allowed) is stopped with an error.
     """
 
     taskmanagers: int = 2
@@ -203,9 +125,16 @@ class LocalFlink:
     rpc_port: int | None = None
     pool_port: int | None = None
     parallelism: int | None = None
+    expose_job_server: bool = False
+
+    prefix = "flink"
+    noun = "cluster"
+    state_file = "cluster.json"  # read as every local service reads its own (LocalService._read_state)
+    log_file = "log/jobmanager.log"
+    error = FlinkError
 
     def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir).expanduser().resolve()
+        super().__post_init__()
         least = 1 if self.jobmanager else 0
         if self.taskmanagers < least or self.slots < 1:
             raise FlinkError(f"--taskmanagers must be at least {least} and --slots at least 1 (got "
@@ -241,15 +170,9 @@ class LocalFlink:
     def log_dir(self) -> Path:
         return self.data_dir / "log"
 
-    @property
-    def _state_path(self) -> Path:
-        return self.data_dir / "cluster.json"
-
     def read_state(self) -> dict | None:
-        try:
-            return json.loads(self._state_path.read_text())
-        except (OSError, ValueError):
-            return None
+        """The recorded cluster (``cluster.json``), or None: none recorded, or an unreadable record."""
+        return self._read_state()
 
     def _write_state(self, state: dict) -> None:
         tmp = self._state_path.with_suffix(".json.tmp")
@@ -263,11 +186,11 @@ class LocalFlink:
 
     def running(self) -> bool:
         """True when every process of the recorded cluster is alive."""
-        state = self.read_state()
+        state = self._read_state()
         return bool(state and state.get("complete") and all(_alive(p) for p in state["processes"].values()))
 
     def status(self) -> dict:
-        state = self.read_state() or {}
+        state = self._read_state() or {}
         procs = state.get("processes", {})
         out = {
             "running": self.running(),
@@ -281,13 +204,16 @@ class LocalFlink:
             "versions": {"flink": state.get("flink_version"), "beam_runner": BEAM_RUNNER_VERSION},
             "processes": {name: {"pid": p["pid"], "alive": _alive(p), "log": p["log"]} for name, p in procs.items()},
         }
+        alive = {p["pid"]: name for name, p in procs.items() if _alive(p)}
+        out["listening"] = {alive[pid]: sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a, port in addrs)
+                            for pid, addrs in listening(alive).items()}
         if state.get("role") == "taskmanagers":
             out["jobmanager"] = state.get("jobmanager")
             out.pop("rest")
         elif out["running"]:
             out["jobmanager"] = state.get("jobmanager")
             try:
-                overview = _rest(state["rest_port"], "/overview", host=state.get("bind", LOOPBACK))
+                overview = rest_json(state["rest_port"], "/overview", host=state.get("bind", LOOPBACK))
                 out.update(taskmanagers=overview["taskmanagers"], slots=overview["slots-total"],
                            slots_available=overview["slots-available"], jobs_running=overview["jobs-running"])
             except (OSError, ValueError, KeyError):
@@ -296,7 +222,7 @@ class LocalFlink:
 
     def beam_args(self) -> list[str]:
         """Beam options that run a pipeline on this (running) cluster."""
-        state = self.read_state()
+        state = self._read_state()
         if not self.running() or state is None:
             raise FlinkError(f"no local Flink cluster is running in {self.data_dir}. Start one with "
                              f"`flowtrain flink start` (set {DIR_ENV} for another directory), or pass "
@@ -348,7 +274,7 @@ class LocalFlink:
         log = self.log_dir / f"{name}.log"
         out = open(self.log_dir / f"{name}.out", "ab")
         cmd = [java, *heap, *_JVM_FLAGS, *_JAVA_OPENS, f"-Dlog.file={log}",
-               f"-Dlog4j.configurationFile={self.conf_dir / 'log4j2.properties'}", "-cp", str(libs / "*"), main, *args]
+               f"-Dlog4j.configurationFile={self.conf_dir / 'log4j2.properties'}", "-cp", classpath(libs), main, *args]
         try:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=self.data_dir)
@@ -361,7 +287,7 @@ class LocalFlink:
         """Start the cluster (or, with ``jobmanager``, this host's TaskManagers) unless it runs already;
         return its status. Idempotent."""
         if self.running():
-            state = self.read_state()
+            state = self._read_state()
             if not quiet:
                 note = ""
                 if (state.get("taskmanagers"), state.get("slots")) != (self.taskmanagers, self.slots):
@@ -377,7 +303,7 @@ class LocalFlink:
         if not self.parallelism and not self.jobmanager:
             raise FlinkError("--taskmanagers 0 (TaskManagers join from other hosts) needs --parallelism N: "
                              "the jobs' default parallelism, the slots those TaskManagers will offer")
-        if self.read_state():
+        if self._read_state():
             self.stop(quiet=True)  # leftovers of a cluster that partly died
         java = require_tool("java", "to run Flink and Beam's Flink job server",
                             "Install a Java 11+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).")
@@ -395,6 +321,13 @@ class LocalFlink:
         t0 = time.monotonic()
         libs = ensure_jars(quiet=quiet)
         no_staging = bool((provisioned(libs) or {}).get("no_staging_helper"))
+        patched = bind_patched(libs)
+        if not self.jobmanager and not patched and not self.expose_job_server and network_interfaces():
+            raise FlinkError(f"Beam's job server would listen on every interface (no bind patch in {libs.parent}: "
+                             f"building it needs a JDK's `javac`, `mvn` and Beam's sources jar from the Maven registry), and this machine has network interfaces "
+                             f"({', '.join(network_interfaces()[:4])}): anyone reaching its port could run code as "
+                             f"you. Install a JDK 11+ (the patch is built on the next start), or pass "
+                             f"--expose-job-server to start it anyway")
         for d in (self.conf_dir, self.log_dir, self.data_dir / "tmp", self.data_dir / "artifacts"):
             d.mkdir(parents=True, exist_ok=True)
         pool_port = self.pool_port or free_port()
@@ -403,10 +336,11 @@ class LocalFlink:
         else:
             jm_host, rpc_port = self.bind, self.rpc_port or free_port()
         (self.conf_dir / "flink-conf.yaml").write_text(self._flink_conf(jm_host, rpc_port))
-        (self.conf_dir / "log4j2.properties").write_text(_LOG4J)
+        (self.conf_dir / "log4j2.properties").write_text(LOG4J)
         state = {"complete": False, "role": self.role, "bind": self.bind, "jobmanager": f"{jm_host}:{rpc_port}",
                  "taskmanagers": self.taskmanagers, "slots": self.slots, "flink_version": FLINK_VERSION,
                  "beam_runner": BEAM_RUNNER_VERSION, "jars": str(libs), "no_staging": no_staging,
+                 "bind_patch": patched,
                  "python": sys.executable, "started_at": time.time(), "processes": {}}
         if self.taskmanagers:
             state["worker_pool"] = f"{LOOPBACK}:{pool_port}"
@@ -455,6 +389,7 @@ class LocalFlink:
                      "--expansion-port", str(expansion_port), "--artifacts-dir", str(self.data_dir / "artifacts")],
                     libs, java))
             self._await_ready(popens, pool_port, timeout_s)
+            self._check_listeners(state["processes"])
         except BaseException:
             self.stop(quiet=True)
             raise
@@ -496,7 +431,7 @@ class LocalFlink:
                     return
             else:
                 try:
-                    registered = _rest(self.rest_port, "/overview", timeout=2, host=self.bind)
+                    registered = rest_json(self.rest_port, "/overview", timeout=2, host=self.bind)
                 except (OSError, ValueError):
                     registered = None
                 if (registered and registered.get("slots-total", 0) >= want
@@ -511,6 +446,19 @@ class LocalFlink:
                          f"job server port {self.job_port} open: {port_open(self.job_port, self.bind)}); logs in "
                          f"{self.log_dir}")
 
+    def _check_listeners(self, processes: dict[str, dict]) -> None:
+        """No process of the cluster listens on a wildcard address (0.0.0.0, ::), but an exposed job server."""
+        names = {p["pid"]: name for name, p in processes.items()}
+        wild = {f"{names[pid]} (pid {pid})": sorted({f"{a}:{port}" for a, port in addrs
+                                                     if ipaddress.ip_address(a).is_unspecified})
+                for pid, addrs in listening(names).items()
+                if not (self.expose_job_server and names[pid] == "job-server")}
+        wild = {name: addrs for name, addrs in wild.items() if addrs}
+        if wild:
+            raise FlinkError(f"listening on every interface, not only {self.bind}: "
+                             + "; ".join(f"{name} on {', '.join(addrs)}" for name, addrs in wild.items())
+                             + f" (the cluster was stopped; logs in {self.log_dir})")
+
     def _tail(self, name: str, lines: int = 25) -> str:
         text = ""
         for suffix in (".out", ".log"):
@@ -522,7 +470,7 @@ class LocalFlink:
 
     def stop(self, *, timeout_s: float = 30.0, quiet: bool = False) -> bool:
         """Stop every process of the cluster (SIGTERM, then SIGKILL); False if none ran."""
-        state = self.read_state()
+        state = self._read_state()
         procs = [(name, p) for name, p in reversed(list((state or {}).get("processes", {}).items())) if _alive(p)]
         if not procs:
             if not quiet:

@@ -30,6 +30,7 @@ import traceback
 from concurrent import futures
 from pathlib import Path
 
+import flowtrain
 from flowtrain.local.processes import StopSignals, Supervisor
 
 _log = logging.getLogger("flowtrain.worker_pool")
@@ -37,8 +38,6 @@ _log = logging.getLogger("flowtrain.worker_pool")
 
 def project_root() -> str:
     """The directory holding the ``flowtrain``, ``pipelines`` and ``connectors`` packages."""
-    import flowtrain
-
     return str(Path(flowtrain.__file__).resolve().parent.parent)
 
 

@@ -11,9 +11,8 @@ never signalled.
 from __future__ import annotations
 
 import base64
-import json
+import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -21,8 +20,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kafka import KafkaAdminClient
+
 from flowtrain.local.paths import cache_root
-from flowtrain.local.processes import describe, identity, same_process, stop_recorded
+from flowtrain.local.service import LocalService
 from flowtrain.local.tools import free_port as _any_free_port
 from flowtrain.local.tools import java_major, port_open, require_tool
 
@@ -81,8 +82,6 @@ def free_port(below_ephemeral: bool = False) -> int:
     broker that restarts on the same port: while it is down, its clients' reconnecting sockets
     take ephemeral ports and could take its own.
     """
-    import random
-
     for _ in range(200):
         if below_ephemeral:
             port = random.randrange(20000, 30000)
@@ -102,8 +101,6 @@ def free_port(below_ephemeral: bool = False) -> int:
 
 def answers_metadata(bootstrap: str, timeout_s: float = 5.0) -> bool:
     """True when the broker answers a metadata request (not just an open socket)."""
-    from kafka import KafkaAdminClient  # local import: kafka-python is slow to import
-
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000),
                                  bootstrap_timeout_ms=int(timeout_s * 1000))
@@ -119,17 +116,20 @@ def answers_metadata(bootstrap: str, timeout_s: float = 5.0) -> bool:
 
 
 @dataclass
-class LocalKafka:
+class LocalKafka(LocalService):
     """One KRaft broker+controller on 127.0.0.1 with its data in ``data_dir``."""
+
+    prefix = "kafka"
+    noun = "broker"
+    state_file = "broker.json"
+    log_file = "broker.log"
+    error = BrokerError
 
     port: int = 9092
     data_dir: Path = field(default_factory=lambda: cache_root() / "kafka-data")
     version: str = KAFKA_VERSION
     heap: str = "768m"
     extra_config: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir).expanduser().resolve()
 
     @property
     def controller_port(self) -> int:
@@ -139,32 +139,11 @@ class LocalKafka:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / "broker.log"
-
-    @property
-    def _state_path(self) -> Path:
-        return self.data_dir / "broker.json"
-
     # -- state -------------------------------------------------------------------------
-    def _read_state(self) -> dict | None:
-        try:
-            return json.loads(self._state_path.read_text())
-        except (OSError, ValueError):
-            return None
-
     @property
     def _marker(self) -> str:
         """What this broker's command line holds: its own server.properties."""
         return str(self.data_dir / "server.properties")
-
-    def running_pid(self) -> int | None:
-        """The pid of this data directory's broker, if the recorded process still is that broker."""
-        state = self._read_state()
-        if state and same_process(state, self._marker):
-            return int(state["pid"])
-        return None
 
     def status(self) -> dict:
         state = self._read_state() or {}
@@ -248,52 +227,23 @@ class LocalKafka:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "server.properties").write_text(self._properties())
         self._format_if_needed(java, classpath)
-        log = open(self.log_path, "ab")
         cmd = [java, f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
                f"-Dlog4j2.configurationFile={_HERE / 'log4j2.properties'}",
                "-cp", classpath, "kafka.Kafka", str(self.data_dir / "server.properties")]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, cwd=self.data_dir)
-        log.close()
-        self._state_path.write_text(json.dumps({
-            **identity(proc.pid), "bootstrap": self.bootstrap, "port": self.port, "version": self.version,
-            "jars": str(libs), "log": str(self.log_path), "started_at": time.time()}))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise BrokerError(f"the Kafka broker exited with code {proc.returncode} during start; "
-                                  f"see {self.log_path}:\n{self._log_tail()}")
-            if port_open(self.port) and answers_metadata(self.bootstrap, 3.0):
-                took = time.monotonic() - t0
-                if not quiet:
-                    print(f"kafka: broker {self.version} started from jars in {libs} on {self.bootstrap} "
-                          f"(pid {proc.pid}, {took:.1f} s); data {self.data_dir}; log {self.log_path}",
-                          flush=True)
-                return self.status() | {"start_seconds": took}
-            time.sleep(0.3)
-        self.stop(quiet=True)
-        raise BrokerError(f"the Kafka broker did not answer a metadata request within {timeout_s:.0f} s; "
-                          f"see {self.log_path}:\n{self._log_tail()}")
+        proc = self._launch(cmd, {"bootstrap": self.bootstrap, "port": self.port, "version": self.version,
+                                  "jars": str(libs), "log": str(self.log_path)})
+        took = self._wait_ready(proc, lambda: port_open(self.port) and answers_metadata(self.bootstrap, 3.0),
+                                what="the Kafka broker", not_ready="did not answer a metadata request", t0=t0,
+                                timeout_s=timeout_s, poll_s=0.3)
+        if not quiet:
+            print(f"kafka: broker {self.version} started from jars in {libs} on {self.bootstrap} "
+                  f"(pid {proc.pid}, {took:.1f} s); data {self.data_dir}; log {self.log_path}", flush=True)
+        return self.status() | {"start_seconds": took}
 
     def stop(self, *, timeout_s: float = 30.0, quiet: bool = False) -> bool:
         """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran. Only the
         process ``broker.json`` records, while it still is that broker, is signalled."""
-        state = self._read_state()
-        if not state or self.running_pid() is None:
-            if not quiet:
-                if state and state.get("pid") is not None:
-                    print(f"kafka: the broker recorded in {self._state_path} (pid {state['pid']}) is not running; "
-                          f"nothing stopped ({describe(int(state['pid']))})")
-                else:
-                    print(f"kafka: no broker running for {self.data_dir}")
-            return False
-        stop_recorded([state], sig=signal.SIGTERM, grace_s=timeout_s, marker=self._marker)
-        if not quiet:
+        state = self._stop_recorded(timeout_s, quiet)
+        if state is not None and not quiet:
             print(f"kafka: stopped broker pid {state['pid']} on {self.bootstrap}")
-        return True
-
-    def _log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return state is not None

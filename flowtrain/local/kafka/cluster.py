@@ -24,6 +24,7 @@ from pathlib import Path
 
 from flowtrain.local.kafka.broker import KAFKA_VERSION, BrokerError, LocalKafka, new_cluster_id
 from flowtrain.local.paths import cache_root
+from flowtrain.local.service import LocalService
 
 
 @dataclass
@@ -69,8 +70,15 @@ class ClusterNode(LocalKafka):
 
 
 @dataclass
-class LocalKafkaCluster:
-    """``brokers`` KRaft nodes on 127.0.0.1 forming one cluster; ``nodes[i]`` is node id ``i + 1``."""
+class LocalKafkaCluster(LocalService):
+    """``brokers`` KRaft nodes on 127.0.0.1 forming one cluster; ``nodes[i]`` is node id ``i + 1``. Its state
+    file is ``cluster.json`` (read as every local service reads its own, ``LocalService._read_state``); the
+    processes are the nodes'."""
+
+    prefix = "kafka"
+    noun = "cluster"
+    state_file = "cluster.json"
+    error = BrokerError
 
     brokers: int = 3
     port: int = 9092
@@ -82,7 +90,7 @@ class LocalKafkaCluster:
     def __post_init__(self) -> None:
         if self.brokers < 1:
             raise BrokerError(f"--brokers must be at least 1, got {self.brokers}")
-        self.data_dir = Path(self.data_dir).expanduser().resolve()
+        super().__post_init__()
         state = self._read_state()
         if state and (state["brokers"] != self.brokers or state["port"] != self.port):
             raise BrokerError(f"{self.data_dir} holds a cluster of {state['brokers']} broker(s) on port "
@@ -100,16 +108,6 @@ class LocalKafkaCluster:
     @property
     def bootstrap(self) -> str:
         return ",".join(node.bootstrap for node in self.nodes)
-
-    @property
-    def _state_path(self) -> Path:
-        return self.data_dir / "cluster.json"
-
-    def _read_state(self) -> dict | None:
-        try:
-            return json.loads(self._state_path.read_text())
-        except (OSError, ValueError):
-            return None
 
     def node(self, node_id: int) -> ClusterNode:
         return self.nodes[node_id - 1]

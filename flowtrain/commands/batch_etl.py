@@ -1,0 +1,111 @@
+"""The batch job's first step: the dataset a run trains on. An existing one (``--dataset``, or the resumed
+run's), or the Beam ETL's: of the files given (``--input`` with the columns' roles) or of a dataset preset's demo
+inputs (``--preset``, default the demo's; ``pipelines.presets``)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from connectors.dataset_spec import FeatureSpec
+from connectors.paths import is_url
+from flowtrain.errors import FlowtrainError
+from flowtrain.local.paths import cache_root
+from flowtrain.train.staging import fetch_dir, fetch_inputs
+from pipelines.presets import default_preset, load_preset
+
+if TYPE_CHECKING:
+    from flowtrain.commands.batch import BatchJob
+
+
+def range_of(text: str) -> tuple[str, list[float]]:
+    """``COL=LO:HI`` (``--numeric-range``) as (column, [lo, hi]); a ValueError when LO or HI is no number."""
+    col, _, rest = text.partition("=")
+    lo, _, hi = rest.rpartition(":")
+    return col.strip(), [float(lo), float(hi)]
+
+
+def batch_preset(job: BatchJob):
+    """The dataset preset a batch without --input builds: --preset's, else the default (the demo's)."""
+    try:
+        return load_preset(job.preset) if job.preset else default_preset()
+    except ValueError as err:
+        raise FlowtrainError(f"--preset {job.preset}: {err}" if job.preset else str(err)) from None
+
+
+def spec_from(job: BatchJob):
+    """(the --input patterns, or None for a preset's demo inputs; the FeatureSpec the ETL builds)."""
+    if job.preset and job.input:
+        raise FlowtrainError("--preset builds a preset's own dataset: leave out --input (or --preset)")
+    if not job.input:
+        if job.label or job.numeric or job.categorical:
+            raise FlowtrainError("--label/--numeric/--categorical describe your files: give them with --input")
+        spec = batch_preset(job).spec
+        if job.id_columns:  # the demo with ID columns (e.g. tailnum,route): docs/ids.md
+            return None, dataclasses.replace(spec, id_columns=list(job.id_columns), max_id_bytes=job.max_id_bytes,
+                                             required_ids=list(job.required_ids))
+        return None, spec
+    if not job.label:
+        raise FlowtrainError("--input needs --label (the column to predict)")
+    try:
+        spec = FeatureSpec(
+            label=job.label, task=job.task, numeric=list(job.numeric), categorical=list(job.categorical),
+            optional_numeric=list(job.optional_numeric), positive_above=job.positive_above,
+            positive_class=job.positive_class,
+            time_column=job.time_column, valid_from=job.valid_from, test_from=job.test_from,
+            time_format=job.time_format, seed=job.seed, min_count=job.min_count,
+            numeric_range={col: bounds for col, bounds in map(range_of, job.numeric_range)},
+            clip_numeric=job.clip_outliers, id_columns=list(job.id_columns), max_id_bytes=job.max_id_bytes,
+            required_ids=list(job.required_ids))
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    return list(job.input), spec
+
+
+def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, str]:
+    """(the dataset directory, the run's title): ``--dataset``'s (fetched from an object store), the resumed run's,
+    or the one the ETL writes into ``run_dir/dataset`` (its dead letters in ``run_dir/dead_letters.jsonl``)."""
+    from connectors.dataset import read_manifest
+    from flowtrain.local.runners import pipeline_options
+
+    beam_args = list(job.beam_args)
+    if job.dataset:
+        dataset_path = fetch_dir(job.dataset, "--dataset", marker="_manifest.json") if is_url(job.dataset) else \
+            Path(job.dataset).resolve()
+        read_manifest(dataset_path)
+        title = f"dataset {dataset_path}"
+    elif resume and (run_dir / "dataset" / "_manifest.json").exists():
+        dataset_path = run_dir / "dataset"
+        title = "resumed run"
+    else:
+        dataset_path = run_dir / "dataset"
+        inputs, spec = spec_from(job)
+        if inputs:
+            inputs = fetch_inputs(inputs, "--input")  # on an object store: downloaded once
+        beam_opts = pipeline_options("batch", beam_args, runner=job.runner, flink_master=job.flink_master)
+        dead = str(run_dir / "dead_letters.jsonl")
+        t_etl = time.perf_counter()
+        if inputs is None:  # the default dataset preset's ETL on its demo inputs (pipelines.presets)
+            preset = batch_preset(job)
+            if preset.build is None:
+                raise FlowtrainError(f"dataset preset {preset.name!r} has no batch ETL: give your files with --input")
+            print(f"etl: {preset.describe or preset.name} -> dataset (Beam, "
+                  f"{beam_opts.get_all_options()['runner']})", flush=True)
+            manifest = preset.build_dataset(preset.demo_inputs(cache_root()), dataset_path=str(dataset_path),
+                                            dead_letters_path=dead, options=beam_opts, spec=spec)  # names the preset
+            title = preset.title or preset.name
+        else:
+            from pipelines.tabular.pipeline import expand_inputs, resolve_task, run_tabular_etl
+
+            spec, why = resolve_task(expand_inputs(inputs), spec)
+            if why:
+                print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
+            print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
+            manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
+                                       options=beam_opts, max_record_bytes=job.max_record_bytes)
+            title = ", ".join(inputs)
+        c = manifest["counts"]
+        print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "
+              f"letters, {time.perf_counter() - t_etl:.1f} s", flush=True)
+    return dataset_path, title

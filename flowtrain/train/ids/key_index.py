@@ -1,0 +1,252 @@
+"""An ID table's key <-> row bijection in numpy arrays: no Python object per ID.
+
+``KeyIndex`` holds, for a table of ``capacity`` rows:
+
+* ``row_key``: each row's key (``NO_KEY`` for a free row), int64;
+* a hash index from key to row: open addressing with linear probing over int32 slots that hold a
+  row number (the key is read back from ``row_key``, so a slot costs 4 bytes, not 12), at most
+  ``LOAD`` full; a removed entry leaves a tombstone, and the slots are rebuilt once tombstones
+  pass an eighth of them;
+* the free rows: rows never used (``[high_water, capacity)``, handed out lowest first) below a
+  stack of released rows (handed out last released first): the order a Python free list
+  ``[capacity-1, ..., high_water] + released`` pops in, which ``free_list`` returns.
+
+Every operation is vectorized over a batch of keys (``lookup``, ``assign``, ``release``). A table of
+2,500,000 rows spends 8 bytes per row on ``row_key`` and about 5.7 on the slots, where a Python
+``dict`` of int keys costs about 100 (docs/benchmarks.md, ``flowtrain bench ids --memory``).
+
+For reading it is a mapping like the ``dict`` it replaces: ``len``, ``in``, ``index[key]``, ``get``,
+iteration over keys (in row order), ``items``, ``values``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from connectors.id_keys import NO_KEY
+
+__all__ = ["KeyIndex", "LOAD"]
+
+LOAD = 0.7  # slots per row: 1 / LOAD
+EMPTY, TOMB = -1, -2  # a slot never used; a slot whose entry was removed
+_CHUNK = 1 << 18  # keys placed at a time when the slots are rebuilt
+_WINDOW = 8  # slots a probe reads at a time
+_STEPS = np.arange(_WINDOW, dtype=np.int64)
+_MASK = (1 << 64) - 1
+
+
+def _mix(keys: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of the keys (as unsigned 64 bits)."""
+    x = np.asarray(keys, dtype=np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _slots_for(capacity: int) -> int:
+    return max(8, -(-int(capacity) * 10 // int(LOAD * 10)))
+
+
+class KeyIndex:
+    def __init__(self, capacity: int):
+        capacity = max(1, int(capacity))
+        self.row_key = np.full(capacity, NO_KEY, dtype=np.int64)
+        self._slots = np.full(_slots_for(capacity), EMPTY, dtype=np.int32 if capacity < 2**31 else np.int64)
+        self._count = 0
+        self._tombs = 0
+        self.high_water = 0  # rows >= high_water were never used
+        self._released = np.zeros(0, dtype=np.int64)  # a stack: the last released on top
+        self._n_released = 0
+
+    # --- size ---------------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return len(self.row_key)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: ``row_key``, the slots and the released-rows stack."""
+        return self.row_key.nbytes + self._slots.nbytes + self._released.nbytes
+
+    @property
+    def occupied(self) -> np.ndarray:
+        """A bool per row: whether a key holds it (a new array)."""
+        return self.row_key != NO_KEY
+
+    @staticmethod
+    def planned_bytes(capacity: int) -> int:
+        """``nbytes`` of an index of ``capacity`` rows (nothing released): what a memory plan counts."""
+        capacity = max(1, int(capacity))
+        return capacity * 8 + _slots_for(capacity) * (4 if capacity < 2**31 else 8)
+
+    def free_count(self) -> int:
+        return self.capacity - self.high_water + self._n_released
+
+    def free_list(self) -> list[int]:
+        """The free rows as the free list they stand for (the last one is handed out first)."""
+        return list(range(self.capacity - 1, self.high_water - 1, -1)) + self._released[: self._n_released].tolist()
+
+    # --- the mapping ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self):
+        return iter(self.row_key[self.occupied].tolist())
+
+    def keys(self):
+        return list(self)
+
+    def values(self) -> list[int]:
+        return np.nonzero(self.occupied)[0].tolist()
+
+    def items(self):
+        rows = np.nonzero(self.occupied)[0]
+        return zip(self.row_key[rows].tolist(), rows.tolist())
+
+    def get(self, key: int, default=None):
+        r = int(self.lookup(np.asarray([key], dtype=np.int64))[0])
+        return default if r < 0 else r
+
+    def __getitem__(self, key: int) -> int:
+        r = self.get(key)
+        if r is None:
+            raise KeyError(key)
+        return r
+
+    def __contains__(self, key) -> bool:
+        return self.get(int(key)) is not None
+
+    # --- vectorized -----------------------------------------------------------------------------------
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return (_mix(keys) % np.uint64(len(self._slots))).astype(np.int64)
+
+    def _window(self, slot: np.ndarray) -> np.ndarray:
+        """The ``_WINDOW`` slots from each of ``slot`` on, wrapping: ``[len(slot), _WINDOW]``."""
+        win = slot[:, None] + _STEPS[None, :]
+        return np.where(win >= len(self._slots), win - len(self._slots), win)
+
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """The slot holding each key (-1: absent): its probe path, one slot a round for every key still looking,
+        up to the key or the first empty slot (a key sits before any empty slot on its path)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        out = np.full(len(keys), -1, dtype=np.int64)
+        if not len(keys) or not self._count:
+            return out
+        n = len(self._slots)
+        todo = np.arange(len(keys))
+        slot = self._home(keys)
+        while len(todo):
+            r = self._slots[slot].astype(np.int64)
+            match = r >= 0
+            match[match] = self.row_key[r[match]] == keys[todo[match]]
+            out[todo[match]] = slot[match]
+            go_on = (r != EMPTY) & ~match
+            todo, slot = todo[go_on], slot[go_on] + 1
+            slot[slot == n] = 0
+        return out
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """The row of each key (-1: none)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if len(keys) > 64:  # each distinct key once (IDs repeat: popular users, items)
+            uniq, inv = np.unique(keys, return_inverse=True)
+            if len(uniq) < 0.8 * len(keys):
+                return self.lookup(uniq)[inv]
+        slot = self._find(keys)
+        rows = np.full(len(slot), -1, dtype=np.int64)
+        hit = slot >= 0
+        rows[hit] = self._slots[slot[hit]]
+        return rows
+
+    def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Slots for distinct keys that are absent: the first empty or removed slot on each key's probe path."""
+        todo = np.arange(len(keys))
+        slot = self._home(keys)
+        while len(todo):
+            win = self._window(slot)
+            free = self._slots[win] < 0
+            first = free.argmax(axis=1)
+            some = free[np.arange(len(todo)), first]
+            want = win[np.arange(len(todo)), first]
+            cand = np.nonzero(some)[0]
+            _, once = np.unique(want[cand], return_index=True)  # one key per slot per round
+            won = cand[once]
+            self._tombs -= int((self._slots[want[won]] == TOMB).sum())
+            self._slots[want[won]] = rows[todo[won]]
+            left = np.ones(len(todo), dtype=bool)
+            left[won] = False
+            # a key that lost its slot looks again from there; one whose window was full, past it
+            slot = np.where(some, want, win[:, -1] + 1)
+            todo, slot = todo[left], slot[left]
+            slot[slot == len(self._slots)] = 0
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Up to ``n`` free rows, in the order a free list pops them (released first, then never used)."""
+        k = min(n, self._n_released)
+        out = self._released[self._n_released - k: self._n_released][::-1].copy()
+        self._n_released -= k
+        fresh = min(n - k, self.capacity - self.high_water)
+        if fresh > 0:
+            out = np.concatenate([out, np.arange(self.high_water, self.high_water + fresh, dtype=np.int64)])
+            self.high_water += fresh
+        return out
+
+    def assign(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """``keys`` (distinct, absent) take ``rows`` (from ``allocate``)."""
+        keys, rows = np.asarray(keys, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        if not len(keys):
+            return
+        self.row_key[rows] = keys
+        self._count += len(keys)
+        self._place(keys, rows)
+
+    def release(self, rows: np.ndarray) -> np.ndarray:
+        """Free ``rows`` (occupied, distinct), pushed on the free stack in the given order; returns their keys."""
+        rows = np.asarray(rows, dtype=np.int64)
+        keys = self.row_key[rows].copy()
+        if not len(rows):
+            return keys
+        slot = self._find(keys)
+        self._slots[slot] = TOMB
+        self._tombs += len(rows)
+        self._count -= len(rows)
+        self.row_key[rows] = NO_KEY
+        need = self._n_released + len(rows)
+        if need > len(self._released):
+            self._released = np.concatenate([self._released[: self._n_released],
+                                             np.zeros(max(need, 2 * len(self._released)) - self._n_released,
+                                                      dtype=np.int64)])
+        self._released[self._n_released: need] = rows
+        self._n_released = need
+        if self._tombs > len(self._slots) // 8:
+            self._rebuild(len(self._slots))
+        return keys
+
+    def _rebuild(self, n_slots: int) -> None:
+        self._slots = np.full(n_slots, EMPTY, dtype=self._slots.dtype if self.capacity < 2**31 else np.int64)
+        self._tombs = 0
+        rows = np.nonzero(self.occupied)[0]
+        for i in range(0, len(rows), _CHUNK):  # a chunk at a time: the probing's temporaries stay small
+            self._place(self.row_key[rows[i: i + _CHUNK]], rows[i: i + _CHUNK])
+
+    def grow(self, capacity: int) -> None:
+        """``capacity`` rows (more than now): the new ones never used; the slots rebuilt for the size."""
+        if capacity <= self.capacity:
+            return
+        self.row_key = np.concatenate([self.row_key, np.full(capacity - self.capacity, NO_KEY, dtype=np.int64)])
+        self._rebuild(_slots_for(capacity))
+
+    def load(self, rows: np.ndarray, keys: np.ndarray, free: list[int] | np.ndarray) -> None:
+        """The state a ``free_list`` and the occupied ``rows``/``keys`` describe (a checkpoint's)."""
+        self.row_key[:] = NO_KEY
+        rows = np.asarray(rows, dtype=np.int64)
+        self.row_key[rows] = np.asarray(keys, dtype=np.int64)
+        self._count = len(rows)
+        free = np.asarray(free, dtype=np.int64)
+        # the never-used rows: the longest prefix capacity-1, capacity-2, ... of the free list
+        expect = np.arange(self.capacity - 1, self.capacity - 1 - len(free), -1)
+        head = len(free) if np.array_equal(free, expect) else int(np.argmin(free == expect))
+        self.high_water = self.capacity - head
+        self._released = free[head:].copy()
+        self._n_released = len(self._released)
+        self._rebuild(len(self._slots))

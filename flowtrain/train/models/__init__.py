@@ -1,0 +1,139 @@
+"""Model families, one registry for batch and stream.
+
+A family is a name and a builder ``(data, options) -> nn.Module`` (``register_model``): ``linear`` (the
+``LinearModel``), ``mlp`` (wide and deep, ``TabularMLP``; beside ID tables when the dataset has ID columns,
+``flowtrain.train.ids``), and the user's own, ``MODULE:FACTORY`` (``--model``: a function
+``(ModelSpec) -> nn.Module``, ``factory``). ``build_model`` builds any of them seeded, so every replica and the
+online trainer start alike; ``Architecture`` is the record a checkpoint or a published version carries to
+build its model again.
+
+Where a new model family goes: a module here with its builder, registered below (or, outside flowtrain, a
+factory passed as ``--model MODULE:FACTORY``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flowtrain.errors import FlowtrainError
+from flowtrain.train.models.factory import (
+    ModelSpec,
+    PackedSequential,
+    check_factory_parallelism,
+    from_factory,
+    load_factory,
+    model_spec,
+    tabular_mlp,
+)
+from flowtrain.train.models.ids import IdWideDeep
+from flowtrain.train.models.tabular import LinearModel, TabularMLP, embedding_dim, pack
+
+
+@dataclass
+class ModelOptions:
+    """The options a model family reads (``loop.TrainConfig`` extends them; the online trainer's
+    ``Architecture`` gives its own)."""
+    hidden: tuple[int, ...] = (128, 64)
+    dropout: float = 0.1
+    seed: int = 0  # the initial weights (and, in training, the batch order and dropout)
+    init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there
+    min_id_count: int = 1  # ID tables (the dataset's id_columns, flowtrain.train.ids): a row after this many sightings
+    id_ttl: int | None = None  # ... evicted when unseen for this many events (None: never)
+    max_ids: int | None = None  # ... at most this many rows, least recently seen reused (None: no bound)
+    id_dim: int = 16  # ... embedding width
+
+
+ModelBuilder = Callable[..., nn.Module]  # (data: TabularDataset, options: ModelOptions) -> nn.Module
+_FAMILIES: dict[str, ModelBuilder] = {}
+
+
+def register_model(name: str, builder: ModelBuilder) -> None:
+    """Make ``build_model(name, ...)`` build with ``builder(data, options)``."""
+    if ":" in name:
+        raise ValueError(f"model family {name!r}: a name without ':' (MODULE:FACTORY is the user's own)")
+    _FAMILIES[name] = builder
+
+
+def model_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def build_model(kind: str, data, options) -> nn.Module:
+    """The model of family ``kind`` (a registered name, or ``MODULE:FACTORY``) for the ``TabularDataset``
+    ``data``, seeded with ``options.seed``."""
+    if ":" in kind:
+        return from_factory(kind, model_spec(data), options.seed)
+    builder = _FAMILIES.get(kind)
+    if builder is None:
+        raise FlowtrainError(f"model {kind!r}: not a model family ({', '.join(model_families())}, or "
+                             f"MODULE:FACTORY for your own)")
+    torch.manual_seed(options.seed)
+    return builder(data, options)
+
+
+def build_run_model(factory: str | None, data, options) -> nn.Module:
+    """The model of a batch run: the user's ``factory`` (``--model``), else the ``mlp`` family."""
+    return build_model(factory or "mlp", data, options)
+
+
+def _linear(data, options) -> nn.Module:
+    return LinearModel(data.n_numeric, data.cardinalities, data.outputs)
+
+
+def _wide_and_deep(data, options) -> nn.Module:
+    """Wide and deep (its linear part from ``options.init_wide`` when given); with the dataset's ID columns,
+    dynamic embedding tables beside it."""
+    if data.spec.id_columns:
+        model = IdWideDeep(data.n_numeric, data.cardinalities, data.spec.id_columns, id_dim=options.id_dim,
+                           hidden=options.hidden, dropout=options.dropout, outputs=data.outputs,
+                           table={"min_count": options.min_id_count, "ttl": options.id_ttl,
+                                  "max_ids": options.max_ids, "seed": options.seed})
+    else:
+        model = TabularMLP(data.n_numeric, data.cardinalities, hidden=options.hidden, dropout=options.dropout,
+                           outputs=data.outputs)
+    if options.init_wide:
+        model.init_wide(torch.load(options.init_wide, weights_only=True))
+    return model
+
+
+register_model("linear", _linear)
+register_model("mlp", _wide_and_deep)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a trained model is: its family and the ``ModelOptions`` that shape it, as a checkpoint or a published
+    version records them (``to_dict``) to build the same model again (``build``)."""
+    kind: str
+    hidden: tuple[int, ...]
+    dropout: float
+    seed: int
+    source: str = "config"  # where it came from, for messages
+    id_dim: int = 16  # the ID tables' width (a dataset with id_columns; flowtrain.train.ids)
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "hidden": list(self.hidden), "dropout": self.dropout, "seed": self.seed}
+        if self.id_dim != Architecture.id_dim:  # only when it differs: from_dict gives the default back
+            out["id_dim"] = self.id_dim
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> Architecture:
+        defaults = ModelOptions()
+        return cls(kind=str(d.get("kind") or d.get("model") or "mlp"),
+                   hidden=tuple(int(h) for h in d.get("hidden", defaults.hidden)),
+                   dropout=float(d.get("dropout", defaults.dropout)), seed=int(d.get("seed", defaults.seed)),
+                   source=source, id_dim=int(d.get("id_dim", defaults.id_dim)))
+
+    def build(self, data) -> nn.Module:
+        """The same model the batch job builds for these settings (seeded: the same initial weights)."""
+        return build_model(self.kind, data, ModelOptions(hidden=self.hidden, dropout=self.dropout, seed=self.seed,
+                                                         id_dim=self.id_dim))
+
+
+__all__ = ["Architecture", "LinearModel", "ModelOptions", "ModelSpec", "PackedSequential", "TabularMLP",
+           "build_model", "build_run_model", "check_factory_parallelism", "embedding_dim", "from_factory",
+           "load_factory", "model_families", "model_spec", "pack", "register_model", "tabular_mlp"]

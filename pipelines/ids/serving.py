@@ -1,0 +1,141 @@
+"""A scorer's ID tables, kept current by published versions (``connectors.id_deltas``).
+
+``ServedIds.offer(record, payload)`` verifies the record (signature and digest) and applies the
+version in order: a snapshot newer than what is served replaces everything; a delta is applied
+only on top of exactly its ``base``. A delta that does not follow the served version (a gap: a
+lost or late record) is held, never applied out of order; the held deltas are applied once their
+base is served, and a newer snapshot makes those it covers moot. So the scorer starts from the
+newest snapshot plus the deltas after it. An ID the trainer evicted keeps being served from its
+last row until the delta that removes it is applied. ``lookup`` gives each key its row, or the
+fallback vector (the dense ``<table>.fallback``) for an unknown ID, counted per table.
+``snapshot()`` is the served version whole (what the scorer stores and its model handler loads);
+``status()`` its counts for the scorer's status (``held``: deltas that did not follow the served
+version, never applied out of order).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from connectors.id_deltas import DeltaError, IdVersion, TableChange, decode, verify_record
+
+MAX_HELD = 64  # deltas held while a gap waits for the next snapshot
+
+
+class ServedTable:
+    """key -> row with a free list (numpy), the scorer's copy of one ID table."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.rows = np.zeros((0, dim), dtype=np.float32)
+        self.index: dict[int, int] = {}
+        self.free: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def upsert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        need = sum(1 for k in keys.tolist() if k not in self.index) - len(self.free)
+        if need > 0:
+            old = len(self.rows)
+            self.rows = np.concatenate([self.rows, np.zeros((max(need, old // 2), self.dim), np.float32)])
+            self.free.extend(range(len(self.rows) - 1, old - 1, -1))
+        for k, row in zip(keys.tolist(), rows):
+            r = self.index.get(k)
+            if r is None:
+                r = self.index[k] = self.free.pop()
+            self.rows[r] = row
+
+    def evict(self, keys: np.ndarray) -> None:
+        for k in keys.tolist():
+            r = self.index.pop(k, None)
+            if r is not None:
+                self.free.append(r)
+
+
+class ServedIds:
+    def __init__(self, key: bytes | None = None, max_bytes: int = 1 << 31):
+        self.key, self.max_bytes = key, max_bytes
+        self.version: int | None = None
+        self.dense: dict[str, np.ndarray] = {}
+        self.tables: dict[str, ServedTable] = {}
+        self.info: dict[str, str] = {}  # the served version's payload info (the model's architecture)
+        self.held: dict[int, IdVersion] = {}  # base -> delta waiting for it
+        self.counts: Counter = Counter()  # applied, held, stale, rejected
+        self.unknown: Counter = Counter()  # lookups of IDs a table does not hold, per table
+
+    def offer(self, record: dict, payload: bytes) -> str:
+        """Verify and apply (or hold) one version; returns what happened: applied, held, stale or rejected: ..."""
+        try:
+            verify_record(record, payload, self.key)
+            v = decode(payload, self.max_bytes)
+            if v.version != record.get("version") or v.kind != record.get("kind") or v.base != record.get("base"):
+                raise DeltaError(f"version {record.get('version')}: the payload is version {v.version} ({v.kind})")
+        except DeltaError as err:
+            self.counts["rejected"] += 1
+            return f"rejected: {err}"
+        if self.version is not None and v.version <= self.version:
+            self.counts["stale"] += 1
+            return "stale"
+        if v.kind == "snapshot":
+            self.dense, self.tables, self.info = {}, {}, {}
+            self._apply(v)
+            self.held = {b: d for b, d in self.held.items() if d.version > v.version}
+        elif self.version is not None and v.base == self.version:
+            self._apply(v)
+        else:
+            if len(self.held) >= MAX_HELD:
+                self.held.pop(min(self.held))
+            self.held[v.base] = v
+            self.counts["held"] += 1
+            return "held"
+        while self.version in self.held:  # deltas that were waiting for this one
+            self._apply(self.held.pop(self.version))
+        return "applied"
+
+    def _apply(self, v: IdVersion) -> None:
+        self.dense.update(v.dense)
+        self.info.update(v.info)
+        for name, change in v.tables.items():
+            table = self.tables.get(name)
+            if table is None:
+                table = self.tables[name] = ServedTable(change.rows.shape[1] if change.rows.ndim == 2 else 0)
+            table.evict(change.evicted)
+            table.upsert(change.keys, change.rows)
+        self.version = v.version
+        self.counts["applied"] += 1
+
+    def snapshot(self) -> IdVersion:
+        """The served version whole: its dense parameters and every row of every table, in key order."""
+        if self.version is None:
+            raise ValueError("no ID version served yet")
+        tables = {}
+        for name, t in self.tables.items():
+            keys = np.fromiter(t.index.keys(), dtype=np.int64, count=len(t.index))
+            at = np.fromiter(t.index.values(), dtype=np.int64, count=len(t.index))
+            order = np.argsort(keys, kind="stable")
+            tables[name] = TableChange(keys[order], t.rows[at[order]].reshape(-1, t.dim), np.zeros(0, np.int64))
+        return IdVersion(self.version, None, "snapshot", dict(self.dense), tables, dict(self.info))
+
+    def status(self) -> dict:
+        """Counts for the scorer's status: the served version, versions applied, deltas held (waiting for
+        their base or the next snapshot: never applied out of order) now and in all, stale, rejected, rows
+        per table and unknown-ID look-ups."""
+        return {"version": self.version, "applied": self.counts["applied"], "held_now": len(self.held),
+                "held": self.counts["held"], "stale": self.counts["stale"], "rejected": self.counts["rejected"],
+                "rows": {name: len(t) for name, t in self.tables.items()}, "unknown": dict(self.unknown)}
+
+    def lookup(self, name: str, keys: np.ndarray) -> np.ndarray:
+        """``[len(keys), dim]``: each key's row, or the table's fallback vector (counted in ``unknown``)."""
+        fallback = self.dense[f"{name}.fallback"]
+        table = self.tables.get(name)
+        out = np.repeat(fallback[None, :].astype(np.float32), len(keys), axis=0)
+        if table is None:
+            self.unknown[name] += len(keys)
+            return out
+        rows = np.fromiter((table.index.get(int(k), -1) for k in keys), dtype=np.int64, count=len(keys))
+        known = rows >= 0
+        out[known] = table.rows[rows[known]]
+        self.unknown[name] += int((~known).sum())
+        return out

@@ -1,0 +1,99 @@
+"""The stream trainer's features-topic partitions and the scorer's updates-topic partitions are asked within a
+bound (issue 32 item 3, as h6 item 2 did for the other callers): kafka-python's ``partitions_for_topic`` waits for
+the brokers' metadata without one, so with the brokers gone (the client already knows their API version, as every
+client after the first in a process does) the trainer's start and the scorer's ``updates_consumer`` never
+returned. Now each asks again within its wait and then gives up with one line naming the topic and the brokers
+(a ``ValueError``: what their commands print as their one-line error, like a missing topic).
+
+No broker here: a port nothing listens on is a broker that does not answer. Each call runs on a helper thread
+that the test joins with a generous bound (the old code never returned at all)."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+GENEROUS_S = 90  # the bounds under test are 1-3 s; the old code waited forever
+KNOWN_VERSION = {"api_version": "3.9"}  # as a client that already talked to the brokers: no probe at start
+
+
+def _dead_bootstrap() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _finishes(call):
+    """(finished, result or exception) of ``call()`` within GENEROUS_S."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(call())
+        except BaseException as err:  # noqa: BLE001
+            out.append(err)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(GENEROUS_S)
+    return (not t.is_alive()), (out[0] if out else None)
+
+
+def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_brokers(monkeypatch):
+    from types import SimpleNamespace
+
+    from connectors.kafka import close_client, new_consumer
+    from flowtrain.train import stream
+    from flowtrain.train.stream import StreamTrainer
+
+    monkeypatch.setattr(stream, "FEATURES_WAIT_S", 3.0)
+    monkeypatch.setattr(stream, "PARTITIONS_ASK_S", 1.0)
+    bootstrap = _dead_bootstrap()
+    trainer = object.__new__(StreamTrainer)  # only what the start's partition lookup reads (no dataset, no torch)
+    trainer.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    trainer.should_stop = lambda: False
+    trainer.consumer = new_consumer(bootstrap, trainer._consumer_config(), group_id=None)
+    try:
+        done, result = _finishes(trainer._features_partitions)
+    finally:
+        if trainer.consumer is not None:
+            close_client(trainer.consumer)
+    assert done
+    assert isinstance(result, ValueError), result
+    assert str(result).startswith(f"the partitions of features topic 'features' (asked for 3 s): no Kafka broker answered at "
+                                  f"{bootstrap} within 1 s (no metadata for topic 'features')")
+    assert trainer.consumer is None  # the consumer left waiting was closed (its helper's wait ends with it)
+
+
+def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypatch):
+    from types import SimpleNamespace
+
+    from connectors.kafka import new_consumer
+    from flowtrain.train import stream
+    from flowtrain.train.stream import StreamTrainer
+
+    monkeypatch.setattr(stream, "FEATURES_WAIT_S", 600.0)  # only the stop can end it within the test's bound
+    monkeypatch.setattr(stream, "PARTITIONS_ASK_S", 1.0)
+    bootstrap = _dead_bootstrap()
+    trainer = object.__new__(StreamTrainer)
+    trainer.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    trainer.should_stop = lambda: True
+    trainer.consumer = new_consumer(bootstrap, trainer._consumer_config(), group_id=None)
+    done, result = _finishes(trainer._features_partitions)
+    assert done and isinstance(result, ValueError) and "no Kafka broker answered" in str(result), result
+
+
+def test_scorer_updates_consumer_gives_up_naming_the_topic_and_the_brokers(monkeypatch):
+    from pipelines.serving import versions
+
+    monkeypatch.setattr(versions, "PARTITIONS_ASK_S", 1.0)
+    bootstrap = _dead_bootstrap()
+    done, result = _finishes(lambda: versions.updates_consumer(bootstrap, "updates", dict(KNOWN_VERSION),
+                                                               wait_s=3.0))
+    assert done
+    assert isinstance(result, ValueError), result
+    assert str(result).startswith(f"the partitions of model-updates topic 'updates' (asked for 3 s): no Kafka broker answered at "
+                                  f"{bootstrap} within 1 s (no metadata for topic 'updates')")
