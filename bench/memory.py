@@ -27,7 +27,8 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, median
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 from flowtrain.parallel.launch import heartbeat, spawn
-from flowtrain.parallel.zero import ZeroSharder, storage_bytes
+from flowtrain.parallel.zero import ZeroSharder
+from flowtrain.parallel.zero_units import storage_bytes
 from flowtrain.train.memory_plan import plan_memory
 
 D_MODEL, HIDDEN, BLOCKS = 256, 1024, 2

@@ -38,10 +38,12 @@ skips its pieces, as one device skips it).
 Checkpoints: ``optimizer_state`` gathers the shards into the state dict a plain optimizer over
 ``module.parameters()`` has (so a checkpoint resumes with any N, any stage or none), and ``load``
 cuts such a state into this rank's pieces.
+
+The units and their flat buffers are ``flowtrain.parallel.zero_units``; ``fit``'s engine over a
+``ZeroSharder`` is ``flowtrain.parallel.zero_engine.ZeroEngine``.
 """
 from __future__ import annotations
 
-import resource
 from collections.abc import Callable
 
 import torch
@@ -49,9 +51,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flowtrain.parallel.context import DistContext
-from flowtrain.parallel.mapreduce import size_buckets, sync_buffers
+from flowtrain.parallel.mapreduce import sync_buffers
+from flowtrain.parallel.zero_units import RegatherBeforeBackward, ShardUnit, shard_units, storage_bytes, wrap_output
 
-__all__ = ["STAGES", "ZeroEngine", "ZeroSharder", "check_stage", "shard_units", "shard_stage_worker", "storage_bytes"]
+__all__ = ["STAGES", "ZeroSharder", "check_stage", "shard_stage_worker"]
 
 #: ``--shard-states`` values: nothing sharded (plain map/reduce), ZeRO-1, ZeRO-2, ZeRO-3.
 STAGES = ("none", "optimizer", "gradients", "parameters")
@@ -62,122 +65,6 @@ def check_stage(stage: str) -> str:
         raise ValueError(f"--shard-states {stage!r} is not a stage: use one of {', '.join(STAGES)}")
     return stage
 
-
-def shard_units(module: nn.Module, stage: str, bucket_mb: float = 1.0) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
-    """The units a stage shards, in forward order: (their modules, their trainable parameters).
-
-    ZeRO-3 (``parameters``): one unit per layer (a root's own parameters, then each top-level child
-    with parameters), gathered for its forward and backward. ZeRO-1/2: consecutive layers merged into
-    buckets of up to ``bucket_mb`` (filled from the last layer, as the map/reduce's buckets are; a layer
-    is never split), so a step costs one reduce-scatter and one all-gather per bucket, not per layer."""
-    layers: list[tuple[list[nn.Module], list[nn.Parameter]]] = []
-    own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-    if own:
-        layers.append(([module], own))
-    for child in module.children():
-        params = [p for p in child.parameters() if p.requires_grad]
-        if params:
-            layers.append(([child], params))
-    if stage == "parameters":
-        return layers
-    buckets = size_buckets(list(reversed(layers)), lambda layer: sum(p.numel() * p.element_size() for p in layer[1]),
-                           bucket_mb)
-    return [([m for mods, _ in reversed(b) for m in mods], [p for _, ps in reversed(b) for p in ps])
-            for b in reversed(buckets)]
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view counts its storage once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        key = (s.data_ptr(), s.nbytes()) if s.nbytes() else None
-        if key is None or key in seen:
-            continue
-        seen.add(key)
-        total += s.nbytes()
-    return total
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size (Linux reports KiB)."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-class _Unit:
-    """One layer's parameters as views of a flat buffer padded to a multiple of ``world``."""
-
-    def __init__(self, index: int, params: list[nn.Parameter], rank: int, world: int, device,
-                 flat_grad: bool = False):
-        self.index, self.params = index, params
-        self.sizes = [p.numel() for p in params]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
-        self.numel = sum(self.sizes)
-        self.shard_numel = -(-self.numel // world)  # ceil: the last shard is padded
-        self.padded = self.shard_numel * world
-        self.lo = rank * self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, off, n in zip(params, self.offsets, self.sizes):
-                self.full[off:off + n].copy_(p.detach().reshape(-1))
-                p.data = self.full[off:off + n].view_as(p)
-        self.views = [p.data for p in params]
-        self.empty = torch.empty(0, dtype=torch.float32, device=device)
-        self.shard = self.full[self.lo:self.lo + self.shard_numel].clone()
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
-        self.grad_buffer: torch.Tensor | None = None
-        # ZeRO-1 keeps whole gradients: as views of one flat buffer that autograd accumulates into and the
-        # reduce-scatter reads directly (no copy, no allocation per step)
-        self.flat_grad = torch.zeros(self.padded, dtype=torch.float32, device=device) if flat_grad else None
-        self.grad_views = [self.flat_grad[off:off + n].view_as(p) for p, off, n in zip(params, self.offsets, self.sizes)] \
-            if flat_grad else []
-        # pieces: (parameter index in the unit, its elements [a, b) of the parameter, view of the shard)
-        self.pieces: list[tuple[int, int, int, torch.Tensor]] = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.sizes)):
-            a, b = max(off, self.lo), min(off + n, self.lo + self.shard_numel)
-            if b > a:
-                self.pieces.append((i, a - off, b - off, self.shard[a - self.lo:b - self.lo]))
-        self.pending = len(params)
-        self.handle = None
-        self.gathered = True
-
-    # -- parameter storage (ZeRO-3) -----------------------------------------------------------------
-    def free_params(self) -> None:
-        """Free the unit's storage; its parameters become empty tensors (a use of one between steps is a
-        shape error, never a read of freed memory), autograd's saved views keep the (empty) storage."""
-        self.full.untyped_storage().resize_(0)
-        for p in self.params:
-            p.data = self.empty
-        self.gathered = False
-
-    def gather_params(self, group) -> None:
-        if not self.gathered:
-            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        if dist.is_initialized():
-            dist.all_gather_single(self.full, self.shard, group=group)
-        else:  # one rank: the shard is the whole
-            with torch.no_grad():
-                self.full.copy_(self.shard)
-        for p, view in zip(self.params, self.views):
-            p.data = view
-        self.gathered = True
-
-
-class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's output whose backward gathers the unit's parameters (ZeRO-3)."""
-
-    @staticmethod
-    def forward(ctx, sharder, unit, x):
-        ctx.sharder, ctx.unit = sharder, unit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.unit.gathered:
-            ctx.unit.gather_params(ctx.sharder.group)
-        return None, None, grad
 
 
 class ZeroSharder:
@@ -204,7 +91,7 @@ class ZeroSharder:
         self._broadcast_state()
         self.bucket_mb = bucket_mb
         groups = shard_units(module, stage, bucket_mb)
-        self.units = [_Unit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer")
+        self.units = [ShardUnit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer")
                       for i, (_, ps) in enumerate(groups)]
         self.params = [p for u in self.units for p in u.params]
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
@@ -236,18 +123,18 @@ class ZeroSharder:
                     dist.broadcast(t.data, group=self.group, group_src=0)
 
     # -- ZeRO-3 hooks ---------------------------------------------------------------------------------
-    def _pre_forward(self, unit: _Unit):
+    def _pre_forward(self, unit: ShardUnit):
         def hook(_module, _args):
             if torch.is_grad_enabled() and not unit.gathered:
                 unit.gather_params(self.group)
         return hook
 
-    def _post_forward(self, unit: _Unit, is_root: bool):
+    def _post_forward(self, unit: ShardUnit, is_root: bool):
         def hook(_module, _args, output):
             if not torch.is_grad_enabled() or is_root:  # the root's own parameters stay until backward
                 return output
             unit.free_params()
-            return _wrap(output, lambda t: _RegatherBeforeBackward.apply(self, unit, t))
+            return wrap_output(output, lambda t: RegatherBeforeBackward.apply(self, unit, t))
         return hook
 
     # -- one step -------------------------------------------------------------------------------------
@@ -385,7 +272,7 @@ class ZeroSharder:
             for u in self.units:
                 self._gather_unit(u)
 
-    def _gather_unit(self, u: _Unit) -> None:
+    def _gather_unit(self, u: ShardUnit) -> None:
         u.gather_params(self.group)
 
     def gather(self) -> None:
@@ -573,86 +460,3 @@ def shard_stage_worker(worker, ctx: DistContext, *, stage: str,
                           bucket_mb=bucket_mb)
     worker.reducer = sharder
     return sharder
-
-
-def _wrap(output, fn):
-    if torch.is_tensor(output):
-        return fn(output) if output.requires_grad else output
-    if isinstance(output, tuple):
-        return tuple(_wrap(o, fn) for o in output)
-    if isinstance(output, list):
-        return [_wrap(o, fn) for o in output]
-    return output
-
-
-class ZeroEngine:
-    """``fit``'s data-parallel engine with sharded state (``--shard-states``; the interface of
-    ``flowtrain.train.loop.DataParallelEngine``): each replica trains its rows of every global
-    batch, the reduce is a reduce-scatter, Adam steps each rank's shard."""
-
-    def __init__(self, model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module):
-        from flowtrain.parallel.mapreduce import local_rows, sum_loss
-
-        self._local_rows, self._sum_loss = local_rows, sum_loss
-        self.model, self.ctx, self.loss_fn = model, ctx, loss_fn
-        self.rng_rank = ctx.rank
-        lr, wd = config.lr, config.weight_decay
-        self.sharder = ZeroSharder(model, ctx, stage=config.shard_states,
-                                   make_optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd),
-                                   bucket_mb=config.bucket_mb)
-        self.optimizer = self.sharder.optimizer
-        self.measured: dict = {}
-
-    def set_lr(self, lr: float) -> None:
-        self.sharder.set_lr(lr)
-
-    def train_step(self, batch, target: torch.Tensor) -> tuple[int, float]:
-        lo, hi = self._local_rows(len(batch), self.ctx)
-        self.sharder.zero_grad()
-        loss_sum = None
-        if hi > lo:
-            loss_sum = self._sum_loss(self.loss_fn, self.model(batch.x_num[lo:hi], batch.x_cat[lo:hi]), target[lo:hi])
-        elif self.sharder.stage == "parameters":  # no rows: still in every gather, a zero gradient
-            loss_sum = self.model(batch.x_num[lo:hi], batch.x_cat[lo:hi]).sum() * 0.0
-        global_n, mean_loss = self.sharder.backward(loss_sum, hi - lo)
-        self.sharder.step()
-        self.sharder.sync_buffers(hi - lo)
-        self.measured = self.sharder.state_bytes()
-        return global_n, mean_loss
-
-    def sync_model(self) -> None:
-        self.sharder.gather()
-
-    def optimizer_state(self) -> dict:
-        return self.sharder.optimizer_state()
-
-    def stage_states(self) -> list[dict]:
-        return [self.model.state_dict()]
-
-    def shard_states(self) -> list:
-        return []
-
-    def shard_pieces(self, whole: dict[str, dict] | None = None) -> tuple[dict, dict]:
-        """This rank's part of a sharded checkpoint (``ZeroSharder.shard_pieces``)."""
-        return self.sharder.shard_pieces(whole)
-
-    def shard_targets(self, saved: dict[str, tuple]) -> tuple[dict, dict]:
-        return self.sharder.shard_targets(saved)
-
-    def take_shards(self, tensors: dict) -> None:
-        self.sharder.take_shards(tensors)
-
-    def load(self, model_state: dict, optimizer_state: dict) -> None:
-        if "stages" in optimizer_state:
-            raise ValueError("this checkpoint was written by a pipeline-parallel run: resume it with the same --stages")
-        self.sharder.gather()
-        self.model.load_state_dict(model_state)
-        self.sharder.load_parameters()
-        self.sharder.load_optimizer_state(optimizer_state)
-
-    def memory(self) -> dict:
-        """Bytes of state this rank held after its last step, its peak during steps, and peak RSS."""
-        return {**self.measured, "peak_state": self.sharder.peak_state_bytes, "peak_rss": peak_rss_bytes()}
-
-    def close(self) -> None:
-        self.sharder.close()

@@ -33,7 +33,8 @@ from flowtrain.parallel.pipeline import StageWorker, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with_bounds, stage_module
 from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
-from flowtrain.parallel.zero import peak_rss_bytes, shard_stage_worker, storage_bytes
+from flowtrain.parallel.zero import shard_stage_worker
+from flowtrain.parallel.zero_units import peak_rss_bytes, storage_bytes
 from flowtrain.train.models import pack
 
 __all__ = ["GridEngine"]

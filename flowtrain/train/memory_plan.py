@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, replace
 
 from torch import nn
 
-from flowtrain.parallel.zero import STAGES, shard_units
+from flowtrain.parallel.zero import STAGES
+from flowtrain.parallel.zero_units import shard_units
 from flowtrain.train.ids.key_index import KeyIndex
 from flowtrain.train.ids.table import IdTable, next_capacity
 
@@ -152,7 +153,7 @@ def _plan_ids(model: nn.Module, workers: int, id_rows: int | None, batch_size: i
 
 
 def _units(model: nn.Module, stage: str = "parameters", bucket_mb: float = 1.0) -> list[list[int]]:
-    """Parameter sizes per unit, as ``flowtrain.parallel.zero`` lays them out for ``stage``."""
+    """Parameter sizes per unit, as ``flowtrain.parallel.zero_units`` lays them out for ``stage``."""
     return [[p.numel() for p in params] for _, params in shard_units(model, stage, bucket_mb)]
 
 
