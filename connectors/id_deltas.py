@@ -12,7 +12,10 @@ metadata as ``info/<name>``.
 
 ``signed_record`` is the model-updates record of a payload, signed like every update record
 (``connectors.model_updates.sign_record``: HMAC-SHA256 over the record with the payload's sha256),
-with ``base`` and ``kind`` inside the signature; ``verify_record`` checks one.
+with ``base`` and ``kind`` inside the signature; ``verify_record`` checks one. A delta's record also names its
+base's payload digest (``base_sha256``, signed): a scorer applies a delta only on the very payload it was
+computed from — a version of the same number from another lineage (a trainer that resumed from an older
+checkpoint and published that number again) never takes a delta that was not made on top of it.
 """
 from __future__ import annotations
 
@@ -111,10 +114,14 @@ def sha256_of(data: bytes) -> str:
 
 
 def signed_record(payload: bytes, *, version: int, base: int | None, kind: str, run_id: str, path: str,
-                  sequence: int, key: bytes | None) -> dict:
-    """The model-updates record of ``payload`` (signed with ``key`` when given)."""
+                  sequence: int, key: bytes | None, base_sha256: str | None = None) -> dict:
+    """The model-updates record of ``payload`` (signed with ``key`` when given); a delta names its base's
+    payload digest ``base_sha256``."""
+    if (kind == "delta") != (base_sha256 is not None):
+        raise ValueError("a delta names its base's payload digest (base_sha256); a snapshot none")
     record = {"version": int(version), "base": base, "kind": kind, "run_id": run_id, "checkpoint": path,
-              "sha256": sha256_of(payload), "bytes": len(payload), "sequence": int(sequence), "format": FORMAT}
+              "sha256": sha256_of(payload), "bytes": len(payload), "sequence": int(sequence), "format": FORMAT,
+              "base_sha256": base_sha256}
     return sign_record(record, key) if key is not None else record
 
 

@@ -81,6 +81,7 @@ class Publisher:
         self.key_source = key_source
         self._warned = False
         self._sequence = 0
+        self._ids_sha256: str | None = None  # the digest of this process's last ID version: the next delta's base
 
     def _next_sequence(self) -> int:
         self._sequence = max(time.time_ns() // 1_000_000, self._sequence + 1)  # strictly increasing
@@ -98,7 +99,12 @@ class Publisher:
         return sign_record(record, self.key)
 
     def publish_ids(self, payload: bytes, meta: IdVersion, *, step: int, run_id: str, **fields) -> dict:
-        """Write an ID version's payload (``IdPublisher.publish``), then return its (signed) record."""
+        """Write an ID version's payload (``IdPublisher.publish``), then return its (signed) record. A delta's
+        record names its base's payload digest (``base_sha256``: the last ID version this process published):
+        a scorer applies it only on top of exactly that payload (``pipelines.ids.serving``)."""
+        if meta.kind == "delta" and self._ids_sha256 is None:
+            raise ValueError(f"ID version {meta.version}: a delta, but this publisher published no ID version before "
+                             f"it (the first version of a process is a snapshot)")
         path = self.dir / f"ids-{meta.version:09d}-{meta.kind}.safetensors"
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, payload)
@@ -106,8 +112,10 @@ class Publisher:
         record = {**fields, "version": meta.version, "base": meta.base, "kind": meta.kind, "format": ID_FORMAT,
                   "run_id": run_id, "step": step, "checkpoint": str(path.resolve()), "sha256": sha256_hex(payload),
                   "bytes": len(payload), "sequence": self._next_sequence(),
+                  "base_sha256": self._ids_sha256 if meta.kind == "delta" else None,
                   "rows": {name: int(len(t.keys)) for name, t in meta.tables.items()},
                   "evicted": {name: int(len(t.evicted)) for name, t in meta.tables.items()}}
+        self._ids_sha256 = record["sha256"]
         return self._signed(record)
 
     def _prune_ids(self) -> None:

@@ -2,9 +2,11 @@
 
 ``ServedIds.offer(record, payload)`` verifies the record (signature and digest) and applies the
 version in order: a snapshot newer than what is served replaces everything; a delta is applied
-only on top of exactly its ``base``. A delta that does not follow the served version (a gap: a
-lost or late record) is held, never applied out of order; the held deltas are applied once their
-base is served, and a newer snapshot makes those it covers moot. So the scorer starts from the
+only on top of exactly its ``base`` — the same version number *and* the same payload (the record's
+signed ``base_sha256``: a trainer that resumed from an older checkpoint publishes those numbers again,
+and its deltas never land on the other lineage's rows). A delta that does not follow the served
+payload (a gap: a lost or late record; another lineage) is held, never applied out of order; the
+held deltas are applied once their base is served, and a newer snapshot makes those it covers moot. So the scorer starts from the
 newest snapshot plus the deltas after it. An ID the trainer evicted keeps being served from its
 last row until the delta that removes it is applied. ``lookup`` gives each key its row, or the
 fallback vector (the dense ``<table>.fallback``) for an unknown ID, counted per table.
@@ -58,10 +60,11 @@ class ServedIds:
     def __init__(self, key: bytes | None = None, max_bytes: int = 1 << 31):
         self.key, self.max_bytes = key, max_bytes
         self.version: int | None = None
+        self.sha256: str | None = None  # the payload digest of the served version (a delta's base must be it)
         self.dense: dict[str, np.ndarray] = {}
         self.tables: dict[str, ServedTable] = {}
         self.info: dict[str, str] = {}  # the served version's payload info (the model's architecture)
-        self.held: dict[int, IdVersion] = {}  # base -> delta waiting for it
+        self.held: dict[str, tuple[IdVersion, str]] = {}  # base's payload digest -> (delta waiting for it, its digest)
         self.counts: Counter = Counter()  # applied, held, stale, rejected
         self.unknown: Counter = Counter()  # lookups of IDs a table does not hold, per table
 
@@ -72,6 +75,10 @@ class ServedIds:
             v = decode(payload, self.max_bytes)
             if v.version != record.get("version") or v.kind != record.get("kind") or v.base != record.get("base"):
                 raise DeltaError(f"version {record.get('version')}: the payload is version {v.version} ({v.kind})")
+            base_sha256 = record.get("base_sha256")
+            if v.kind == "delta" and not isinstance(base_sha256, str):
+                raise DeltaError(f"version {v.version}: a delta whose record does not name its base's payload digest "
+                                 f"(base_sha256)")
         except DeltaError as err:
             self.counts["rejected"] += 1
             return f"rejected: {err}"
@@ -80,21 +87,23 @@ class ServedIds:
             return "stale"
         if v.kind == "snapshot":
             self.dense, self.tables, self.info = {}, {}, {}
-            self._apply(v)
-            self.held = {b: d for b, d in self.held.items() if d.version > v.version}
-        elif self.version is not None and v.base == self.version:
-            self._apply(v)
+            self._apply(v, record["sha256"])
+            self.held = {b: (d, sha) for b, (d, sha) in self.held.items() if d.version > v.version}
+        elif v.base == self.version and base_sha256 == self.sha256:
+            self._apply(v, record["sha256"])
         else:
             if len(self.held) >= MAX_HELD:
-                self.held.pop(min(self.held))
-            self.held[v.base] = v
+                self.held.pop(min(self.held, key=lambda b: self.held[b][0].version))
+            self.held[base_sha256] = (v, record["sha256"])
             self.counts["held"] += 1
             return "held"
-        while self.version in self.held:  # deltas that were waiting for this one
-            self._apply(self.held.pop(self.version))
+        while self.sha256 in self.held:  # deltas that were waiting for this one
+            d, sha = self.held.pop(self.sha256)
+            if d.base == self.version:
+                self._apply(d, sha)
         return "applied"
 
-    def _apply(self, v: IdVersion) -> None:
+    def _apply(self, v: IdVersion, sha256: str) -> None:
         self.dense.update(v.dense)
         self.info.update(v.info)
         for name, change in v.tables.items():
@@ -103,7 +112,7 @@ class ServedIds:
                 table = self.tables[name] = ServedTable(change.rows.shape[1] if change.rows.ndim == 2 else 0)
             table.evict(change.evicted)
             table.upsert(change.keys, change.rows)
-        self.version = v.version
+        self.version, self.sha256 = v.version, sha256
         self.counts["applied"] += 1
 
     def snapshot(self) -> IdVersion:

@@ -42,8 +42,9 @@ def _versions(n: int, snapshot_every: int = 4, seed: int = 0):
             opt.step()
             model.user.step(16, 0.1)
         payload, meta = pub.publish(v)
+        base_sha256 = out[-1][0]["sha256"] if meta.kind == "delta" else None
         out.append((signed_record(payload, version=v, base=meta.base, kind=meta.kind, run_id="r", path=f"v{v}",
-                                  sequence=v, key=KEY), payload))
+                                  sequence=v, key=KEY, base_sha256=base_sha256), payload))
     return model, out
 
 
@@ -102,8 +103,8 @@ def test_id_evicted_row_served_until_its_delta():
     model.user.train()
     model(torch.tensor([k1]))
     payload, meta = pub.publish(1)
-    served.offer(signed_record(payload, version=1, base=None, kind="snapshot", run_id="r", path="a", sequence=1,
-                               key=None), payload)
+    first = signed_record(payload, version=1, base=None, kind="snapshot", run_id="r", path="a", sequence=1, key=None)
+    served.offer(first, payload)
     model(torch.arange(100, 170))  # 70 events later: k1 expired in the trainer
     assert k1 not in model.user.table.key_to_row
     row = served.lookup("user", np.array([k1]))
@@ -111,10 +112,42 @@ def test_id_evicted_row_served_until_its_delta():
     payload, meta = pub.publish(2)
     assert k1 in meta.tables["user"].evicted.tolist()
     assert served.offer(signed_record(payload, version=2, base=1, kind="delta", run_id="r", path="b", sequence=2,
-                                      key=None), payload) == "applied"
+                                      key=None, base_sha256=first["sha256"]), payload) == "applied"
     before = served.unknown["user"]
     assert np.array_equal(served.lookup("user", np.array([k1]))[0], served.dense["user.fallback"])
     assert served.unknown["user"] == before + 1  # an unknown ID uses the fallback vector and is counted
+
+
+def test_id_delta_of_another_lineage_never_applied_on_the_served_rows():
+    """A trainer resumed from an older checkpoint (the newest did not verify) publishes versions 3, 4, ... again,
+    from other rows: its delta 4 (on its own 3) must not land on the first lineage's 3, though the numbers
+    follow (the old check, by number only, applied it). It is held; the scorer serves the first lineage whole
+    until the second's next snapshot, then the second's rows exactly."""
+    _, first = _versions(4, snapshot_every=100, seed=0)
+    second_model, second = _versions(7, snapshot_every=5, seed=1)  # snapshots 1 and 6; deltas 2-5 and 7
+    assert [r["kind"] for r, _ in second] == ["snapshot"] + ["delta"] * 4 + ["snapshot", "delta"]
+    served = ServedIds(KEY)
+    for record, payload in first[:3]:
+        assert served.offer(record, payload) == "applied"
+    rows_before = served.snapshot()
+    assert second[3][0]["base"] == served.version == 3  # the same number, another payload
+    assert served.offer(*second[3]) == "held" and served.offer(*second[4]) == "held"
+    assert served.offer(*second[2]) == "stale"  # its 3: not newer than the served 3
+    forged = first[2][0]["sha256"]  # claiming the served base: the signature covers base_sha256
+    assert served.offer({**second[3][0], "base_sha256": forged}, second[3][1]).startswith("rejected")
+    assert served.version == 3 and served.counts["applied"] == 3
+    after = served.snapshot()
+    for name, t in rows_before.tables.items():
+        assert np.array_equal(after.tables[name].keys, t.keys) and np.array_equal(after.tables[name].rows, t.rows)
+    assert {k: np.array_equal(v, after.dense[k]) for k, v in rows_before.dense.items()} == \
+        {k: True for k in rows_before.dense}
+    # the second lineage's snapshot 6 replaces everything (its held 4 and 5 are moot), then its 7
+    assert served.offer(*second[5]) == "applied" and served.version == 6 and served.held == {}
+    assert served.offer(*second[6]) == "applied" and served.version == 7
+    _same_as_trainer(served, second_model)
+    # a delta record without its base's digest is not believed
+    unsigned = {k: v for k, v in first[1][0].items() if k not in ("base_sha256", "signature")}
+    assert ServedIds(None).offer(unsigned, first[1][1]).startswith("rejected: version 2: a delta whose record")
 
 
 def test_id_delta_tampered_or_unsigned_rejected():
