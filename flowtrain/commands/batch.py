@@ -33,6 +33,7 @@ from pathlib import Path
 from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.errors import FlowtrainError
 from flowtrain.fields import above, at_least, fraction, option, sizes, store_path, to_config
+from flowtrain.train.rundir_lock import release
 from pipelines.presets import preset_name
 
 _DATA = "your own data (instead of the demo)"
@@ -228,8 +229,8 @@ def user_errors():
     from flowtrain.parallel.launch import WorkerFailure
     from flowtrain.parallel.schedules import ScheduleError
     from flowtrain.train.checkpoint import CheckpointError
-    from pipelines.tabular.features import SchemaError
-    from pipelines.tabular.pipeline import SplitError
+    from pipelines.tabular.preflight import SplitError
+    from pipelines.tabular.schema import SchemaError
 
     return (SchemaError, SplitError, DatasetError, FileReadError, CheckpointError, DeviceError, GridError,
             ScheduleError, RunnerError, WorkerFailure, FileNotFoundError)
@@ -353,7 +354,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     bundle_key = read_bundle_key(job.bundle_key_file)  # a bad key file fails now, not after training
     run_dir = run_directory(job)
     resume = job.resume
-    from flowtrain.train.rundir import mark_complete, prepare_run_dir, release
+    from flowtrain.train.rundir import mark_complete, prepare_run_dir
 
     # the run-directory rules (docs/runs.md): a used --out only with --resume (same run) or --overwrite
     run = prepare_run_dir(run_dir, to_config(job), resume=resume, overwrite=job.overwrite)
@@ -396,7 +397,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     workers = launch.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
     # --device (and a GPU for each local worker): an error now, before any training
     device = resolve_device(config.device, local_world=1 if job.job_only else workers)
-    from pipelines.tabular.pipeline import check_splits
+    from pipelines.tabular.preflight import check_splits
 
     check_splits(data.manifest)  # an empty split: the column, its range and the cutoffs
     if job.model:

@@ -64,9 +64,9 @@ def restarted_with_checkpoint(run_dir: Path) -> bool:
 
     if int(os.environ.get(RESTART_ENV, "0") or 0) == 0:
         return False
-    from flowtrain.train import checkpoint, rundir
+    from flowtrain.train import checkpoint, run_marker
 
-    return checkpoint.latest(run_dir / "checkpoints", run_id=rundir.run_id_of(run_dir)) is not None
+    return checkpoint.latest(run_dir / "checkpoints", run_id=run_marker.run_id_of(run_dir)) is not None
 
 
 def stream_trainer_worker(ctx, job: dict) -> None:

@@ -34,7 +34,7 @@ from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import heartbeat
-from flowtrain.train import checkpoint, rundir
+from flowtrain.train import checkpoint, run_marker
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
 from flowtrain.train.metrics import (
@@ -299,7 +299,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     shift, scale = target_scale(data)
     classes = data.classes
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
-    run_id = rundir.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
+    run_id = run_marker.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
     # a resume reads its checkpoint before the engine is made: the newest that verifies and loads (a corrupt
     # newer one is skipped, logged); none is a CheckpointError naming each file, never a silent fresh start
     found = checkpoint.require_latest(ckpt_dir, run_id=run_id) if resume and ckpt_dir else None

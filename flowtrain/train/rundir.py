@@ -34,16 +34,16 @@ the run keeps it until ``mark_complete`` or ``mark_failed`` (``release``), or un
 run's lock goes with it, so ``--resume`` works at once). A second run of the same ``--out`` meanwhile is a
 ``RunDirError`` naming the directory and the running run's pid (``run.json`` records ``pid`` and ``host``
 while a run holds it).
+
+The marker's format, reading and writing are ``flowtrain.train.run_marker``; the lock is
+``flowtrain.train.rundir_lock``.
 """
 from __future__ import annotations
 
 import calendar
-import fcntl
 import hashlib
 import json
 import os
-import socket
-import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -51,20 +51,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.atomic import TMP_INFIX, atomic_write
+from connectors.atomic import TMP_INFIX
 from connectors.dataset import DatasetError, owned_files, remove_dataset
 from connectors.secrets import REDACTED, is_secret, redact
 from connectors.spill import remove_stale_spills
 from flowtrain.errors import FlowtrainError
 from flowtrain.fields import OptionError
 from flowtrain.train import checkpoint
+from flowtrain.train.run_marker import FORMAT, RUN_MARKER, RunDirError, read_marker, running, write_marker
+from flowtrain.train.rundir_lock import lock, lockable, release
 
-__all__ = ["RUN_MARKER", "RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "RunDirError", "prepare_run_dir",
-           "mark_complete", "mark_failed", "read_marker", "run_id_of", "options_hash", "prepare_stream_dir",
-           "STREAM_IDENTITY", "release"]
+__all__ = ["RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "prepare_run_dir", "mark_complete", "mark_failed",
+           "options_hash", "prepare_stream_dir", "STREAM_IDENTITY"]
 
-RUN_MARKER = "run.json"
-FORMAT = "flowtrain.run/1"
 #: Options that are not part of a run's identity at all (where it is, how it is shown).
 NOT_IDENTITY = frozenset({"out", "resume", "overwrite", "config", "no_progress"})
 #: Options a ``--resume`` may change: the budget, and where and how fast it runs.
@@ -82,72 +81,6 @@ RUN_FILES = ("model.pt", "linear.pt", "training.json", "fit.json", "confusion.pn
 #: The directories a run makes (``bundle/`` and ``dataset/`` are replaced whole, only when they hold
 #: nothing but what their manifest lists); a link in their place is never followed.
 _RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle", "dataset")
-
-
-class RunDirError(FlowtrainError):
-    """``--out`` cannot be used as asked; the message names the directory and what to do."""
-
-
-#: The run directories this process holds locked: path -> the open directory's file descriptor.
-_HELD: dict[Path, int] = {}
-#: Seconds a run that finds the directory locked waits for the holder's pid to appear in its run.json.
-_PID_WAIT_S = 2.0
-
-
-def _holder(path: Path) -> str:
-    """``pid N on host H`` of the run holding ``path`` (from its run.json), as soon as the holder wrote it."""
-    deadline = time.monotonic() + _PID_WAIT_S
-    while True:
-        try:
-            marker = read_marker(path)
-        except RunDirError:
-            marker = None
-        if marker and marker.get("pid"):
-            return f"pid {marker['pid']} on host {marker.get('host', '?')}, {marker.get('command', 'a')} run " \
-                   f"{marker.get('run_id')}"
-        if time.monotonic() >= deadline:
-            return "pid not recorded yet"
-        time.sleep(0.05)
-
-
-def _lock(path: Path) -> None:
-    """Hold ``path`` (an existing directory) for this run: an exclusive ``flock`` on the directory, kept until
-    ``release(path)`` or the process ends. Another run holding it is a ``RunDirError`` naming its pid. A lock
-    this process already holds (an earlier run here that ended without ``mark_complete``) is taken over."""
-    old = _HELD.pop(path, None)
-    if old is not None:
-        os.close(old)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RunDirError(f"--out {path} is in use by another flowtrain run ({_holder(path)}); two runs never share "
-                          f"a run directory: wait for it to end (or stop it), or choose another --out") from None
-    except OSError as err:  # a filesystem without locks (NFS without lockd, some FUSE mounts): run, and say so
-        os.close(fd)
-        print(f"warning: --out {path}: its filesystem does not lock ({err.strerror}); two runs started into it "
-              f"at once are not kept apart", file=sys.stderr, flush=True)
-        return
-    except BaseException:
-        os.close(fd)
-        raise
-    _HELD[path] = fd
-
-
-def release(path: str | Path) -> None:
-    """Let go of the lock this process holds on run directory ``path`` (nothing when it holds none)."""
-    fd = _HELD.pop(Path(os.path.abspath(path)), None)
-    if fd is None:
-        fd = _HELD.pop(Path(path).resolve(), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _running(marker: dict) -> dict:
-    """``marker`` with this process as the one running it (``pid``, ``host``)."""
-    marker.update(pid=os.getpid(), host=socket.gethostname())
-    return marker
 
 
 @dataclass
@@ -178,33 +111,6 @@ def _recordable(options: Mapping[str, Any]) -> dict:
     return redact(_identity(options, NOT_IDENTITY))
 
 
-def read_marker(path: str | Path) -> dict | None:
-    """The run marker of directory ``path``, or None when it has none; a damaged one is a ``RunDirError``."""
-    marker = Path(path) / RUN_MARKER
-    if not marker.exists():
-        return None
-    try:
-        data = json.loads(marker.read_text())
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{marker} cannot be read ({err}); it is not a flowtrain run marker") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not data.get("run_id"):
-        raise RunDirError(f"{marker} is not a flowtrain run marker (format {FORMAT})")
-    return data
-
-
-def run_id_of(path: str | Path | None) -> str | None:
-    """The run id recorded in ``path/run.json`` (None: no marker, e.g. a run dir given to ``fit`` by hand)."""
-    if path is None:
-        return None
-    marker = read_marker(path)
-    return marker["run_id"] if marker else None
-
-
-def _write_marker(path: Path, marker: dict) -> None:
-    marker["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    atomic_write(path / RUN_MARKER, json.dumps(marker, indent=2, default=str))
-
-
 def mark_complete(path: str | Path) -> None:
     """Record that the run in ``path`` finished: call it after the last final output is written. The
     marker records the files the run wrote (``files``): what a later run that replaces it may delete."""
@@ -216,7 +122,7 @@ def mark_complete(path: str | Path) -> None:
     for key in ("error", "pid", "host"):
         marker.pop(key, None)
     marker["files"] = _written(path, marker)
-    _write_marker(path, marker)
+    write_marker(path, marker)
     release(path)
 
 
@@ -243,7 +149,7 @@ def _record_failure(path: Path, marker: dict, error: BaseException | str) -> Non
     marker["status"] = "failed"
     marker["error"] = (f"{what}: {text}" if what and not isinstance(error, FlowtrainError) else text or what)[:1000]
     marker["files"] = _written(path, marker)
-    _write_marker(path, marker)
+    write_marker(path, marker)
 
 
 def _link_on_the_way(path: Path, rel: str) -> Path | None:
@@ -398,21 +304,15 @@ def prepare_run_dir(path: str | Path, options: Mapping[str, Any], *, resume: boo
                           "--overwrite replaces it; give one")
     if path.exists() and not path.is_dir():
         raise RunDirError(f"--out {path} is a file, not a directory")
-    if not _lockable(path, resume):  # says why (not flowtrain's, nothing to resume): nothing made, nothing locked
+    if not lockable(path, resume):  # says why (not flowtrain's, nothing to resume): nothing made, nothing locked
         return _prepare(path, options, resume=resume, overwrite=overwrite, command=command)
     path.mkdir(parents=True, exist_ok=True)
-    _lock(path)
+    lock(path)
     try:
         return _prepare(path, options, resume=resume, overwrite=overwrite, command=command)
     except BaseException:
         release(path)
         raise
-
-
-def _lockable(path: Path, resume: bool) -> bool:
-    """Whether a run may lock ``path``: new or empty (unless to resume), or holding a run marker."""
-    entries = any(path.iterdir()) if path.is_dir() else False
-    return (not resume) if not entries else (path / RUN_MARKER).exists()
 
 
 def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite: bool, command: str) -> RunDir:
@@ -424,7 +324,7 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
     def fresh(note: str | None = None) -> RunDir:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]
-        _write_marker(path, _running({"format": FORMAT, "command": command, "run_id": run_id,
+        write_marker(path, running({"format": FORMAT, "command": command, "run_id": run_id,
                                       "options_hash": options_hash(given), "options": _recordable(given),
                                       "status": "running", "created": now}))
         return RunDir(path, run_id, given, resumed=False, note=note)
@@ -477,7 +377,7 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
         marker["status"] = "running"
         for key in ("files", "error"):  # recorded again when the resumed run ends
             marker.pop(key, None)
-        _write_marker(path, _running(marker))
+        write_marker(path, running(marker))
         remove_stale_spills(path / "dataset")
         return RunDir(path, marker["run_id"], merged, resumed=True)
     failed = marker.get("status") == "failed" and not _has_model(path, marker)
@@ -512,10 +412,10 @@ def prepare_stream_dir(path: str | Path, options: Mapping[str, Any], *, command:
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise RunDirError(f"--out {path} is {'a symbolic link' if path.is_symlink() else 'a file'}, not a "
                           f"directory; choose another --out")
-    if not _lockable(path, False):  # not flowtrain's: said without making or locking anything
+    if not lockable(path, False):  # not flowtrain's: said without making or locking anything
         return _prepare_stream(path, options, command)
     path.mkdir(parents=True, exist_ok=True)
-    _lock(path)  # held while this process runs the trainer (one trainer per --out)
+    lock(path)  # held while this process runs the trainer (one trainer per --out)
     try:
         return _prepare_stream(path, options, command)
     except BaseException:
@@ -530,7 +430,7 @@ def _prepare_stream(path: Path, options: Mapping[str, Any], command: str) -> Run
     if not entries:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]
-        _write_marker(path, _running({"format": FORMAT, "command": command, "run_id": run_id,
+        write_marker(path, running({"format": FORMAT, "command": command, "run_id": run_id,
                                       "options_hash": options_hash(given), "options": _recordable(given),
                                       "status": "running",
                                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
@@ -549,7 +449,7 @@ def _prepare_stream(path: Path, options: Mapping[str, Any], command: str) -> Run
                           f"continues its run only with the options it started with: give those, or choose "
                           f"another --out")
     marker["status"] = "running"
-    _write_marker(path, _running(marker))
+    write_marker(path, running(marker))
     return RunDir(path, marker["run_id"], dict(options), resumed=True)
 
 

@@ -6,7 +6,7 @@ import errno
 import fcntl
 import os
 
-from flowtrain.train import rundir
+from flowtrain.train import rundir_lock
 from flowtrain.train.rundir import mark_failed, prepare_run_dir
 
 OPTIONS = {"epochs": 1, "input": ["x.csv"], "label": "y"}
@@ -36,7 +36,7 @@ def test_a_filesystem_without_locks_runs_with_one_warning_line(tmp_path, monkeyp
     def no_locks(fd, op):  # NFS without lockd, some FUSE mounts
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    monkeypatch.setattr(rundir_lock.fcntl, "flock", no_locks)
     out = tmp_path / "run"
     run = prepare_run_dir(out, OPTIONS)
     assert run.run_id
