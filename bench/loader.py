@@ -28,8 +28,9 @@ from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
 from flowtrain.local.paths import cache_root
 from flowtrain.local.runners import pipeline_options
 from flowtrain.train.loader import TabularDataset, iter_batches
-from flowtrain.train.loop import TrainConfig, fit
+from flowtrain.train.loop import fit
 from flowtrain.train.models import build_model
+from flowtrain.train.plan import TrainConfig
 from flowtrain.train.shards import StreamedSplit, open_split
 from pipelines.flights.batch import run_flights_etl
 from pipelines.flights.preset import FLIGHTS

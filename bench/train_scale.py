@@ -59,7 +59,7 @@ def _build(scale: int, path: Path) -> None:
 
 def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, threads: int) -> dict:
     """One epoch (or its first ``steps`` steps) in this (child) process."""
-    from flowtrain.train import loop, models
+    from flowtrain.train import loop, models, plan
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.shards import StreamedSplit, open_split
 
@@ -72,7 +72,7 @@ def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, th
     assert streamed == (path_kind == "stream"), (path_kind, budget)
     epoch_steps = -(-rows // batch_size)
     steps = min(steps or epoch_steps, epoch_steps)
-    config = loop.TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
+    config = plan.TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
                          memory_budget=budget, threads=threads)
     t0 = time.perf_counter()
     result = loop.fit(models.build_model("mlp", data, config), data, config, name="bench")

@@ -326,7 +326,7 @@ def training_flags(job: BatchJob) -> str:
 
 def train_config(job: BatchJob):
     """The engine's ``TrainConfig`` of this job."""
-    from flowtrain.train.loop import TrainConfig
+    from flowtrain.train.plan import TrainConfig
 
     return TrainConfig(**{k: getattr(job, k) for k in TRAIN_FIELDS}, progress=not job.no_progress)
 
@@ -403,8 +403,8 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     if job.model:
         check_factory_parallelism(job.model, data, config)  # a bad factory or --stages with a non-Sequential: now
     if job.print_plan or job.worker_memory:  # the memory plan per rank: printed, or a stop before training
-        from flowtrain.train.loop import plan_training
         from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
+        from flowtrain.train.plan import plan_training
 
         probe = build_run_model(job.model, data, config)
         batch_size = plan_training(config, int(data.manifest["rows"]["train"]), data.kind).batch_size

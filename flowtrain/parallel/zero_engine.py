@@ -1,5 +1,5 @@
 """``fit``'s data-parallel engine with ZeRO-sharded state (``--shard-states``): a ``ZeroSharder``
-(``flowtrain.parallel.zero``) behind the engine interface of ``flowtrain.train.loop.DataParallelEngine``.
+(``flowtrain.parallel.zero``) behind the engine interface of ``flowtrain.train.trainer.DataParallelEngine``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = ["ZeroEngine"]
 
 class ZeroEngine:
     """``fit``'s data-parallel engine with sharded state (``--shard-states``; the interface of
-    ``flowtrain.train.loop.DataParallelEngine``): each replica trains its rows of every global
+    ``flowtrain.train.trainer.DataParallelEngine``): each replica trains its rows of every global
     batch, the reduce is a reduce-scatter, Adam steps each rank's shard."""
 
     def __init__(self, model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module):

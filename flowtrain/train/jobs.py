@@ -16,7 +16,7 @@ def train_worker(ctx, job: dict) -> None:
     job crosses the process boundary as JSON, the result comes back as ``model.pt`` and ``fit.json``.
     """
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import TrainConfig
+    from flowtrain.train.plan import TrainConfig
 
     cfg = dict(job["config"])
     cfg["hidden"] = tuple(cfg["hidden"])

@@ -34,7 +34,7 @@ from flowtrain.train.models import pack
 
 @dataclass
 class EngineOptions:
-    """What an engine reads of its run's options (``loop.TrainConfig`` has them too)."""
+    """What an engine reads of its run's options (``plan.TrainConfig`` has them too)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     bucket_mb: float = 1.0

@@ -147,8 +147,9 @@ def test_open_split_keeps_small_splits_in_memory_and_streams_over_budget(dataset
 
 @pytest.mark.timeout(300)
 def test_training_forced_onto_the_streaming_path_learns(dataset, capsys):
-    from flowtrain.train.loop import TrainConfig, evaluate, fit
+    from flowtrain.train.loop import evaluate, fit
     from flowtrain.train.models import build_model
+    from flowtrain.train.plan import TrainConfig
 
     data = TabularDataset(dataset)
     results = {}

@@ -134,7 +134,7 @@ def test_batch_zero3_checkpoints_per_rank_files_resume_on_one_worker_and_not_int
     from dataclasses import asdict
 
     from flowtrain.parallel.launch import WorkerFailure
-    from flowtrain.train.loop import TrainConfig
+    from flowtrain.train.plan import TrainConfig
 
     config = asdict(TrainConfig(hidden=(16, 8), dropout=0.0, batch_size=64, steps=12, eval_every=4, decay_steps=12,
                                 stages=2, device="cpu", progress=False))

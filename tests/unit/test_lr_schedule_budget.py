@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowtrain.train.loop import MIN_LR_FRACTION, TrainConfig, plan_training
+from flowtrain.train.plan import MIN_LR_FRACTION, TrainConfig, plan_training
 
 ROWS = 800  # batch 32 (the power of two below 1/16 of the rows): 25 steps per epoch; the table's budget 800 steps
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flowtrain.train.loop import MIN_LR_FRACTION, TrainConfig, plan_training
+from flowtrain.train.plan import MIN_LR_FRACTION, TrainConfig, plan_training
 
 
 def _old_lr_at(plan, step: int) -> float:

@@ -81,7 +81,7 @@ def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp
 
 def test_batch_defaults_are_the_engine_defaults():
     from flowtrain.parallel.launch import LaunchConfig
-    from flowtrain.train.loop import TrainConfig
+    from flowtrain.train.plan import TrainConfig
 
     job, train = BatchJob(), TrainConfig()
     for name in TRAIN_FIELDS:

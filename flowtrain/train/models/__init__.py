@@ -34,7 +34,7 @@ from flowtrain.train.models.tabular import LinearModel, TabularMLP, embedding_di
 
 @dataclass
 class ModelOptions:
-    """The options a model family reads (``loop.TrainConfig`` extends them; the online trainer's
+    """The options a model family reads (``plan.TrainConfig`` extends them; the online trainer's
     ``Architecture`` gives its own)."""
     hidden: tuple[int, ...] = (128, 64)
     dropout: float = 0.1
