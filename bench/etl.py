@@ -40,7 +40,7 @@ def pyarrow_etl(tables: dict[str, str], out: Path, spec=None) -> int:
 
     from connectors.dataset_spec import SPLITS
     from pipelines.flights import features as FF
-    from pipelines.tabular import features as F
+    from pipelines.tabular import checks, features, splits, stats, times
 
     spec = spec or FF.FLIGHTS_SPEC
     flights = pq.read_table(tables["flights"])
@@ -49,12 +49,12 @@ def pyarrow_etl(tables: dict[str, str], out: Path, spec=None) -> int:
     weather = FF.prepare_weather(pq.read_table(tables["weather"]))
     planes = FF.prepare_planes(pq.read_table(tables["planes"]))
     joined = FF.join_reference(flights, weather, planes).combine_chunks().to_batches()[0]
-    good, _dead = F.split_valid(joined, spec, FF.impossible_values(joined))
-    codes = F.assign_splits(good, spec, (F.time_cutoff(spec.valid_from), F.time_cutoff(spec.test_from)))
-    stats = F.StatsAccumulator().add(good.filter(pa.array(codes == 0)), spec).finalize(spec)
+    good, _dead = checks.split_valid(joined, spec, FF.impossible_values(joined))
+    codes = splits.assign_splits(good, spec, (times.time_cutoff(spec.valid_from), times.time_cutoff(spec.test_from)))
+    train_stats = stats.StatsAccumulator().add(good.filter(pa.array(codes == 0)), spec).finalize(spec)
     out.mkdir(parents=True, exist_ok=True)
     for i, name in enumerate(SPLITS):
-        pq.write_table(pa.Table.from_batches([F.featurize(good.filter(pa.array(codes == i)), spec, stats)]),
+        pq.write_table(pa.Table.from_batches([features.featurize(good.filter(pa.array(codes == i)), spec, train_stats)]),
                        out / f"{name}.parquet", compression="zstd")
     return flights.num_rows
 

@@ -68,7 +68,7 @@ def table_from_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Ta
     cols = {k: [c for c in getattr(a, k).split(",") if c] for k in ("numeric", "optional_numeric", "categorical")}
     spec = {"label": a.label, "task": a.task, "time_column": a.time_column, **cols} if not a.dataset else None
     if spec and spec["task"] is None:
-        from pipelines.tabular.pipeline import file_head, infer_task
+        from pipelines.tabular.preflight import file_head, infer_task
 
         spec["task"] = infer_task(a.label, file_head(a.input[0]))[0]
     return Table(a.input, a.dataset, spec)

@@ -34,7 +34,7 @@ VOCAB_SKETCH_FACTOR = 4
 class FeatureSpec:
     label: str
     #: None: decided from the label's type before the ETL runs (a string or boolean label is a
-    #: classification, a float label a regression; see ``pipelines.tabular.pipeline.infer_task``).
+    #: classification, a float label a regression; see ``pipelines.tabular.preflight.infer_task``).
     task: Task | None = "regression"
     numeric: list[str] = field(default_factory=list)
     categorical: list[str] = field(default_factory=list)
@@ -64,7 +64,7 @@ class FeatureSpec:
     max_vocab: int = 10_000
     #: Declared ranges of numeric columns, ``{column: [low, high]}`` (``--numeric-range col=LO:HI``). A value
     #: outside its column's range is a dead letter (in the ETL, the stream and predict alike). A column without
-    #: one gets a range from the training statistics (``max_abs`` in its statistics: ``pipelines.tabular.features``).
+    #: one gets a range from the training statistics (``max_abs`` in its statistics: ``pipelines.tabular.ranges``).
     numeric_range: dict[str, list[float]] = field(default_factory=dict)
     #: ``--clip-outliers``: a value outside its column's range (declared or from the statistics) is clipped to
     #: it instead of making its row a dead letter.

@@ -229,8 +229,8 @@ def user_errors():
     from flowtrain.parallel.launch import WorkerFailure
     from flowtrain.parallel.schedules import ScheduleError
     from flowtrain.train.checkpoint import CheckpointError
-    from pipelines.tabular.features import SchemaError
-    from pipelines.tabular.pipeline import SplitError
+    from pipelines.tabular.preflight import SplitError
+    from pipelines.tabular.schema import SchemaError
 
     return (SchemaError, SplitError, DatasetError, FileReadError, CheckpointError, DeviceError, GridError,
             ScheduleError, RunnerError, WorkerFailure, FileNotFoundError)
@@ -397,7 +397,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     workers = launch.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
     # --device (and a GPU for each local worker): an error now, before any training
     device = resolve_device(config.device, local_world=1 if job.job_only else workers)
-    from pipelines.tabular.pipeline import check_splits
+    from pipelines.tabular.preflight import check_splits
 
     check_splits(data.manifest)  # an empty split: the column, its range and the cutoffs
     if job.model:

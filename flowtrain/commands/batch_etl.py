@@ -96,13 +96,13 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
                                             dead_letters_path=dead, options=beam_opts, spec=spec)  # names the preset
             title = preset.title or preset.name
         else:
-            from pipelines.tabular.pipeline import expand_inputs, resolve_task, run_tabular_etl
+            from pipelines.tabular import pipeline, preflight
 
-            spec, why = resolve_task(expand_inputs(inputs), spec)
+            spec, why = preflight.resolve_task(preflight.expand_inputs(inputs), spec)
             if why:
                 print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
             print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
-            manifest = run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
+            manifest = pipeline.run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
                                        options=beam_opts, max_record_bytes=job.max_record_bytes)
             title = ", ".join(inputs)
         c = manifest["counts"]

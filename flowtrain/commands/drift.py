@@ -126,8 +126,8 @@ def measure_files(files: list[str], bundle, profile: dict, *, module=None, score
     from connectors.rows import DeadLetter
     from pipelines.drift.profile import Counter, merge, score_counts
     from pipelines.predict.rows import check_columns, featurize_for_prediction, read_types
-    from pipelines.tabular.features import encode_labels
-    from pipelines.tabular.pipeline import file_head
+    from pipelines.tabular.labels import encode_labels
+    from pipelines.tabular.preflight import file_head
 
     spec = FeatureSpec.from_dict(bundle.features["spec"])
     stats, classes = bundle.features["stats"], bundle.features.get("classes")
@@ -187,7 +187,7 @@ def _run_drift(job: DriftJob) -> dict:
     from flowtrain.train.bundle import build_module, bundle_key, read_bundle
     from pipelines.drift.compare import compare
     from pipelines.drift.measures import parse_thresholds
-    from pipelines.tabular.pipeline import expand_inputs
+    from pipelines.tabular.preflight import expand_inputs
 
     if not job.model:
         raise FlowtrainError("drift needs --model RUN_OR_BUNDLE (a `flowtrain batch` run directory or a bundle)")

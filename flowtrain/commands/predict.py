@@ -118,7 +118,7 @@ def _run_predict(job: PredictJob) -> dict:
     from flowtrain.train.bundle import bundle_key, check_code, load_module, read_bundle
     from pipelines.predict.pipeline import build_predict, bundle_handler
     from pipelines.predict.rows import check_columns, output_names, output_schema
-    from pipelines.tabular.pipeline import expand_inputs, file_head
+    from pipelines.tabular.preflight import expand_inputs, file_head
 
     if not job.model:
         raise FlowtrainError("predict needs --model RUN_OR_BUNDLE (a `flowtrain batch` run directory or a bundle)")
@@ -301,7 +301,7 @@ def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict
     import torch
 
     from flowtrain.train.loop import metrics_of
-    from pipelines.tabular.features import encode_labels
+    from pipelines.tabular.labels import encode_labels
 
     table = read_predictions(out)
     if table.num_rows == 0:

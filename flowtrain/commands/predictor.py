@@ -59,7 +59,7 @@ class Predictor:
             unseen_column,
             unseen_counts,
         )
-        from pipelines.tabular.features import SchemaError
+        from pipelines.tabular.schema import SchemaError
 
         if errors not in ("null", "raise"):
             raise FlowtrainError(f"predict(rows, errors={errors!r}): give errors='null' (rows that cannot be "

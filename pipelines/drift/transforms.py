@@ -20,7 +20,7 @@ class _CountFn(beam.DoFn):
         self.counter = Counter(self.profile)
 
     def process(self, inp):  # a pipelines.predict.rows.PredictionInput
-        from pipelines.tabular.features import encode_labels
+        from pipelines.tabular.labels import encode_labels
 
         label = None
         if self.spec.label in inp.carry.schema.names:

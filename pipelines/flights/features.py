@@ -17,6 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from connectors.dataset_spec import FeatureSpec
+from pipelines.tabular.checks import split_valid
+from pipelines.tabular.features import featurize_rows
+from pipelines.tabular.labels import encode_labels
 
 #: The join key's type on both sides (Parquet stores seconds as milliseconds; events as strings).
 HOUR_TYPE = pa.timestamp("s", tz="UTC")
@@ -171,8 +174,6 @@ def featurize_raw(flights: pa.RecordBatch | pa.Table, weather: pa.Table, planes:
     dataset manifest's statistics. ``passthrough`` columns of the kept rows are appended
     to the features (the stream's source partition and offset).
     """
-    from pipelines.tabular.features import encode_labels, featurize_rows, split_valid
-
     joined = join_reference(flights, weather, planes)
     batch = joined.combine_chunks().to_batches()[0] if joined.num_rows else None
     if batch is None:

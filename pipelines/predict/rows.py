@@ -30,7 +30,9 @@ import pyarrow.compute as pc
 
 from connectors.dataset_spec import CAT_PREFIX, SOURCE, FeatureSpec
 from connectors.rows import SOURCE_FILE, SOURCE_ROW, DeadLetter
-from pipelines.tabular.features import SchemaError, feature_arrays, split_valid
+from pipelines.tabular.checks import split_valid
+from pipelines.tabular.features import feature_arrays
+from pipelines.tabular.schema import SchemaError
 
 #: The prefix of every column flowtrain adds to a prediction output.
 PREFIX = "pred_"

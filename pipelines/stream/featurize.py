@@ -49,7 +49,9 @@ from pipelines.stream.events import (
     ParseBounds,
     event_schema,
 )
-from pipelines.tabular.features import encode_labels, featurize_rows, split_valid
+from pipelines.tabular.checks import split_valid
+from pipelines.tabular.features import featurize_rows
+from pipelines.tabular.labels import encode_labels
 
 _ROW = "__stream_row"
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from connectors.files import file_format, list_units, read_unit
 from pipelines.stream.events import DEFAULT_BOUNDS, ISO_Z, EventSchema, ParseBounds
-from pipelines.tabular.features import time_seconds
+from pipelines.tabular.times import time_seconds
 
 #: The bad events ``--malformed`` makes, in turn: each one a dead letter naming its reason.
 MALFORMED_KINDS = ("broken JSON", "missing field", "wrong type", "NaN", "infinite", "too deep", "not UTF-8",
@@ -29,7 +29,7 @@ MALFORMED_KINDS = ("broken JSON", "missing field", "wrong type", "NaN", "infinit
 
 def read_files(paths: Sequence[str], columns: Sequence[str] | None = None) -> pa.Table:
     """The rows of every file (CSV, Parquet, JSON lines; any Beam filesystem), in file order."""
-    from pipelines.tabular.pipeline import expand_inputs
+    from pipelines.tabular.preflight import expand_inputs
 
     tables = []
     for path in expand_inputs(paths):

@@ -17,8 +17,11 @@ import torch
 from connectors.dataset_spec import FeatureSpec
 from flowtrain.local.runners import pipeline_options
 from flowtrain.train import checkpoint
-from pipelines.tabular import features as F
-from pipelines.tabular.pipeline import SplitError, run_tabular_etl
+from pipelines.tabular.labels import encode_labels, label_keys, sort_classes
+from pipelines.tabular.pipeline import run_tabular_etl
+from pipelines.tabular.preflight import SplitError
+from pipelines.tabular.schema import SchemaError
+from pipelines.tabular.times import format_time, time_cutoff, time_seconds
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,15 +76,15 @@ def _targets(ds: str) -> dict[int, float]:
 
 
 def test_label_keys_of_every_type_are_one_vocabulary():
-    assert F.label_keys(pa.array(["male", " female", None, ""])).to_pylist() == ["male", "female", None, None]
-    assert F.label_keys(pa.array([True, False, None])).to_pylist() == ["true", "false", None]
-    assert F.label_keys(pa.array(["True", "FALSE"])).to_pylist() == ["true", "false"]
-    assert F.label_keys(pa.array([1, 2, 10])).to_pylist() == ["1", "2", "10"]
-    assert F.label_keys(pa.array([1.0, 2.5, float("nan")])).to_pylist() == ["1", "2.5", None]
-    assert F.label_keys(pa.array(["1", "1.0", " 2 "])).to_pylist() == ["1", "1", "2"]
-    assert F.sort_classes(["10", "2", "1"]) == ["1", "2", "10"]
+    assert label_keys(pa.array(["male", " female", None, ""])).to_pylist() == ["male", "female", None, None]
+    assert label_keys(pa.array([True, False, None])).to_pylist() == ["true", "false", None]
+    assert label_keys(pa.array(["True", "FALSE"])).to_pylist() == ["true", "false"]
+    assert label_keys(pa.array([1, 2, 10])).to_pylist() == ["1", "2", "10"]
+    assert label_keys(pa.array([1.0, 2.5, float("nan")])).to_pylist() == ["1", "2.5", None]
+    assert label_keys(pa.array(["1", "1.0", " 2 "])).to_pylist() == ["1", "1", "2"]
+    assert sort_classes(["10", "2", "1"]) == ["1", "2", "10"]
     spec = FeatureSpec(label="y", task="classification", numeric=["x"])
-    targets, known = F.encode_labels(pa.array(["b", "a", "z", None]), spec, {"classes": ["a", "b"]})
+    targets, known = encode_labels(pa.array(["b", "a", "z", None]), spec, {"classes": ["a", "b"]})
     assert targets[:2].tolist() == [1.0, 0.0] and known.tolist() == [True, True, False, False]
 
 
@@ -92,7 +95,7 @@ def test_string_binary_label_with_a_slash_date_time_split(table_csv, tmp_path, c
     assert m["stats"]["classes"] == ["female", "male"]
     # YYYY/MM/DD read as dates, ISO cutoffs read the same way: 274 days of 2012 before October ...
     assert m["rows"] == {"train": 274, "valid": 61, "test": N - 335}
-    assert m["split"]["time_column"] == "date" and F.format_time(m["split"]["min"]) == "2012-01-01T00:00:00Z"
+    assert m["split"]["time_column"] == "date" and format_time(m["split"]["min"]) == "2012-01-01T00:00:00Z"
     targets = _targets(str(tmp_path / "ds"))
     assert len(targets) == N
     assert all(targets[i + 2] == (1.0 if data["sex"][i] == "male" else 0.0) for i in range(N))
@@ -124,15 +127,15 @@ def test_boolean_label(table_csv, tmp_path):
 def test_time_formats_and_cutoffs_read_alike():
     day = dt.datetime(2013, 3, 4, tzinfo=dt.timezone.utc).timestamp()
     hour = day + 5 * 3600
-    seconds = F.time_seconds(pa.array(["2013-03-04", "2013/03/04", "2013-03-04T05:00:00Z", "2013-03-04 05:00:00",
+    seconds = time_seconds(pa.array(["2013-03-04", "2013/03/04", "2013-03-04T05:00:00Z", "2013-03-04 05:00:00",
                                        "2013-03-04T07:00:00.250+02:00", str(int(hour)), "March 4", None]))
     assert seconds[:6].tolist() == [day, day, hour, hour, hour, hour] and np.isnan(seconds[6:]).all()
-    assert F.time_seconds(pa.array([hour * 1000]), "epoch_ms").tolist() == [hour]
-    assert F.time_seconds(pa.array([dt.date(2013, 3, 4)])).tolist() == [day]
-    assert F.time_seconds(pa.array(["04.03.2013"]), "%d.%m.%Y").tolist() == [day]
-    assert F.time_cutoff("04.03.2013", "%d.%m.%Y") == F.time_cutoff("2013/03/04") == F.time_cutoff("2013-03-04") == day
+    assert time_seconds(pa.array([hour * 1000]), "epoch_ms").tolist() == [hour]
+    assert time_seconds(pa.array([dt.date(2013, 3, 4)])).tolist() == [day]
+    assert time_seconds(pa.array(["04.03.2013"]), "%d.%m.%Y").tolist() == [day]
+    assert time_cutoff("04.03.2013", "%d.%m.%Y") == time_cutoff("2013/03/04") == time_cutoff("2013-03-04") == day
     with pytest.raises(ValueError, match="not a time"):
-        F.time_cutoff("next tuesday")
+        time_cutoff("next tuesday")
 
 
 def test_an_empty_split_names_the_column_its_range_and_the_cutoffs(table_csv, tmp_path):
@@ -234,10 +237,10 @@ def test_positive_class_chooses_and_names_the_positive_class(table_csv, tmp_path
     default = _etl(path, tmp_path / "default", label="sex")
     assert default["stats"]["classes"] == ["female", "male"] and default["stats"]["positive_class"] == "male"
     assert "positive_class" not in default["spec"]  # unset: the manifest's spec as before
-    with pytest.raises(F.SchemaError, match="--positive-class 'other' is not a class of label 'sex' in the training "
+    with pytest.raises(SchemaError, match="--positive-class 'other' is not a class of label 'sex' in the training "
                                             "split; its classes are 'female', 'male'"):
         _etl(path, tmp_path / "bad", label="sex", positive_class="other")
-    with pytest.raises(F.SchemaError, match="--positive-class is for a label with two classes; label 'species' has 3"):
+    with pytest.raises(SchemaError, match="--positive-class is for a label with two classes; label 'species' has 3"):
         _etl(path, tmp_path / "three", label="species", positive_class="gentoo")
     with pytest.raises(FlowtrainError, match="not both"):
         run_batch(input=[path], label="flag", numeric="x1", positive_class="true", positive_above=0.5,

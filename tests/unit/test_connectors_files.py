@@ -214,7 +214,7 @@ def test_quoted_newlines_in_a_large_csv_are_read_and_lines_counted(tmp_path):
 def test_duplicate_header_names_are_an_error_naming_the_file(tmp_path):
     from connectors.dataset_spec import FeatureSpec
     from connectors.files import FileReadError, csv_header
-    from pipelines.tabular.pipeline import preflight
+    from pipelines.tabular.preflight import preflight
 
     path = tmp_path / "dup.csv"
     path.write_text("x,y,x\n1,2,3\n")

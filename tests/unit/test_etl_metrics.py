@@ -11,8 +11,9 @@ from apache_beam.metrics.metric import MetricsFilter
 from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
 from connectors.files import ReadFromFiles
-from pipelines.tabular import features as F
-from pipelines.tabular.pipeline import METRICS_NAMESPACE, build_etl, preflight
+from pipelines.tabular.pipeline import METRICS_NAMESPACE, build_etl
+from pipelines.tabular.preflight import preflight
+from pipelines.tabular.schema import read_types
 
 
 def test_beam_metrics_of_a_fnapirunner_run_equal_the_runs_rows_and_dead_letters(tmp_path):
@@ -32,7 +33,7 @@ def check_etl_metrics(tmp_path, p: beam.Pipeline) -> None:
     preflight([str(csv)], spec)
     dataset, dead_path = tmp_path / "ds", tmp_path / "dead.jsonl"
     raw, read_errs = p | "ReadFiles" >> ReadFromFiles([str(csv)], with_source=True, columns=[*spec.input_columns],
-                                                      column_types=F.read_types(spec), with_errors=True)
+                                                      column_types=read_types(spec), with_errors=True)
     build_etl(raw, spec, dataset_path=str(dataset), dead_letters_path=str(dead_path), read_errs=read_errs)
     result = p.run()
     result.wait_until_finish()

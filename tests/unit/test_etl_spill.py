@@ -27,8 +27,12 @@ from flowtrain.local.runners import pipeline_options
 from pipelines.flights import features as FF
 from pipelines.flights.batch import run_flights_etl
 from pipelines.flights.preset import FLIGHTS
-from pipelines.tabular import features as F
+from pipelines.tabular.checks import split_valid
+from pipelines.tabular.features import featurize_rows
 from pipelines.tabular.pipeline import run_tabular_etl
+from pipelines.tabular.splits import assign_splits
+from pipelines.tabular.stats import StatsAccumulator
+from pipelines.tabular.times import time_cutoff
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,12 +59,12 @@ def _in_memory(tables: dict[str, str], spec: FeatureSpec = FF.FLIGHTS_SPEC):
     flights = flights.append_column("_source_row", pa.array(np.arange(flights.num_rows, dtype=np.int64)))
     weather, planes = FF.prepare_weather(pq.read_table(tables["weather"])), FF.prepare_planes(pq.read_table(tables["planes"]))
     joined = FF.join_reference(flights, weather, planes).combine_chunks().to_batches()[0]
-    good, dead = F.split_valid(joined, spec, FF.impossible_values(joined))
-    codes = F.assign_splits(good, spec, (F.time_cutoff(spec.valid_from), F.time_cutoff(spec.test_from)))
-    stats = F.StatsAccumulator().add(good.filter(pa.array(codes == 0)), spec).finalize(spec)
+    good, dead = split_valid(joined, spec, FF.impossible_values(joined))
+    codes = assign_splits(good, spec, (time_cutoff(spec.valid_from), time_cutoff(spec.test_from)))
+    stats = StatsAccumulator().add(good.filter(pa.array(codes == 0)), spec).finalize(spec)
     out = {}
     for i, name in enumerate(SPLITS):
-        out[name], unknown = F.featurize_rows(good.filter(pa.array(codes == i)), spec, stats)
+        out[name], unknown = featurize_rows(good.filter(pa.array(codes == i)), spec, stats)
         dead += unknown
     return out, Counter(d.reason for d in dead)
 

@@ -103,7 +103,7 @@ def test_a_64_mb_json_line_is_a_dead_letter_costing_little_time_and_memory(tmp_p
 
 def test_a_header_longer_than_4_mb_is_read_and_one_over_the_bound_is_named(tmp_path):
     from connectors.dataset_spec import FeatureSpec
-    from pipelines.tabular.pipeline import preflight
+    from pipelines.tabular.preflight import preflight
 
     wide = "w" * (5 << 20)  # one 5 MB column name
     path = tmp_path / "wide.csv"

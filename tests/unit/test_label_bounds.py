@@ -12,7 +12,8 @@ import pytest
 
 from connectors.dataset_spec import FeatureSpec
 from flowtrain.local.runners import pipeline_options
-from pipelines.tabular.features import StatsAccumulator, featurize_rows
+from pipelines.tabular.features import featurize_rows
+from pipelines.tabular.stats import StatsAccumulator
 
 pytestmark = pytest.mark.timeout(300)
 

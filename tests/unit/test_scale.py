@@ -16,7 +16,8 @@ def test_scaled_tables_repeat_the_year_and_join_like_the_real_one(tmp_path):
     from pipelines.flights import features as FF
     from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.scale import scale_tables, scaled_spec
-    from pipelines.tabular import features as F
+    from pipelines.tabular.splits import assign_splits
+    from pipelines.tabular.times import time_cutoff
 
     real = FLIGHTS.demo_inputs(cache_root())
     flights = pq.read_table(real["flights"])
@@ -57,8 +58,8 @@ def test_scaled_tables_repeat_the_year_and_join_like_the_real_one(tmp_path):
 
     # the split cutoffs sit at the same place in the longer span: each split grows k times
     def shares(table, spec):
-        codes = F.assign_splits(table.combine_chunks().to_batches()[0], spec,
-                                (F.time_cutoff(spec.valid_from), F.time_cutoff(spec.test_from)))
+        codes = assign_splits(table.combine_chunks().to_batches()[0], spec,
+                              (time_cutoff(spec.valid_from), time_cutoff(spec.test_from)))
         return np.bincount(codes, minlength=3) / len(codes)
 
     assert np.allclose(shares(big, scaled_spec(k)), shares(flights, FF.FLIGHTS_SPEC), atol=0.03)

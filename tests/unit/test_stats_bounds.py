@@ -9,7 +9,8 @@ import pytest
 
 from connectors.dataset_spec import FeatureSpec
 from flowtrain.local.runners import pipeline_options
-from pipelines.tabular.features import SchemaError, StatsAccumulator
+from pipelines.tabular.schema import SchemaError
+from pipelines.tabular.stats import StatsAccumulator
 
 pytestmark = pytest.mark.timeout(300)
 
