@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from bench.inputs import Table
+from connectors.kafka import topic_partitions
 from flowtrain.train.loader import TabularDataset
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -91,7 +92,7 @@ def topic_names() -> dict:
 
 
 def model_of(env: ServeEnv, seed: int):
-    from flowtrain.train.stream import Architecture
+    from flowtrain.train.models import Architecture
 
     model = Architecture.from_dict(ARCH, "bench").build(TabularDataset(env.dataset))
     gen = torch.Generator().manual_seed(seed)
@@ -139,7 +140,7 @@ def read_topic(bootstrap: str, topic: str) -> list:
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=50,
                       max_partition_fetch_bytes=16 * 1024 * 1024)
     try:
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or []]
+        tps = [TopicPartition(topic, p) for p in sorted(topic_partitions(c, topic))]
         if not tps:
             return []
         ends = c.end_offsets(tps)

@@ -41,7 +41,7 @@ from kafka import KafkaConsumer, TopicPartition
 from bench.inputs import Table, add_table_options, table_from_options
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
-from connectors.kafka import ensure_topic
+from connectors.kafka import ensure_topic, topic_partitions
 from flowtrain.commands.stream_pipeline import pipeline_totals
 from flowtrain.local.kafka import LocalKafka, free_port
 
@@ -102,7 +102,7 @@ def _valid_count(bootstrap, topic) -> int:
     from connectors.arrow import decode_batch
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
-    tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic)]
+    tps = [TopicPartition(topic, p) for p in sorted(topic_partitions(c, topic))]
     c.assign(tps)
     c.seek_to_beginning()
     n = sum(decode_batch(m.value).num_rows for m in c)
@@ -313,7 +313,7 @@ def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: flo
     raw_t = time.monotonic()
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=2000,
                       max_partition_fetch_bytes=16 * 1024 * 1024)
-    tps = [TopicPartition(names["features"], p) for p in c.partitions_for_topic(names["features"])]
+    tps = [TopicPartition(names["features"], p) for p in sorted(topic_partitions(c, names["features"]))]
     c.assign(tps)
     c.seek_to_beginning()
     for _ in c:  # fetch every message once
@@ -367,7 +367,7 @@ def _first_produced(bootstrap, names) -> float:
     """The produce time of the first replayed event (the topic's first event only creates it)."""
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=2000)
     try:
-        tps = [TopicPartition(names["raw"], p) for p in c.partitions_for_topic(names["raw"])]
+        tps = [TopicPartition(names["raw"], p) for p in sorted(topic_partitions(c, names["raw"]))]
         c.assign(tps)
         c.seek_to_beginning()
         first: list[float] = []
@@ -384,7 +384,7 @@ def _first_produced(bootstrap, names) -> float:
 def _committed(bootstrap, names) -> tuple[int, int]:
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=names["group"], enable_auto_commit=False)
     try:
-        tps = [TopicPartition(names["raw"], p) for p in c.partitions_for_topic(names["raw"]) or []]
+        tps = [TopicPartition(names["raw"], p) for p in sorted(topic_partitions(c, names["raw"]))]
         ends = c.end_offsets(tps)
         return sum(c.committed(tp) or 0 for tp in tps), sum(ends.values())
     finally:
@@ -394,12 +394,12 @@ def _committed(bootstrap, names) -> tuple[int, int]:
 def _latencies(bootstrap, names, run: Path) -> np.ndarray:
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
     produced: dict[tuple[int, int], float] = {}
-    tps = [TopicPartition(names["raw"], p) for p in c.partitions_for_topic(names["raw"])]
+    tps = [TopicPartition(names["raw"], p) for p in sorted(topic_partitions(c, names["raw"]))]
     c.assign(tps)
     c.seek_to_beginning()
     for m in c:
         produced[(m.partition, m.offset)] = m.timestamp / 1000.0
-    up = [TopicPartition(names["updates"], p) for p in c.partitions_for_topic(names["updates"])]
+    up = [TopicPartition(names["updates"], p) for p in sorted(topic_partitions(c, names["updates"]))]
     c.assign(up)
     c.seek_to_beginning()
     published = {json.loads(m.value)["version"]: m.timestamp / 1000.0 for m in c}

@@ -46,43 +46,43 @@ def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_bro
     from types import SimpleNamespace
 
     from connectors.kafka import close_client, new_consumer
-    from flowtrain.train import stream
-    from flowtrain.train.stream import StreamTrainer
+    from flowtrain.train import stream_source
+    from flowtrain.train.stream_source import FeatureSource
 
-    monkeypatch.setattr(stream, "FEATURES_WAIT_S", 3.0)
-    monkeypatch.setattr(stream, "PARTITIONS_ASK_S", 1.0)
+    monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 3.0)
+    monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
     bootstrap = _dead_bootstrap()
-    trainer = object.__new__(StreamTrainer)  # only what the start's partition lookup reads (no dataset, no torch)
-    trainer.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
-    trainer.should_stop = lambda: False
-    trainer.consumer = new_consumer(bootstrap, trainer._consumer_config(), group_id=None)
+    source = object.__new__(FeatureSource)  # only what the start's partition lookup reads (no dataset, no torch)
+    source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    source.should_stop = lambda: False
+    source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
     try:
-        done, result = _finishes(trainer._features_partitions)
+        done, result = _finishes(source.features_partitions)
     finally:
-        if trainer.consumer is not None:
-            close_client(trainer.consumer)
+        if source.consumer is not None:
+            close_client(source.consumer)
     assert done
     assert isinstance(result, ValueError), result
     assert str(result).startswith(f"the partitions of features topic 'features' (asked for 3 s): no Kafka broker answered at "
                                   f"{bootstrap} within 1 s (no metadata for topic 'features')")
-    assert trainer.consumer is None  # the consumer left waiting was closed (its helper's wait ends with it)
+    assert source.consumer is None  # the consumer left waiting was closed (its helper's wait ends with it)
 
 
 def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypatch):
     from types import SimpleNamespace
 
     from connectors.kafka import new_consumer
-    from flowtrain.train import stream
-    from flowtrain.train.stream import StreamTrainer
+    from flowtrain.train import stream_source
+    from flowtrain.train.stream_source import FeatureSource
 
-    monkeypatch.setattr(stream, "FEATURES_WAIT_S", 600.0)  # only the stop can end it within the test's bound
-    monkeypatch.setattr(stream, "PARTITIONS_ASK_S", 1.0)
+    monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 600.0)  # only the stop can end it within the test's bound
+    monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
     bootstrap = _dead_bootstrap()
-    trainer = object.__new__(StreamTrainer)
-    trainer.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
-    trainer.should_stop = lambda: True
-    trainer.consumer = new_consumer(bootstrap, trainer._consumer_config(), group_id=None)
-    done, result = _finishes(trainer._features_partitions)
+    source = object.__new__(FeatureSource)
+    source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    source.should_stop = lambda: True
+    source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
+    done, result = _finishes(source.features_partitions)
     assert done and isinstance(result, ValueError) and "no Kafka broker answered" in str(result), result
 
 
@@ -97,3 +97,14 @@ def test_scorer_updates_consumer_gives_up_naming_the_topic_and_the_brokers(monke
     assert isinstance(result, ValueError), result
     assert str(result).startswith(f"the partitions of model-updates topic 'updates' (asked for 3 s): no Kafka broker answered at "
                                   f"{bootstrap} within 1 s (no metadata for topic 'updates')")
+
+
+def test_no_unbounded_partition_lookup_left_in_the_tree():
+    """Every caller (the benchmarks too) asks through ``connectors.kafka.topic_partitions``: the one place that
+    calls kafka-python's unbounded ``partitions_for_topic``."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    callers = sorted(str(p.relative_to(root)) for pkg in ("bench", "flowtrain", "pipelines", "connectors")
+                     for p in (root / pkg).rglob("*.py") if ".partitions_for_topic(" in p.read_text())
+    assert callers == ["connectors/kafka/clients.py"]
