@@ -46,7 +46,7 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     from flowtrain.train.loader import TabularDataset, target_scale
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
-    from pipelines.serving.versions import wait_for_version
+    from pipelines.serving.updates import wait_for_version
     from pipelines.stream.events import SOURCE_COLUMNS, ParseBounds
 
     command = "flowtrain stream score"

@@ -3,8 +3,9 @@
 Modules by job:
 
 - ``config``: ``ScoreConfig`` and ``ScoringBatch`` (a featurized micro-batch);
-- ``versions``: the model-updates topic -> the newest valid, authenticated version
-  (``VersionTracker``, the scorer's own model copies ``ModelCache``, the ``LatestModelVersion`` side input);
+- ``versions``: the model-updates records -> the newest valid, authenticated version
+  (``VersionTracker``, the scorer's own model copies ``ModelCache``);
+- ``updates``: reading the updates topic (``wait_for_version`` at the start, the ``LatestModelVersion`` side input);
 - ``handler``: ``FlowtrainModelHandler``, RunInference's model handler (hot swap, never backwards);
 - ``featurize``: raw events -> ``ScoringBatch``es with the stream pipeline's featurizer;
 - ``predictions``: ``PREDICTION_SCHEMA`` and ``WritePredictions``;

@@ -62,7 +62,8 @@ from pipelines.serving.config import ScoreConfig
 from pipelines.serving.featurize import FeaturizeForScoring
 from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.predictions import WritePredictions
-from pipelines.serving.versions import WINDOW_OFFSET_S, LatestModelVersion, ModelVersion, first_tick
+from pipelines.serving.updates import WINDOW_OFFSET_S, LatestModelVersion, first_tick
+from pipelines.serving.versions import ModelVersion
 
 __all__ = ["build_scoring_pipeline", "model_handler"]
 

@@ -215,7 +215,7 @@ def test_id_deltas_late_scorer_starts_from_the_newest_snapshot_and_the_deltas_af
     from connectors.model_updates import UpdateKeySource
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
-    from pipelines.serving.versions import wait_for_version
+    from pipelines.serving.updates import wait_for_version
 
     features = new_topic(partitions=1)
     updates = f"{features}-updates"

@@ -350,7 +350,8 @@ def test_item11_a_restarted_scorer_whose_trainers_published_is_gone_starts_from_
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
-    from pipelines.serving.versions import ModelCache, wait_for_version
+    from pipelines.serving.updates import wait_for_version
+    from pipelines.serving.versions import ModelCache
     from tests.scoring_helpers import send
 
     topic = new_topic(partitions=1, prefix="upd")

@@ -87,12 +87,12 @@ def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypa
 
 
 def test_scorer_updates_consumer_gives_up_naming_the_topic_and_the_brokers(monkeypatch):
-    from pipelines.serving import versions
+    from pipelines.serving import updates
 
-    monkeypatch.setattr(versions, "PARTITIONS_ASK_S", 1.0)
+    monkeypatch.setattr(updates, "PARTITIONS_ASK_S", 1.0)
     bootstrap = _dead_bootstrap()
-    done, result = _finishes(lambda: versions.updates_consumer(bootstrap, "updates", dict(KNOWN_VERSION),
-                                                               wait_s=3.0))
+    done, result = _finishes(lambda: updates.updates_consumer(bootstrap, "updates", dict(KNOWN_VERSION),
+                                                              wait_s=3.0))
     assert done
     assert isinstance(result, ValueError), result
     assert str(result).startswith(f"the partitions of model-updates topic 'updates' (asked for 3 s): no Kafka broker answered at "
