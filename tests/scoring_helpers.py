@@ -44,7 +44,7 @@ def topic_names():
 
 
 def random_weights(data, arch: dict, seed: int) -> dict:
-    from flowtrain.train.stream import Architecture
+    from flowtrain.train.models import Architecture
 
     model = Architecture.from_dict(arch, "test").build(data)
     gen = torch.Generator().manual_seed(seed)
@@ -56,7 +56,7 @@ def random_weights(data, arch: dict, seed: int) -> dict:
 
 def batch_model(sensor) -> tuple[dict, dict]:
     """The batch run's trained model: (architecture, weights), as --init-weights reads them."""
-    from flowtrain.train.stream import StreamTrainConfig, initial_weights
+    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
 
     arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=sensor["dataset"],
                                                     init_weights=str(sensor["run"] / "model.pt")))
@@ -141,7 +141,7 @@ def expected(bootstrap, names, sensor, weights: dict[tuple[str, int], tuple[dict
     featurizer and flowtrain's model."""
     from connectors.dataset import read_manifest
     from flowtrain.train.loader import table_to_split
-    from flowtrain.train.stream import Architecture
+    from flowtrain.train.models import Architecture
     from pipelines.stream.featurize import StreamFeaturizer
 
     featurizer = StreamFeaturizer.from_manifest(read_manifest(sensor["dataset"]))

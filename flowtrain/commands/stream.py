@@ -8,7 +8,7 @@ from the option sets below; ``StreamJob`` (the whole job) is their union, and ev
 whole job's options (a whole job's ``config.json`` is a valid ``--config`` of each part).
 
 The defaults are the engine's (``pipelines.stream.pipeline.StreamConfig``, ``pipelines.stream.events.ParseBounds``,
-``flowtrain.train.stream.StreamTrainConfig``, ``flowtrain.parallel.launch.LaunchConfig``,
+``flowtrain.train.stream_config.StreamTrainConfig``, ``flowtrain.parallel.launch.LaunchConfig``,
 ``pipelines.serving.config.ScoreConfig``): a unit test checks they agree. Stdlib only, so ``--help`` stays fast.
 """
 from __future__ import annotations

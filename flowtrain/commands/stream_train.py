@@ -21,7 +21,7 @@ def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     ``hidden``/``dropout``/``seed`` named in ``given`` (the options the user set) must agree with it, else a
     ``ValueError`` naming them."""
     from flowtrain.commands.kafka_options import kafka_config
-    from flowtrain.train.stream import StreamTrainConfig, initial_weights
+    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
 
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
     cfg = StreamTrainConfig(bootstrap=job.bootstrap, run_dir=job.out, dataset=dataset_path(job),

@@ -60,7 +60,7 @@ def _featurize(bootstrap, sensor, topic, fmt, registry=None):
 
 def _predictions(sensor, features: pa.RecordBatch) -> np.ndarray:
     from flowtrain.train.loader import table_to_split
-    from flowtrain.train.stream import Architecture
+    from flowtrain.train.models import Architecture
 
     arch, state = batch_model(sensor)
     model = Architecture.from_dict(arch, "test").build(sensor["data"])

@@ -26,7 +26,7 @@ def dataset(tmp_path_factory) -> str:
 
 def _weights(dataset: str, seed: int) -> dict:
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.stream import Architecture
+    from flowtrain.train.models import Architecture
 
     model = Architecture.from_dict(ARCH, "test").build(TabularDataset(dataset))
     gen = torch.Generator().manual_seed(seed)

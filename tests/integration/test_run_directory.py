@@ -357,25 +357,23 @@ def test_the_metrics_log_truncation_on_resume_never_truncates_in_place(tmp_path,
 
 
 def test_the_stream_ledger_rewrite_on_resume_is_atomic_and_survives_a_torn_line(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    from flowtrain.train.stream import StreamTrainer
+    from flowtrain.train.stream_sinks import Ledger
 
     ledger = tmp_path / "ledger.jsonl"
     ledger.write_text("".join(json.dumps({"version": v, "partition": 0, "offset": v}) + "\n" for v in (1, 2, 3))
                       + '{"version": 4, "parti')  # a crash in the middle of an append
     before = ledger.read_text()
-    trainer = SimpleNamespace(cfg=SimpleNamespace(ledger=True), ctx=SimpleNamespace(is_main=True), ledger_path=ledger)
+    kept = Ledger(ledger, kept=True)
 
     def crash(fd):
         raise OSError("disk gone")
 
     monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError, match="disk gone"):
-        StreamTrainer._drop_ledger_after(trainer, 2)
+        kept.drop_after(2)
     monkeypatch.undo()
     assert ledger.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.jsonl"]
-    StreamTrainer._drop_ledger_after(trainer, 2)
+    kept.drop_after(2)
     assert [json.loads(line)["version"] for line in ledger.read_text().splitlines()] == [1, 2]
 
 

@@ -297,8 +297,8 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     from connectors.kafka import ensure_topic
     from flowtrain.local.paths import cache_root
     from flowtrain.train.loader import TabularDataset, table_to_split
+    from flowtrain.train.models import Architecture
     from flowtrain.train.published import Publisher
-    from flowtrain.train.stream import Architecture
     from pipelines.flights.events import events_from_table
     from pipelines.flights.nycflights import load_table
     from pipelines.flights.preset import FLIGHTS
@@ -474,7 +474,7 @@ def test_regression_predictions_are_in_the_labels_units(tmp_path):
     from connectors.model_updates import check_record
     from flowtrain.train.loader import table_to_split
     from flowtrain.train.published import Publisher
-    from flowtrain.train.stream import StreamTrainConfig, initial_weights
+    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
     from pipelines.serving.predictions import predictions_batch
     from pipelines.serving.versions import ModelVersion
     from tests.synthetic_data import make_regression_run

@@ -211,7 +211,8 @@ def test_stream_trainer_trains_a_three_class_target_with_its_metrics(bootstrap, 
 
 @pytest.mark.timeout(120)
 def test_stream_trainer_uses_one_torch_thread_unless_told(tmp_path):
-    code = ("import torch, sys; from flowtrain.train.stream import StreamTrainConfig, StreamTrainer\n"
+    code = ("import torch, sys; from flowtrain.train.stream import StreamTrainer\n"
+            "from flowtrain.train.stream_config import StreamTrainConfig\n"
             "torch.set_num_threads(2)\n"
             "from tests.synthetic_data import make_regression_run\n"
             "ds, _ = make_regression_run(sys.argv[1], epochs=1, rows=200)\n"

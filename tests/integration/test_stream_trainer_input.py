@@ -127,7 +127,7 @@ def _ledger(run: Path) -> tuple[dict, dict]:
 
 
 def _config(bootstrap, topic, dataset, out, **kw):
-    from flowtrain.train.stream import StreamTrainConfig
+    from flowtrain.train.stream_config import StreamTrainConfig
 
     return StreamTrainConfig(bootstrap=bootstrap, run_dir=str(out), dataset=dataset, features_topic=topic,
                              updates_topic=f"{topic}-updates", dead_letter_topic=f"{topic}-dead", hidden=(16, 8),

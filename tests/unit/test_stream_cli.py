@@ -69,7 +69,7 @@ def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all
 def test_stream_option_defaults_are_the_engines():
     from flowtrain.commands.stream import ReplayJob, StreamJob
     from flowtrain.parallel.launch import LaunchConfig
-    from flowtrain.train.stream import StreamTrainConfig
+    from flowtrain.train.stream_config import StreamTrainConfig
     from pipelines.serving.config import ScoreConfig
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig

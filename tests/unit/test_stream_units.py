@@ -12,7 +12,7 @@ import pytest
 from connectors.arrow import decode_batch, encode_batch, encode_batches
 from connectors.deadletter import DeadLetter, dead_letter_from_record, dead_letter_record
 from connectors.kafka import record_size
-from flowtrain.train.stream import _unseen
+from flowtrain.train.stream_source import unseen
 from pipelines.flights.events import MALFORMED_KINDS, ParseBounds, events_table, malform, parse_event
 
 EVENT = {"year": 2013, "month": 1, "day": 1, "hour": 5, "minute": 15, "sched_dep_time": 515, "sched_arr_time": 819,
@@ -40,7 +40,7 @@ def test_each_malformed_kind_gets_its_reason():
 
 
 def test_unseen_filters_by_highest_offset_per_raw_partition():
-    fresh = _unseen(np.array([0, 0, 1, 1, 2]), np.array([5, 6, 3, 9, 0]), {0: 5, 1: 8})
+    fresh = unseen(np.array([0, 0, 1, 1, 2]), np.array([5, 6, 3, 9, 0]), {0: 5, 1: 8})
     assert fresh.tolist() == [False, True, False, True, True]
 
 

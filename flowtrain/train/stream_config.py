@@ -1,0 +1,166 @@
+"""The online trainer's options (``StreamTrainConfig``) and the model it starts from (``starting_model``).
+
+A resumed run takes its architecture and weights from its own checkpoint. Without one the stream
+trainer starts from ``init_weights``: a batch run's ``model.pt`` (its ``config.json`` gives the
+architecture: model kind, hidden sizes, dropout, seed) or one of its checkpoints, trained on the
+same dataset (``check_same_dataset``); without ``init_weights`` the architecture comes from the
+options and the weights from its seed. Weights that are not finite are an error (``NonFiniteModel``).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from connectors.dataset import read_manifest
+from flowtrain.train.loader import TabularDataset
+from flowtrain.train.models import Architecture
+from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, DEFAULT_MAX_SOURCE_GAP
+
+
+@dataclass
+class StreamTrainConfig:
+    bootstrap: str
+    run_dir: str
+    dataset: str  # the batch dataset: feature spec, statistics, vocabularies
+    # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs all three
+    features_topic: str | None = None
+    updates_topic: str | None = None
+    # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
+    dead_letter_topic: str | None = None
+    init_weights: str | None = None  # a batch run's model.pt (its config.json gives the architecture) or a checkpoint
+    lr: float = 1e-3
+    hidden: tuple[int, ...] = (128, 64)  # architecture without init_weights
+    dropout: float = 0.0
+    seed: int = 0
+    checkpoint_every_steps: int = 50
+    checkpoint_every_s: float = 10.0
+    idle_exit_s: float | None = None  # stop (with a final checkpoint) after this long without data
+    max_steps: int | None = None
+    ledger: bool = False  # test hook: trained sources, per checkpoint version, in ledger.jsonl
+    kafka_config: dict[str, Any] = field(default_factory=dict)
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES  # a feature message decoding to more is a dead letter
+    # the raw events topic the features come from: a row whose source offset is past its end is a dead letter
+    # (None, or not on the brokers: a step of more than max_source_gap past the highest offset trained is)
+    raw_topic: str | None = None
+    max_source_gap: int = DEFAULT_MAX_SOURCE_GAP
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
+    # torch threads of each replica (None: torch's default). A step is one feature message (up to
+    # the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared with the pipeline and
+    # the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (the threads wait for each other).
+    threads: int | None = 1
+    replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
+    # published versions: <run_dir>/published keeps this many (its own retention, apart from the checkpoints')
+    keep_published: int = 10
+    # with ID tables: each version carries only the ID rows changed since the previous one, with a full
+    # snapshot every this many versions (flowtrain.train.ids.publish)
+    snapshot_every: int = 20
+    update_key_file: str | None = None  # signs each published version (else $FLOWTRAIN_UPDATE_KEY; else unsigned)
+    # the engine (flowtrain.train.trainer): workers = replicas x stages x tensor_parallel
+    stages: int = 1  # pipeline stages of the model
+    microbatches: int = 4  # micro-batches per step in the pipeline
+    tensor_parallel: int = 1  # tensor shards of each stage
+    shard_states: str = "none"  # ZeRO over the replicas: none, optimizer, gradients or parameters
+
+    def __post_init__(self) -> None:
+        self.hidden = tuple(int(h) for h in self.hidden)
+        checks = {"lr": self.lr > 0, "hidden": bool(self.hidden) and min(self.hidden) >= 1,
+                  "dropout": 0 <= self.dropout < 1, "checkpoint_every_steps": self.checkpoint_every_steps >= 1,
+                  "checkpoint_every_s": self.checkpoint_every_s > 0,
+                  "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
+                  "max_steps": self.max_steps is None or self.max_steps >= 1,
+                  "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
+                  "max_source_gap": not isinstance(self.max_source_gap, bool) and self.max_source_gap >= 1,
+                  "keep_published": self.keep_published >= 1, "stages": self.stages >= 1,
+                  "snapshot_every": not isinstance(self.snapshot_every, bool) and self.snapshot_every >= 1,
+                  "microbatches": self.microbatches >= 1, "tensor_parallel": self.tensor_parallel >= 1,
+                  "shard_states": self.shard_states in ("none", "optimizer", "gradients", "parameters"),
+                  "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
+                  "replication_factor": self.replication_factor is None or (
+                      not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("StreamTrainConfig: out of range: " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad))
+
+
+class NonFiniteModel(ValueError):
+    """The model's weights stopped being finite: training diverged (no message is to blame)."""
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())  # one copy to host
+
+
+def starting_model(cfg: StreamTrainConfig, data: TabularDataset, device: torch.device,
+                   found: tuple[Path, dict] | None) -> tuple[Architecture, torch.nn.Module]:
+    """The architecture and the model built on ``device``: the checkpoint ``found`` (its path and state) gives both
+    (its weights are loaded unless sharded: the engine loads those), else ``initial_weights``."""
+    init_state = None
+    if found is not None:
+        path, state = found
+        arch = state.get("architecture") or {"hidden": cfg.hidden, "dropout": cfg.dropout, "seed": cfg.seed}
+        architecture = Architecture.from_dict(arch, f"checkpoint {path}")
+    else:
+        architecture, init_state = initial_weights(cfg)
+    model = architecture.build(data).to(device)
+    if init_state is not None:
+        try:
+            model.load_state_dict(init_state)
+        except RuntimeError as err:
+            raise ValueError(f"--init-weights {cfg.init_weights} ({architecture.source}) does not fit "
+                             f"the dataset {cfg.dataset}: {str(err).splitlines()[0]}") from None
+    if not weights_finite(model):  # a model that would train and publish NaN
+        raise NonFiniteModel(f"the starting weights ({architecture.source}) are not finite; start from a "
+                             f"model.pt or checkpoint whose weights are")
+    if found is not None and not found[1].get("sharded_state"):
+        model.load_state_dict(found[1]["model"])  # before the engine: a grid cuts the model it is given
+    return architecture, model
+
+
+def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
+    """The architecture and starting weights: ``init_weights``' batch run, else ``cfg``'s sizes."""
+    if not cfg.init_weights:
+        return Architecture("mlp", cfg.hidden, cfg.dropout, cfg.seed, "the stream trainer's options"), None
+    path = Path(cfg.init_weights)
+    if not path.is_file():
+        raise ValueError(f"--init-weights {path}: no such file; give the model.pt of a `flowtrain batch` run")
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if isinstance(state, dict) and isinstance(state.get("model"), dict) and isinstance(state.get("config"), dict):
+        return Architecture.from_dict(state["config"], f"checkpoint {path}"), state["model"]  # a batch checkpoint
+    if isinstance(state, dict) and state.get("sharded_state"):  # a --shard-states batch run's: each rank's pieces
+        raise ValueError(f"--init-weights {path} is a checkpoint of a --shard-states run (its weights are sharded in "
+                         f"{state['sharded_state']}); give that run's model.pt, which is whole")
+    run_config = path.parent / "config.json"
+    if not run_config.is_file():
+        raise ValueError(f"--init-weights {path}: no config.json beside it, so the batch run's architecture "
+                         f"(hidden sizes, dropout, seed) is unknown; give the model.pt of a `flowtrain batch` run "
+                         f"directory (or one of its checkpoints)")
+    recorded = json.loads(run_config.read_text())
+    train = recorded.get("train", recorded)  # config.json: the run's options (flat), or {"train": ...} before
+    check_same_dataset(path, Path(recorded.get("dataset") or path.parent / "dataset"), cfg.dataset)
+    return Architecture.from_dict(train, f"batch run {path.parent}"), state
+
+
+def check_same_dataset(weights: Path, trained_on: Path, dataset: str) -> None:
+    """--init-weights from a batch run on another dataset (another label, columns, classes, vocabularies
+    or statistics: weights that would read the features wrongly) is an error naming both."""
+    if not (trained_on / "_manifest.json").is_file():
+        return  # the run's dataset is not at hand: the weights' shapes are still checked on loading
+    theirs, mine = read_manifest(trained_on), read_manifest(dataset)
+    differ = [name for name, a, b in (("spec", theirs.get("spec"), mine.get("spec")),
+                                      ("classes", theirs["stats"].get("classes"), mine["stats"].get("classes")),
+                                      ("vocabularies", theirs["stats"].get("vocab"), mine["stats"].get("vocab")))
+              if a != b]
+    a, b = theirs["stats"].get("numeric", {}), mine["stats"].get("numeric", {})
+    if set(a) != set(b) or any(not math.isclose(a[c][k], b[c][k], rel_tol=1e-6, abs_tol=1e-9)
+                               for c in a for k in ("mean", "std")):
+        differ.append("numeric statistics")
+    if differ:
+        raise ValueError(f"--init-weights {weights}: that run was trained on the dataset {trained_on}, whose "
+                         f"{', '.join(differ)} differ from --dataset {dataset}; start from a batch run on the same "
+                         f"dataset (or leave --init-weights out)")
