@@ -78,7 +78,8 @@ def stream_trainer_worker(ctx, job: dict) -> None:
     import signal
     import threading
 
-    from flowtrain.train.stream import StreamTrainConfig, run_stream_trainer
+    from flowtrain.train.stream import run_stream_trainer
+    from flowtrain.train.stream_config import StreamTrainConfig
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
