@@ -126,8 +126,8 @@ class StreamTrainer:
             raise ValueError(f"the stream trainer needs its topics: {', '.join(missing)} (the command names them after "
                              f"the dataset)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        restored = self._restore()
         try:
+            restored = self._restore()
             self._open_kafka()
             self.last_data_t = self.last_ckpt_t = time.monotonic()  # idle and checkpoint clocks start with the loop
             while True:

@@ -47,7 +47,7 @@ class IdWideDeep(nn.Module):
         for emb in self.ids.values():
             emb.step(global_n, lr)
 
-    # --- sharded over data-parallel ranks (flowtrain.train.loop's DataParallelEngine) ------------------------
+    # --- sharded over data-parallel ranks (flowtrain.train.trainer's DataParallelEngine) ------------------------
     def shard_ids(self, rank: int, world: int, group=None) -> None:
         """Each ID table becomes this rank's shard of it (``ShardedIdEmbedding``): before the optimizer and
         the reducer are built (the fallback vectors are new parameters, with the same values)."""
