@@ -16,8 +16,9 @@ __all__ = ["holder", "lock", "lockable", "release"]
 
 #: The run directories this process holds locked: path -> the open directory's file descriptor.
 _HELD: dict[Path, int] = {}
-#: Seconds a run that finds the directory locked waits for the holder's pid to appear in its run.json.
-_PID_WAIT_S = 2.0
+#: Seconds a run that finds the directory locked waits for the holder's pid to appear in its run.json (the
+#: holder writes it right after it locks: milliseconds, but seconds on a loaded machine; 2 s was seen short).
+_PID_WAIT_S = 10.0
 
 
 def holder(path: Path) -> str:
