@@ -406,6 +406,9 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
         from flowtrain.train.plan import plan_training
 
+        # a worker's fixed overhead (interpreter, torch, flowtrain, the dataset): measured before the probe
+        # model is built here, or its parameters would be counted twice (once as overhead, once as state)
+        overhead = worker_overhead_bytes()
         probe = build_run_model(job.model, data, config)
         batch_size = plan_training(config, int(data.manifest["rows"]["train"]), data.kind).batch_size
         mem = plan_memory(probe, workers=launch.workers,
@@ -415,7 +418,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         if job.print_plan:
             print(mem.describe(), flush=True)
             return {"run_dir": str(run_dir), "memory_plan": mem.as_dict()}
-        stop = fits_line(mem, probe, int(job.worker_memory * 2**30), overhead=worker_overhead_bytes(),
+        stop = fits_line(mem, probe, int(job.worker_memory * 2**30), overhead=overhead,
                          batch_size=batch_size, id_rows=int(data.manifest["rows"]["train"]))
         if stop:
             raise FlowtrainError(stop)
