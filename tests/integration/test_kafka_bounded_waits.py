@@ -7,49 +7,24 @@ No broker here: a port nothing listens on is a broker that does not answer. Each
 that the test joins with a generous bound (the old code never returned at all)."""
 from __future__ import annotations
 
-import socket
-import threading
 import types
 
 import pytest
 
 from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
+from tests.silent_broker import KNOWN_VERSION, dead_bootstrap, finishes
 
 pytestmark = pytest.mark.timeout(180)
 
-GENEROUS_S = 90  # the bounds under test are 1-5 s; the old code waited forever
 
 
-def _dead_bootstrap() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _finishes(call):
-    """(finished, result or exception) of ``call()`` within GENEROUS_S."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(call())
-        except BaseException as err:  # noqa: BLE001
-            out.append(err)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(GENEROUS_S)
-    return (not t.is_alive()), (out[0] if out else None)
-
-
-KNOWN_VERSION = {"api_version": "3.9"}  # as a client that already talked to the brokers: no probe at start
 
 
 def test_topic_partitions_gives_up_naming_the_brokers_and_the_topic():
-    bootstrap = _dead_bootstrap()
+    bootstrap = dead_bootstrap()
     consumer = new_consumer(bootstrap, KNOWN_VERSION, group_id=None)
     try:
-        done, result = _finishes(lambda: topic_partitions(consumer, "raw", timeout_s=1.0))
+        done, result = finishes(lambda: topic_partitions(consumer, "raw", timeout_s=1.0))
     finally:
         close_client(consumer)
     assert done
@@ -62,9 +37,9 @@ def test_raw_lag_is_unknown_when_the_brokers_do_not_answer(monkeypatch):
 
     monkeypatch.setattr(stream_status, "KAFKA_WAIT_S", 1.0)
     monkeypatch.setattr(stream_status, "kafka_config", lambda *a: dict(KNOWN_VERSION))
-    args = types.SimpleNamespace(bootstrap=_dead_bootstrap(), kafka_config=None, kafka_config_file=None,
+    args = types.SimpleNamespace(bootstrap=dead_bootstrap(), kafka_config=None, kafka_config_file=None,
                                  group_id="g", raw_topic="raw")
-    done, result = _finishes(lambda: stream_status.raw_lag(args))
+    done, result = finishes(lambda: stream_status.raw_lag(args))
     assert done and result is None
 
 
@@ -72,8 +47,8 @@ def test_the_raw_topic_partition_count_is_a_one_line_exit_when_the_brokers_do_no
     from flowtrain.commands import stream_inputs
 
     monkeypatch.setattr("connectors.kafka.DEFAULT_CONNECT_TIMEOUT_S", 1.0)
-    bootstrap = _dead_bootstrap()
-    done, result = _finishes(lambda: stream_inputs.raw_partitions(bootstrap, "raw", dict(KNOWN_VERSION)))
+    bootstrap = dead_bootstrap()
+    done, result = finishes(lambda: stream_inputs.raw_partitions(bootstrap, "raw", dict(KNOWN_VERSION)))
     assert done and isinstance(result, SystemExit), result
     assert str(result).startswith(f"flowtrain stream: the partitions of raw topic 'raw': no Kafka broker answered "
                                   f"at {bootstrap}")
@@ -85,6 +60,6 @@ def test_the_trainers_raw_topic_ends_wait_ends_on_a_stop_request(monkeypatch):
 
     monkeypatch.setattr(stream_input, "RAW_ENDS_WAIT_S", 1.0)
 
-    ends = RawTopicEnds(_dead_bootstrap(), dict(KNOWN_VERSION), "raw", should_stop=lambda: True)
-    done, result = _finishes(ends)
+    ends = RawTopicEnds(dead_bootstrap(), dict(KNOWN_VERSION), "raw", should_stop=lambda: True)
+    done, result = finishes(ends)
     assert done and isinstance(result, KafkaUnavailable), result

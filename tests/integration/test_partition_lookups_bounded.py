@@ -9,37 +9,12 @@ No broker here: a port nothing listens on is a broker that does not answer. Each
 that the test joins with a generous bound (the old code never returned at all)."""
 from __future__ import annotations
 
-import socket
-import threading
-
 import pytest
+
+from tests.silent_broker import KNOWN_VERSION, dead_bootstrap, finishes
 
 pytestmark = pytest.mark.timeout(180)
 
-GENEROUS_S = 90  # the bounds under test are 1-3 s; the old code waited forever
-KNOWN_VERSION = {"api_version": "3.9"}  # as a client that already talked to the brokers: no probe at start
-
-
-def _dead_bootstrap() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def _finishes(call):
-    """(finished, result or exception) of ``call()`` within GENEROUS_S."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(call())
-        except BaseException as err:  # noqa: BLE001
-            out.append(err)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(GENEROUS_S)
-    return (not t.is_alive()), (out[0] if out else None)
 
 
 def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_brokers(monkeypatch):
@@ -51,13 +26,13 @@ def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_bro
 
     monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 3.0)
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
-    bootstrap = _dead_bootstrap()
+    bootstrap = dead_bootstrap()
     source = object.__new__(FeatureSource)  # only what the start's partition lookup reads (no dataset, no torch)
     source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
     source.should_stop = lambda: False
     source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
     try:
-        done, result = _finishes(source.features_partitions)
+        done, result = finishes(source.features_partitions)
     finally:
         if source.consumer is not None:
             close_client(source.consumer)
@@ -77,12 +52,12 @@ def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypa
 
     monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 600.0)  # only the stop can end it within the test's bound
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
-    bootstrap = _dead_bootstrap()
+    bootstrap = dead_bootstrap()
     source = object.__new__(FeatureSource)
     source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
     source.should_stop = lambda: True
     source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
-    done, result = _finishes(source.features_partitions)
+    done, result = finishes(source.features_partitions)
     assert done and isinstance(result, ValueError) and "no Kafka broker answered" in str(result), result
 
 
@@ -90,8 +65,8 @@ def test_scorer_updates_consumer_gives_up_naming_the_topic_and_the_brokers(monke
     from pipelines.serving import updates
 
     monkeypatch.setattr(updates, "PARTITIONS_ASK_S", 1.0)
-    bootstrap = _dead_bootstrap()
-    done, result = _finishes(lambda: updates.updates_consumer(bootstrap, "updates", dict(KNOWN_VERSION),
+    bootstrap = dead_bootstrap()
+    done, result = finishes(lambda: updates.updates_consumer(bootstrap, "updates", dict(KNOWN_VERSION),
                                                               wait_s=3.0))
     assert done
     assert isinstance(result, ValueError), result
