@@ -17,9 +17,6 @@ from tests.silent_broker import KNOWN_VERSION, dead_bootstrap, finishes
 pytestmark = pytest.mark.timeout(180)
 
 
-
-
-
 def test_topic_partitions_gives_up_naming_the_brokers_and_the_topic():
     bootstrap = dead_bootstrap()
     consumer = new_consumer(bootstrap, KNOWN_VERSION, group_id=None)

@@ -16,7 +16,6 @@ from tests.silent_broker import KNOWN_VERSION, dead_bootstrap, finishes
 pytestmark = pytest.mark.timeout(180)
 
 
-
 def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_brokers(monkeypatch):
     from types import SimpleNamespace
 
