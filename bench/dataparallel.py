@@ -1,7 +1,7 @@
 """bench dataparallel: flowtrain's map/reduce reducer vs DistributedDataParallel (the anchor).
 
 One run, 2 workers on 127.0.0.1, gloo on CPU, 1 thread each, the same global batch and
-optimizer (Adam) for both, on two models: the flights model (embeddings + MLP) and an MLP of
+optimizer (Adam) for both, on two models: the demo dataset's model (embeddings + MLP) and an MLP of
 ~1M parameters. Also: one process with 2 threads on the same global batches (what data
 parallelism buys on this machine), and an uneven case where rank 1 runs dry after 60% of the
 steps (a Kafka partition with no more data): flowtrain keeps going with a count of 0 there;
@@ -29,19 +29,19 @@ from flowtrain.train.models import TabularMLP
 #: is set past the longest run on a busy machine instead of its 60 s default.
 WORKER_TIMEOUT_S = 900.0
 
-# Cardinalities of the flights dataset's categoricals (carrier, origin, dest, weekday, hour, maker).
-FLIGHTS_CARDS = [17, 4, 102, 8, 21, 30]
-FLIGHTS_NUMERIC = 15
+# Cardinalities of the demo dataset's categoricals (carrier, origin, dest, weekday, hour, maker).
+DEMO_CARDS = [17, 4, 102, 8, 21, 30]
+DEMO_NUMERIC = 15
 
 
 def build(name: str) -> tuple[nn.Module, callable]:
     torch.manual_seed(0)
-    if name == "flights":
-        model = TabularMLP(FLIGHTS_NUMERIC, FLIGHTS_CARDS, hidden=(128, 64), dropout=0.0)
+    if name == "demo":
+        model = TabularMLP(DEMO_NUMERIC, DEMO_CARDS, hidden=(128, 64), dropout=0.0)
 
         def batch(n, gen):
-            x_num = torch.randn(n, FLIGHTS_NUMERIC, generator=gen)
-            x_cat = torch.stack([torch.randint(0, c, (n,), generator=gen) for c in FLIGHTS_CARDS], 1)
+            x_num = torch.randn(n, DEMO_NUMERIC, generator=gen)
+            x_cat = torch.stack([torch.randint(0, c, (n,), generator=gen) for c in DEMO_CARDS], 1)
             return (x_num, x_cat), torch.randint(0, 2, (n,), generator=gen).float()
         return model, batch
     model = nn.Sequential(nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 768), nn.ReLU(),
@@ -134,7 +134,7 @@ def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: i
         res = json.loads(out.read_text())
         return res["samples"] / res["seconds"]
 
-    for model_name in ("flights", "mlp1m"):
+    for model_name in ("demo", "mlp1m"):
         n_params = sum(p.numel() for p in build(model_name)[0].parameters())
         cases = {f"{case}-{engine}": (lambda c=case, e=engine: spawned(model_name, c, e))  # noqa: B023 - run now
                  for case in ("even", "uneven") for engine in ("flowtrain", "ddp")}

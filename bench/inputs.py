@@ -1,13 +1,15 @@
-"""What a benchmark streams or scores: the flights demo, or a table of your own (``--input`` with its spec, or
+"""What a benchmark streams or scores: the demo (the default dataset preset), or a table of your own (``--input`` with its spec, or
 ``--dataset``): ``Table``, and the options that name it (``add_table_options``, ``table_from_options``)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from bench.demo import build_demo, demo
+
 
 class Table:
-    """What the bench streams: the flights demo (``input`` None) or ``--input`` files with a spec."""
+    """What the bench streams: the demo (``input`` None) or ``--input`` files with a spec."""
 
     def __init__(self, input: list[str] | None = None, dataset: str | None = None, spec: dict | None = None):
         self.input, self.dataset, self.spec = input, dataset, spec
@@ -24,12 +26,7 @@ class Table:
             run_tabular_etl(self.input, FeatureSpec(**self.spec), dataset_path=str(work / "ds"),
                             dead_letters_path=None, options=pipeline_options("batch"))
             return str(work / "ds")
-        from flowtrain.local.paths import cache_root
-        from pipelines.flights.batch import run_flights_etl
-        from pipelines.flights.preset import FLIGHTS
-
-        run_flights_etl(dataset_path=str(work / "ds"), dead_letters_path=None, options=pipeline_options("batch"),
-                        tables=FLIGHTS.demo_inputs(cache_root()))
+        build_demo(demo(), "", dataset_path=work / "ds", options=pipeline_options("batch"))
         return str(work / "ds")
 
     def replay_args(self, dataset: str) -> list[str]:
@@ -48,7 +45,7 @@ class Table:
 
 def add_table_options(ap: argparse.ArgumentParser, input_help: str) -> None:
     """``--input FILE`` and its spec (or ``--dataset``): the benchmark on a table of your own."""
-    g = ap.add_argument_group("your own table (default: the flights demo)")
+    g = ap.add_argument_group("your own table (default: the demo dataset)")
     g.add_argument("--input", action="append", default=None, help=input_help)
     g.add_argument("--dataset", default=None, help="its `flowtrain batch` dataset (else the ETL below makes one)")
     g.add_argument("--label", help="label column")
@@ -60,7 +57,7 @@ def add_table_options(ap: argparse.ArgumentParser, input_help: str) -> None:
 
 
 def table_from_options(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Table | None:
-    """The :class:`Table` that ``add_table_options``' options name; None: the flights demo."""
+    """The :class:`Table` that ``add_table_options``' options name; None: the demo."""
     if not a.input:
         return None
     if not a.dataset and not a.label:

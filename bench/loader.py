@@ -1,6 +1,6 @@
 """bench loader: flowtrain's columnar loader vs torch DataLoader over the same Parquet files.
 
-One run, same dataset directory (the flights training split), same batch size, shuffled:
+One run, same dataset directory (the demo dataset's training split), same batch size, shuffled:
 (a) the anchor, a map-style Dataset over rows with DataLoader's default collate (what most
 PyTorch tabular code does); (b) DataLoader over an IterableDataset of Parquet record batches
 (batch_size=None, the fast DataLoader idiom); (c) flowtrain's loader (Arrow -> numpy -> torch
@@ -21,19 +21,17 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from bench.demo import build_demo, demo, describe
 from bench.table import report
 from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, repeats_note
 from connectors.dataset import shard_paths
 from connectors.dataset_spec import CAT_PREFIX, LABEL, NUM_PREFIX
-from flowtrain.local.paths import cache_root
 from flowtrain.local.runners import pipeline_options
 from flowtrain.train.loader import TabularDataset, iter_batches
 from flowtrain.train.loop import fit
 from flowtrain.train.models import build_model
 from flowtrain.train.plan import TrainConfig
 from flowtrain.train.shards import StreamedSplit, open_split
-from pipelines.flights.batch import run_flights_etl
-from pipelines.flights.preset import FLIGHTS
 
 #: A budget below the training split's size: (d) streams it (the split needs ~80 MiB to load).
 STREAM_BUDGET = "32MB"
@@ -83,8 +81,7 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-loader-"))
     try:
         dataset = work / "dataset"
-        run_flights_etl(dataset_path=str(dataset), dead_letters_path=None, options=pipeline_options("batch"),
-                        tables=FLIGHTS.demo_inputs(cache_root()))
+        build_demo(demo(), "loader", dataset_path=dataset, options=pipeline_options("batch"))
         data = TabularDataset(dataset)
         files = shard_paths(dataset, "train")
         num_cols = [NUM_PREFIX + c for c in data.spec.all_numeric]
@@ -110,7 +107,7 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
             return n, time.perf_counter() - t0
 
         def training_epoch():
-            config = TrainConfig(epochs=1, batch_size=batch_size, progress=False, patience=5)
+            config = TrainConfig(epochs=1, batch_size=batch_size, no_progress=True, patience=5)
             result = fit(build_model("mlp", data, config), data, config, name="bench")
             return result.data_wait_fraction
 
@@ -131,7 +128,7 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
             for k in "abcd"]
     wait = median(runs["fit"])
     return report("loader", ["loader", "rows", "seconds", "best s", "rows/s", "vs (a)"], rows,
-                  notes=[f"Training split of the flights dataset, batch {batch_size}, one epoch, load time included; "
+                  notes=[f"Training split of {describe()}, batch {batch_size}, one epoch, load time included; "
                          f"{repeats_note(repeats)}.",
                          f"Waiting on data in a flowtrain training epoch: {100 * wait:.2f}% of step time (median; "
                          f"goal < 5%)."], out_dir=out_dir)

