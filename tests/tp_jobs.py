@@ -29,7 +29,8 @@ def build_model(dropout: float = 0.0) -> TabularMLP:
     return TabularMLP(N_NUMERIC, CARDS, hidden=HIDDEN, dropout=dropout)
 
 
-def batches(steps: int, seed: int = 5):
+def batches(steps: int, seed: int = 5, last_rows: int | None = None):
+    """``steps`` global batches of ``GLOBAL_BATCH`` rows; ``last_rows``: the last one partial, cut to that many."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -38,6 +39,8 @@ def batches(steps: int, seed: int = 5):
         noise = 0.05 * torch.randn(GLOBAL_BATCH, generator=gen)
         y = x_num[:, 0] - 0.5 * x_num[:, 1] + 0.3 * x_cat[:, 0].float() + noise
         out.append((pack(x_num, x_cat), y))
+    if last_rows is not None:
+        out[-1] = (out[-1][0][:last_rows], out[-1][1][:last_rows])
     return out
 
 
@@ -83,10 +86,10 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     groups.close()
 
 
-def reference(steps: int, dropout: float = 0.0) -> TabularMLP:
+def reference(steps: int, dropout: float = 0.0, last_rows: int | None = None) -> TabularMLP:
     model = build_model(dropout)
     opt = optimizer(model.parameters())
-    for x, y in batches(steps):
+    for x, y in batches(steps, last_rows=last_rows):
         opt.zero_grad(set_to_none=True)
         nn.MSELoss()(model(x), y).backward()
         opt.step()

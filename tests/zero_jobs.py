@@ -76,7 +76,8 @@ def reshard_job(ctx: DistContext, job: dict) -> None:
 
 
 def grid_job(ctx: DistContext, job: dict) -> None:
-    """``tests.tp_jobs.grid_job`` with ZeRO-1/2 on each stage's (and shard's) replicas (``shard_stage_worker``)."""
+    """``tests.tp_jobs.grid_job`` with ZeRO-1/2/3 on each stage's (and shard's) replicas (``shard_stage_worker``);
+    ``last_rows``: the last global batch partial (a replica with an empty micro-batch, or no rows at all)."""
     import torch.distributed as dist
 
     from flowtrain.parallel.grid import Grid, build_groups
@@ -101,13 +102,14 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     worker = StageWorker(module, pos, groups.data, SCHEDULES["1f1b"](stages, micro), micro, in_shape, nn.MSELoss(),
                          p2p_groups=(groups.forward, groups.backward))
     zero = shard_stage_worker(worker, ctx, stage=job["stage"], make_optimizer=optimizer)
-    for step, (x, y) in enumerate(batches(job["steps"])):
+    for step, (x, y) in enumerate(batches(job["steps"], last_rows=job.get("last_rows"))):
         torch.manual_seed(1000 + step * 31 + pos.replica * stages + pos.stage)
         lo, hi = replica_rows(len(y), pos)
         zero.zero_grad()
         worker.step(x[lo:hi] if pos.is_first else None, y[lo:hi] if pos.is_last else None, hi - lo)
         zero.step()
     held = zero.state_bytes()
+    zero.gather()  # ZeRO-3: each rank holds only its shards until then
     state = {k: v.cpu().clone() for k, v in module.state_dict().items()}
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, (state, held))

@@ -121,13 +121,18 @@ class StageWorker:
         losses: dict[int, torch.Tensor] = {}
         held_bytes = 0
         t_step = time.perf_counter()
+        # ZeRO-3 gathers a layer's parameters on the replicas' group in each forward and backward: every replica
+        # then runs every micro-batch, an empty one on zero rows locally (no transfer: every stage knows the sizes)
+        every = getattr(self.reducer, "collective_forward", False)
         for index, action in enumerate(self.actions):
             m = action.microbatch
-            if sizes[m] == 0:
-                continue  # every stage skips an empty micro-batch the same way
+            if sizes[m] == 0 and not (every and action.is_compute):
+                continue  # every stage skips an empty micro-batch's transfers (and without ZeRO-3 its compute)
             try:
                 t0 = time.perf_counter()
-                if action.comm == "r":
+                if sizes[m] == 0:
+                    self._empty_microbatch(action.kind, m, inputs, held, losses)
+                elif action.comm == "r":
                     if action.kind == "F":
                         buf = torch.empty((sizes[m], *self.in_shape), device=self.device)
                         dist.recv(buf, src=pos.rank_of(pos.stage - 1), tag=_tag("F", m), group=self.forward_group)
@@ -182,6 +187,23 @@ class StageWorker:
         self.reducer.sync_buffers(n_local)
         stats.total_s = time.perf_counter() - t_step
         return stats
+
+    def _empty_microbatch(self, kind: str, m: int, inputs, held: dict, losses: dict) -> None:
+        """Forward or backward of a zero-row micro-batch (ZeRO-3: the replica still takes part in the layers'
+        gathers, in the schedule's order); its gradient contribution is zero."""
+        if kind == "F":
+            x = inputs[:0] if self.pos.is_first and inputs is not None else torch.zeros((0, *self.in_shape), device=self.device)
+            out = self.module(x)
+            held[m] = (x, out)
+            if self.pos.is_last:
+                losses[m] = out.sum() * 0.0
+            return
+        x, out = held.pop(m)
+        loss = losses.pop(m) if self.pos.is_last else None
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+        elif loss is None and out.requires_grad:
+            out.backward(torch.zeros_like(out))
 
     def wait_sends(self) -> None:
         """Wait for every send this stage started (their buffers stay referenced until then)."""

@@ -280,6 +280,19 @@ class ZeroSharder:
         for u in self.units:
             self._gather_unit(u)
 
+    @property
+    def collective_forward(self) -> bool:
+        """ZeRO-3: a forward and a backward gather each layer on the replicas' group, so every replica must run
+        them (on zero rows too) in the same order (``flowtrain.parallel.pipeline.StageWorker``)."""
+        return self.stage == "parameters"
+
+    def release(self) -> None:
+        """ZeRO-3: free the units ``gather`` left whole (their next forward gathers them again); else nothing."""
+        if self.stage == "parameters":
+            for u in self.units:
+                if u.gathered:
+                    u.free_params()
+
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -446,13 +459,11 @@ class ZeroSharder:
 def shard_stage_worker(worker, ctx: DistContext, *, stage: str,
                        make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                        bucket_mb: float = 1.0) -> ZeroSharder | None:
-    """ZeRO-1/2 on the data-parallel group of a pipeline stage / tensor shard (``GridEngine``): the
+    """ZeRO-1/2/3 on the data-parallel group of a pipeline stage / tensor shard (``GridEngine``): the
     ``StageWorker``'s reducer becomes a ``ZeroSharder`` over its module; None when the stage has no
-    replicas to shard over (the state stays whole)."""
+    replicas to shard over (the state stays whole). With ZeRO-3 (``collective_forward``) the worker runs
+    every micro-batch, an empty one on zero rows, so every replica issues the same gathers in the same order."""
     check_stage(stage)
-    if stage == "parameters":
-        raise ValueError("--shard-states parameters does not combine with --stages / --tensor-parallel yet: "
-                         "use --shard-states optimizer or gradients there")
     if stage == "none" or worker.group is None:
         return None
     worker.reducer.close()  # its hooks go; the sharder reduces instead

@@ -76,7 +76,7 @@ class GridEngine:
                                   microbatches, in_shape, loss_fn, bucket_mb=config.bucket_mb,
                                   p2p_groups=(self.groups.forward, self.groups.backward), device=self.device)
         lr, wd = config.lr, config.weight_decay
-        # --shard-states optimizer | gradients: ZeRO-1/2 over this stage's (and shard's) replicas
+        # --shard-states optimizer | gradients | parameters: ZeRO-1/2/3 over this stage's (and shard's) replicas
         self.sharder = shard_stage_worker(self.worker, ctx, stage=getattr(config, "shard_states", "none"),
                                           make_optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd),
                                           bucket_mb=config.bucket_mb)
@@ -134,7 +134,11 @@ class GridEngine:
 
     def sync_model(self) -> None:
         """Bring every stage's and shard's current weights into this rank's whole model."""
+        if self.sharder is not None:
+            self.sharder.gather()  # ZeRO-3: this rank holds only its shard of each layer until it gathers them
         everyone = self._gather(cpu_state(self.module.state_dict()))
+        if self.sharder is not None:
+            self.sharder.release()  # ZeRO-3: freed again (the next forward gathers each layer)
         g = self.grid
         self._shards = [[everyone[g.rank_of(0, s, t)] for t in range(g.tensor)] for s in range(g.stages)]
         self._states = [self.tensor_plans[s].merge(self._shards[s]) for s in range(g.stages)]
@@ -175,6 +179,8 @@ class GridEngine:
         stage_keys = set(stage_module(self.model, self.plan, self.pos.stage).state_dict())
         stage_state = {k: v for k, v in model_state.items() if k in stage_keys}
         shard = self.tensor_plans[self.pos.stage].shard_state(stage_state, self.pos.tensor)
+        if self.sharder is not None:
+            self.sharder.gather()  # ZeRO-3: the layers whole to be overwritten, then this rank takes its shards
         self.module.load_state_dict(shard)
         mine = stages[self.pos.stage]
         mine = mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine

@@ -184,9 +184,6 @@ def make_engine(model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module, 
                          "--tensor-parallel and --shard-states")
     if hasattr(model, "shard_ids") and ctx.world_size > 1:  # ID tables row-wise over the ranks (flowtrain.train.ids)
         model.shard_ids(ctx.rank, ctx.world_size)
-    if config.shard_states == "parameters" and (config.stages > 1 or config.tensor_parallel > 1):
-        raise ValueError("--shard-states parameters does not combine with --stages / --tensor-parallel yet: use "
-                         "--shard-states optimizer or gradients there")
     if config.stages > 1 or config.tensor_parallel > 1:
         return GridEngine(model, ctx, config, loss_fn, pack(sample.x_num, sample.x_cat),
                           device=next(model.parameters()).device)
