@@ -7,7 +7,8 @@ reducer's buffers and an activation estimate for the batch size. For data parall
 are exact for flowtrain's layouts (``flowtrain.parallel.mapreduce``: whole copies and one all-reduce
 buffer per bucket; ``flowtrain.parallel.zero``: per-layer flat buffers padded to a multiple of N,
 each rank's shard); for pipeline stages and tensor shards they assume an even split of the
-parameters (an estimate). ``fit`` prints the plan before step 0 and writes it beside what was
+parameters (an estimate; with ``--shard-states`` on the grid, each layer's share of a (stage, shard)
+sharded over the replicas, and a step's transient from its layers whole over the tensor shards). ``fit`` prints the plan before step 0 and writes it beside what was
 measured (``summary.json``'s ``training.memory``).
 
 ID tables (``flowtrain.train.ids``: an ``IdEmbedding`` per ID column) are planned beside the dense
@@ -203,6 +204,11 @@ def _plan_dense(model: nn.Module, workers: int, shard_states: str, stages: int, 
     activations = rows * _activation_widths(model) * FLOAT * ACTIVATION_COPIES
     if stages > 1 or tensor_parallel > 1:
         split = stages * tensor_parallel
+        if shard_states != "none" and workers > 1:  # ZeRO over each (stage, shard)'s replicas: of an even split
+            share = [[-(-n // split) for n in u] for u in units]
+            widest = [[-(-n // tensor_parallel) for n in u] for u in units]  # a stage gathers its layers whole
+            plan = _plan_zero(share, workers, shard_states, -(-activations // stages), False, widest)
+            return replace(plan, stages=stages, tensor_parallel=tensor_parallel, exact=False)
         p = -(-total // split)
         buffers = p * FLOAT if workers > 1 else 0
         return MemoryPlan(workers, shard_states, stages, tensor_parallel, p * FLOAT, p * FLOAT,
@@ -212,6 +218,13 @@ def _plan_dense(model: nn.Module, workers: int, shard_states: str, stages: int, 
         buffers = (total + 2 + count) * FLOAT if workers > 1 else 0  # every bucket's all-reduce buffer
         return MemoryPlan(workers, shard_states, 1, 1, total * FLOAT, total * FLOAT,
                           (ADAM_MOMENTS * total + count) * FLOAT, buffers, activations, exact=True)
+    return _plan_zero(units, workers, shard_states, activations, _has_own_parameters(model), units)
+
+
+def _plan_zero(units: list[list[int]], workers: int, shard_states: str, activations: int, root_unit: bool,
+               step_units: list[list[int]]) -> MemoryPlan:
+    """The busiest rank's ZeRO state over ``units`` (parameter sizes per unit); ``step_units``: the units a step
+    gathers and reduces (the transient; on the grid a stage's layers whole over its tensor shards)."""
     best = None
     for rank in range(workers):
         shard = owned = pieces = padded = 0
@@ -226,7 +239,7 @@ def _plan_dense(model: nn.Module, workers: int, shard_states: str, stages: int, 
         else:  # optimizer: whole gradients (views of each bucket's padded flat buffer) stay until the next step
             params, grads, buffers = (padded + shard) * FLOAT, (padded + shard) * FLOAT, 0
         plan = MemoryPlan(workers, shard_states, 1, 1, params, grads, optimizer, buffers, activations, exact=True,
-                          transient=_step_transient(units, shard_states, workers, _has_own_parameters(model)))
+                          transient=_step_transient(step_units, shard_states, workers, root_unit))
         if best is None or plan.state > best.state:
             best = plan
     return best
