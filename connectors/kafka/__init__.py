@@ -37,6 +37,7 @@ from connectors.kafka.clients import (
     topic_partitions,
     track_client,
     unavailable_message,
+    wait_for_partitions,
 )
 from connectors.kafka.delivery import KafkaDelivery, KafkaWriteError, record_size, value_budget
 from connectors.kafka.fetch import CLIENTS, KafkaReadError, confluent_config
@@ -53,4 +54,4 @@ __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "
            "value_budget", "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
            "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message", "describe_error", "is_retriable",
            "ReconnectSummary", "summarize_reconnects", "brokers_unreachable", "ProduceError", "new_sender",
-           "topic_partitions"]
+           "topic_partitions", "wait_for_partitions"]

@@ -11,7 +11,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -342,6 +342,32 @@ def topic_partitions(consumer, topic: str, *, timeout_s: float = DEFAULT_CONNECT
     if isinstance(answer[0], BaseException):
         raise answer[0]
     return answer[0]
+
+
+def wait_for_partitions(consumer, topic: str, *, wait_s: float, reconnect: Callable[[], Any],
+                        ask_s: float = 5.0, should_stop: Callable[[], bool] | None = None,
+                        on_try: Callable[[], None] | None = None) -> tuple[Any, list[int], KafkaUnavailable | None]:
+    """Ask ``consumer`` for ``topic``'s partitions until they exist, ``wait_s`` passed, or (brokers not answering)
+    ``should_stop()``: each question bounded by ``ask_s`` (``topic_partitions``). A consumer whose question went
+    unanswered is closed (that ends its own wait) and ``reconnect()`` makes the next one. Returns the consumer to
+    use (None: the last was closed), the sorted partitions (empty: none appeared) and the last ``KafkaUnavailable``
+    (None: the brokers answered); the caller words the error, naming its topic's role."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            parts, unavailable = sorted(topic_partitions(consumer, topic, timeout_s=ask_s)), None
+        except KafkaUnavailable as err:
+            parts, unavailable = [], err
+            close_client(consumer)
+            consumer = None
+        if on_try is not None:
+            on_try()
+        if parts or time.monotonic() >= deadline or (
+                unavailable is not None and should_stop is not None and should_stop()):
+            return consumer, parts, unavailable
+        time.sleep(0.5)
+        if consumer is None:
+            consumer = reconnect()
 
 
 def is_retriable(err: BaseException) -> bool:

@@ -16,7 +16,7 @@ from apache_beam.transforms import window
 from apache_beam.transforms.periodicsequence import PeriodicImpulse
 from apache_beam.utils.timestamp import Timestamp
 
-from connectors.kafka import KafkaUnavailable, close_client, new_consumer, retry_kafka, topic_partitions
+from connectors.kafka import close_client, new_consumer, retry_kafka, wait_for_partitions
 from pipelines.serving.versions import ModelVersion, UpdateMessage, VersionTracker, new_tracker
 from pipelines.stream.status import write_status
 
@@ -60,21 +60,9 @@ def updates_consumer(bootstrap: str, topic: str, kafka_config: dict, *, wait_s: 
     from kafka import TopicPartition
 
     config = {"fetch_max_wait_ms": 50, **kafka_config}
-    consumer = new_consumer(bootstrap, config, group_id=None)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            parts = topic_partitions(consumer, topic, timeout_s=PARTITIONS_ASK_S)
-            unavailable = None
-        except KafkaUnavailable as err:  # a new consumer for the next question (closing this one ends its wait)
-            parts, unavailable = set(), err
-            close_client(consumer)
-            consumer = None
-        if parts or time.monotonic() >= deadline:
-            break
-        time.sleep(0.5)
-        if consumer is None:
-            consumer = new_consumer(bootstrap, config, group_id=None)
+    consumer, parts, unavailable = wait_for_partitions(
+        new_consumer(bootstrap, config, group_id=None), topic, wait_s=wait_s, ask_s=PARTITIONS_ASK_S,
+        reconnect=lambda: new_consumer(bootstrap, config, group_id=None))
     if unavailable is not None:  # a one-line error, as a missing topic is (the callers say it so)
         raise ValueError(f"the partitions of model-updates topic {topic!r} (asked for {wait_s:g} s): "
                          f"{unavailable}") from None
