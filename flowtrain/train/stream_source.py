@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from kafka import TopicPartition
 
-from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
+from connectors.kafka import close_client, new_consumer, wait_for_partitions
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.stream_config import StreamTrainConfig
@@ -81,21 +81,10 @@ class FeatureSource:
         has no bound); a stop requested while the brokers do not answer ends the wait. A ``ValueError`` naming the
         brokers and the topic when they never answered, or saying the topic never appeared."""
         cfg = self.cfg
-        deadline = time.monotonic() + FEATURES_WAIT_S
-        while True:
-            try:
-                parts = sorted(topic_partitions(self.consumer, cfg.features_topic, timeout_s=PARTITIONS_ASK_S))
-                unavailable = None
-            except KafkaUnavailable as err:  # a new consumer for the next question (closing this one ends its wait)
-                parts, unavailable = [], err
-                close_client(self.consumer)
-                self.consumer = None
-            heartbeat()
-            if parts or time.monotonic() >= deadline or (unavailable is not None and self.should_stop()):
-                break
-            time.sleep(0.5)
-            if self.consumer is None:
-                self.consumer = new_consumer(cfg.bootstrap, self.consumer_config(), group_id=None)
+        self.consumer, parts, unavailable = wait_for_partitions(
+            self.consumer, cfg.features_topic, wait_s=FEATURES_WAIT_S, ask_s=PARTITIONS_ASK_S,
+            reconnect=lambda: new_consumer(cfg.bootstrap, self.consumer_config(), group_id=None),
+            should_stop=self.should_stop, on_try=heartbeat)
         if unavailable is not None:  # a one-line error, as a missing topic is (the command says it so)
             raise ValueError(f"the partitions of features topic {cfg.features_topic!r} (asked for "
                              f"{FEATURES_WAIT_S:g} s): {unavailable}") from None
