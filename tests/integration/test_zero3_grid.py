@@ -1,0 +1,58 @@
+"""ZeRO-3 on the grid's data dimension end to end (#31): ``flowtrain batch --workers 2 --stages 2 --shard-states
+parameters`` trains on a partial last batch (a replica with empty micro-batches), each replica holds half of its
+stage's parameters, the plan says so before step 0, and the bundle (the whole model) predicts.
+
+Equality with one process is ``tests/integration/test_zero_sharding.py``'s grid test (the sharder on 2 x 2
+workers, stages and tensor shards); this is the ``fit`` path: GridEngine, evaluation, checkpoints, bundle."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import flowtrain
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress", "--threads", "1",
+                           "--device", "cpu", "--hidden", "16,8", "--dropout", "0", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
+    rows = 600
+    rng = np.random.default_rng(0)
+    x, c = rng.normal(size=rows), rng.choice(["a", "b", "c"], size=rows)
+    y = 3 * x + 2 * (c == "a") + rng.normal(scale=0.1, size=rows)
+    csv = tmp_path / "data.csv"
+    csv.write_text("t,x,c,y\n" + "".join(f"{i},{x[i]:.6f},{c[i]},{y[i]:.6f}\n" for i in range(rows)))
+    run = tmp_path / "run"
+    # 500 training rows in batches of 99: 5 full, then one of 5 rows, 3 + 2 over the replicas: 4 micro-batches of
+    # [1, 1, 1, 0] and [1, 1, 0, 0] rows (each replica still joins every layer's gathers)
+    done = _cli("--input", str(csv), "--label", "y", "--task", "regression", "--numeric", "x", "--categorical", "c",
+                "--time-column", "t", "--valid-from", "500", "--test-from", "550", "--epochs", "1", "--batch-size",
+                "99", "--workers", "2", "--stages", "2", "--shard-states", "parameters", "--out", str(run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(6 steps per epoch of 500 rows)" in done.stdout, done.stdout[-2000:]
+    assert "memory plan per rank, --workers 2 --shard-states parameters --stages 2" in done.stdout
+    assert done.stdout.index("memory plan per rank") < done.stdout.index("step 0 valid")
+
+    summary = json.loads((run / "summary.json").read_text())
+    measured = summary["training"]["memory"]["measured"]
+    assert len(measured) == 4  # 2 replicas x 2 stages
+    weights = torch.load(run / "model.pt", weights_only=True)
+    numel = sum(v.numel() for v in weights.values() if v.is_floating_point())
+    # each parameter is held by one replica of its stage (plus padding), not by both
+    assert numel * 4 <= sum(m["parameters"] for m in measured) <= (numel + 32) * 4
+
+    predictor = flowtrain.load(str(run / "bundle"))
+    bundled = predictor.module.state_dict()
+    assert weights.keys() == bundled.keys() and all(torch.equal(weights[k], bundled[k]) for k in weights)
+    out = predictor.predict([{"t": 600, "x": 1.0, "c": "a"}, {"t": 601, "x": -1.0, "c": "b"}])
+    assert [round(r["pred_value"]) for r in out] == [5, -3], out  # y = 3x + 2[c == a]
