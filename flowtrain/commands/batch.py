@@ -32,22 +32,15 @@ from pathlib import Path
 
 from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import above, at_least, fraction, option, sizes, store_path, to_config
+from flowtrain.fields import above, at_least, option, options_of, store_path, to_config
+from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
 from pipelines.presets import preset_name
 
 _DATA = "your own data (instead of the demo)"
-_TRAIN = "training"
-_PAR = "parallelism"
+_PAR = PARALLELISM
 _RUN = "where the Beam pipeline runs"
 _TASKS = ("regression", "classification")
-_SELECT = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "r2")
-
-#: BatchJob fields that are TrainConfig fields of the same name (their defaults must agree: a test checks).
-TRAIN_FIELDS = ("epochs", "steps", "batch_size", "eval_every", "warmup_steps", "decay_steps", "select_by", "lr",
-                "patience",
-                "hidden", "dropout", "threads", "seed", "memory_budget", "bucket_mb", "stages", "microbatches",
-                "schedule", "tensor_parallel", "device", "shard_states", "min_id_count", "id_ttl", "max_ids", "id_dim")
 
 
 def numeric_ranges(value) -> tuple[str, ...]:
@@ -71,8 +64,8 @@ numeric_ranges.__name__ = "column ranges"
 
 
 @dataclass
-class BatchJob:
-    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key)."""
+class BatchInputs:
+    """What ``flowtrain batch`` trains on and where its run goes."""
 
     out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
                              "docs/object-stores.md; default runs/batch-<time>)", parse=store_path("--out"))
@@ -120,13 +113,6 @@ class BatchJob:
     required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
                                            "one missing, empty or over --max-id-bytes is a dead letter with its "
                                            "reason (else it uses the fallback vector, counted)", group=_DATA)
-    min_id_count: int = option(1, "an ID gets its own row once seen this many times (before: the shared fallback "
-                               "vector)", parse=at_least(1), group=_TRAIN)
-    id_ttl: int | None = option(None, "an ID row unseen for this many events is evicted (default: never)",
-                                parse=at_least(1), group=_TRAIN)
-    max_ids: int | None = option(None, "at most this many rows per ID table; past it the least recently seen ID's "
-                                 "row is reused (default: no bound)", parse=at_least(1), group=_TRAIN)
-    id_dim: int = option(16, "the width of an ID column's embedding", parse=at_least(1), group=_TRAIN)
     max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
                                    "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
     numeric_range: tuple[str, ...] = option(
@@ -139,39 +125,12 @@ class BatchJob:
                                  group=_DATA)
     slice_by: str | None = option(None, "report: test metrics per value of this categorical feature column",
                                   group=_DATA, metavar="COLUMN")
-    model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
-                               "(x_num, x_cat) (see docs/python-api.md); flowtrain imports MODULE and runs FACTORY: "
-                               "code that runs as you, here and wherever the bundle is loaded with --trust-code; "
-                               "default: flowtrain's wide-and-deep MLP", group=_TRAIN, metavar="MODULE:FACTORY")
-    epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
-                                "chosen from the table, printed)", parse=at_least(1), group=_TRAIN)
-    steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
-                               parse=at_least(1), group=_TRAIN)
-    batch_size: int | None = option(None, "rows per step (default: chosen from the table, at most 1/16 of the "
-                                    "training split, 32..2048)", parse=at_least(1), group=_TRAIN)
-    eval_every: int | None = option(None, "steps between validations (default: chosen from the table, at least "
-                                    "once per epoch)", parse=at_least(1), group=_TRAIN)
-    warmup_steps: int | None = option(None, "learning-rate warm-up steps before the cosine decay (default: 5% of "
-                                      "the schedule, at most 200)", parse=at_least(1), group=_TRAIN)
-    decay_steps: int | None = option(None, "steps the learning-rate schedule spans (warm-up, then cosine decay to 5% "
-                                     "of --lr; default: the --steps / --epochs budget, else the table's); give runs "
-                                     "that must share their first steps the same value (e.g. a run continued with "
-                                     "--resume and a larger budget)", parse=at_least(1), group=_TRAIN)
-    select_by: str | None = option(None, "validation metric that picks the best model and drives early stopping "
-                                   "(default: auc for binary, accuracy for multi-class, rmse for regression)",
-                                   choices=_SELECT, group=_TRAIN)
-    lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=_TRAIN)
-    patience: int = option(10, "stop after this many validations without a better --select-by metric",
-                           parse=at_least(1), group=_TRAIN)
-    hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=_TRAIN)
-    dropout: float = option(0.1, "dropout", parse=fraction(), group=_TRAIN)
-    threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1), group=_TRAIN)
-    seed: int = option(0, "seed for splits, shuffling and initialization", group=_TRAIN)
-    no_progress: bool = option(False, "no progress bars", group=_TRAIN)
-    memory_budget: str | None = option(None, "memory for a split's tensors, per machine (e.g. 4GB, 512MB, 25%; "
-                                       "default 25% of RAM, shared by the local workers); a larger split is "
-                                       "streamed from its shards through a bounded shuffle buffer (every row once "
-                                       "per epoch)", group=_TRAIN)
+
+
+@dataclass
+class BatchWorkers:
+    """How many local workers, and how a failed one ends (or restarts) the job."""
+
     workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
                           "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
     failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
@@ -180,11 +139,13 @@ class BatchJob:
                                "or stalls, restart the whole group from the run's last checkpoint, up to this "
                                "many times (torchrun's --max-restarts on one machine); then the job stops naming "
                                "each failure", parse=at_least(0), group=_PAR)
-    bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=_PAR)
-    shard_states: str = option("none", "ZeRO: shard the data-parallel training state over the workers: optimizer "
-                               "(ZeRO-1: Adam's state), gradients (ZeRO-2: and gradients), parameters (ZeRO-3: and "
-                               "parameters, gathered per layer); the reduce becomes a reduce-scatter",
-                               choices=("none", "optimizer", "gradients", "parameters"), group=_PAR)
+
+
+@dataclass
+class BatchJob(ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
+    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key): what
+    it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism) and its own."""
+
     worker_memory: float | None = option(None, "GiB each worker may hold (enforced on each worker: cgroup v2 "
                                          "memory.max where delegated, else RLIMIT_AS; over it, one line): a layout "
                                          "whose memory plan (plus a "
@@ -192,16 +153,6 @@ class BatchJob:
                                          "smallest layout that fits", parse=above(0), group=_PAR)
     print_plan: bool = option(False, "print the memory plan per rank of this layout (parameters, gradients, "
                               "optimizer state, activations) and stop before training", group=_PAR)
-    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own worker "
-                         "(with --workers D: a D x S grid of D*S workers)", parse=at_least(1), group=_PAR)
-    microbatches: int = option(4, "micro-batches per global batch in the pipeline", parse=at_least(1), group=_PAR)
-    schedule: str = option("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"), group=_PAR)
-    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs (column/row) and "
-                                  "embedding tables (by vocabulary) over this many workers; with --workers D "
-                                  "--stages S a D x S x T grid of D*S*T workers", parse=at_least(1), group=_PAR)
-    device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
-                         "worker takes its own GPU and workers talk NCCL, on the CPU gloo",
-                         choices=("auto", "cpu", "cuda"), group=_PAR)
     job_only: bool = option(False, "run the ETL, write <out>/job.json for torchrun across machines, print the "
                             "torchrun command and stop", group=_PAR)
     runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start` (its directory "
@@ -316,19 +267,19 @@ def training_flags(job: BatchJob) -> str:
     """The training options this run was given, as flags (the report step must repeat them)."""
     defaults = BatchJob()
     flags = ""
-    for key in (*TRAIN_FIELDS, "model"):
-        value = getattr(job, key)
-        if value is not None and value != getattr(defaults, key):
+    for opt in (*options_of(TrainOptions), *options_of(ParallelOptions)):
+        value = getattr(job, opt.name)
+        if value is not None and value != getattr(defaults, opt.name):
             value = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
-            flags += f" --{key.replace('_', '-')} {value}"
+            flags += f" {opt.flag}" if opt.parse is None else f" {opt.flag} {value}"
     return flags
 
 
 def train_config(job: BatchJob):
-    """The engine's ``TrainConfig`` of this job."""
+    """The engine's ``TrainConfig`` of this job: its training and parallelism options, as they are."""
     from flowtrain.train.plan import TrainConfig
 
-    return TrainConfig(**{k: getattr(job, k) for k in TRAIN_FIELDS}, progress=not job.no_progress)
+    return TrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(TrainConfig)})
 
 
 def run_directory(job: BatchJob) -> Path:
@@ -341,7 +292,6 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     import torch
 
     from flowtrain.parallel import DistContext
-    from flowtrain.parallel.launch import LaunchConfig
     from flowtrain.train.jobs import fit_record, train
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import check_label, positive_class_line
@@ -364,7 +314,6 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         stage.start_publishing()  # its dataset and checkpoints as they appear: a killed run resumes from the store
     if run.note:
         print(run.note, flush=True)
-    launch = LaunchConfig(workers=job.workers, failure_timeout_s=job.failure_timeout)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # --- 1. ETL (or an existing dataset) -----------------------------------------------------------
@@ -391,7 +340,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         raise FlowtrainError(str(err)) from None
     from flowtrain.parallel.device import backend_for, resolve_device
 
-    workers = launch.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
+    workers = job.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
     # --device (and a GPU for each local worker): an error now, before any training
     device = resolve_device(config.device, local_world=1 if job.job_only else workers)
     from pipelines.tabular.preflight import check_splits
@@ -408,8 +357,8 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         overhead = worker_overhead_bytes()
         probe = build_run_model(job.model, data, config)
         batch_size = plan_training(config, int(data.manifest["rows"]["train"]), data.kind).batch_size
-        mem = plan_memory(probe, workers=launch.workers,
-                          shard_states=config.shard_states if launch.workers > 1 else "none", stages=config.stages,
+        mem = plan_memory(probe, workers=job.workers,
+                          shard_states=config.shard_states if job.workers > 1 else "none", stages=config.stages,
                           tensor_parallel=config.tensor_parallel, bucket_mb=config.bucket_mb, batch_size=batch_size,
                           id_rows=int(data.manifest["rows"]["train"]))  # ID tables without --max-ids: an upper bound
         if job.print_plan:
@@ -442,7 +391,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
                            for k, v in dataclasses.asdict(config).items()}}
     if job.job_only:
         job_path = run_dir / "job.json"
-        atomic_write(job_path, json.dumps(redact({**job_dict, "failure_timeout_s": launch.failure_timeout_s})))
+        atomic_write(job_path, json.dumps(redact({**job_dict, "failure_timeout_s": job.failure_timeout})))
         print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
@@ -453,14 +402,14 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     if workers > 1 or job.worker_memory:  # --worker-memory caps spawned workers (also one), never this process
         from flowtrain.parallel.launch import spawn
 
-        layout = (f"{launch.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
-                  f"tensor shard(s)" if workers > launch.workers else f"{workers} data-parallel workers")
+        layout = (f"{job.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
+                  f"tensor shard(s)" if workers > job.workers else f"{workers} data-parallel workers")
         print(f"train: {layout} on 127.0.0.1 ({device.type}, {backend_for(device)}), "
               f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
         from flowtrain.train.jobs import RESTART_ENV
 
         train_with_restarts(lambda attempt: spawn(
-            workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=launch.failure_timeout_s,
+            workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=job.failure_timeout,
             workdir=run_dir / "workers", extra_env={RESTART_ENV: str(attempt)},
             memory_cap=int(job.worker_memory * 2**30) if job.worker_memory else None), job.max_restarts)
         fitted = json.loads((run_dir / "fit.json").read_text())  # the worker group's result: its files

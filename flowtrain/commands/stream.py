@@ -7,9 +7,11 @@ options are one config dataclass (``StreamPipelineJob``, ``StreamTrainJob``, ``S
 from the option sets below; ``StreamJob`` (the whole job) is their union, and every part accepts the
 whole job's options (a whole job's ``config.json`` is a valid ``--config`` of each part).
 
-The defaults are the engine's (``pipelines.stream.pipeline.StreamConfig``, ``pipelines.stream.events.ParseBounds``,
-``flowtrain.train.stream_config.StreamTrainConfig``, ``flowtrain.parallel.launch.LaunchConfig``,
-``pipelines.serving.config.ScoreConfig``): a unit test checks they agree. Stdlib only, so ``--help`` stays fast.
+The online trainer's options are declared by its engine (``flowtrain.train.options.StreamTrainOptions``: its
+``StreamTrainConfig`` is them). The pipeline's and the scorer's defaults are their engines' too
+(``pipelines.stream.pipeline.StreamConfig``, ``pipelines.stream.events.ParseBounds``,
+``pipelines.serving.config.ScoreConfig``: ``pipelines`` cannot import these fields yet), kept in step by a unit
+test. Stdlib only, so ``--help`` stays fast.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import above, at_least, fraction, option, sizes, store_path
+from flowtrain.fields import above, at_least, fraction, option, store_path
+from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
 from pipelines.presets import default_preset, preset_for, presets
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
@@ -32,9 +35,8 @@ EVENT_FORMATS = ("json", "avro", "protobuf")
 
 PIPELINE = "feature pipeline (`stream pipeline`)"
 EVENTS = "raw events (feature pipeline and scorer)"
-TRAINER = "online trainer (`stream train`)"
+TRAINER = STREAM_TRAINER
 SCORING = "scoring (`stream score`, `stream --score`)"
-UPDATES = "model updates (trainer and scorer)"
 RUNNER = "where the Beam pipeline runs"
 
 
@@ -141,61 +143,20 @@ class PipelineOptions:
 
 
 @dataclass
-class TrainerOptions:
-    """The online trainer: replicas, model, optimizer, checkpoints."""
+class TrainerWorkers:
+    """The online trainer's processes."""
 
     workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
                           parse=at_least(1), group=TRAINER)
-    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own process "
-                            "(with --workers D: D x S processes)", parse=at_least(1), group=TRAINER)
-    microbatches: int = option(4, "micro-batches per step (one feature message) in the pipeline", parse=at_least(1),
-                               group=TRAINER)
-    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs and embedding tables over "
-                                     "this many processes (D x S x T in all)", parse=at_least(1), group=TRAINER)
-    shard_states: str = option("none", "ZeRO over the --workers replicas: optimizer, gradients or parameters",
-                               choices=("none", "optimizer", "gradients", "parameters"), group=TRAINER)
     failure_timeout: float = option(
         60.0, "with --workers N: seconds within which the job ends when a replica dies or stalls", parse=above(0),
         group=TRAINER)
-    init_weights: str | None = option(
-        None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
-              "kind, seed) comes from that run's config.json", group=TRAINER,
-        parse=store_path("--init-weights", remote=False))
-    hidden: tuple[int, ...] = option((128, 64), "hidden sizes without --init-weights", parse=sizes, group=TRAINER)
-    dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=TRAINER)
-    seed: int = option(0, "seed of the initial weights and dropout", group=TRAINER)
-    lr: float = option(0.001, "Adam learning rate", parse=above(0), group=TRAINER)
-    device: str = option("auto", "where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica its "
-                                 "own GPU, NCCL between them)", choices=("auto", "cpu", "cuda"), group=TRAINER)
-    threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "
-                             "more threads on cores shared with the pipeline and the broker)", parse=at_least(1),
-                          group=TRAINER)
-    checkpoint_every: int = option(50, "checkpoint and publish every K steps ...", parse=at_least(1), group=TRAINER)
-    checkpoint_seconds: float = option(10.0, "... or every T seconds", parse=above(0), group=TRAINER)
-    max_decoded_bytes: int = option(
-        67108864, "a feature message that decodes to more bytes than this is a dead letter (checked from its "
-                  "metadata before decompressing)", parse=at_least(1), group=TRAINER)
-    idle_exit: float | None = option(
-        None, "stop (with a final checkpoint) after this many seconds without data on any replica (default: never)",
-        parse=above(0), group=TRAINER)
-    ledger: bool = option(False, "record trained sources per model version (ledger.jsonl; an audit and test hook)",
-                          group=TRAINER)
-    keep_published: int = option(10, "trainer: versions kept in <out>/published, apart from the checkpoints",
-                                 parse=at_least(1), group=UPDATES)
-    snapshot_every: int = option(
-        20, "trainer, a model with ID tables: each version carries the dense weights and only the ID rows changed "
-            "since the previous one, with a full snapshot every this many versions", parse=at_least(1),
-        group=UPDATES)
 
 
 @dataclass
-class UpdateOptions:
-    """Model versions between the trainer and the scorer."""
-
-    update_key_file: str | None = option(
-        None, "the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; else "
-              "$FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns (default: none)",
-        metavar="FILE", group=UPDATES)
+class TrainerOptions(StreamTrainOptions, TrainerWorkers):
+    """The online trainer: its processes, and its engine's options (``flowtrain.train.options``: replicas' grid,
+    model, optimizer, checkpoints, published versions)."""
 
 
 def _drift_thresholds(value):

@@ -14,28 +14,25 @@ from pathlib import Path
 
 from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
+from flowtrain.fields import options_of
+
+#: The trainer's engine reads these of the stream job's common options as they are (its own options, the
+#: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).
+ENGINE_FIELDS = ("features_topic", "updates_topic", "dead_letter_topic", "raw_topic", "replication_factor")
 
 
 def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
-    """The engine's ``StreamTrainConfig`` of ``job``. With ``init_weights`` the architecture is the batch run's: a
-    ``hidden``/``dropout``/``seed`` named in ``given`` (the options the user set) must agree with it, else a
-    ``ValueError`` naming them."""
+    """The engine's ``StreamTrainConfig`` of ``job``: its trainer options as they are, and the rest resolved. With
+    ``init_weights`` the architecture is the batch run's: a ``hidden``/``dropout``/``seed`` named in ``given`` (the
+    options the user set) must agree with it, else a ``ValueError`` naming them."""
     from flowtrain.commands.kafka_options import kafka_config
     from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
 
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
-    cfg = StreamTrainConfig(bootstrap=job.bootstrap, run_dir=job.out, dataset=dataset_path(job),
-                            features_topic=job.features_topic, updates_topic=job.updates_topic,
-                            dead_letter_topic=job.dead_letter_topic, max_decoded_bytes=job.max_decoded_bytes,
-                            raw_topic=job.raw_topic,
-                            init_weights=job.init_weights, lr=job.lr, hidden=job.hidden, dropout=job.dropout,
-                            seed=job.seed, device=job.device, checkpoint_every_steps=job.checkpoint_every,
-                            checkpoint_every_s=job.checkpoint_seconds, idle_exit_s=job.idle_exit, ledger=job.ledger,
-                            kafka_config=kafka_config(job.kafka_config, job.kafka_config_file), threads=job.threads,
-                            replication_factor=job.replication_factor, keep_published=job.keep_published,
-                            snapshot_every=job.snapshot_every,
-                            update_key_file=job.update_key_file, stages=job.stages, microbatches=job.microbatches,
-                            tensor_parallel=job.tensor_parallel, shard_states=job.shard_states)
+    cfg = StreamTrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(StreamTrainConfig)},
+                            run_dir=job.out, dataset=dataset_path(job), bootstrap=job.bootstrap,
+                            kafka_config=kafka_config(job.kafka_config, job.kafka_config_file),
+                            **{name: getattr(job, name) for name in ENGINE_FIELDS})
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
         arch, _ = initial_weights(cfg)
         mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.secrets import redact
@@ -39,13 +38,6 @@ from flowtrain.parallel import memcap
 
 HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
 _last_beat = 0.0
-
-
-@dataclass
-class LaunchConfig:
-    """How many local workers, and the bound within which a failed one ends the job."""
-    workers: int = 1
-    failure_timeout_s: float = 60.0
 
 
 class WorkerFailure(RuntimeError):
@@ -84,7 +76,7 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = LaunchConfig.failure_timeout_s,
+def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 60.0,
           threads_per_worker: int | None = None, workdir: str | Path | None = None,
           extra_env: dict[str, str] | None = None, stop: Callable[[], bool] | None = None,
           memory_cap: int | None = None) -> float:

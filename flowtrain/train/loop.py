@@ -281,7 +281,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         start_valid = best_valid
         best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
 
-    bar = _progress(plan.steps, name, config.progress and ctx.is_main, initial=step)
+    bar = _progress(plan.steps, name, not config.no_progress and ctx.is_main, initial=step)
     running, seen, t_log = 0.0, 0, time.perf_counter()
     while step < plan.steps and bad_evals < plan.patience:
         # --- one epoch (or the rest of one): each replica maps its shard, the reducer reduces ----

@@ -1,5 +1,5 @@
-"""What to train for: a batch run's training options (``TrainConfig``) and the plan chosen from them and the
-training split (``plan_training``, printed): whatever is not given is chosen from the table (the batch size,
+"""What to train for: a batch run's engine config (``TrainConfig``: its options, ``flowtrain.train.options``)
+and the plan chosen from them and the training split (``plan_training``, printed): whatever is not given is chosen from the table (the batch size,
 capped relative to the split; the budget; a learning-rate schedule of linear warm-up then cosine decay to 5% of
 ``lr``; how often to evaluate), explicit options win. ``fit`` (``flowtrain.train.loop``) trains to the plan.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowtrain.train.metrics import check_select_by
-from flowtrain.train.models import ModelOptions
+from flowtrain.train.options import ParallelOptions, TrainOptions
 
 __all__ = ["AUTO_BATCH", "AUTO_BATCH_FRACTION", "AUTO_EPOCHS", "AUTO_EVALS", "AUTO_STEPS", "MIN_LR_FRACTION",
            "SMALL_STEP", "TrainConfig", "TrainPlan", "plan_training"]
@@ -28,29 +28,12 @@ SMALL_STEP = 1 << 15  # batch x widest layer up to this: one torch thread (unles
 
 
 @dataclass
-class TrainConfig(ModelOptions):
-    """The batch run's training options (the model's: ``ModelOptions``, flowtrain.train.models)."""
-    steps: int | None = None  # step budget (None: chosen from the table, or from ``epochs``)
-    epochs: int | None = None  # a budget in epochs instead of steps
-    batch_size: int | None = None  # None: chosen from the table
-    lr: float = 1e-3  # peak learning rate (Adam)
-    warmup_steps: int | None = None  # None: chosen from the table
-    decay_steps: int | None = None  # steps the lr schedule spans; None: the budget given, else chosen from the table
-    eval_every: int | None = None  # steps between validations; None: chosen from the table
-    patience: int = 10  # evaluations without a better validation metric before stopping
-    select_by: str | None = None  # validation metric for the best model; None: AUC / accuracy / RMSE
-    weight_decay: float = 0.0
-    threads: int | None = None
-    log_every: int = 50
-    progress: bool = True
-    bucket_mb: float = 1.0
-    stages: int = 1  # pipeline stages (workers = replicas x stages)
-    microbatches: int = 4
-    schedule: str = "1f1b"  # or "gpipe"
-    tensor_parallel: int = 1  # tensor shards per stage (workers = replicas x stages x tensor_parallel)
-    device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
-    memory_budget: int | float | str | None = None  # a split larger than this is streamed (flowtrain.train.shards)
-    shard_states: str = "none"  # ZeRO: none, optimizer, gradients or parameters (flowtrain.parallel.zero)
+class TrainConfig(ParallelOptions, TrainOptions):
+    """A batch run's engine config: its options (``TrainOptions``, ``ParallelOptions``: declared once in
+    ``flowtrain.train.options``, where ``flowtrain batch`` takes them from) and what the run sets, not the user."""
+    weight_decay: float = 0.0  # Adam's (not an option: the engine's tests and benches set it)
+    log_every: int = 50  # steps between training-loss lines in metrics.jsonl
+    init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there (the batch job's)
     stage_bounds: list | None = None  # set by a resume: the checkpoint's stage cut (None: rank 0 measures and cuts)
 
 

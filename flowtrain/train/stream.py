@@ -19,7 +19,7 @@ checkpoints are all corrupt is an error, never a fresh start (that would train e
 Data parallel (``--workers N``): the feature partitions are split across the replicas and
 gradients are reduced by the map/reduce engine. Every decision that ends in a collective is
 taken together: each step one small all-reduce carries every replica's "has data", "asked to
-stop", "idle for idle_exit_s" and "checkpoint time is due" flags, so all replicas stop, or
+stop", "idle for idle_exit" and "checkpoint time is due" flags, so all replicas stop, or
 checkpoint (a gather), at the same step; the step count itself comes from the reduced example
 count, identical everywhere. The loop heartbeats for the launcher every step, idle or not.
 
@@ -45,6 +45,7 @@ import torch
 from kafka.errors import KafkaError
 
 from connectors.kafka import KafkaUnavailable, check_brokers, describe_error
+from flowtrain.fields import check
 from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
@@ -70,6 +71,7 @@ class StreamTrainer:
 
     def __init__(self, cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
                  should_stop: Callable[[], bool] | None = None):
+        cfg = check(cfg)  # the options' ranges and choices (flowtrain.fields: as the command line checks them)
         self.cfg, self.ctx = cfg, ctx or DistContext()
         self.should_stop = should_stop or (lambda: False)
         if cfg.threads:
@@ -119,7 +121,7 @@ class StreamTrainer:
 
     # --- the whole run ------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Train until ``should_stop``, ``idle_exit_s`` or ``max_steps``; returns a summary."""
+        """Train until ``should_stop``, ``idle_exit`` or ``max_steps``; returns a summary."""
         missing = [f"--{n.replace('_', '-')}" for n in ("features_topic", "updates_topic", "dead_letter_topic")
                    if not getattr(self.cfg, n)]
         if missing:
@@ -149,7 +151,7 @@ class StreamTrainer:
                     self.id_fallbacks.commit(self.ctx)
                     break
                 self._write_status_every_second()
-                if (self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every_steps
+                if (self.steps_since_ckpt and (self.steps_since_ckpt >= self.cfg.checkpoint_every
                                                or agreed["checkpoint_due"])) \
                         or (agreed["rejects_pending"] and agreed["checkpoint_due"]):  # only rejected messages
                     if not self._checkpoint_unless_stopped("periodic"):
@@ -230,9 +232,9 @@ class StreamTrainer:
     def _agree(self, *, has_data: bool) -> dict:
         """Every replica's flags, reduced: the decisions below are the same on every replica."""
         now = time.monotonic()
-        idle = self.cfg.idle_exit_s is not None and now - self.last_data_t >= self.cfg.idle_exit_s
+        idle = self.cfg.idle_exit is not None and now - self.last_data_t >= self.cfg.idle_exit
         flags = torch.tensor([float(has_data), float(bool(self.should_stop())), float(idle),
-                              float(now - self.last_ckpt_t >= self.cfg.checkpoint_every_s),
+                              float(now - self.last_ckpt_t >= self.cfg.checkpoint_seconds),
                               float(bool(self.rejects.pending))], dtype=torch.float64, device=self.device)
         if self.ctx.distributed:
             import torch.distributed as dist
@@ -455,7 +457,7 @@ class StreamTrainer:
 
 def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
                        should_stop: Callable[[], bool] | None = None) -> dict:
-    """Train until ``should_stop()`` (polled every step), ``idle_exit_s`` or ``max_steps``; returns a summary."""
+    """Train until ``should_stop()`` (polled every step), ``idle_exit`` or ``max_steps``; returns a summary."""
     return StreamTrainer(cfg, ctx, should_stop=should_stop).run()
 
 

@@ -1,4 +1,4 @@
-"""The online trainer's options (``StreamTrainConfig``) and the model it starts from (``starting_model``).
+"""The online trainer's engine config (``StreamTrainConfig``) and the model it starts from (``starting_model``).
 
 A resumed run takes its architecture and weights from its own checkpoint. Without one the stream
 trainer starts from ``init_weights``: a batch run's ``model.pt`` (its ``config.json`` gives the
@@ -19,72 +19,30 @@ import torch
 from connectors.dataset import read_manifest
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import Architecture
-from flowtrain.train.stream_input import DEFAULT_MAX_DECODED_BYTES, DEFAULT_MAX_SOURCE_GAP
+from flowtrain.train.options import StreamTrainOptions, UpdateOptions
+from flowtrain.train.stream_input import DEFAULT_MAX_SOURCE_GAP
 
 
-@dataclass
-class StreamTrainConfig:
+@dataclass(kw_only=True)
+class StreamTrainConfig(UpdateOptions, StreamTrainOptions):
+    """The online trainer's engine config: its options (``StreamTrainOptions``, ``UpdateOptions``, declared once in
+    ``flowtrain.train.options``, where ``flowtrain stream train`` takes them from; ranges checked by
+    ``flowtrain.fields.check`` when the trainer starts) and what the command resolves from the others."""
     bootstrap: str
-    run_dir: str
-    dataset: str  # the batch dataset: feature spec, statistics, vocabularies
+    run_dir: str  # the command's --out
+    dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies
     # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs all three
     features_topic: str | None = None
     updates_topic: str | None = None
     # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
     dead_letter_topic: str | None = None
-    init_weights: str | None = None  # a batch run's model.pt (its config.json gives the architecture) or a checkpoint
-    lr: float = 1e-3
-    hidden: tuple[int, ...] = (128, 64)  # architecture without init_weights
-    dropout: float = 0.0
-    seed: int = 0
-    checkpoint_every_steps: int = 50
-    checkpoint_every_s: float = 10.0
-    idle_exit_s: float | None = None  # stop (with a final checkpoint) after this long without data
-    max_steps: int | None = None
-    ledger: bool = False  # test hook: trained sources, per checkpoint version, in ledger.jsonl
-    kafka_config: dict[str, Any] = field(default_factory=dict)
-    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES  # a feature message decoding to more is a dead letter
     # the raw events topic the features come from: a row whose source offset is past its end is a dead letter
     # (None, or not on the brokers: a step of more than max_source_gap past the highest offset trained is)
     raw_topic: str | None = None
-    max_source_gap: int = DEFAULT_MAX_SOURCE_GAP
-    device: str = "auto"  # auto (CUDA when present), cpu or cuda: flowtrain.parallel.device
-    # torch threads of each replica (None: torch's default). A step is one feature message (up to
-    # the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared with the pipeline and
-    # the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (the threads wait for each other).
-    threads: int | None = 1
+    kafka_config: dict[str, Any] = field(default_factory=dict)  # the client settings, typed (--kafka-config's pairs)
     replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
-    # published versions: <run_dir>/published keeps this many (its own retention, apart from the checkpoints')
-    keep_published: int = 10
-    # with ID tables: each version carries only the ID rows changed since the previous one, with a full
-    # snapshot every this many versions (flowtrain.train.ids.publish)
-    snapshot_every: int = 20
-    update_key_file: str | None = None  # signs each published version (else $FLOWTRAIN_UPDATE_KEY; else unsigned)
-    # the engine (flowtrain.train.trainer): workers = replicas x stages x tensor_parallel
-    stages: int = 1  # pipeline stages of the model
-    microbatches: int = 4  # micro-batches per step in the pipeline
-    tensor_parallel: int = 1  # tensor shards of each stage
-    shard_states: str = "none"  # ZeRO over the replicas: none, optimizer, gradients or parameters
-
-    def __post_init__(self) -> None:
-        self.hidden = tuple(int(h) for h in self.hidden)
-        checks = {"lr": self.lr > 0, "hidden": bool(self.hidden) and min(self.hidden) >= 1,
-                  "dropout": 0 <= self.dropout < 1, "checkpoint_every_steps": self.checkpoint_every_steps >= 1,
-                  "checkpoint_every_s": self.checkpoint_every_s > 0,
-                  "idle_exit_s": self.idle_exit_s is None or self.idle_exit_s > 0,
-                  "max_steps": self.max_steps is None or self.max_steps >= 1,
-                  "max_decoded_bytes": not isinstance(self.max_decoded_bytes, bool) and self.max_decoded_bytes >= 1,
-                  "max_source_gap": not isinstance(self.max_source_gap, bool) and self.max_source_gap >= 1,
-                  "keep_published": self.keep_published >= 1, "stages": self.stages >= 1,
-                  "snapshot_every": not isinstance(self.snapshot_every, bool) and self.snapshot_every >= 1,
-                  "microbatches": self.microbatches >= 1, "tensor_parallel": self.tensor_parallel >= 1,
-                  "shard_states": self.shard_states in ("none", "optimizer", "gradients", "parameters"),
-                  "threads": self.threads is None or (not isinstance(self.threads, bool) and self.threads >= 1),
-                  "replication_factor": self.replication_factor is None or (
-                      not isinstance(self.replication_factor, bool) and self.replication_factor >= 1)}
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError("StreamTrainConfig: out of range: " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad))
+    max_source_gap: int = DEFAULT_MAX_SOURCE_GAP  # not an option: a bound of the engine
+    max_steps: int | None = None  # test hook: stop after this many steps
 
 
 class NonFiniteModel(ValueError):

@@ -38,14 +38,15 @@ import torch
 from connectors.arrow_ipc import IpcTooLarge, NotArrowIpc, decode_bounded
 from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX
 from flowtrain.train.loader import TabularDataset, TabularSplit
+from flowtrain.train.options import StreamTrainOptions
 
 __all__ = ["BadFeatureMessage", "FeatureInput", "FeatureMessageCheck", "SOURCE_COLUMNS", "DEFAULT_MAX_DECODED_BYTES",
            "DEFAULT_MAX_SOURCE_GAP", "RawTopicEnds", "SourceCheck"]
 
 #: Where each row came from (raw partition, raw offset): the trainer's exactly-once state.
 SOURCE_COLUMNS = ("src_partition", "src_offset")
-#: Largest decoded size of one feature message (64 MiB: ~30x a 2,000-row message of 100 features).
-DEFAULT_MAX_DECODED_BYTES = 64 << 20
+#: Largest decoded size of one feature message (64 MiB: ~30x a 2,000-row message of 100 features; --max-decoded-bytes).
+DEFAULT_MAX_DECODED_BYTES = StreamTrainOptions.max_decoded_bytes
 #: Without the raw topic: the largest step of a raw partition's offset past the highest one trained.
 DEFAULT_MAX_SOURCE_GAP = 10_000_000
 #: Kafka partition numbers are 32-bit.

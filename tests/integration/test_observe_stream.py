@@ -85,7 +85,7 @@ def test_stream_train_writes_prequential_metrics_and_versions_to_tensorboard(str
     assert acc.Scalars("prequential/rows_trained")[-1].value == rows
     content = acc.PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-    assert start.session_start_info.hparams["checkpoint_every_steps"].number_value == 5
+    assert start.session_start_info.hparams["checkpoint_every"].number_value == 5
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
     assert "prequential/rmse" in {m.name.tag for m in experiment.experiment.metric_infos}
 

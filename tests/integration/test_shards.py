@@ -155,7 +155,7 @@ def test_training_forced_onto_the_streaming_path_learns(dataset, capsys):
     results = {}
     for budget in ("64KB", None):  # streamed, then in memory
         config = TrainConfig(epochs=2, batch_size=512, lr=3e-3, patience=5, hidden=(32,), dropout=0.0,
-                             progress=False, memory_budget=budget)
+                             no_progress=True, memory_budget=budget)
         result = fit(build_model("mlp", data, config), data, config, name="m")
         out = capsys.readouterr().out
         assert ("streaming" in out) == (budget is not None), out

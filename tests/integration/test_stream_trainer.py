@@ -325,7 +325,7 @@ def test_stream_trainer_on_explicit_cpu_and_cuda_without_a_gpu_is_an_error(fligh
                   dead_letter_topic=f"{topic}-dead", hidden=(16, 8))
     with pytest.raises(DeviceError, match="--device cuda: no CUDA device is visible"):
         StreamTrainer(StreamTrainConfig(run_dir=str(tmp_path / "gpu"), device="cuda", **common))
-    summary = run_stream_trainer(StreamTrainConfig(run_dir=str(tmp_path / "cpu"), device="cpu", idle_exit_s=2.0,
+    summary = run_stream_trainer(StreamTrainConfig(run_dir=str(tmp_path / "cpu"), device="cpu", idle_exit=2.0,
                                                    **common))
     assert summary["step"] == 4 and summary["rows"] == 200
     state = torch.load(sorted((tmp_path / "cpu" / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)

@@ -131,7 +131,7 @@ def _config(bootstrap, topic, dataset, out, **kw):
 
     return StreamTrainConfig(bootstrap=bootstrap, run_dir=str(out), dataset=dataset, features_topic=topic,
                              updates_topic=f"{topic}-updates", dead_letter_topic=f"{topic}-dead", hidden=(16, 8),
-                             ledger=True, device="cpu", checkpoint_every_s=1000.0, **kw)
+                             ledger=True, device="cpu", checkpoint_seconds=1000.0, **kw)
 
 
 def test_every_bad_kind_is_a_dead_letter_once_and_the_good_rows_train_exactly_once(bootstrap, new_topic, dataset,
@@ -152,7 +152,7 @@ def test_every_bad_kind_is_a_dead_letter_once_and_the_good_rows_train_exactly_on
     _produce(bootstrap, topic, payloads)
 
     out = tmp_path / "run"
-    summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=2.0, checkpoint_every_steps=3))
+    summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit=2.0, checkpoint_every=3))
     assert summary["rows"] == len(good_sources)
     assert summary["rejected"] == {"not_arrow": 1, "schema": 2, "values": 4, "too_large": 1, "non_finite_loss": 1}
 
@@ -174,7 +174,7 @@ def test_every_bad_kind_is_a_dead_letter_once_and_the_good_rows_train_exactly_on
     assert sum(status["rejected"].values()) == len(bad) and np.isfinite(status["loss"])
 
     # a restart reads nothing again and sends nothing again
-    again = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=1.0))
+    again = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit=1.0))
     assert again["resumed_from"] and again["rows"] == 0
     assert again["rejected"] == summary["rejected"]
     assert len(_dead_letters(bootstrap, f"{topic}-dead")) == len(bad)
@@ -241,7 +241,7 @@ def test_non_finite_weights_are_never_trained_checkpointed_or_published(bootstra
     torch.save(weights, start / "model.pt")
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="the starting weights .* are not finite"):  # NonFiniteModel
-        run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=2.0,
+        run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit=2.0,
                                    init_weights=str(start / "model.pt")))
     assert not list((out / "checkpoints").glob("ckpt-*.pt"))
     assert _dead_letters(bootstrap, f"{topic}-updates") == []  # nothing published
@@ -323,7 +323,7 @@ def test_an_impossible_source_offset_is_a_dead_letter_and_never_marks_later_rows
         topic = new_topic(partitions=1)
         _produce(bootstrap, topic, payloads)
         out = tmp_path / name
-        summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit_s=2.0, raw_topic=raw_topic))
+        summary = run_stream_trainer(_config(bootstrap, topic, dataset, out, idle_exit=2.0, raw_topic=raw_topic))
         # without the raw topic, a partition not trained yet has no reference: partition 7's row is trained
         legit = {(0, o) for o in range(600)} | (set() if raw_topic else {(7, 5)})
         assert summary["dropped_duplicates"] == 0 and summary["rows"] == len(legit), (name, summary)

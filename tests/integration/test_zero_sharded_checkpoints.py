@@ -137,7 +137,7 @@ def test_batch_zero3_checkpoints_per_rank_files_resume_on_one_worker_and_not_int
     from flowtrain.train.plan import TrainConfig
 
     config = asdict(TrainConfig(hidden=(16, 8), dropout=0.0, batch_size=64, steps=12, eval_every=4, decay_steps=12,
-                                stages=2, device="cpu", progress=False))
+                                stages=2, device="cpu", no_progress=True))
     with pytest.raises(WorkerFailure) as failed:
         spawn(2, "flowtrain.train.jobs:train_worker", {"config": config, "dataset": dataset, "run_dir": str(run),
                                                        "resume": True},

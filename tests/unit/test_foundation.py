@@ -63,7 +63,7 @@ def test_cli_help_describes_every_command_and_option_with_the_config_defaults(mo
     import argparse
 
     from flowtrain.cli.main import build_parser
-    from flowtrain.parallel.launch import LaunchConfig
+    from flowtrain.commands.batch import BatchJob
 
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "--help"], capture_output=True,
                           text=True, timeout=60)
@@ -78,4 +78,4 @@ def test_cli_help_describes_every_command_and_option_with_the_config_defaults(mo
     monkeypatch.setenv("COLUMNS", "2000")  # no wrapping inside a default such as flights-dead-letters
     # (every field's documented default: tests/unit/test_options_fields.py walks the fields)
     batch_help = " ".join(commands["batch"].format_help().split())
-    assert f"reduced as sums and counts; a whole number >= 1 (default: {LaunchConfig().workers})" in batch_help
+    assert f"reduced as sums and counts; a whole number >= 1 (default: {BatchJob().workers})" in batch_help

@@ -15,7 +15,7 @@ import yaml
 import flowtrain
 from flowtrain.cli.main import build_parser
 from flowtrain.cli.options import load_config
-from flowtrain.commands.batch import TRAIN_FIELDS, BatchJob
+from flowtrain.commands.batch import BatchJob
 from flowtrain.commands.predict import ExportJob, PredictJob
 from flowtrain.commands.stream import ReplayJob, StreamJob
 from flowtrain.fields import OptionError, options_of, to_config
@@ -79,14 +79,43 @@ def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp
     assert set(to_config(config)) == set(values)
 
 
-def test_batch_defaults_are_the_engine_defaults():
-    from flowtrain.parallel.launch import LaunchConfig
+def test_the_engine_configs_are_the_commands_options_declared_once():
+    """Issue 30 item 2: the trainers' options are declared once (flowtrain.train.options); the commands compose
+    them and the engine configs are them. What else an engine config holds is not a command option, except the
+    dataset, Kafka settings and topics the online trainer is given resolved (their options serve every part of the
+    stream, and pipelines' configs mirror them too: the next step moves flowtrain.fields below pipelines)."""
+    from flowtrain.commands.stream import StreamTrainJob
+    from flowtrain.train.options import ParallelOptions, StreamTrainOptions, TrainOptions, UpdateOptions
     from flowtrain.train.plan import TrainConfig
+    from flowtrain.train.stream_config import StreamTrainConfig
 
-    job, train = BatchJob(), TrainConfig()
-    for name in TRAIN_FIELDS:
-        assert getattr(job, name) == getattr(train, name), name
-    assert (job.workers, job.failure_timeout) == (LaunchConfig().workers, LaunchConfig().failure_timeout_s)
+    for sets, command, engine in (((TrainOptions, ParallelOptions), BatchJob, TrainConfig),
+                                  ((StreamTrainOptions, UpdateOptions), StreamTrainJob, StreamTrainConfig)):
+        assert all(issubclass(command, s) and issubclass(engine, s) for s in sets), engine
+        assert {o.name for o in options_of(engine)} == {o.name for s in sets for o in options_of(s)}, engine
+    batch_engine_only = {f.name for f in dataclasses.fields(TrainConfig)} - {o.name for o in options_of(TrainConfig)}
+    assert batch_engine_only == {"weight_decay", "log_every", "init_wide", "stage_bounds"}
+    assert not batch_engine_only & {f.name for f in dataclasses.fields(BatchJob)}
+    stream_engine_only = ({f.name for f in dataclasses.fields(StreamTrainConfig)}
+                          - {o.name for o in options_of(StreamTrainConfig)})
+    resolved = {"dataset": "the path", "kafka_config": "the typed client settings, --kafka-config-file's too",
+                "features_topic": "named after the dataset when unset", "updates_topic": "", "dead_letter_topic": "",
+                "raw_topic": "", "bootstrap": "as given", "replication_factor": "as given"}
+    assert stream_engine_only & {f.name for f in dataclasses.fields(StreamTrainJob)} == set(resolved)
+
+
+def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():
+    """``flowtrain stream train --workers N`` sends the engine config as JSON (``asdict``); the worker rebuilds it
+    (``flowtrain.train.jobs``) and the trainer checks it: the same config, ranges checked once."""
+    from flowtrain.fields import check
+    from flowtrain.train.stream_config import StreamTrainConfig
+
+    cfg = StreamTrainConfig(bootstrap="b:1", run_dir="r", dataset="d", features_topic="f", hidden=(8, 4),
+                            checkpoint_every=7, idle_exit=2.5, kafka_config={"client_id": "x"})
+    again = check(StreamTrainConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))))
+    assert again == cfg and again.hidden == (8, 4)
+    with pytest.raises(OptionError, match="checkpoint_every"):
+        check(dataclasses.replace(cfg, checkpoint_every=0))
 
 
 def test_config_json_is_a_valid_config_and_print_config_shows_the_effective_options(tmp_path):

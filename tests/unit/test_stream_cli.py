@@ -67,9 +67,9 @@ def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all
 
 
 def test_stream_option_defaults_are_the_engines():
+    """The pipeline's and the scorer's engine configs (in ``pipelines``, which cannot import ``flowtrain.fields``)
+    still mirror their options; the online trainer's engine config is its options (``StreamTrainOptions``)."""
     from flowtrain.commands.stream import ReplayJob, StreamJob
-    from flowtrain.parallel.launch import LaunchConfig
-    from flowtrain.train.stream_config import StreamTrainConfig
     from pipelines.serving.config import ScoreConfig
     from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig
@@ -82,17 +82,12 @@ def test_stream_option_defaults_are_the_engines():
     from pipelines.presets import default_preset
 
     job = with_dataset_topics(StreamJob())  # topics: the dataset's, the flights demo's without --dataset
-    pipe, bounds, train, launch, score = map(defaults, (StreamConfig, ParseBounds, StreamTrainConfig, LaunchConfig,
-                                                        ScoreConfig))
+    pipe, bounds, score = map(defaults, (StreamConfig, ParseBounds, ScoreConfig))
     pairs = {
         "connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id, "batch_size": pipe.batch_size,
         "max_delay": pipe.max_delay_s, "read_batch_records": pipe.read_batch_records, "read_client": pipe.read_client,
         "max_event_bytes": bounds.max_event_bytes, "max_json_depth": bounds.max_depth,
-        "max_abs_number": bounds.max_abs_number, "hidden": tuple(train.hidden),
-        "dropout": train.dropout, "seed": train.seed, "lr": train.lr, "device": train.device, "threads": train.threads,
-        "checkpoint_every": train.checkpoint_every_steps, "checkpoint_seconds": train.checkpoint_every_s,
-        "max_decoded_bytes": train.max_decoded_bytes, "idle_exit": train.idle_exit_s,
-        "keep_published": train.keep_published, "workers": launch.workers, "failure_timeout": launch.failure_timeout_s,
+        "max_abs_number": bounds.max_abs_number,
         "score_group_id": score.group_id, "swap_interval": score.swap_interval_s, "score_batch_size": score.batch_size,
         "score_max_delay": score.max_delay_s, "keep_models": score.keep_models,
         "max_model_bytes": score.max_model_bytes}
@@ -165,7 +160,7 @@ def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
                                  "kafka_config": ["sasl_plain_password=pa,ss", "client_id=t"],
                                  "keep_published": 2, "threads": 2, "features_topic": "f"})
     cfg = stream_train_config(job)
-    assert (cfg.lr, cfg.checkpoint_every_steps, cfg.checkpoint_every_s, cfg.idle_exit_s, tuple(cfg.hidden)) == (
+    assert (cfg.lr, cfg.checkpoint_every, cfg.checkpoint_seconds, cfg.idle_exit, tuple(cfg.hidden)) == (
         0.5, 7, 3.0, 9.0, (8, 4))
     assert (cfg.keep_published, cfg.threads, cfg.features_topic, cfg.run_dir) == (2, 2, "f", str(tmp_path / "run"))
     assert cfg.kafka_config == {"sasl_plain_password": "pa,ss", "client_id": "t"}  # commas stay in a value

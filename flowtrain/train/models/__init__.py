@@ -30,21 +30,7 @@ from flowtrain.train.models.factory import (
 )
 from flowtrain.train.models.ids import IdWideDeep
 from flowtrain.train.models.tabular import LinearModel, TabularMLP, embedding_dim, pack
-
-
-@dataclass
-class ModelOptions:
-    """The options a model family reads (``plan.TrainConfig`` extends them; the online trainer's
-    ``Architecture`` gives its own)."""
-    hidden: tuple[int, ...] = (128, 64)
-    dropout: float = 0.1
-    seed: int = 0  # the initial weights (and, in training, the batch order and dropout)
-    init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there
-    min_id_count: int = 1  # ID tables (the dataset's id_columns, flowtrain.train.ids): a row after this many sightings
-    id_ttl: int | None = None  # ... evicted when unseen for this many events (None: never)
-    max_ids: int | None = None  # ... at most this many rows, least recently seen reused (None: no bound)
-    id_dim: int = 16  # ... embedding width
-
+from flowtrain.train.options import ModelOptions
 
 ModelBuilder = Callable[..., nn.Module]  # (data: TabularDataset, options: ModelOptions) -> nn.Module
 _FAMILIES: dict[str, ModelBuilder] = {}
@@ -84,7 +70,7 @@ def _linear(data, options) -> nn.Module:
 
 
 def _wide_and_deep(data, options) -> nn.Module:
-    """Wide and deep (its linear part from ``options.init_wide`` when given); with the dataset's ID columns,
+    """Wide and deep (its linear part from ``options.init_wide`` when given: a batch run's ``TrainConfig``); with the dataset's ID columns,
     dynamic embedding tables beside it."""
     if data.spec.id_columns:
         model = IdWideDeep(data.n_numeric, data.cardinalities, data.spec.id_columns, id_dim=options.id_dim,
@@ -94,8 +80,9 @@ def _wide_and_deep(data, options) -> nn.Module:
     else:
         model = TabularMLP(data.n_numeric, data.cardinalities, hidden=options.hidden, dropout=options.dropout,
                            outputs=data.outputs)
-    if options.init_wide:
-        model.init_wide(torch.load(options.init_wide, weights_only=True))
+    init_wide = getattr(options, "init_wide", None)  # ModelOptions alone (an Architecture's) has none
+    if init_wide:
+        model.init_wide(torch.load(init_wide, weights_only=True))
     return model
 
 

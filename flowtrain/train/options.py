@@ -1,0 +1,169 @@
+"""The trainers' options, declared once next to the engine that reads them (``flowtrain.fields``: each field is
+a flag, a ``--config`` key and a ``config.json`` key, with its default, range and help).
+
+- ``ModelOptions``: what a model family reads (``flowtrain.train.models``).
+- ``TrainOptions``: a batch run's model and training options; ``ParallelOptions``: how its engine splits the
+  work (replicas' buckets, ZeRO, pipeline stages, tensor shards, the device). ``flowtrain batch``'s
+  ``BatchJob`` composes both, and the engine's ``plan.TrainConfig`` is them (plus what a run sets, not the user).
+- ``StreamTrainOptions``: the online trainer's model, optimizer, checkpoint and publishing options;
+  ``flowtrain stream train``'s ``StreamTrainJob`` composes them and ``stream_config.StreamTrainConfig`` is them
+  (plus the resolved dataset, topics and Kafka client settings).
+
+Ranges and choices are checked in one place, ``flowtrain.fields.check`` / ``build``. Stdlib only (no torch):
+``flowtrain --help`` imports this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowtrain.fields import above, at_least, fraction, option, sizes, store_path
+
+#: --help sections (``option(..., group=...)``).
+TRAINING = "training"
+PARALLELISM = "parallelism"
+STREAM_TRAINER = "online trainer (`stream train`)"
+MODEL_UPDATES = "model updates (trainer and scorer)"
+
+#: --select-by's metrics (``flowtrain.train.metrics.check_select_by`` checks one fits the task).
+SELECT_BY = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "r2")
+#: --shard-states: ZeRO's levels (``flowtrain.parallel.zero``).
+SHARD_STATES = ("none", "optimizer", "gradients", "parameters")
+#: --device (``flowtrain.parallel.device``).
+DEVICES = ("auto", "cpu", "cuda")
+
+
+# --- batch ----------------------------------------------------------------------------------------------
+@dataclass
+class ModelOptions:
+    """The options a model family reads (``flowtrain.train.models.build_model``)."""
+
+    model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
+                               "(x_num, x_cat) (see docs/python-api.md); flowtrain imports MODULE and runs FACTORY: "
+                               "code that runs as you, here and wherever the bundle is loaded with --trust-code; "
+                               "default: flowtrain's wide-and-deep MLP", group=TRAINING, metavar="MODULE:FACTORY")
+    hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=TRAINING)
+    dropout: float = option(0.1, "dropout", parse=fraction(), group=TRAINING)
+    seed: int = option(0, "seed for splits, shuffling and initialization", group=TRAINING)
+    min_id_count: int = option(1, "an ID gets its own row once seen this many times (before: the shared fallback "
+                               "vector)", parse=at_least(1), group=TRAINING)
+    id_ttl: int | None = option(None, "an ID row unseen for this many events is evicted (default: never)",
+                                parse=at_least(1), group=TRAINING)
+    max_ids: int | None = option(None, "at most this many rows per ID table; past it the least recently seen ID's "
+                                 "row is reused (default: no bound)", parse=at_least(1), group=TRAINING)
+    id_dim: int = option(16, "the width of an ID column's embedding", parse=at_least(1), group=TRAINING)
+
+
+@dataclass
+class TrainOptions(ModelOptions):
+    """A batch run's training options: budget, batch, schedule, evaluation (``plan.plan_training`` chooses what
+    is left unset)."""
+
+    epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
+                                "chosen from the table, printed)", parse=at_least(1), group=TRAINING)
+    steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
+                               parse=at_least(1), group=TRAINING)
+    batch_size: int | None = option(None, "rows per step (default: chosen from the table, at most 1/16 of the "
+                                    "training split, 32..2048)", parse=at_least(1), group=TRAINING)
+    eval_every: int | None = option(None, "steps between validations (default: chosen from the table, at least "
+                                    "once per epoch)", parse=at_least(1), group=TRAINING)
+    warmup_steps: int | None = option(None, "learning-rate warm-up steps before the cosine decay (default: 5% of "
+                                      "the schedule, at most 200)", parse=at_least(1), group=TRAINING)
+    decay_steps: int | None = option(None, "steps the learning-rate schedule spans (warm-up, then cosine decay to 5% "
+                                     "of --lr; default: the --steps / --epochs budget, else the table's); give runs "
+                                     "that must share their first steps the same value (e.g. a run continued with "
+                                     "--resume and a larger budget)", parse=at_least(1), group=TRAINING)
+    select_by: str | None = option(None, "validation metric that picks the best model and drives early stopping "
+                                   "(default: auc for binary, accuracy for multi-class, rmse for regression)",
+                                   choices=SELECT_BY, group=TRAINING)
+    lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=TRAINING)
+    patience: int = option(10, "stop after this many validations without a better --select-by metric",
+                           parse=at_least(1), group=TRAINING)
+    threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1), group=TRAINING)
+    no_progress: bool = option(False, "no progress bars", group=TRAINING)
+    memory_budget: str | None = option(None, "memory for a split's tensors, per machine (e.g. 4GB, 512MB, 25%; "
+                                       "default 25% of RAM, shared by the local workers); a larger split is "
+                                       "streamed from its shards through a bounded shuffle buffer (every row once "
+                                       "per epoch)", group=TRAINING)
+
+
+@dataclass
+class ParallelOptions:
+    """How a batch run's engine splits the work over its workers (``flowtrain.train.trainer``)."""
+
+    bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=PARALLELISM)
+    shard_states: str = option("none", "ZeRO: shard the data-parallel training state over the workers: optimizer "
+                               "(ZeRO-1: Adam's state), gradients (ZeRO-2: and gradients), parameters (ZeRO-3: and "
+                               "parameters, gathered per layer); the reduce becomes a reduce-scatter",
+                               choices=SHARD_STATES, group=PARALLELISM)
+    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own worker "
+                         "(with --workers D: a D x S grid of D*S workers)", parse=at_least(1), group=PARALLELISM)
+    microbatches: int = option(4, "micro-batches per global batch in the pipeline", parse=at_least(1),
+                               group=PARALLELISM)
+    schedule: str = option("1f1b", "pipeline schedule", choices=("1f1b", "gpipe"), group=PARALLELISM)
+    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs (column/row) and "
+                                  "embedding tables (by vocabulary) over this many workers; with --workers D "
+                                  "--stages S a D x S x T grid of D*S*T workers", parse=at_least(1),
+                                  group=PARALLELISM)
+    device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
+                         "worker takes its own GPU and workers talk NCCL, on the CPU gloo", choices=DEVICES,
+                         group=PARALLELISM)
+
+
+# --- the online trainer ---------------------------------------------------------------------------------
+@dataclass
+class StreamTrainOptions:
+    """The online trainer's options (``flowtrain.train.stream``): its engine, model, optimizer, checkpoints and
+    published versions."""
+
+    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own process "
+                            "(with --workers D: D x S processes)", parse=at_least(1), group=STREAM_TRAINER)
+    microbatches: int = option(4, "micro-batches per step (one feature message) in the pipeline", parse=at_least(1),
+                               group=STREAM_TRAINER)
+    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs and embedding tables over "
+                                     "this many processes (D x S x T in all)", parse=at_least(1),
+                                  group=STREAM_TRAINER)
+    shard_states: str = option("none", "ZeRO over the --workers replicas: optimizer, gradients or parameters",
+                               choices=SHARD_STATES, group=STREAM_TRAINER)
+    init_weights: str | None = option(
+        None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
+              "kind, seed) comes from that run's config.json", group=STREAM_TRAINER,
+        parse=store_path("--init-weights", remote=False))
+    hidden: tuple[int, ...] = option((128, 64), "hidden sizes without --init-weights", parse=sizes,
+                                     group=STREAM_TRAINER)
+    dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=STREAM_TRAINER)
+    seed: int = option(0, "seed of the initial weights and dropout", group=STREAM_TRAINER)
+    lr: float = option(0.001, "Adam learning rate", parse=above(0), group=STREAM_TRAINER)
+    device: str = option("auto", "where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica its "
+                                 "own GPU, NCCL between them)", choices=DEVICES, group=STREAM_TRAINER)
+    # a step is one feature message (up to the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared
+    # with the pipeline and the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (threads wait)
+    threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "
+                             "more threads on cores shared with the pipeline and the broker)", parse=at_least(1),
+                          group=STREAM_TRAINER)
+    checkpoint_every: int = option(50, "checkpoint and publish every K steps ...", parse=at_least(1),
+                                   group=STREAM_TRAINER)
+    checkpoint_seconds: float = option(10.0, "... or every T seconds", parse=above(0), group=STREAM_TRAINER)
+    max_decoded_bytes: int = option(
+        64 << 20, "a feature message that decodes to more bytes than this is a dead letter (checked from its "
+                  "metadata before decompressing)", parse=at_least(1), group=STREAM_TRAINER)
+    idle_exit: float | None = option(
+        None, "stop (with a final checkpoint) after this many seconds without data on any replica (default: never)",
+        parse=above(0), group=STREAM_TRAINER)
+    ledger: bool = option(False, "record trained sources per model version (ledger.jsonl; an audit and test hook)",
+                          group=STREAM_TRAINER)
+    keep_published: int = option(10, "trainer: versions kept in <out>/published, apart from the checkpoints",
+                                 parse=at_least(1), group=MODEL_UPDATES)
+    snapshot_every: int = option(
+        20, "trainer, a model with ID tables: each version carries the dense weights and only the ID rows changed "
+            "since the previous one, with a full snapshot every this many versions", parse=at_least(1),
+        group=MODEL_UPDATES)
+
+
+@dataclass
+class UpdateOptions:
+    """Model versions between the trainer (it signs them) and the scorer (it authenticates them)."""
+
+    update_key_file: str | None = option(
+        None, "the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; else "
+              "$FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns (default: none)",
+        metavar="FILE", group=MODEL_UPDATES)
