@@ -38,6 +38,25 @@ from flowtrain.train.ids.table import Delta, IdTable, table_from_tensors, table_
 TABLE = "table."  # the state_dict keys of an ID table: <module>.table.<part>
 
 
+def packed_state(base: dict, keys: torch.Tensor, weight: torch.Tensor, *, last_seen: torch.Tensor | None = None,
+                 row_step: torch.Tensor | None = None, exp_avg: torch.Tensor | None = None,
+                 exp_avg_sq: torch.Tensor | None = None, pending_keys: torch.Tensor | None = None,
+                 pending: torch.Tensor | None = None, stats: dict | None = None) -> dict:
+    """An ``IdTable.state_dict`` holding exactly these rows, packed into rows ``0..n-1`` (no free row, nothing
+    dirty or evicted), its configuration, clock and prune point from ``base`` (another table's state):
+    what a shard keeps of a whole table, the whole table gathered from its shards, a published snapshot.
+    Without ``last_seen``/``row_step`` the rows are unseen (0); without ``pending`` nothing waits."""
+    n = len(keys)
+    none = torch.zeros(0, dtype=torch.int64)
+    return {**base, "capacity": max(1, n), "rows": torch.arange(n), "keys": keys, "weight": weight,
+            "last_seen": torch.zeros(n, dtype=torch.int64) if last_seen is None else last_seen,
+            "row_step": torch.zeros(n, dtype=torch.int64) if row_step is None else row_step,
+            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "free": none, "dirty": none, "evicted": none,
+            "pending_keys": none if pending_keys is None else pending_keys,
+            "pending": torch.zeros((0, 2), dtype=torch.int64) if pending is None else pending,
+            "stats": {} if stats is None else stats}
+
+
 class _TableState:
     """An ID table in the module's ``state_dict`` as flat tensors (``<prefix>table.<part>``): checkpoints,
     ``torch.load(weights_only=True)`` and safetensors bundles carry it like any weight."""
@@ -267,17 +286,13 @@ class ShardedIdEmbedding(_TableState, nn.Module):
         state = whole.state_dict()
         mine = owner_of(state["keys"].numpy(), self.world) == self.rank
         pmine = owner_of(state["pending_keys"].numpy(), self.world) == self.rank
-        n = int(mine.sum())
-        sel = torch.as_tensor(mine)
-        state.update({
-            "capacity": max(1, n), "rows": torch.arange(n), "keys": state["keys"][sel],
-            "last_seen": state["last_seen"][sel], "row_step": state["row_step"][sel], "weight": state["weight"][sel],
-            "exp_avg": None if state["exp_avg"] is None else state["exp_avg"][sel],
-            "exp_avg_sq": None if state["exp_avg_sq"] is None else state["exp_avg_sq"][sel],
-            "free": torch.zeros(0, dtype=torch.int64), "pending_keys": state["pending_keys"][torch.as_tensor(pmine)],
-            "pending": state["pending"][torch.as_tensor(pmine)], "dirty": torch.zeros(0, dtype=torch.int64),
-            "evicted": torch.zeros(0, dtype=torch.int64),
-            "stats": state["stats"] if self.rank == 0 else {}})  # the counters once: gather_full_table sums them
+        sel, psel = torch.as_tensor(mine), torch.as_tensor(pmine)
+        state = packed_state(
+            state, state["keys"][sel], state["weight"][sel], last_seen=state["last_seen"][sel],
+            row_step=state["row_step"][sel], exp_avg=None if state["exp_avg"] is None else state["exp_avg"][sel],
+            exp_avg_sq=None if state["exp_avg_sq"] is None else state["exp_avg_sq"][sel],
+            pending_keys=state["pending_keys"][psel], pending=state["pending"][psel],
+            stats=state["stats"] if self.rank == 0 else {})  # the counters once: gather_full_table sums them
         self.table = IdTable.from_state(state)
         self.table.shards = self.world
 
@@ -321,16 +336,13 @@ def gather_full_table(emb: ShardedIdEmbedding, dst: int | None = 0) -> IdTable |
     p = torch.cat([all_pend[r][: counts[r]["pending"]] for r in range(emb.world)])
     order = torch.argsort(i[:, 0])
     d, i = d[order], i[order]
-    total = len(i)
     config = dict(state["config"])
     config["max_ids"] = emb.table.max_ids  # the bound of the whole table
-    full = {"config": config, "capacity": max(1, total), "clock": counts[0]["clock"],
-            "next_prune": state["next_prune"], "rows": torch.arange(total), "keys": i[:, 0], "last_seen": i[:, 1],
-            "row_step": i[:, 2], "weight": d[:, : emb.dim],
-            "exp_avg": None if state["exp_avg"] is None else d[:, emb.dim: 2 * emb.dim],
-            "exp_avg_sq": None if state["exp_avg"] is None else d[:, 2 * emb.dim:],
-            "free": torch.zeros(0, dtype=torch.int64), "pending_keys": p[:, 0], "pending": p[:, 1:],
-            "stats": {k: sum(int(c["stats"].get(k, 0)) for c in counts) for k in state["stats"]}}  # every shard's
+    full = packed_state(
+        {**state, "config": config, "clock": counts[0]["clock"]}, i[:, 0], d[:, : emb.dim], last_seen=i[:, 1],
+        row_step=i[:, 2], exp_avg=None if state["exp_avg"] is None else d[:, emb.dim: 2 * emb.dim],
+        exp_avg_sq=None if state["exp_avg"] is None else d[:, 2 * emb.dim:], pending_keys=p[:, 0], pending=p[:, 1:],
+        stats={k: sum(int(c["stats"].get(k, 0)) for c in counts) for k in state["stats"]})  # every shard's
     return IdTable.from_state(full)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from connectors.id_deltas import IdVersion, TableChange, encode
-from flowtrain.train.ids.embedding import IdEmbedding, ShardedIdEmbedding, gather_changes
+from flowtrain.train.ids.embedding import IdEmbedding, ShardedIdEmbedding, gather_changes, packed_state
 from flowtrain.train.ids.table import IdTable
 
 
@@ -94,14 +94,7 @@ def load_snapshot(model: nn.Module, version: IdVersion, what: str = "the ID vers
         if change.rows.shape[1:] != (emb.dim,):
             raise ValueError(f"{what}: ID table {name!r} has rows of width {change.rows.shape[1:]}, the model "
                              f"{emb.dim}")
-        state = emb.table.state_dict()
-        n = len(change.keys)
-        state.update({"capacity": max(1, n), "rows": torch.arange(n), "keys": torch.from_numpy(change.keys.copy()),
-                      "last_seen": torch.zeros(n, dtype=torch.int64), "row_step": torch.zeros(n, dtype=torch.int64),
-                      "weight": torch.from_numpy(np.array(change.rows, dtype=np.float32)),
-                      "exp_avg": None, "exp_avg_sq": None, "free": torch.zeros(0, dtype=torch.int64),
-                      "pending_keys": torch.zeros(0, dtype=torch.int64),
-                      "pending": torch.zeros((0, 2), dtype=torch.int64), "stats": {},
-                      "dirty": torch.zeros(0, dtype=torch.int64), "evicted": torch.zeros(0, dtype=torch.int64)})
+        state = packed_state(emb.table.state_dict(), torch.from_numpy(change.keys.copy()),
+                             torch.from_numpy(np.array(change.rows, dtype=np.float32)))
         emb.table = IdTable.from_state(state)
     return model
