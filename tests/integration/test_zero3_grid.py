@@ -7,6 +7,7 @@ workers, stages and tensor shards); this is the ``fit`` path: GridEngine, evalua
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -25,19 +26,24 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
+def _input(tmp_path) -> list[str]:
+    """``y = 3x + 2[c == a] + noise``, 600 rows split by time: 500 training rows, in batches of 99 five full
+    ones and one of 5 rows, 3 + 2 over two replicas: 4 micro-batches of [1, 1, 1, 0] and [1, 1, 0, 0] rows."""
     rows = 600
     rng = np.random.default_rng(0)
     x, c = rng.normal(size=rows), rng.choice(["a", "b", "c"], size=rows)
     y = 3 * x + 2 * (c == "a") + rng.normal(scale=0.1, size=rows)
     csv = tmp_path / "data.csv"
     csv.write_text("t,x,c,y\n" + "".join(f"{i},{x[i]:.6f},{c[i]},{y[i]:.6f}\n" for i in range(rows)))
+    return ["--input", str(csv), "--label", "y", "--task", "regression", "--numeric", "x", "--categorical", "c",
+            "--time-column", "t", "--valid-from", "500", "--test-from", "550", "--batch-size", "99"]
+
+
+def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
     run = tmp_path / "run"
-    # 500 training rows in batches of 99: 5 full, then one of 5 rows, 3 + 2 over the replicas: 4 micro-batches of
-    # [1, 1, 1, 0] and [1, 1, 0, 0] rows (each replica still joins every layer's gathers)
-    done = _cli("--input", str(csv), "--label", "y", "--task", "regression", "--numeric", "x", "--categorical", "c",
-                "--time-column", "t", "--valid-from", "500", "--test-from", "550", "--epochs", "1", "--batch-size",
-                "99", "--workers", "2", "--stages", "2", "--shard-states", "parameters", "--out", str(run))
+    # the partial last batch: each replica still joins every layer's gathers
+    done = _cli(*_input(tmp_path), "--epochs", "1", "--workers", "2", "--stages", "2", "--shard-states", "parameters",
+                "--out", str(run))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(6 steps per epoch of 500 rows)" in done.stdout, done.stdout[-2000:]
     assert "memory plan per rank, --workers 2 --shard-states parameters --stages 2" in done.stdout
@@ -56,3 +62,30 @@ def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
     assert weights.keys() == bundled.keys() and all(torch.equal(weights[k], bundled[k]) for k in weights)
     out = predictor.predict([{"t": 600, "x": 1.0, "c": "a"}, {"t": 601, "x": -1.0, "c": "b"}])
     assert [round(r["pred_value"]) for r in out] == [5, -3], out  # y = 3x + 2[c == a]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # four runs of flowtrain batch, up to 6 workers on a small machine
+def test_batch_zero3_grid_checkpoint_resumes_with_other_workers(tmp_path):
+    """2 replicas x 2 stages with ZeRO-3 for 6 steps, resumed to 12 as 1 x 2 (no sharding) and as 3 x 2 (ZeRO-3
+    over 3): each ends with the uninterrupted 2 x 2 run's parameters (its step-12 checkpoint's whole model)."""
+    common = ["--decay-steps", "12", "--eval-every", "6", "--stages", "2", "--shard-states", "parameters",
+              "--failure-timeout", "180"]  # a loaded small machine: 6 workers may pass 60 s between beats
+    full = _cli(*_input(tmp_path), *common, "--steps", "12", "--workers", "2", "--out", str(tmp_path / "full"),
+                timeout=400)
+    assert full.returncode == 0, full.stderr[-2000:]
+    dataset = str(tmp_path / "full" / "dataset")
+    first = _cli("--dataset", dataset, "--batch-size", "99", *common, "--steps", "6", "--workers", "2",
+                 "--out", str(tmp_path / "part"), timeout=400)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(tmp_path / "part", tmp_path / "part3")
+    want = torch.load(tmp_path / "full" / "checkpoints" / "ckpt-000000012.pt", weights_only=True)["model"]
+    half = torch.load(tmp_path / "part" / "checkpoints" / "ckpt-000000006.pt", weights_only=True)["model"]
+    assert max(float((half[k] - want[k]).abs().max()) for k in want) > 1e-4  # steps 7-12 move the parameters
+    for workers, run in (("1", "part"), ("3", "part3")):
+        again = _cli("--dataset", dataset, "--batch-size", "99", *common, "--steps", "12", "--workers", workers,
+                     "--resume", "--out", str(tmp_path / run), timeout=400)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert "resumed from ckpt-000000006.pt (step 6)" in again.stdout
+        got = torch.load(tmp_path / run / "checkpoints" / "ckpt-000000012.pt", weights_only=True)["model"]
+        assert got.keys() == want.keys() and max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
