@@ -143,8 +143,9 @@ class BatchWorkers:
 
 @dataclass
 class BatchJob(ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
-    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key): what
-    it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism) and its own."""
+    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
+    what it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism)
+    and its own."""
 
     worker_memory: float | None = option(None, "GiB each worker may hold (enforced on each worker: cgroup v2 "
                                          "memory.max where delegated, else RLIMIT_AS; over it, one line): a layout "

@@ -1,7 +1,7 @@
 """What to train for: a batch run's engine config (``TrainConfig``: its options, ``flowtrain.train.options``)
-and the plan chosen from them and the training split (``plan_training``, printed): whatever is not given is chosen from the table (the batch size,
-capped relative to the split; the budget; a learning-rate schedule of linear warm-up then cosine decay to 5% of
-``lr``; how often to evaluate), explicit options win. ``fit`` (``flowtrain.train.loop``) trains to the plan.
+and the plan chosen from them and the training split (``plan_training``, printed): whatever is not given is
+chosen from the table (the batch size, capped relative to the split; the budget; a learning-rate schedule of
+linear warm-up then cosine decay to 5% of ``lr``; how often to evaluate), explicit options win. ``fit`` (``flowtrain.train.loop``) trains to the plan.
 """
 from __future__ import annotations
 

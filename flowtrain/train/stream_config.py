@@ -31,7 +31,8 @@ class StreamTrainConfig(UpdateOptions, StreamTrainOptions):
     bootstrap: str
     run_dir: str  # the command's --out
     dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies
-    # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs all three
+    # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs
+    # all three
     features_topic: str | None = None
     updates_topic: str | None = None
     # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)

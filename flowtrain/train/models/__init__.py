@@ -70,8 +70,8 @@ def _linear(data, options) -> nn.Module:
 
 
 def _wide_and_deep(data, options) -> nn.Module:
-    """Wide and deep (its linear part from ``options.init_wide`` when given: a batch run's ``TrainConfig``); with the dataset's ID columns,
-    dynamic embedding tables beside it."""
+    """Wide and deep (its linear part from ``options.init_wide`` when given: a batch run's ``TrainConfig``); with
+    the dataset's ID columns, dynamic embedding tables beside it."""
     if data.spec.id_columns:
         model = IdWideDeep(data.n_numeric, data.cardinalities, data.spec.id_columns, id_dim=options.id_dim,
                            hidden=options.hidden, dropout=options.dropout, outputs=data.outputs,
