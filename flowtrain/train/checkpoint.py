@@ -197,17 +197,20 @@ def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict
 def load_sharded(engine, model: torch.nn.Module, path: Path, state: dict) -> dict | None:
     """Model and optimizer state from checkpoint ``path`` (its ``state``) whose state was saved sharded
     (``--shard-states``: each rank its pieces), into ``engine``'s layout (a collective): a ZeRO engine
-    (``shard_targets``) reads its own pieces, whichever ranks wrote them; data parallelism reads them whole;
-    a grid's stages or tensor shards cannot take them (one line naming the file and the fix). Returns the best
-    weights saved with it, whole (None: none were)."""
+    (``shard_targets``; on a grid: ZeRO over pipeline stages) reads its own pieces, whichever ranks wrote them;
+    data parallelism, and stages without ZeRO a grid of stages wrote, read them whole; tensor shards, and
+    stages without ZeRO a data-parallel run wrote, cannot take them (one line naming the file and the fix). Returns the best weights saved with it, whole (None: none were)."""
     shards = path.with_suffix(SHARDS_SUFFIX)
     layout = state.get("layout", {})
-    if hasattr(engine, "grid"):
+    # a grid reads them through its ZeRO sharder (stages), or whole when a grid of stages wrote them (its cut)
+    if hasattr(engine, "grid") and not hasattr(engine, "shard_targets") and (
+            engine.grid.tensor > 1 or not state.get("stage_bounds")):
         raise CheckpointError(
             f"{path} holds ZeRO-sharded state (--workers {layout.get('workers', '?')} --shard-states "
-            f"{layout.get('shard_states', '?')}), which reshards across data-parallel workers only, not into "
-            f"pipeline stages or tensor shards: resume it without --stages / --tensor-parallel (any --workers and "
-            f"--shard-states), or start a new run with --overwrite")
+            f"{layout.get('shard_states', '?')}), which reshards across data-parallel workers (and pipeline stages "
+            f"whose replicas shard theirs), not into tensor shards or unsharded stages: resume it without --stages / "
+            f"--tensor-parallel (any --workers and --shard-states), or with --workers 2 or more and --shard-states, "
+            f"or start a new run with --overwrite")
     saved = shard_names(shards)
     best = ("best",) if any(name.startswith("best.") for name in saved) else ()
     if hasattr(engine, "shard_targets"):

@@ -16,6 +16,10 @@ otherwise). Every rank holds tensor shard t of stage s of the model for replica 
 The device holds this rank's shard only; the whole model, which ``sync_model`` fills, lives in
 host memory.
 
+With ``--shard-states`` and replicas, each (stage, shard)'s state is ZeRO-sharded over its replicas
+(``flowtrain.parallel.zero.shard_stage_worker``); without tensor shards the checkpoints are then saved
+sharded, in data parallelism's ZeRO format (``shard_pieces``).
+
 The random state is seeded per replica and stage, never per shard (``rng_rank``), so the shards
 of a tensor group draw the same dropout masks. ``sync_model`` gathers the shards and stages
 into the whole model on every rank (for evaluation and checkpoints).
@@ -85,6 +89,12 @@ class GridEngine:
         self.rng_rank = pos.replica * stages + pos.stage  # shards of a tensor group draw alike
         self._states: list[dict] | None = None
         self._shards: list[list[dict]] | None = None
+        if self.sharder is not None and tensor == 1:
+            # ZeRO on pipeline stages saves its checkpoints sharded as data parallelism's ZeRO does (the interface
+            # ``fit`` and the stream trainer look for): a stage keeps the model's parameter names, so each rank
+            # writes flat ranges of whole parameters, which a resume with any --workers reads
+            self.shard_pieces, self.shard_targets, self.take_shards = \
+                self._shard_pieces, self._shard_targets, self._take_shards
 
     def describe(self) -> str:
         """The grid (which rank does what), the stage plan and each stage's tensor plan."""
@@ -172,7 +182,11 @@ class GridEngine:
         g = self.grid
         stages = optimizer_state.get("stages")
         written = optimizer_state.get("grid", {"stages": len(stages) if stages else 1, "tensor_parallel": 1})
-        if stages is None or written["stages"] != g.stages or written["tensor_parallel"] != g.tensor:
+        if stages is None and g.tensor == 1 and "state" in optimizer_state:
+            # a plain optimizer's state over the whole model (a sharded checkpoint read whole): this stage's part
+            stages = [None] * g.stages
+            stages[self.pos.stage] = self._stage_optimizer_state(optimizer_state)
+        elif stages is None or written["stages"] != g.stages or written["tensor_parallel"] != g.tensor:
             raise ValueError(f"this checkpoint was written with --stages {written['stages']} --tensor-parallel "
                              f"{written['tensor_parallel']}: resume it with the same options")
         self.model.load_state_dict(model_state)
@@ -189,6 +203,37 @@ class GridEngine:
             self.sharder.load_optimizer_state(mine)
         else:
             self.optimizer.load_state_dict(mine)
+
+    def _stage_optimizer_state(self, whole: dict) -> dict:
+        """This stage's part of a plain optimizer state dict over ``self.model.parameters()`` (by name: a stage
+        keeps the model's parameter names), as one over its own parameters."""
+        index = {name: k for k, (name, _) in enumerate(self.model.named_parameters())}
+        names = [name for name, _ in self.module.named_parameters()]
+        state = {}
+        for j, name in enumerate(names):
+            mine = whole["state"].get(index[name], whole["state"].get(str(index[name])))
+            if mine is not None:
+                state[j] = mine
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(names)))}
+                  for g in whole["param_groups"][:1]]
+        return {"state": state, "param_groups": groups}
+
+    # -- sharded checkpoints (ZeRO on stages, T = 1: bound in __init__) ------------------------------------
+    def _shard_pieces(self, whole: dict[str, dict] | None = None) -> tuple[dict, dict]:
+        """This rank's part of a sharded checkpoint (``ZeroSharder.shard_pieces``); of ``whole`` (whole-model
+        state such as the best weights) this stage's keys only: the other stages write theirs."""
+        keys = set(self.module.state_dict())
+        return self.sharder.shard_pieces({prefix: {k: v for k, v in state.items() if k in keys}
+                                          for prefix, state in (whole or {}).items()})
+
+    def _shard_targets(self, saved: dict[str, tuple]) -> tuple[dict, dict]:
+        return self.sharder.shard_targets(saved)
+
+    def _take_shards(self, tensors: dict) -> None:
+        """This stage's pieces taken (``ZeroSharder.take_shards``), then the whole model filled (a collective)."""
+        self.sharder.take_shards(tensors)
+        self.sharder.release()
+        self.sync_model()
 
     def memory(self) -> dict:
         """Bytes of state this rank holds now (distinct tensor storages) and its peak RSS."""

@@ -49,6 +49,11 @@ def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
     assert "memory plan per rank, --workers 2 --shard-states parameters --stages 2" in done.stdout
     assert done.stdout.index("memory plan per rank") < done.stdout.index("step 0 valid")
 
+    # checkpoints sharded as data parallelism's ZeRO saves them: one DCP file per rank, no whole model
+    newest = sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert {p.name for p in newest.with_suffix(".dcp").iterdir()} == {".metadata", *(f"__{r}_0.distcp" for r in range(4))}
+    assert "model" not in torch.load(newest, weights_only=True)
+
     summary = json.loads((run / "summary.json").read_text())
     measured = summary["training"]["memory"]["measured"]
     assert len(measured) == 4  # 2 replicas x 2 stages
@@ -64,11 +69,25 @@ def test_batch_zero3_with_stages_trains_and_its_bundle_predicts(tmp_path):
     assert [round(r["pred_value"]) for r in out] == [5, -3], out  # y = 3x + 2[c == a]
 
 
+def _model_at(run, step: int, tmp_path) -> dict:
+    """The whole model of a run's checkpoint at ``step``, flat tensors by name (sharded: its DCP files read whole)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = run / "checkpoints" / f"ckpt-{step:09d}.pt"
+    if not path.with_suffix(".dcp").exists():
+        return {k: v.reshape(-1) for k, v in torch.load(path, weights_only=True)["model"].items()}
+    whole = tmp_path / f"{run.name}-{step}-whole.pt"
+    dcp_to_torch_save(path.with_suffix(".dcp"), whole)
+    return {k[len("model."):]: v.reshape(-1) for k, v in torch.load(whole, weights_only=True).items()
+            if k.startswith("model.")}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # four runs of flowtrain batch, up to 6 workers on a small machine
 def test_batch_zero3_grid_checkpoint_resumes_with_other_workers(tmp_path):
-    """2 replicas x 2 stages with ZeRO-3 for 6 steps, resumed to 12 as 1 x 2 (no sharding) and as 3 x 2 (ZeRO-3
-    over 3): each ends with the uninterrupted 2 x 2 run's parameters (its step-12 checkpoint's whole model)."""
+    """2 replicas x 2 stages with ZeRO-3 for 6 steps (checkpoints sharded), resumed to 12 as 1 x 2 (no sharding:
+    the shards read whole) and as 3 x 2 (ZeRO-3 over 3: each rank reads its pieces): each ends with the
+    uninterrupted 2 x 2 run's parameters."""
     common = ["--decay-steps", "12", "--eval-every", "6", "--stages", "2", "--shard-states", "parameters",
               "--failure-timeout", "180"]  # a loaded small machine: 6 workers may pass 60 s between beats
     full = _cli(*_input(tmp_path), *common, "--steps", "12", "--workers", "2", "--out", str(tmp_path / "full"),
@@ -78,14 +97,15 @@ def test_batch_zero3_grid_checkpoint_resumes_with_other_workers(tmp_path):
     first = _cli("--dataset", dataset, "--batch-size", "99", *common, "--steps", "6", "--workers", "2",
                  "--out", str(tmp_path / "part"), timeout=400)
     assert first.returncode == 0, first.stderr[-2000:]
+    assert (tmp_path / "part" / "checkpoints" / "ckpt-000000006.dcp").is_dir()
     shutil.copytree(tmp_path / "part", tmp_path / "part3")
-    want = torch.load(tmp_path / "full" / "checkpoints" / "ckpt-000000012.pt", weights_only=True)["model"]
-    half = torch.load(tmp_path / "part" / "checkpoints" / "ckpt-000000006.pt", weights_only=True)["model"]
+    want = _model_at(tmp_path / "full", 12, tmp_path)
+    half = _model_at(tmp_path / "part", 6, tmp_path)
     assert max(float((half[k] - want[k]).abs().max()) for k in want) > 1e-4  # steps 7-12 move the parameters
     for workers, run in (("1", "part"), ("3", "part3")):
         again = _cli("--dataset", dataset, "--batch-size", "99", *common, "--steps", "12", "--workers", workers,
                      "--resume", "--out", str(tmp_path / run), timeout=400)
         assert again.returncode == 0, again.stderr[-2000:]
         assert "resumed from ckpt-000000006.pt (step 6)" in again.stdout
-        got = torch.load(tmp_path / run / "checkpoints" / "ckpt-000000012.pt", weights_only=True)["model"]
+        got = _model_at(tmp_path / run, 12, tmp_path)
         assert got.keys() == want.keys() and max(float((got[k] - want[k]).abs().max()) for k in want) <= 1e-5
