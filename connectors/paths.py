@@ -1,6 +1,6 @@
 """Paths on any Beam filesystem: a local path made absolute (workers may run elsewhere), a URL as given.
 
-``check_path(path, option)`` is the one check every path option goes through (``flowtrain.fields.store_path``):
+``check_path(path, option)`` is the one check every path option goes through (``connectors.fields.store_path``):
 a URL (``scheme://...``) whose scheme has no installed filesystem is a ``StoreError`` naming the scheme and the
 extra to install (``pip install 'flowtrain[gcs]'``), never a local folder named ``gs:``. Object stores:
 docs/object-stores.md.

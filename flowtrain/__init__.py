@@ -44,8 +44,8 @@ def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
     ``summary.json``). With ``dataset=DIR`` it trains on an existing dataset directory (no ETL).
 
     (There is no ``flowtrain.train(...)``: ``flowtrain.train`` is the engine's package.)"""
+    from connectors.fields import build, to_config
     from flowtrain.commands.batch import BatchJob, run_batch
-    from flowtrain.fields import build, to_config
 
     if job is not None:
         options = {**to_config(job), **options}
@@ -56,8 +56,8 @@ def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: 
     """``flowtrain predict``: predict files with a run's (or a bundle's) model in a Beam pipeline; ``options``
     are ``PredictJob``'s fields (``id_column``, ``keep_columns``, ``runner``...). Returns counts and, where the
     files hold the label, the metrics."""
+    from connectors.fields import build
     from flowtrain.commands.predict import PredictJob, run_predict
-    from flowtrain.fields import build
 
     inputs = [input] if isinstance(input, str) else list(input)
     return run_predict(build(PredictJob, options, model=str(model), input=inputs, out=str(out)))
@@ -78,15 +78,15 @@ def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = N
 def export(run: str, out: str, **options: Any) -> str:
     """``flowtrain export``: write a run's bundle into ``out``. Returns where the bundle is, always a ``str``: its
     absolute local path, or the object-store URL given as ``out`` (``flowtrain.load`` takes either)."""
+    from connectors.fields import build
     from flowtrain.commands.predict import ExportJob, run_export
-    from flowtrain.fields import build
 
     return run_export(build(ExportJob, options, run=str(run), out=str(out)))
 
 
 def _options(job: Any, options: dict) -> dict:
     """A job object's options updated by keyword options (the Python API takes either, or both)."""
-    from flowtrain.fields import to_config
+    from connectors.fields import to_config
 
     return options if job is None else {**to_config(job), **options}
 
@@ -95,9 +95,9 @@ def replay(job: ReplayJob | None = None, /, **options: Any) -> dict:
     """``flowtrain replay``: a table's rows (``input``), the demo's events, or a generated click stream
     (``generate="clicks"``) as events into a Kafka topic, every one acknowledged. ``options`` are ``ReplayJob``'s
     fields. Returns the counts (events, unlabelled, each malformed kind) and the seconds it took."""
+    from connectors.fields import build
     from flowtrain.commands.replay import run_replay
     from flowtrain.commands.stream import ReplayJob
-    from flowtrain.fields import build
 
     return run_replay(build(ReplayJob, _options(job, options)))
 
@@ -108,9 +108,9 @@ def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_arg
     supervised child processes, or with ``half`` ("pipeline", "train", "score") that part in this process, until
     stopped (Ctrl-C, SIGTERM) or done (``idle_exit``). ``options`` are ``StreamJob``'s fields; ``beam_args`` Beam
     pipeline options. Returns the exit status (0: every part ended cleanly)."""
+    from connectors.fields import build
     from flowtrain.commands.stream import StreamJob
     from flowtrain.commands.stream_job import run_stream
-    from flowtrain.fields import build
 
     return run_stream(build(StreamJob, _options(job, options)), beam_args, half=half)
 

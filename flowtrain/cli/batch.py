@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 def job_of(args: argparse.Namespace, beam_args: list[str] | None = None) -> BatchJob:
     """The ``BatchJob`` of a parsed command line (``args.options``: what --config and the flags set)."""
-    from flowtrain.fields import build
+    from connectors.fields import build
 
     options = dict(args.options)
     options["beam_args"] = [*(options.get("beam_args") or []), *(beam_args or [])]

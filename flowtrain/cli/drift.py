@@ -22,8 +22,8 @@ def register(sub) -> None:
 
 
 def _drift(args: argparse.Namespace) -> int:
+    from connectors.fields import build
     from flowtrain.commands.drift import DRIFT_EXIT, run_drift
-    from flowtrain.fields import build
 
     job = build(DriftJob, dict(args.options))
     if args.print_config:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.local import ACTIONS, RUN
-from flowtrain.fields import build
 
 _KAFKA_JARS = ("The jars are fetched from Maven Central with mvn on first use into ~/.cache/flowtrain/kafka "
                "(or $FLOWTRAIN_CACHE).")

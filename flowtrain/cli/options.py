@@ -1,10 +1,10 @@
 """Command-line options, one way for every command: defaults, --config YAML, checks, Beam options.
 
 - **Options once.** A command whose options are a config dataclass (``BatchJob``, ``PredictJob``,
-  ``ExportJob``: fields made with ``flowtrain.fields.option``) gets its flags from ``add_fields``:
+  ``ExportJob``: fields made with ``connectors.fields.option``) gets its flags from ``add_fields``:
   one flag per field (``--field-name``), its type and range from the field's parser, its choices,
   help and default from the field. ``--config`` keys are the same names, ``config.json`` holds the
-  same keys (``flowtrain.fields.to_config``), ``--print-config`` prints them. Every default is the
+  same keys (``connectors.fields.to_config``), ``--print-config`` prints them. Every default is the
   field's, in one place.
 - **The command line wins over --config, but only for what it says.** An option counts as given
   when it appears on the command line; a ``store_true`` flag that is absent does not turn a YAML
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from connectors.fields import GENERAL, OptionError, above, at_least, fraction, nearest, options_of, sizes  # noqa: F401
 from flowtrain.commands.kafka_options import format_value
-from flowtrain.fields import GENERAL, OptionError, above, at_least, fraction, nearest, options_of, sizes  # noqa: F401
 
 #: Parser defaults attached by the commands; not options.
 INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help", "print_config",
@@ -51,7 +51,7 @@ def _help(opt) -> str:
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per option field of config dataclass ``cls`` (``flowtrain.fields``), in sections by the
+    """One flag per option field of config dataclass ``cls`` (``connectors.fields``), in sections by the
     fields' groups, plus ``--config`` and ``--print-config``."""
     parser.add_argument("--config", default=None, metavar="YAML",
                         help="YAML (or JSON: a run's config.json) file with any of these options, keys as the "
@@ -76,7 +76,7 @@ def print_config(config: Any) -> None:
     """``--print-config``: the effective options as YAML (a valid ``--config``)."""
     import yaml
 
-    from flowtrain.fields import to_config
+    from connectors.fields import to_config
 
     print(yaml.safe_dump(to_config(config), sort_keys=False, default_flow_style=None), end="")
 

@@ -31,8 +31,8 @@ def register(sub) -> None:
 
 
 def _predict(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+    from connectors.fields import build
     from flowtrain.commands.predict import run_predict
-    from flowtrain.fields import build
 
     options = dict(args.options)
     options["beam_args"] = [*(options.get("beam_args") or []), *(beam_args or [])]
@@ -45,8 +45,8 @@ def _predict(args: argparse.Namespace, beam_args: list[str] | None = None) -> in
 
 
 def _export(args: argparse.Namespace) -> int:
+    from connectors.fields import build
     from flowtrain.commands.predict import run_export
-    from flowtrain.fields import build
 
     options = dict(args.options)
     if args.run_positional:

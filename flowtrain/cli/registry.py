@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.local import ACTIONS, run_registry
 from flowtrain.commands.schema import SchemaJob, run_schema
-from flowtrain.fields import build
 
 _CACHE = ("Apicurio Registry is fetched from Maven Central with mvn on first use into ~/.cache/flowtrain/apicurio "
           "(or $FLOWTRAIN_CACHE).")

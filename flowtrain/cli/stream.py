@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 
+from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.kafka_options import kafka_pair
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob, with_dataset_topics
-from flowtrain.fields import build
 
 __all__ = ["CLIENTS", "register"]
 

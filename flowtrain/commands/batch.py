@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from connectors.fields import above, at_least, option, options_of, store_path, to_config
 from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import above, at_least, option, options_of, store_path, to_config
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
 from pipelines.presets import preset_name
@@ -222,7 +222,7 @@ def user_error(err: BaseException) -> FlowtrainError:
 def run_batch(job: BatchJob) -> dict:
     """The whole batch job; returns the summary (also written to summary.json). A user's error (bad option,
     input, dataset, run directory, a failed worker) is a ``FlowtrainError`` with a one-line message."""
-    from flowtrain.fields import check
+    from connectors.fields import check
     from flowtrain.train.rundir import mark_failed
 
     job = check(job)

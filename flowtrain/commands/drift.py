@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from connectors.fields import at_least, check, option, store_path
 from flowtrain.errors import BundleError, FlowtrainError
-from flowtrain.fields import at_least, check, option, store_path
 
 #: The reference profile's file name, in a run directory and in its bundle.
 REFERENCE = "drift_reference.json"

@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from flowtrain.fields import OptionError
+from connectors.fields import OptionError
 
 
 def format_value(value: Any) -> str:

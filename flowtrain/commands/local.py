@@ -1,5 +1,5 @@
 """``flowtrain kafka|flink|registry start|stop|status``: the options of each action (fields: flags, ``--config``
-keys, ``--print-config``; ``flowtrain.fields``) and the actions themselves, on the local services of
+keys, ``--print-config``; ``connectors.fields``) and the actions themselves, on the local services of
 ``flowtrain.local.kafka``, ``flowtrain.local.flink`` and ``flowtrain.local.registry``.
 
 ``run_kafka(action, job)`` and ``run_flink(action, job)`` print what the commands print and return their exit
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowtrain.fields import option
+from connectors.fields import option
 
 _HOSTS = "across hosts (docs/cluster-rehearsal.md, \"Flink across hosts\")"
 _MEMORY = "TaskManager memory (MiB; defaults in flowtrain.local.flink.TaskManagerMemory)"

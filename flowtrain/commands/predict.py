@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from connectors.fields import at_least, check, option, store_path, to_config
 from connectors.paths import origin_of
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import at_least, check, option, store_path, to_config
 
 _IO = "input and output"
 _RUN = "where the Beam pipeline runs"
@@ -333,8 +333,8 @@ def run_export(job: ExportJob) -> str:
     its bundle.json does not list is an error naming it, and nothing is touched."""
     import torch
 
+    from connectors.fields import build
     from flowtrain.commands.batch import BatchJob, train_config
-    from flowtrain.fields import build
     from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.dataset_spec import FeatureSpec
+from connectors.fields import option
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import option
 
 FORMATS = ("avro", "protobuf")
 

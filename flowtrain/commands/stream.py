@@ -1,5 +1,5 @@
 """The options of ``flowtrain replay`` and ``flowtrain stream`` (each field is a flag, a ``--config`` key and a
-``config.json`` key; ``flowtrain.fields``).
+``config.json`` key; ``connectors.fields``).
 
 ``flowtrain stream`` runs three parts: the feature pipeline (``stream pipeline``), the online trainer
 (``stream train``) and the scorer (``stream score``, or ``stream --score`` with the other two). Each part's
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from connectors.fields import above, at_least, fraction, option, store_path
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import above, at_least, fraction, option, store_path
 from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
 from pipelines.presets import default_preset, preset_for, presets
 

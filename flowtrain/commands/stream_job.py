@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from connectors.atomic import atomic_write
+from connectors.fields import build, options_of, to_config
 from connectors.kafka import summarize_reconnects
 from connectors.secrets import redact
 from flowtrain.commands.replay import check_brokers
@@ -31,7 +32,6 @@ from flowtrain.commands.stream_status import (
     stop_stream_status,
     with_stream_status,
 )
-from flowtrain.fields import build, options_of, to_config
 from flowtrain.local.kafka import BrokerError, LocalKafka
 from flowtrain.local.processes import StopSignals, supervise
 from flowtrain.local.runners import RunnerError, pick_runner

@@ -12,9 +12,9 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 
+from connectors.fields import options_of
 from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
-from flowtrain.fields import options_of
 
 #: The trainer's engine reads these of the stream job's common options as they are (its own options, the
 #: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).

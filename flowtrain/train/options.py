@@ -1,4 +1,4 @@
-"""The trainers' options, declared once next to the engine that reads them (``flowtrain.fields``: each field is
+"""The trainers' options, declared once next to the engine that reads them (``connectors.fields``: each field is
 a flag, a ``--config`` key and a ``config.json`` key, with its default, range and help).
 
 - ``ModelOptions``: what a model family reads (``flowtrain.train.models``).
@@ -9,14 +9,14 @@ a flag, a ``--config`` key and a ``config.json`` key, with its default, range an
   ``flowtrain stream train``'s ``StreamTrainJob`` composes them and ``stream_config.StreamTrainConfig`` is them
   (plus the resolved dataset, topics and Kafka client settings).
 
-Ranges and choices are checked in one place, ``flowtrain.fields.check`` / ``build``. Stdlib only (no torch):
+Ranges and choices are checked in one place, ``connectors.fields.check`` / ``build``. Stdlib only (no torch):
 ``flowtrain --help`` imports this.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowtrain.fields import above, at_least, fraction, option, sizes, store_path
+from connectors.fields import above, at_least, fraction, option, sizes, store_path
 
 #: --help sections (``option(..., group=...)``).
 TRAINING = "training"

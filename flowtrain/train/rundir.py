@@ -53,10 +53,10 @@ from typing import Any
 
 from connectors.atomic import TMP_INFIX
 from connectors.dataset import DatasetError, owned_files, remove_dataset
+from connectors.fields import OptionError
 from connectors.secrets import REDACTED, is_secret, redact
 from connectors.spill import remove_stale_spills
 from flowtrain.errors import FlowtrainError
-from flowtrain.fields import OptionError
 from flowtrain.train import checkpoint
 from flowtrain.train.run_marker import FORMAT, RUN_MARKER, RunDirError, read_marker, running, write_marker
 from flowtrain.train.rundir_lock import lock, lockable, release

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from kafka.errors import KafkaError
 
+from connectors.fields import check
 from connectors.kafka import KafkaUnavailable, check_brokers, describe_error
-from flowtrain.fields import check
 from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext, sum_loss
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device
@@ -71,7 +71,7 @@ class StreamTrainer:
 
     def __init__(self, cfg: StreamTrainConfig, ctx: DistContext | None = None, *,
                  should_stop: Callable[[], bool] | None = None):
-        cfg = check(cfg)  # the options' ranges and choices (flowtrain.fields: as the command line checks them)
+        cfg = check(cfg)  # the options' ranges and choices (connectors.fields: as the command line checks them)
         self.cfg, self.ctx = cfg, ctx or DistContext()
         self.should_stop = should_stop or (lambda: False)
         if cfg.threads:

@@ -27,7 +27,7 @@ from flowtrain.train.stream_input import DEFAULT_MAX_SOURCE_GAP
 class StreamTrainConfig(UpdateOptions, StreamTrainOptions):
     """The online trainer's engine config: its options (``StreamTrainOptions``, ``UpdateOptions``, declared once in
     ``flowtrain.train.options``, where ``flowtrain stream train`` takes them from; ranges checked by
-    ``flowtrain.fields.check`` when the trainer starts) and what the command resolves from the others."""
+    ``connectors.fields.check`` when the trainer starts) and what the command resolves from the others."""
     bootstrap: str
     run_dir: str  # the command's --out
     dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies

@@ -47,9 +47,9 @@ def run(tmp_path_factory) -> dict:
 
 def _in_process(run_dir: Path, rows: pa.Table) -> np.ndarray:
     """The trained model (model.pt, the run's dataset statistics, the ETL's feature code) on ``rows``."""
+    from connectors.fields import build
     from connectors.files import SOURCE_FILE, SOURCE_ROW
     from flowtrain.commands.batch import BatchJob, train_config
-    from flowtrain.fields import build
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model
     from pipelines.tabular.features import feature_arrays

@@ -123,8 +123,8 @@ def test_an_unknown_config_key_suggests_the_nearest_option_instead_of_listing_al
     err = _rejected(capsys, ["batch", "--config", str(path)])
     assert err.splitlines() == [f"flowtrain batch: error: --config {path}: unknown key {key!r} (did you mean "
                                 f"{nearest!r}?); see flowtrain batch --help"], err
+    from connectors.fields import OptionError, build
     from flowtrain.commands.batch import BatchJob
-    from flowtrain.fields import OptionError, build
 
     with pytest.raises(OptionError, match=f"unknown option {key} \\(did you mean {nearest}\\?\\)"):
         build(BatchJob, {key: 3})

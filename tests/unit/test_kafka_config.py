@@ -76,8 +76,8 @@ def test_what_cannot_be_translated_is_a_one_line_error_naming_the_file_and_key(t
 
 
 def test_the_command_line_option_merges_the_file_and_the_pairs(tmp_path, monkeypatch):
+    from connectors.fields import OptionError
     from flowtrain.commands.kafka_options import kafka_config
-    from flowtrain.fields import OptionError
 
     path = _file(tmp_path, "security.protocol=SASL_PLAINTEXT\nsasl.mechanism=PLAIN\nclient.id=file\n"
                            f"sasl.jaas.config={JAAS.format('plain', 'PlainLoginModule', 'pw')}\n")

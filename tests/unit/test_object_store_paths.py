@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import flowtrain
+from connectors.fields import OptionError
 from connectors.paths import StoreError, check_path, is_url, url_scheme
-from flowtrain.fields import OptionError
 
 
 def test_item4_url_scheme_and_local_paths():

@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 import flowtrain
+from connectors.fields import OptionError, build, options_of, to_config
 from flowtrain.cli.main import build_parser
 from flowtrain.cli.options import load_config
 from flowtrain.commands.batch import BatchJob
 from flowtrain.commands.predict import ExportJob, PredictJob
 from flowtrain.commands.stream import ReplayJob, StreamJob
-from flowtrain.fields import OptionError, options_of, to_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"batch": BatchJob, "predict": PredictJob, "export": ExportJob, "replay": ReplayJob, "stream": StreamJob}
@@ -75,7 +75,7 @@ def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({k.replace("_", "-"): v for k, v in values.items()}))
     loaded = load_config(tmp_path / "c.yaml", sub)
     assert set(loaded) == set(values)  # every key is accepted, none dropped
-    config = flowtrain.fields.build(cls, loaded)
+    config = build(cls, loaded)
     assert set(to_config(config)) == set(values)
 
 
@@ -83,7 +83,7 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     """Issue 30 item 2: the trainers' options are declared once (flowtrain.train.options); the commands compose
     them and the engine configs are them. What else an engine config holds is not a command option, except the
     dataset, Kafka settings and topics the online trainer is given resolved (their options serve every part of the
-    stream, and pipelines' configs mirror them too: the next step moves flowtrain.fields below pipelines)."""
+    stream, and pipelines' configs mirror them too: the next step declares them in pipelines)."""
     from flowtrain.commands.stream import StreamTrainJob
     from flowtrain.train.options import ParallelOptions, StreamTrainOptions, TrainOptions, UpdateOptions
     from flowtrain.train.plan import TrainConfig
@@ -107,7 +107,7 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
 def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():
     """``flowtrain stream train --workers N`` sends the engine config as JSON (``asdict``); the worker rebuilds it
     (``flowtrain.train.jobs``) and the trainer checks it: the same config, ranges checked once."""
-    from flowtrain.fields import check
+    from connectors.fields import check
     from flowtrain.train.stream_config import StreamTrainConfig
 
     cfg = StreamTrainConfig(bootstrap="b:1", run_dir="r", dataset="d", features_topic="f", hidden=(8, 4),

@@ -79,10 +79,10 @@ def test_scorer_unseen_values_per_column_reach_the_status_and_metrics(tmp_path):
 
 @pytest.mark.parametrize("id_column", ["source", "src_partition", "src_offset"])
 def test_scorer_id_column_named_like_the_event_position_is_a_one_line_error(id_column, tmp_path):
+    from connectors.fields import build
     from flowtrain.commands.score import scoring_config
     from flowtrain.commands.stream import StreamScoreJob
     from flowtrain.errors import FlowtrainError
-    from flowtrain.fields import build
 
     job = build(StreamScoreJob, {"id_column": id_column, "out": str(tmp_path / "run"),
                                  "dataset": str(tmp_path / "no-dataset")})

@@ -48,8 +48,8 @@ def _flags(text: str) -> set[str]:
 
 
 def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all():
+    from connectors.fields import options_of
     from flowtrain.commands.stream import HALVES, StreamJob
-    from flowtrain.fields import options_of
 
     whole = _flags(_help("stream"))
     assert {o.flag for o in options_of(StreamJob)} <= whole
@@ -67,7 +67,7 @@ def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all
 
 
 def test_stream_option_defaults_are_the_engines():
-    """The pipeline's and the scorer's engine configs (in ``pipelines``, which cannot import ``flowtrain.fields``)
+    """The pipeline's and the scorer's engine configs (in ``pipelines``, which cannot import ``connectors.fields``)
     still mirror their options; the online trainer's engine config is its options (``StreamTrainOptions``)."""
     from flowtrain.commands.stream import ReplayJob, StreamJob
     from pipelines.serving.config import ScoreConfig
@@ -126,8 +126,8 @@ def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path, capsys)
                                  "--runner", "prism"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "no Kafka broker answered at 127.0.0.1:9" in proc.stderr, proc.stderr
     written = json.loads((out / "config.json").read_text())
+    from connectors.fields import options_of
     from flowtrain.commands.stream import StreamPipelineJob
-    from flowtrain.fields import options_of
 
     assert set(written) == {o.name for o in options_of(StreamPipelineJob)}
     assert written["batch_size"] == 7 and written["runner"] == "prism" and "hush" not in json.dumps(written)
@@ -149,9 +149,9 @@ def test_bad_stream_options_are_one_line_errors_naming_them():
 
 
 def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
+    from connectors.fields import build
     from flowtrain.commands.stream import StreamTrainJob
     from flowtrain.commands.stream_train import stream_train_config
-    from flowtrain.fields import build
 
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "_manifest.json").write_text("{}")
@@ -193,9 +193,9 @@ def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_to
     flights = shown("stream", "--dataset", str(tmp_path / "demo" / "dataset"))
     assert {k: v for k, v in flights.items() if k in roles} == {k: f"flights-{s}" for k, s in roles.items()}
     assert shown("replay")["topic"] == "flights-raw"
+    from connectors.fields import build
     from flowtrain.commands.stream import StreamTrainJob
     from flowtrain.commands.stream_train import stream_train_config
-    from flowtrain.fields import build
 
     cfg = stream_train_config(build(StreamTrainJob, {"dataset": sensors}))  # the Python API names them too
     assert (cfg.features_topic, cfg.updates_topic, cfg.raw_topic) == ("sensors-features", "sensors-model-updates",

@@ -99,9 +99,9 @@ FLAGS = {
 def test_item2_kafka_and_flink_flags_are_option_fields():
     import argparse
 
+    from connectors.fields import options_of
     from flowtrain.cli.main import build_parser
     from flowtrain.commands.local import ACTIONS
-    from flowtrain.fields import options_of
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

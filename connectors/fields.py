@@ -3,24 +3,27 @@
 A field made with :func:`option` carries its default, its range (a checking parser such as
 ``at_least(1)``), its choices and its help. From those fields come
 
-- the command line (``flowtrain.cli.options.add_fields``: one flag per field, ``--help`` with the
+- the command line (``flowtrain.cli.options.add_fields`` in the layer above: one flag per field, ``--help`` with the
   default and the range),
 - the YAML ``--config`` keys (the field names, ``-`` or ``_``), checked by the same parsers,
 - the run's ``config.json`` (:func:`to_config`: every field, a valid ``--config``),
 - the Python API's checks (:func:`check`: the same ranges and choices, one error naming the field).
 
-Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast.
+Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast. In the bottom layer, so that
+every layer declares its options next to its code (``pipelines.stream.options``, ``flowtrain.train.options``).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from flowtrain.errors import FlowtrainError
+from connectors.errors import FlowtrainError
+from connectors.paths import StoreError, check_path
 
 #: ``option(..., group=...)`` names the --help section; fields without one go to the command's own.
 GENERAL = "options"
@@ -139,8 +142,6 @@ def store_path(option: str, *, remote: bool = True, many: bool = False) -> Calla
     whose filesystem is installed (``connectors.paths.check_path``: else one line naming the scheme and the
     extra to install); ``remote=False``: a local path only."""
     def parse(value: Any) -> Any:
-        from connectors.paths import StoreError, check_path
-
         values = names(value) if many else (text(value),)
         try:
             checked = tuple(check_path(v, option, remote=remote) for v in values)
@@ -240,8 +241,6 @@ def nearest(name: str, known: Iterable[str]) -> str | None:
     ``epoch`` -> ``epochs``), an option whose words it holds (``max_epochs`` -> ``epochs``,
     ``per_device_train_batch_size`` -> ``batch_size``), its words' initials (``learning_rate`` -> ``lr``),
     or the one option holding its words (``warmup`` -> ``warmup_steps``). ``-`` and ``_`` alike."""
-    import difflib
-
     key = str(name).strip().lstrip("-").replace("-", "_").lower()
     by_key = {str(k).lstrip("-").replace("-", "_").lower(): k for k in known}
     if key in by_key:
