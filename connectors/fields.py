@@ -236,6 +236,13 @@ def check(config: Any) -> Any:
                                           for o in options_of(type(config))})
 
 
+def validate(config: Any, cls: type | None = None) -> None:
+    """Every option of ``config`` (of ``cls``'s options, a base's: a config's own set) checked in place as
+    :func:`check` checks them, for a config's ``__post_init__``; a bad value is an ``OptionError`` naming it."""
+    for opt in options_of(cls or type(config)):
+        check_value(opt, getattr(config, opt.name))
+
+
 def nearest(name: str, known: Iterable[str]) -> str | None:
     """The option a mistyped or borrowed ``name`` most likely means, or None: a close spelling (difflib:
     ``epoch`` -> ``epochs``), an option whose words it holds (``max_epochs`` -> ``epochs``,

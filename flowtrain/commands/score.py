@@ -17,6 +17,7 @@ from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.errors import FlowtrainError
+from pipelines.stream.options import parse_bounds
 
 
 def update_key_source(job, command: str):
@@ -47,7 +48,7 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     from flowtrain.train.published import LoadPublishedVersion
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.updates import wait_for_version
-    from pipelines.stream.events import SOURCE_COLUMNS, ParseBounds
+    from pipelines.stream.events import SOURCE_COLUMNS
 
     command = "flowtrain stream score"
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
@@ -68,8 +69,7 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
         status_path=beam_status,
         target_scale=target_scale(data) if data.spec.task == "regression" else (0.0, 1.0),
         classes=list(data.classes) if data.spec.task == "classification" else None,
-        bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
-                           max_abs_number=job.max_abs_number),
+        bounds=parse_bounds(job),
         event_format=job.event_format, schema_registry=job.schema_registry, schema_file=job.schema_file,
         predictions_format=job.predictions_format,
         update_key=update_key_source(job, command), model_cache_dir=str(Path(job.out).resolve() / "models"),

@@ -8,10 +8,10 @@ from the option sets below; ``StreamJob`` (the whole job) is their union, and ev
 whole job's options (a whole job's ``config.json`` is a valid ``--config`` of each part).
 
 The online trainer's options are declared by its engine (``flowtrain.train.options.StreamTrainOptions``: its
-``StreamTrainConfig`` is them). The pipeline's and the scorer's defaults are their engines' too
-(``pipelines.stream.pipeline.StreamConfig``, ``pipelines.stream.events.ParseBounds``,
-``pipelines.serving.config.ScoreConfig``: ``pipelines`` cannot import these fields yet), kept in step by a unit
-test. Stdlib only, so ``--help`` stays fast.
+``StreamTrainConfig`` is them), the feature pipeline's and the raw events' too (``pipelines.stream.options``:
+``PipelineOptions``, ``EventOptions`` with the ``ParseBounds``; ``pipelines.stream.pipeline.StreamConfig`` is
+them). The scorer's defaults are its engine's too (``pipelines.serving.config.ScoreConfig``), kept in step by a
+unit test. Stdlib only, so ``--help`` stays fast.
 """
 from __future__ import annotations
 
@@ -26,15 +26,8 @@ from connectors.fields import above, at_least, fraction, option, store_path
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
 from pipelines.presets import default_preset, preset_for, presets
+from pipelines.stream.options import CLIENTS, EVENT_FORMATS, EventOptions, PipelineOptions
 
-#: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
-#: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
-CLIENTS = ("kafka-python", "confluent")
-#: ``--event-format`` (``pipelines.stream.formats.FORMATS``).
-EVENT_FORMATS = ("json", "avro", "protobuf")
-
-PIPELINE = "feature pipeline (`stream pipeline`)"
-EVENTS = "raw events (feature pipeline and scorer)"
 TRAINER = STREAM_TRAINER
 SCORING = "scoring (`stream score`, `stream --score`)"
 RUNNER = "where the Beam pipeline runs"
@@ -99,47 +92,6 @@ class StreamCommon(KafkaOptions):
     metrics_port: int = option(
         0, "serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job runs (one port "
            "for the whole job; 0: off)", parse=at_least(0))
-
-
-@dataclass
-class EventOptions:
-    """How raw events are read: by the feature pipeline and by the scorer."""
-
-    enrichment: str = option(
-        "auto", "a domain's reference-data step before the features: auto (the enrichment of the dataset's preset, "
-                "e.g. the demo's weather and planes join; none for your own files; default), none, or the name of a "
-                "dataset preset (docs/presets.md)", group=EVENTS)
-    max_event_bytes: int = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
-                                  group=EVENTS)
-    max_json_depth: int = option(32, "a raw event nesting objects/arrays deeper than this is a dead letter",
-                                 parse=at_least(1), group=EVENTS)
-    max_abs_number: float = option(9007199254740992.0, "a raw event with a number beyond +-this is a dead letter",
-                                   parse=above(0), group=EVENTS)
-    event_format: str = option(
-        "json", "how raw events are written: json (objects keyed by column name), avro or protobuf (the dataset's "
-                "schema: `flowtrain schema`; decoded with the writer's schema and resolved by field name)",
-        choices=EVENT_FORMATS, group=EVENTS)
-    schema_registry: str | None = option(
-        None, "a Confluent-compatible Schema Registry (Apicurio: http://HOST:PORT/apis/ccompat/v7): avro/protobuf "
-              "events in its wire format, writers' schemas fetched by id (default: none)", metavar="URL",
-        group=EVENTS)
-    schema_file: str | None = option(
-        None, "without --schema-registry: the writers' schema, an .avsc or .proto file (default: the dataset's own)",
-        metavar="FILE", group=EVENTS)
-
-
-@dataclass
-class PipelineOptions:
-    """The feature pipeline's micro-batches and reader."""
-
-    batch_size: int = option(2000, "events per micro-batch (closed by size ...)", parse=at_least(1), group=PIPELINE)
-    max_delay: float = option(1.0, "... or by this many seconds after its first event", parse=above(0),
-                              group=PIPELINE)
-    read_batch_records: int = option(
-        2000, "read the raw topic in lists of up to N records per fetched chunk (ReadFromKafka(batch_records=N)) "
-              "instead of one element per record", parse=at_least(1), group=PIPELINE)
-    read_client: str = option("kafka-python", "Kafka client of the raw topic's reader (confluent: the extra "
-                                              "flowtrain[kafka-confluent])", choices=CLIENTS, group=PIPELINE)
 
 
 @dataclass

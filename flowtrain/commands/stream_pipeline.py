@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from connectors.atomic import atomic_write
+from connectors.fields import options_of
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamPipelineJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
@@ -28,7 +29,6 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
 
     from connectors.kafka import ensure_topic
     from flowtrain.local.runners import pipeline_options
-    from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
     from pipelines.stream.status import clear_status
 
@@ -41,15 +41,12 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
     for topic in (job.features_topic, job.dead_letter_topic):
         ensure_topic(job.bootstrap, topic, partitions=raw_parts, client_config=cfg,
                      replication_factor=job.replication_factor)
-    scfg = StreamConfig(bootstrap=job.bootstrap, raw_topic=job.raw_topic, features_topic=job.features_topic,
-                        dead_letter_topic=job.dead_letter_topic, group_id=job.group_id,
-                        batch_size=job.batch_size, max_delay_s=job.max_delay, spec=manifest["spec"],
-                        stats=manifest["stats"], enrichment=enrichment(job, manifest), kafka_config=cfg,
-                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=job.connect_timeout,
-                        read_batch_records=job.read_batch_records, read_client=job.read_client,
-                        event_format=job.event_format, schema_registry=job.schema_registry,
-                        schema_file=job.schema_file, bounds=ParseBounds(max_event_bytes=job.max_event_bytes, max_depth=job.max_json_depth,
-                                           max_abs_number=job.max_abs_number))
+    options = {o.name: getattr(job, o.name) for o in options_of(StreamConfig)}  # the options, as given
+    scfg = StreamConfig(**options, bootstrap=job.bootstrap, raw_topic=job.raw_topic,
+                        features_topic=job.features_topic, dead_letter_topic=job.dead_letter_topic,
+                        group_id=job.group_id, spec=manifest["spec"], stats=manifest["stats"],
+                        enrichment_factory=enrichment(job, manifest), kafka_config=cfg,
+                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=job.connect_timeout)
     if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
         from pipelines.stream.formats import wait_for_registry
 

@@ -69,7 +69,7 @@ class FlightEnrichment:
 
 @dataclass(frozen=True)
 class FlightReference:
-    """A picklable ``StreamConfig.enrichment``: loads the reference tables where it is called."""
+    """A picklable ``StreamConfig.enrichment_factory``: loads the reference tables where it is called."""
 
     weather_path: str
     planes_path: str
@@ -87,7 +87,7 @@ def flights_stream_config(*, stats: dict, weather_path: str, planes_path: str, s
                           **fields) -> StreamConfig:
     """A ``StreamConfig`` of the flights stream (``spec``: the dataset's; default the flights spec)."""
     return StreamConfig(spec=spec or FF.FLIGHTS_SPEC.to_dict(), stats=stats,
-                        enrichment=FlightReference(weather_path, planes_path), **fields)
+                        enrichment_factory=FlightReference(weather_path, planes_path), **fields)
 
 
 #: What the flights stream called an arrival delay that is missing before events became label-optional.

@@ -11,7 +11,7 @@ import pyarrow as pa
 from connectors.dataset_spec import FeatureSpec
 from connectors.kafka import PRODUCER_DEFAULTS, topic_max_message_bytes
 from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES, UpdateKeySource
-from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
+from pipelines.stream.options import ParseBounds
 from pipelines.stream.pipeline import KAFKA_DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["ScoreConfig", "ScoringBatch", "topic_limits"]
@@ -52,7 +52,7 @@ class ScoreConfig:
     classes: list[str] | None = None  # classification: the manifest's class names, in label-code order
     kafka_config: dict[str, Any] = field(default_factory=dict)
     status_path: str | None = None  # prefix of per-instance JSON counters (`flowtrain stream --score`)
-    bounds: ParseBounds = DEFAULT_BOUNDS  # limits on one raw event, as in the feature pipeline
+    bounds: ParseBounds = field(default_factory=ParseBounds)  # limits on one raw event, as in the feature pipeline
     # how raw values are decoded, as in the feature pipeline (--event-format, --schema-registry, --schema-file)
     event_format: str = "json"
     schema_registry: str | None = None

@@ -7,7 +7,8 @@ with raw fields of its own (a dataset preset's, as the demo's) from that domain'
 
 Parsing checks presence and type of every field; whatever fails becomes a ``DeadLetter`` with a
 reason naming the field. Parsing never raises on the content of an event: it has bounds
-(``ParseBounds``: event size, JSON nesting depth, number magnitude) and anything else that goes
+(``ParseBounds``, declared with the event options in ``pipelines.stream.options``: event size, JSON nesting
+depth, number magnitude) and anything else that goes
 wrong with one event (recursion, overflow, encoding, ...) is that event's dead letter, not the
 pipeline's failure. ``pipelines.stream.parse.parse_batch`` parses a micro-batch in one pyarrow JSON read
 checked with compute kernels and equals ``parse_event`` + ``events_table`` row by row.
@@ -30,33 +31,12 @@ import pyarrow.compute as pc
 
 from connectors.dataset_spec import EPOCH_FORMATS, FeatureSpec
 from connectors.deadletter import DeadLetter
+from pipelines.stream.options import DEFAULT_BOUNDS, ParseBounds
 
 #: A field's time as an events-table column.
 TIME_TYPE = pa.timestamp("s", tz="UTC")
 ISO_Z = "%Y-%m-%dT%H:%M:%SZ"
 SOURCE_COLUMNS = ("source", "src_partition", "src_offset")
-
-
-@dataclass(frozen=True)
-class ParseBounds:
-    """Limits on one raw event; an event beyond one is a dead letter naming the bound.
-
-    The defaults are far above a typical event (~300 bytes, depth 1, numbers < 10^5) and far
-    below what hurts: a 1 MiB event, 32 levels of JSON, and numbers exact in a float64.
-    """
-
-    max_event_bytes: int = 1024 * 1024  # --max-event-bytes
-    max_depth: int = 32  # --max-json-depth: nesting levels of objects and arrays
-    max_abs_number: float = float(2 ** 53)  # --max-abs-number: |x| of any numeric field
-
-    def __post_init__(self):
-        for name in ("max_event_bytes", "max_depth", "max_abs_number"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ParseBounds({name}={value!r}): must be a number > 0")
-
-
-DEFAULT_BOUNDS = ParseBounds()
 
 
 @dataclass(frozen=True)
@@ -195,15 +175,15 @@ def _parse_event(payload, source: str, schema: EventSchema, bounds: ParseBounds)
         event = json.loads(payload)
     except RecursionError:
         return DeadLetter(payload, source, f"too deeply nested JSON: more levels than the parser can take "
-                                           f"(max_depth {bounds.max_depth})")
+                                           f"(max_json_depth {bounds.max_json_depth})")
     except UnicodeDecodeError as err:
         return DeadLetter(payload, source, f"broken JSON: not UTF-8 ({err})")
     except (TypeError, ValueError) as err:
         return DeadLetter(payload, source, f"broken JSON: {err}")
     if not isinstance(event, dict):
         return DeadLetter(payload, source, f"broken JSON: expected an object, got {type(event).__name__}")
-    if _depth_exceeds(event, bounds.max_depth):
-        return DeadLetter(payload, source, f"too deeply nested JSON: more than max_depth {bounds.max_depth} levels")
+    if _depth_exceeds(event, bounds.max_json_depth):
+        return DeadLetter(payload, source, f"too deeply nested JSON: more than max_json_depth {bounds.max_json_depth} levels")
     return validate_event(event, payload, source, schema, bounds)
 
 

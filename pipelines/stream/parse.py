@@ -43,7 +43,7 @@ def _fast_candidate(payload, bounds: ParseBounds) -> bool:
             return False
     body = payload.strip()
     return (body[:1] == b"{" and body[-1:] == b"}"
-            and payload.count(b"{") + payload.count(b"[") <= bounds.max_depth)
+            and payload.count(b"{") + payload.count(b"[") <= bounds.max_json_depth)
 
 
 def _read_options(schema: EventSchema):

@@ -7,7 +7,7 @@ It is made of named public pieces, each a Beam transform over a plain step that 
       -> ParseEvents         parse and validate each event against the dataset's event fields
                              (``parse_records``; the fused step parses a whole micro-batch at once
                              with ``parse_batch``, which gives the same rows and reasons); ``errs``
-      -> MicroBatchEvents    per raw partition: close at ``batch_size`` events, ``max_delay_s``
+      -> MicroBatchEvents    per raw partition: close at ``batch_size`` events, ``max_delay``
                              after the first, or at the end of the reader's bundle (``MicroBatcher``)
       -> FeaturizeBatches    an optional enrichment (a domain's reference-data join, e.g. the
                              demo preset's weather and planes) and the *batch* ETL's feature code with
@@ -64,6 +64,7 @@ from apache_beam.metrics import Metrics
 from connectors.arrow import EncodeArrow, encode_batches
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import ERRS, DeadLetter, WriteDeadLettersToKafka, dead_letter_record, reason_kind
+from connectors.fields import validate
 from connectors.kafka import (
     DEFAULT_CONNECT_TIMEOUT_S,
     PRODUCER_DEFAULTS,
@@ -79,8 +80,9 @@ from connectors.kafka import (
     topic_max_message_bytes,
     value_budget,
 )
-from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds
+from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema
 from pipelines.stream.featurize import Enrichment, StreamFeaturizer
+from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions, parse_bounds
 from pipelines.stream.status import write_status
 from pipelines.stream.steps import MicroBatcher, ParsedEvent, featurize_events, parse_records
 
@@ -94,55 +96,44 @@ class ForeignEventsError(ValueError):
     """The raw topic holds events of another table: the job stops before committing anything."""
 
 
-@dataclass
-class StreamConfig:
+@dataclass(kw_only=True)
+class StreamConfig(PipelineOptions, EventOptions):
+    """The feature pipeline's engine config: its options (``pipelines.stream.options``: micro-batches, reader,
+    parse bounds, event format; the command's ``StreamPipelineJob`` composes the same sets) plus what the command
+    resolves from the others (brokers, topics, the dataset, the enrichment's factory, Kafka client settings)."""
+
     bootstrap: str
     # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
     raw_topic: str
     features_topic: str
     dead_letter_topic: str
     group_id: str = "flowtrain-features"
-    batch_size: int = 2000  # --batch-size; 500 cost 2x the CPU per event in parse + featurize + train (bench stream)
-    max_delay_s: float = 1.0
     spec: dict | None = None  # the batch dataset manifest's "spec"
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
-    # A picklable callable returning the domain's Enrichment (e.g. the demo preset's weather/
-    # planes join), called once per DoFn instance; None: events carry the spec's input columns.
-    enrichment: Callable[[], Enrichment] | None = None
+    # A picklable callable returning the domain's Enrichment (e.g. the demo preset's weather/planes join; the
+    # ``enrichment`` option resolved by the command), called once per DoFn instance; None: events carry the spec's
+    # input columns.
+    enrichment_factory: Callable[[], Enrichment] | None = None
     kafka_config: dict[str, Any] = field(default_factory=dict)  # SASL/SSL etc., for every client
     status_path: str | None = None  # prefix of per-instance JSON counters for `flowtrain stream`'s live line
-    bounds: ParseBounds = DEFAULT_BOUNDS  # limits on one raw event (size, nesting, numbers)
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S  # no broker: fail within this bound
     retry_s: float = 120.0  # a retriable Kafka failure is retried this long before the job stops
-    # How the raw topic is read: N gives one list of up to N records per fetched chunk
-    # (ReadFromKafka(batch_records=N): Beam's per-element cost once per chunk, needed for ~10k
-    # events/s on 2 cores); None gives ReadFromKafka's per-record elements, which the fused step
-    # takes alike. read_client: ReadFromKafka(client=...), "kafka-python" or "confluent".
-    read_batch_records: int | None = 2000
-    read_client: str = "kafka-python"
-    # How raw values are decoded (--event-format json|avro|protobuf, pipelines.stream.formats), with
-    # --schema-registry URL (the Confluent wire format) or --schema-file (the writer's schema).
-    event_format: str = "json"
-    schema_registry: str | None = None
-    schema_file: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"StreamConfig(batch_size={self.batch_size!r}): must be an integer >= 1 (--batch-size)")
-        if not self.max_delay_s > 0:
-            raise ValueError(f"StreamConfig(max_delay_s={self.max_delay_s!r}): must be > 0 seconds (--max-delay)")
-        if self.read_batch_records is not None and (isinstance(self.read_batch_records, bool)
-                                                    or not isinstance(self.read_batch_records, int)
-                                                    or self.read_batch_records < 1):
-            raise ValueError(f"StreamConfig(read_batch_records={self.read_batch_records!r}): must be an integer "
-                             f">= 1, or None for per-record elements (--read-batch-records)")
+        validate(self, PipelineOptions)  # the ranges, as the command line checks them (--batch-size, ...)
+        super().__post_init__()  # the parse bounds
+
+    @property
+    def bounds(self) -> ParseBounds:
+        """The limits on one raw event (size, nesting, numbers)."""
+        return parse_bounds(self)
 
     def featurizer(self) -> StreamFeaturizer:
         """The featurizer of this config's dataset (and enrichment)."""
         if not self.spec:
             raise ValueError("StreamConfig.spec: the batch dataset's spec is needed (its manifest's \"spec\")")
         return StreamFeaturizer(FeatureSpec.from_dict(self.spec), self.stats,
-                                self.enrichment() if self.enrichment is not None else None,
+                                self.enrichment_factory() if self.enrichment_factory is not None else None,
                                 event_format=self.event_format, schema_registry=self.schema_registry,
                                 schema_file=self.schema_file)
 
@@ -251,7 +242,7 @@ def build_features(records, cfg: StreamConfig, *, max_message_bytes: int | None 
     if max_message_bytes is None:
         max_message_bytes = _message_limit(cfg, cfg.features_topic)
     events, parse_errs = records | "ParseEvents" >> ParseEvents(cfg.featurizer().events, cfg.bounds)
-    batches = events | "MicroBatch" >> MicroBatchEvents(cfg.batch_size, cfg.max_delay_s)
+    batches = events | "MicroBatch" >> MicroBatchEvents(cfg.batch_size, cfg.max_delay)
     features, feature_errs = batches | "Featurize" >> FeaturizeBatches(cfg)
     budget = value_budget(max_message_bytes, b"0" * 20)  # keys are raw partition numbers
     _ = (features | "Encode" >> EncodeArrow(key_fn=_features_key, max_message_bytes=budget)
@@ -324,7 +315,7 @@ class _FusedFeaturizeFn(beam.DoFn):
                 setattr(self, client, None)
 
     def start_bundle(self):
-        self.batcher = MicroBatcher(self.cfg.batch_size, self.cfg.max_delay_s)
+        self.batcher = MicroBatcher(self.cfg.batch_size, self.cfg.max_delay)
 
     def process(self, element):
         # A KafkaRecord, or a list of them: one fetched chunk of one partition, in offset order

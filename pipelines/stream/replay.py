@@ -97,7 +97,7 @@ def malform_event(event: dict, kind: str, rng: random.Random, schema: EventSchem
                   bounds: ParseBounds = DEFAULT_BOUNDS) -> bytes:
     """One bad event of the given kind (``MALFORMED_KINDS``), each a dead letter for the stream
     pipeline with ``bounds`` (``too large`` exceeds ``bounds.max_event_bytes``; ``too deep``
-    nests deeper than ``bounds.max_depth``). ``schema`` says which fields are required and numeric;
+    nests deeper than ``bounds.max_json_depth``). ``schema`` says which fields are required and numeric;
     without it the event's own numbers and keys are used."""
     numbers = [k for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if schema is not None:
@@ -114,7 +114,7 @@ def malform_event(event: dict, kind: str, rng: random.Random, schema: EventSchem
         bad[rng.choice(numbers)] = float("nan") if kind == "NaN" else float("inf")
     elif kind == "too deep":
         nested: object = 1
-        for _ in range(bounds.max_depth + 1):
+        for _ in range(bounds.max_json_depth + 1):
             nested = [nested]
         bad["_nested"] = nested
     elif kind == "not UTF-8":

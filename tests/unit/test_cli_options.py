@@ -59,7 +59,7 @@ def test_yaml_flags_survive_absent_command_line_flags_and_given_flags_win(tmp_pa
     args, _ = parse(["stream", "train", "--config", str(stream), "--lr", "0.01"])
     assert (args.batch_size, args.ledger, args.lr) == (300, True, 0.01)
     # options set nowhere read their default from the config dataclasses
-    assert args.max_delay == StreamConfig.max_delay_s and args.checkpoint_every == StreamTrainConfig.checkpoint_every
+    assert args.max_delay == StreamConfig.max_delay and args.checkpoint_every == StreamTrainConfig.checkpoint_every
     assert kafka_config(args.kafka_config) == {"ssl_check_hostname": False, "request_timeout_ms": 20000}
 
 

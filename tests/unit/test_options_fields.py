@@ -82,12 +82,14 @@ def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp
 def test_the_engine_configs_are_the_commands_options_declared_once():
     """Issue 30 item 2: the trainers' options are declared once (flowtrain.train.options); the commands compose
     them and the engine configs are them. What else an engine config holds is not a command option, except the
-    dataset, Kafka settings and topics the online trainer is given resolved (their options serve every part of the
-    stream, and pipelines' configs mirror them too: the next step declares them in pipelines)."""
-    from flowtrain.commands.stream import StreamTrainJob
+    dataset, Kafka settings and topics the online trainer and the feature pipeline are given resolved (their options
+    serve every part of the stream). The feature pipeline's options are declared in pipelines.stream.options."""
+    from flowtrain.commands.stream import StreamPipelineJob, StreamTrainJob
     from flowtrain.train.options import ParallelOptions, StreamTrainOptions, TrainOptions, UpdateOptions
     from flowtrain.train.plan import TrainConfig
     from flowtrain.train.stream_config import StreamTrainConfig
+    from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions
+    from pipelines.stream.pipeline import StreamConfig
 
     for sets, command, engine in (((TrainOptions, ParallelOptions), BatchJob, TrainConfig),
                                   ((StreamTrainOptions, UpdateOptions), StreamTrainJob, StreamTrainConfig)):
@@ -102,6 +104,14 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
                 "features_topic": "named after the dataset when unset", "updates_topic": "", "dead_letter_topic": "",
                 "raw_topic": "", "bootstrap": "as given", "replication_factor": "as given"}
     assert stream_engine_only & {f.name for f in dataclasses.fields(StreamTrainJob)} == set(resolved)
+    sets = (PipelineOptions, EventOptions)
+    assert all(issubclass(StreamPipelineJob, s) and issubclass(StreamConfig, s) for s in sets)
+    assert issubclass(EventOptions, ParseBounds)
+    assert {o.name for o in options_of(StreamConfig)} == {o.name for s in sets for o in options_of(s)}
+    pipeline_engine_only = ({f.name for f in dataclasses.fields(StreamConfig)}
+                            - {o.name for o in options_of(StreamConfig)})
+    resolved = {"bootstrap", "raw_topic", "features_topic", "dead_letter_topic", "group_id", "kafka_config"}
+    assert pipeline_engine_only & {f.name for f in dataclasses.fields(StreamPipelineJob)} == resolved
 
 
 def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():

@@ -67,11 +67,11 @@ def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all
 
 
 def test_stream_option_defaults_are_the_engines():
-    """The pipeline's and the scorer's engine configs (in ``pipelines``, which cannot import ``connectors.fields``)
-    still mirror their options; the online trainer's engine config is its options (``StreamTrainOptions``)."""
+    """The scorer's engine config still mirrors its options; the feature pipeline's (``StreamConfig``) and the
+    online trainer's are their options (``pipelines.stream.options``, ``StreamTrainOptions``): only the Kafka
+    settings the pipeline is given resolved (group, connect timeout) keep a default of their own."""
     from flowtrain.commands.stream import ReplayJob, StreamJob
     from pipelines.serving.config import ScoreConfig
-    from pipelines.stream.events import ParseBounds
     from pipelines.stream.pipeline import StreamConfig
 
     def defaults(cls):  # the dataclass's field defaults (some fields have none)
@@ -82,12 +82,9 @@ def test_stream_option_defaults_are_the_engines():
     from pipelines.presets import default_preset
 
     job = with_dataset_topics(StreamJob())  # topics: the dataset's, the flights demo's without --dataset
-    pipe, bounds, score = map(defaults, (StreamConfig, ParseBounds, ScoreConfig))
+    pipe, score = map(defaults, (StreamConfig, ScoreConfig))
     pairs = {
-        "connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id, "batch_size": pipe.batch_size,
-        "max_delay": pipe.max_delay_s, "read_batch_records": pipe.read_batch_records, "read_client": pipe.read_client,
-        "max_event_bytes": bounds.max_event_bytes, "max_json_depth": bounds.max_depth,
-        "max_abs_number": bounds.max_abs_number,
+        "connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id,
         "score_group_id": score.group_id, "swap_interval": score.swap_interval_s, "score_batch_size": score.batch_size,
         "score_max_delay": score.max_delay_s, "keep_models": score.keep_models,
         "max_model_bytes": score.max_model_bytes}

@@ -48,7 +48,7 @@ def test_unseen_filters_by_highest_offset_per_raw_partition():
 
 @pytest.mark.parametrize("payload, reason", [
     (('{"a":' * 100_000 + "1" + "}" * 100_000).encode(), "too deeply nested JSON"),  # RecursionError before
-    (('{"a":' * 40 + "1" + "}" * 40).encode(), "too deeply nested JSON: more than max_depth 32"),
+    (('{"a":' * 40 + "1" + "}" * 40).encode(), "too deeply nested JSON: more than max_json_depth 32"),
     (json.dumps({**EVENT, "distance": 10 ** 30}).encode(), "number out of range: field 'distance'"),
     (json.dumps({**EVENT, "year": 10 ** 30}).encode(), "number out of range: field 'year'"),  # OverflowError before
     (json.dumps({**EVENT, "flight": 2 ** 63}).encode(), "number out of range: field 'flight'"),
@@ -68,8 +68,8 @@ def test_parse_bounds_are_options():
     assert parse_event(big, "s") == {**EVENT, "distance": 5000.0}
     assert parse_event(big, "s", ParseBounds(max_abs_number=1000)).reason.startswith("number out of range")
     assert parse_event(big, "s", ParseBounds(max_event_bytes=100)).reason.startswith("event too large")
-    with pytest.raises(ValueError, match="max_depth"):
-        ParseBounds(max_depth=0)
+    with pytest.raises(ValueError, match="max_json_depth"):
+        ParseBounds(max_json_depth=0)
 
 
 def test_events_that_make_the_feature_code_fail_become_dead_letters_alone():
@@ -255,7 +255,7 @@ def test_parse_batch_rejects_exactly_what_parse_event_rejects_with_the_same_reas
               [json.dumps(x).encode() for x in events[(39 * i) % 1900:(39 * i) % 1900 + 39]] + [special]]
     for batch in (payloads, spaced):
         sources = [("raw", 3, 100 + i) for i in range(len(batch))]
-        for bounds in (ParseBounds(), ParseBounds(max_abs_number=5000, max_depth=3, max_event_bytes=400)):
+        for bounds in (ParseBounds(), ParseBounds(max_abs_number=5000, max_json_depth=3, max_event_bytes=400)):
             table, letters = parse_batch(batch, sources, bounds)
             expected_table, expected_letters = _row_wise(batch, sources, bounds)
             assert table.num_rows > 500 and table.equals(expected_table)
