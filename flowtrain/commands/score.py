@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from connectors.atomic import atomic_write
+from connectors.fields import options_of
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
 from flowtrain.errors import FlowtrainError
-from pipelines.stream.options import parse_bounds
 
 
 def update_key_source(job, command: str):
@@ -58,22 +58,16 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
                              f"another field name")
     dataset = dataset_path(job)
     data = TabularDataset(dataset)
+    options = {o.name: getattr(job, o.name) for o in options_of(ScoreConfig)}  # the options, as given
     cfg = ScoreConfig(
-        bootstrap=job.bootstrap, load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes),
-        spec=data.spec, stats=read_manifest(dataset)["stats"], enrichment=enrichment, id_column=job.id_column,
-        max_id_bytes=job.max_id_bytes,
-        raw_topic=job.raw_topic, predictions_topic=job.predictions_topic,
-        dead_letter_topic=job.score_dead_letter_topic, updates_topic=job.updates_topic,
-        group_id=job.score_group_id, batch_size=job.score_batch_size, max_delay_s=job.score_max_delay,
-        swap_interval_s=job.swap_interval, kafka_config=kafka_config(job.kafka_config, job.kafka_config_file),
-        status_path=beam_status,
-        target_scale=target_scale(data) if data.spec.task == "regression" else (0.0, 1.0),
+        **options, bootstrap=job.bootstrap,
+        load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes), spec=data.spec,
+        stats=read_manifest(dataset)["stats"], enrichment_factory=enrichment, raw_topic=job.raw_topic,
+        predictions_topic=job.predictions_topic, dead_letter_topic=job.score_dead_letter_topic,
+        updates_topic=job.updates_topic, kafka_config=kafka_config(job.kafka_config, job.kafka_config_file),
+        status_path=beam_status, target_scale=target_scale(data) if data.spec.task == "regression" else (0.0, 1.0),
         classes=list(data.classes) if data.spec.task == "classification" else None,
-        bounds=parse_bounds(job),
-        event_format=job.event_format, schema_registry=job.schema_registry, schema_file=job.schema_file,
-        predictions_format=job.predictions_format,
         update_key=update_key_source(job, command), model_cache_dir=str(Path(job.out).resolve() / "models"),
-        keep_models=job.keep_models, max_model_bytes=job.max_model_bytes,
         drift=drift_config(job, data, dataset, beam_status))
     print(f"stream score: waiting for a valid model version on {job.updates_topic} "
           f"(up to {job.wait_model:.0f} s)", flush=True)

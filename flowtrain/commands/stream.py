@@ -10,8 +10,8 @@ whole job's options (a whole job's ``config.json`` is a valid ``--config`` of ea
 The online trainer's options are declared by its engine (``flowtrain.train.options.StreamTrainOptions``: its
 ``StreamTrainConfig`` is them), the feature pipeline's and the raw events' too (``pipelines.stream.options``:
 ``PipelineOptions``, ``EventOptions`` with the ``ParseBounds``; ``pipelines.stream.pipeline.StreamConfig`` is
-them). The scorer's defaults are its engine's too (``pipelines.serving.config.ScoreConfig``), kept in step by a
-unit test. Stdlib only, so ``--help`` stays fast.
+them), and the scorer's (``pipelines.serving.options.ScorerOptions``: ``pipelines.serving.config.ScoreConfig``
+is them). Stdlib only, so ``--help`` stays fast.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from connectors.fields import above, at_least, fraction, option, store_path
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
 from pipelines.presets import default_preset, preset_for, presets
+from pipelines.serving.options import SCORING, ScorerOptions
 from pipelines.stream.options import CLIENTS, EVENT_FORMATS, EventOptions, PipelineOptions
 
 TRAINER = STREAM_TRAINER
-SCORING = "scoring (`stream score`, `stream --score`)"
 RUNNER = "where the Beam pipeline runs"
 
 
@@ -123,38 +123,17 @@ _DRIFT_THRESHOLD_HELP = ("drift measure thresholds, MEASURE=VALUE comma-separate
 
 
 @dataclass
-class ScoreOptions:
-    """The scoring pipeline: RunInference with the newest published version."""
+class ScoreOptions(ScorerOptions):
+    """The scoring pipeline: RunInference with the newest published version; the engine's options
+    (``pipelines.serving.options.ScorerOptions``), and what only the command reads: topics, the wait for a first
+    model, drift monitoring."""
 
     predictions_topic: str | None = option(None, "predictions, one Arrow record batch per message (default: "
                                                  "NAME-predictions)", group=SCORING)
-    predictions_format: str | None = option(
-        None, "how predictions are written: arrow (one record batch per message), json (one object per prediction), "
-              "avro or protobuf (one record per prediction; with --schema-registry in its wire format, the schema "
-              "registered under TOPIC-value) (default: as the events: --event-format json gives arrow)",
-        choices=("arrow", "json", "avro", "protobuf"), group=SCORING)
     score_dead_letter_topic: str | None = option(None, "events the scorer rejects, with their reason (default: "
                                                        "NAME-scoring-dead-letters)", group=SCORING)
-    score_group_id: str = option("flowtrain-scorer", "the scorer's consumer group on the raw topic", group=SCORING)
-    swap_interval: float = option(
-        1.0, "seconds between look-ups of the newest model version; also the serving window, about the longest an "
-             "event waits for its model", parse=above(0), group=SCORING)
     wait_model: float = option(120.0, "seconds the scorer waits at start for a first valid version on the updates "
                                       "topic", parse=above(0), group=SCORING)
-    score_batch_size: int = option(2000, "events per scoring micro-batch, closed by size ...", parse=at_least(1),
-                                   group=SCORING)
-    score_max_delay: float = option(0.25, "... or this many seconds after its first event", parse=above(0),
-                                    group=SCORING)
-    id_column: str | None = option(
-        None, "an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'",
-        metavar="COL", group=SCORING)
-    max_id_bytes: int = option(
-        1024, "the longest --id-column value (UTF-8 bytes) copied into a prediction; an event with a longer one "
-              "is a scoring dead letter", parse=at_least(1), group=SCORING)
-    keep_models: int = option(3, "versions the scorer keeps its own copy of, in <out>/models", parse=at_least(1),
-                              group=SCORING)
-    max_model_bytes: int = option(1073741824, "the largest model file the scorer reads; a larger one is rejected",
-                                  parse=at_least(1), group=SCORING)
     drift_window: int = option(
         2000, "drift monitoring over the newest micro-batches holding at least this many scored events (per scorer "
               "instance), against the training data: /metrics, the status page, --drift-topic; 0: off",

@@ -11,6 +11,7 @@ import fastavro
 import pyarrow as pa
 
 from connectors.arrow import decode_batch, encode_batches
+from pipelines.serving.options import PREDICTIONS_FORMATS
 from pipelines.stream.formats.registry import AVRO, PROTOBUF, RegistryError, RegistryUnavailable
 from pipelines.stream.formats.wire import frame, unframe
 
@@ -36,7 +37,6 @@ PREDICTION_SCHEMA = pa.schema([
 #: ``--predictions-format``: ``arrow`` (one Arrow record batch per message: what JSON events give), ``json`` (one
 #: JSON object per prediction), ``avro`` / ``protobuf`` (one record per prediction; with ``--schema-registry`` in
 #: its wire format, the schema registered under ``<predictions topic>-value``). Default: the events' format.
-PREDICTIONS_FORMATS = ("arrow", "json", "avro", "protobuf")
 
 #: A prediction as an Avro record (the fields of ``PREDICTION_SCHEMA``; times as timestamp-millis).
 PREDICTION_AVRO = {"type": "record", "name": "Prediction", "namespace": "flowtrain", "fields": [

@@ -62,7 +62,7 @@ class _CommitScoredFn(beam.DoFn):
         self.cfg = cfg
 
     def setup(self):
-        self.consumer = new_consumer(self.cfg.bootstrap, self.cfg.kafka_config, group_id=self.cfg.group_id)
+        self.consumer = new_consumer(self.cfg.bootstrap, self.cfg.kafka_config, group_id=self.cfg.score_group_id)
         self.probe = new_consumer(self.cfg.bootstrap, {"fetch_max_wait_ms": 100, **self.cfg.kafka_config},
                                   group_id=None)
 

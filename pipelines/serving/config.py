@@ -9,16 +9,23 @@ import numpy as np
 import pyarrow as pa
 
 from connectors.dataset_spec import FeatureSpec
+from connectors.fields import validate
 from connectors.kafka import PRODUCER_DEFAULTS, topic_max_message_bytes
-from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES, UpdateKeySource
-from pipelines.stream.options import ParseBounds
+from connectors.model_updates import UpdateKeySource
+from pipelines.serving.options import ScorerOptions
+from pipelines.stream.options import EventOptions, ParseBounds, parse_bounds
 from pipelines.stream.pipeline import KAFKA_DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["ScoreConfig", "ScoringBatch", "topic_limits"]
 
 
-@dataclass
-class ScoreConfig:
+@dataclass(kw_only=True)
+class ScoreConfig(ScorerOptions, EventOptions):
+    """The scorer's engine config: its options (``pipelines.serving.options.ScorerOptions``: micro-batches, consumer
+    group, serving window, ids, predictions' format, model copies; the raw events' ``EventOptions``) plus what the
+    command resolves (brokers, topics, the dataset's spec and statistics, the model loader, the enrichment's factory,
+    Kafka client settings, the update key's source, drift monitoring)."""
+
     bootstrap: str
     load_version: Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
     spec: FeatureSpec
@@ -30,19 +37,13 @@ class ScoreConfig:
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
     initial_model: str = ""  # ModelVersion.model_id() of the version to serve before the first tick
     # a picklable factory of the domain's enrichment step (a dataset preset's, e.g. the demo's weather/planes
-    # join), called in each worker; None: events hold the dataset's own columns
-    enrichment: Callable[[], Any] | None = None
-    id_column: str | None = None  # an event field copied into its prediction ("id")
-    # the longest id-column value (UTF-8 bytes) copied into a prediction; a longer one is a dead letter
-    max_id_bytes: int = 1024
-    group_id: str = "flowtrain-scorer"
-    batch_size: int = 2000  # the featurizer's cost per event falls with the micro-batch (the stream pipeline's size)
-    max_delay_s: float = 0.25  # a micro-batch closes this long after its first event (or at batch_size)
+    # join; the ``enrichment`` option resolved by the command), called in each worker; None: events hold the
+    # dataset's own columns
+    enrichment_factory: Callable[[], Any] | None = None
     max_read_s: float = 0.5  # the reader hands its output on at least this often
     # the raw topic read in lists of up to this many records (ReadFromKafka(batch_records=N): Beam's
     # per-element cost once per list); None: one element per record
     read_batch_records: int | None = 2000
-    swap_interval_s: float = 1.0  # serving window: how often the newest version is looked up
     max_inference_batches: int = 16  # micro-batches RunInference stacks into one forward
     device: str = "cpu"
     # torch threads of the scorer's process: it shares the cores with the read, the featurizing and
@@ -52,22 +53,21 @@ class ScoreConfig:
     classes: list[str] | None = None  # classification: the manifest's class names, in label-code order
     kafka_config: dict[str, Any] = field(default_factory=dict)
     status_path: str | None = None  # prefix of per-instance JSON counters (`flowtrain stream --score`)
-    bounds: ParseBounds = field(default_factory=ParseBounds)  # limits on one raw event, as in the feature pipeline
-    # how raw values are decoded, as in the feature pipeline (--event-format, --schema-registry, --schema-file)
-    event_format: str = "json"
-    schema_registry: str | None = None
-    schema_file: str | None = None
-    # how predictions are written (pipelines.serving.predictions.PREDICTIONS_FORMATS); None: as the events are
-    # (JSON events: Arrow record batches)
-    predictions_format: str | None = None
-    # model updates: the key's source (never the key: each worker reads it), the scorer's own
-    # copies of the versions it serves and their retention, the largest model file read
+    # model updates: the key's source (never the key: each worker reads it), the scorer's own copies of the
+    # versions it serves (keep_models of them)
     update_key: UpdateKeySource | None = None
     model_cache_dir: str = ""
-    keep_models: int = 3
-    max_model_bytes: int = DEFAULT_MAX_MODEL_BYTES
     # drift monitoring: a pipelines.serving.drift.DriftConfig (reference profile, window, thresholds, topic), or None
     drift: Any = None
+
+    def __post_init__(self):
+        validate(self, ScorerOptions)  # the ranges, as the command line checks them (--score-batch-size, ...)
+        super().__post_init__()  # the parse bounds
+
+    @property
+    def bounds(self) -> ParseBounds:
+        """The limits on one raw event, as in the feature pipeline."""
+        return parse_bounds(self)
 
     @property
     def n_classes(self) -> int:

@@ -1,7 +1,7 @@
 """Raw events -> micro-batches of features for the model, with the stream pipeline's featurizer.
 
 Fused with the Kafka read: a partition's events in a bundle become micro-batches
-(``MicroBatcher``: closed at ``batch_size`` events, ``max_delay_s`` after the first one, or at the
+(``MicroBatcher``: closed at ``score_batch_size`` events, ``score_max_delay`` after the first one, or at the
 end of the bundle), featurized by ``pipelines.stream.featurize.StreamFeaturizer`` (the batch ETL's
 feature code, vectorized over the micro-batch, the same as the stream pipeline that feeds the
 trainer). An event is scored whether or not it carries its label, and an event whose class the
@@ -49,7 +49,7 @@ def id_fallback_counts(features: pa.RecordBatch | None, id_columns: list[str]) -
 
 def scoring_featurizer(cfg: ScoreConfig) -> StreamFeaturizer:
     """The featurizer of ``cfg``'s dataset (with its enrichment, carrying the id column)."""
-    return StreamFeaturizer(cfg.spec, cfg.stats, cfg.enrichment() if cfg.enrichment is not None else None,
+    return StreamFeaturizer(cfg.spec, cfg.stats, cfg.enrichment_factory() if cfg.enrichment_factory is not None else None,
                             keep=[cfg.id_column] if cfg.id_column else [], event_format=cfg.event_format,
                             schema_registry=cfg.schema_registry, schema_file=cfg.schema_file)
 
@@ -120,7 +120,7 @@ class _FeaturizeForScoringFn(beam.DoFn):
             self.producer = None
 
     def start_bundle(self):
-        self.batcher = MicroBatcher(self.cfg.batch_size, self.cfg.max_delay_s)
+        self.batcher = MicroBatcher(self.cfg.score_batch_size, self.cfg.score_max_delay)
 
     def process(self, element: KafkaRecord | list[KafkaRecord]):
         for record in element if isinstance(element, list) else (element,):  # a list: ReadFromKafka(batch_records=N)

@@ -94,7 +94,7 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
         raise ValueError("ScoreConfig.model_cache_dir: the scorer's own copies of the versions it serves "
                          "(`flowtrain stream score` uses <out>/models)")
     raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
-                                                group_id=cfg.group_id, commit_offsets=False,
+                                                group_id=cfg.score_group_id, commit_offsets=False,
                                                 consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s,
                                                 batch_records=cfg.read_batch_records)
     start = time.time()
@@ -102,8 +102,8 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
     return (raw
             | "Featurize" >> FeaturizeForScoring(cfg)
             | "ToScorers" >> beam.Reshuffle()
-            | "NotBeforeFirstTick" >> beam.ParDo(_NotBeforeFirstTick(first_tick(start, cfg.swap_interval_s)))
-            | "ServingWindows" >> beam.WindowInto(window.FixedWindows(cfg.swap_interval_s, offset=WINDOW_OFFSET_S))
+            | "NotBeforeFirstTick" >> beam.ParDo(_NotBeforeFirstTick(first_tick(start, cfg.swap_interval)))
+            | "ServingWindows" >> beam.WindowInto(window.FixedWindows(cfg.swap_interval, offset=WINDOW_OFFSET_S))
             | "Score" >> RunInference(model_handler(cfg), model_metadata_pcoll=versions)
             | "WritePredictions" >> WritePredictions(cfg)
             | "Commit" >> CommitScored(cfg))

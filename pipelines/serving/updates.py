@@ -182,7 +182,7 @@ class LatestModelVersion(beam.PTransform):
         self.start = start
 
     def expand(self, pbegin):
-        n = self.cfg.swap_interval_s
+        n = self.cfg.swap_interval
         first = first_tick(time.time() if self.start is None else self.start, n)
         return (pbegin
                 | "Tick" >> PeriodicImpulse(start_timestamp=Timestamp.of(first), fire_interval=n)

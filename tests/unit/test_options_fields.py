@@ -112,6 +112,16 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
                             - {o.name for o in options_of(StreamConfig)})
     resolved = {"bootstrap", "raw_topic", "features_topic", "dead_letter_topic", "group_id", "kafka_config"}
     assert pipeline_engine_only & {f.name for f in dataclasses.fields(StreamPipelineJob)} == resolved
+    from flowtrain.commands.stream import StreamScoreJob
+    from pipelines.serving.config import ScoreConfig
+    from pipelines.serving.options import ScorerOptions
+
+    sets = (ScorerOptions, EventOptions)
+    assert all(issubclass(StreamScoreJob, s) and issubclass(ScoreConfig, s) for s in sets)
+    assert {o.name for o in options_of(ScoreConfig)} == {o.name for s in sets for o in options_of(s)}
+    score_engine_only = {f.name for f in dataclasses.fields(ScoreConfig)} - {o.name for o in options_of(ScoreConfig)}
+    resolved = {"bootstrap", "raw_topic", "predictions_topic", "dead_letter_topic", "updates_topic", "kafka_config"}
+    assert score_engine_only & {f.name for f in dataclasses.fields(StreamScoreJob)} == resolved
 
 
 def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():

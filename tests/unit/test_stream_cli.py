@@ -67,9 +67,9 @@ def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all
 
 
 def test_stream_option_defaults_are_the_engines():
-    """The scorer's engine config still mirrors its options; the feature pipeline's (``StreamConfig``) and the
-    online trainer's are their options (``pipelines.stream.options``, ``StreamTrainOptions``): only the Kafka
-    settings the pipeline is given resolved (group, connect timeout) keep a default of their own."""
+    """The engine configs are their options (the feature pipeline's ``StreamConfig``: ``pipelines.stream.options``;
+    the scorer's ``ScoreConfig``: ``pipelines.serving.options``; the online trainer's: ``StreamTrainOptions``):
+    only the Kafka settings the pipeline is given resolved (group, connect timeout) keep a default of their own."""
     from flowtrain.commands.stream import ReplayJob, StreamJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.stream.pipeline import StreamConfig
@@ -83,11 +83,7 @@ def test_stream_option_defaults_are_the_engines():
 
     job = with_dataset_topics(StreamJob())  # topics: the dataset's, the flights demo's without --dataset
     pipe, score = map(defaults, (StreamConfig, ScoreConfig))
-    pairs = {
-        "connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id,
-        "score_group_id": score.group_id, "swap_interval": score.swap_interval_s, "score_batch_size": score.batch_size,
-        "score_max_delay": score.max_delay_s, "keep_models": score.keep_models,
-        "max_model_bytes": score.max_model_bytes}
+    pairs = {"connect_timeout": pipe.connect_timeout_s, "group_id": pipe.group_id}
     assert {k: getattr(job, k) for k in pairs} == pairs
     # the topics have no engine defaults (issue 30 item 3): the command names them after the dataset, the
     # demo's without --dataset (flights-raw, flights-features, ...: its preset's name)
