@@ -30,9 +30,10 @@ Stages (DeepSpeed's ZeRO-1/2/3, ``STAGES``):
   gradients are launched. Every rank runs forward and backward every step, also on zero rows (it
   still takes part in the gathers; its count is 0 and its gradient zeros).
 
-Collectives: ``reduce_scatter_single`` / ``all_gather_single`` (gloo in this torch supports both
-on the CPU; NCCL on CUDA), one small all-reduce per step for the count, loss sum and "got a
-gradient" flags. A parameter no replica produced a gradient for keeps no gradient (the optimizer
+Collectives: ``reduce_scatter_single`` / ``all_gather_single`` on NCCL; on gloo (CPU) one
+``reduce`` and one ``broadcast`` per rank's slice, issued together, which are faster there
+(``zero_units.per_rank_collectives``: gloo's reduce-scatter is an all-reduce and a copy inside); one
+small all-reduce per step for the count, loss sum and "got a gradient" flags. A parameter no replica produced a gradient for keeps no gradient (the optimizer
 skips its pieces, as one device skips it).
 
 Checkpoints: ``optimizer_state`` gathers the shards into the state dict a plain optimizer over
@@ -52,7 +53,14 @@ from torch import nn
 
 from flowtrain.parallel.context import DistContext
 from flowtrain.parallel.mapreduce import sync_buffers
-from flowtrain.parallel.zero_units import RegatherBeforeBackward, ShardUnit, shard_units, storage_bytes, wrap_output
+from flowtrain.parallel.zero_units import (
+    RegatherBeforeBackward,
+    ShardUnit,
+    per_rank_collectives,
+    shard_units,
+    storage_bytes,
+    wrap_output,
+)
 
 __all__ = ["STAGES", "ZeroSharder", "check_stage", "shard_stage_worker"]
 
@@ -84,6 +92,7 @@ class ZeroSharder:
         self.module, self.ctx, self.stage, self.group = module, ctx, stage, group
         self.world = dist.get_world_size(group) if ctx.distributed else 1
         self.rank = dist.get_rank(group) if ctx.distributed else 0
+        self.per_rank = ctx.distributed and per_rank_collectives(group)  # gloo: a reduce / broadcast per slice
         trainable = [p for p in module.parameters() if p.requires_grad]
         if any(p.dtype != torch.float32 for p in trainable):
             raise TypeError("--shard-states shards float32 parameters; cast the model with .float()")
@@ -91,7 +100,8 @@ class ZeroSharder:
         self._broadcast_state()
         self.bucket_mb = bucket_mb
         groups = shard_units(module, stage, bucket_mb)
-        self.units = [ShardUnit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer")
+        self.units = [ShardUnit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer",
+                                per_rank=self.per_rank)
                       for i, (_, ps) in enumerate(groups)]
         self.params = [p for u in self.units for p in u.params]
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
@@ -186,7 +196,10 @@ class ZeroSharder:
                     p.grad = None  # only this rank's shard of the reduced gradient stays
             if self.stage == "parameters" and unit.gathered:
                 unit.free_params()
-            if self.world > 1:
+            if self.per_rank:  # this rank's slice of the sum lands in buf; copied to grad_shard when done
+                unit.handle = unit.reduce_to_owners(buf, self.group)
+                self._release_done(keep=1)
+            elif self.world > 1:
                 unit.handle = dist.reduce_scatter_single(unit.grad_shard, buf, group=self.group, async_op=True)
                 self._release_done(keep=1)
             else:
@@ -200,11 +213,16 @@ class ZeroSharder:
         flight (ZeRO-2/3: a rank holds at most ``keep`` + 1 units' gradient buffers, not the whole model's)."""
         flight = [u for u in reversed(self.units) if u.handle is not None]  # launch order
         for k, u in enumerate(flight):
-            if k < len(flight) - keep:
-                u.handle.wait()
-            elif not u.handle.is_completed():
+            if k >= len(flight) - keep and not u.handle.is_completed():
                 continue
-            u.handle, u.grad_buffer = None, None
+            self._complete(u)
+
+    @staticmethod
+    def _complete(u: ShardUnit) -> None:
+        """Wait for ``u``'s reduce (per-rank reduces: take this rank's slice of the sum); its buffer is freed."""
+        u.handle.wait()
+        u.grad_shard_from_reduced()
+        u.handle, u.grad_buffer = None, None
 
     def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:
         """Backward of this rank's loss sum (None: no examples and no graph), the reduce-scatter, the
@@ -234,8 +252,7 @@ class ZeroSharder:
         self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes()["total"])
         for u in self.units:
             if u.handle is not None:
-                u.handle.wait()
-                u.handle = None
+                self._complete(u)
             u.grad_buffer = None
         global_n = int(round(meta_list[0]))
         mean_loss = meta_list[1] / global_n if global_n else 0.0
