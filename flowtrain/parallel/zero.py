@@ -30,7 +30,7 @@ Stages (DeepSpeed's ZeRO-1/2/3, ``STAGES``):
   gradients are launched. Every rank runs forward and backward every step, also on zero rows (it
   still takes part in the gathers; its count is 0 and its gradient zeros).
 
-Collectives: ``reduce_scatter_single`` / ``all_gather_single`` on NCCL; on gloo (CPU) one
+Collectives: ``reduce_scatter_single`` / ``all_gather_single``; on gloo (CPU) with 2 ranks one
 ``reduce`` and one ``broadcast`` per rank's slice, issued together, which are faster there
 (``zero_units.per_rank_collectives``: gloo's reduce-scatter is an all-reduce and a copy inside); one
 small all-reduce per step for the count, loss sum and "got a gradient" flags. A parameter no replica produced a gradient for keeps no gradient (the optimizer
