@@ -134,7 +134,13 @@ def test_topics_flowtrain_creates_are_replicated_three_times_with_two_in_sync(cl
     admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap)
     try:
         assert len(admin.describe_cluster()["brokers"]) == 3
-        [described] = admin.describe_topics([topic])
+        # a topic just created reaches every broker's metadata a moment later (it was described with no partitions)
+        deadline = time.monotonic() + 30
+        while True:
+            [described] = admin.describe_topics([topic])
+            if described["partitions"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert [sorted(p["replica_nodes"]) for p in described["partitions"]] == [[1, 2, 3]] * 3
         found = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
                                                        {"min.insync.replicas": None})], config_filter="all")
