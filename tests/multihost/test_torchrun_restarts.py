@@ -70,8 +70,9 @@ def test_a_worker_killed_twice_restarts_from_the_checkpoint_and_ends_with_the_un
     assert main(_batch(dataset, run, *common, "--workers", "2", "--job-only", "--failure-timeout", "30")) == 0
     lan = make_hosts(2)
     logs = [tmp_path / f"host{k}.log" for k in range(2)]
-    # two kills; headroom for a restarted round that fails to connect on a loaded machine and restarts again
-    procs = [_elastic(lan, k, run / "job.json", logs[k], restarts=5) for k in range(2)]
+    # two kills; headroom for restarted rounds that fail to connect and restart again (seen: three in a row after a
+    # kill, each agent re-rendezvousing while the other's new worker was still starting)
+    procs = [_elastic(lan, k, run / "job.json", logs[k], restarts=8) for k in range(2)]
     rng = random.Random(7)
     costs = []
     try:
@@ -103,5 +104,5 @@ def test_a_worker_killed_twice_restarts_from_the_checkpoint_and_ends_with_the_un
     two = torch.load(run / "model.pt", weights_only=True)
     diff = max((one[k].double() - two[k].double()).abs().max().item() for k in one)
     assert diff <= 1e-5, f"restarted twice, the parameters differ from one process by {diff:.3g}"
-    say(f"\ntorchrun --max-restarts 5 across 2 hosts: worker of host 1 killed -9 twice; kill -> restarted and "
+    say(f"\ntorchrun --max-restarts 8 across 2 hosts: worker of host 1 killed -9 twice; kill -> restarted and "
         f"checkpointed again in {', '.join(f'{c:.1f}' for c in costs)} s; final parameters within {diff:.2g}")
