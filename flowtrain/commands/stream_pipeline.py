@@ -46,7 +46,7 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
                         features_topic=job.features_topic, dead_letter_topic=job.dead_letter_topic,
                         group_id=job.group_id, spec=manifest["spec"], stats=manifest["stats"],
                         enrichment_factory=enrichment(job, manifest), kafka_config=cfg,
-                        status_path=str(out / "pipeline-status.json"), connect_timeout_s=job.connect_timeout)
+                        status_path=str(out / "pipeline-status.json"), connect_timeout=job.connect_timeout)
     if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
         from pipelines.stream.formats import wait_for_registry
 

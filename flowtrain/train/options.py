@@ -5,7 +5,8 @@ a flag, a ``--config`` key and a ``config.json`` key, with its default, range an
 - ``TrainOptions``: a batch run's model and training options; ``ParallelOptions``: how its engine splits the
   work (replicas' buckets, ZeRO, pipeline stages, tensor shards, the device). ``flowtrain batch``'s
   ``BatchJob`` composes both, and the engine's ``plan.TrainConfig`` is them (plus what a run sets, not the user).
-- ``StreamTrainOptions``: the online trainer's model, optimizer, checkpoint and publishing options;
+- ``EngineSettings``: not options, what a run sets for its engine (Adam's weight decay, a resumed grid's stage cut).
+- ``StreamTrainOptions``: the online trainer's engine (``ParallelOptions``), model, optimizer, checkpoint and publishing options;
   ``flowtrain stream train``'s ``StreamTrainJob`` composes them and ``stream_config.StreamTrainConfig`` is them
   (plus the resolved dataset, topics and Kafka client settings).
 
@@ -88,7 +89,8 @@ class TrainOptions(ModelOptions):
 
 @dataclass
 class ParallelOptions:
-    """How a batch run's engine splits the work over its workers (``flowtrain.train.trainer``)."""
+    """How a trainer's engine splits the work over its workers (``flowtrain.train.trainer``), the batch run's and
+    the online trainer's alike."""
 
     bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=PARALLELISM)
     shard_states: str = option("none", "ZeRO: shard the data-parallel training state over the workers: optimizer "
@@ -109,21 +111,22 @@ class ParallelOptions:
                          group=PARALLELISM)
 
 
+@dataclass
+class EngineSettings:
+    """Not options: what a run sets for its engine besides them (the engine reads ``ParallelOptions``, ``lr`` and
+    these; both trainers' configs carry them: ``plan.TrainConfig``, ``stream_config.StreamTrainConfig``)."""
+
+    weight_decay: float = 0.0  # Adam's (the engine's tests and benches set it)
+    stage_bounds: list | None = None  # set by a resume: the checkpoint's stage cut (None: rank 0 measures and cuts)
+
+
 # --- the online trainer ---------------------------------------------------------------------------------
 @dataclass
-class StreamTrainOptions:
-    """The online trainer's options (``flowtrain.train.stream``): its engine, model, optimizer, checkpoints and
-    published versions."""
+class StreamTrainOptions(ParallelOptions):
+    """The online trainer's options (``flowtrain.train.stream``): its engine's (``ParallelOptions``, the same as a
+    batch run's: the replicas' buckets, ZeRO, pipeline stages, tensor shards, the device), its model, optimizer,
+    checkpoints and published versions."""
 
-    stages: int = option(1, "pipeline parallelism: cut the model into this many stages, each in its own process "
-                            "(with --workers D: D x S processes)", parse=at_least(1), group=STREAM_TRAINER)
-    microbatches: int = option(4, "micro-batches per step (one feature message) in the pipeline", parse=at_least(1),
-                               group=STREAM_TRAINER)
-    tensor_parallel: int = option(1, "tensor parallelism: split each stage's Linear pairs and embedding tables over "
-                                     "this many processes (D x S x T in all)", parse=at_least(1),
-                                  group=STREAM_TRAINER)
-    shard_states: str = option("none", "ZeRO over the --workers replicas: optimizer, gradients or parameters",
-                               choices=SHARD_STATES, group=STREAM_TRAINER)
     init_weights: str | None = option(
         None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
               "kind, seed) comes from that run's config.json", group=STREAM_TRAINER,
@@ -133,8 +136,6 @@ class StreamTrainOptions:
     dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=STREAM_TRAINER)
     seed: int = option(0, "seed of the initial weights and dropout", group=STREAM_TRAINER)
     lr: float = option(0.001, "Adam learning rate", parse=above(0), group=STREAM_TRAINER)
-    device: str = option("auto", "where the trainer runs: auto (CUDA when present), cpu, or cuda (each replica its "
-                                 "own GPU, NCCL between them)", choices=DEVICES, group=STREAM_TRAINER)
     # a step is one feature message (up to the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared
     # with the pipeline and the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (threads wait)
     threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "

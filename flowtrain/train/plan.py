@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowtrain.train.metrics import check_select_by
-from flowtrain.train.options import ParallelOptions, TrainOptions
+from flowtrain.train.options import EngineSettings, ParallelOptions, TrainOptions
 
 __all__ = ["AUTO_BATCH", "AUTO_BATCH_FRACTION", "AUTO_EPOCHS", "AUTO_EVALS", "AUTO_STEPS", "MIN_LR_FRACTION",
            "SMALL_STEP", "TrainConfig", "TrainPlan", "plan_training"]
@@ -28,13 +28,12 @@ SMALL_STEP = 1 << 15  # batch x widest layer up to this: one torch thread (unles
 
 
 @dataclass
-class TrainConfig(ParallelOptions, TrainOptions):
+class TrainConfig(EngineSettings, ParallelOptions, TrainOptions):
     """A batch run's engine config: its options (``TrainOptions``, ``ParallelOptions``: declared once in
-    ``flowtrain.train.options``, where ``flowtrain batch`` takes them from) and what the run sets, not the user."""
-    weight_decay: float = 0.0  # Adam's (not an option: the engine's tests and benches set it)
+    ``flowtrain.train.options``, where ``flowtrain batch`` takes them from) and what the run sets, not the user
+    (``EngineSettings`` and the two below)."""
     log_every: int = 50  # steps between training-loss lines in metrics.jsonl
     init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there (the batch job's)
-    stage_bounds: list | None = None  # set by a resume: the checkpoint's stage cut (None: rank 0 measures and cuts)
 
 
 @dataclass

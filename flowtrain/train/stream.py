@@ -38,6 +38,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ from flowtrain.train.stream_config import NonFiniteModel, StreamTrainConfig, sta
 from flowtrain.train.stream_rejects import InputRejects
 from flowtrain.train.stream_sinks import STOP_KAFKA_S, Ledger, VersionSink, write_status
 from flowtrain.train.stream_source import FeatureSource
-from flowtrain.train.trainer import EngineOptions, Trainer, loss_function
+from flowtrain.train.trainer import Trainer, loss_function
 
 
 class StreamTrainer:
@@ -172,14 +173,13 @@ class StreamTrainer:
         if checkpoint.all_checkpoints(self.ckpt_dir):  # all of them corrupt: an error, not a fresh start
             found = checkpoint.require_latest(self.ckpt_dir)
         self.architecture, self.model = starting_model(self.cfg, self.data, self.device, found)
-        cfg = self.cfg
-        # a resumed grid keeps its checkpoint's stage cut (rank 0 cuts by measured time, which varies)
-        options = EngineOptions(lr=cfg.lr, stages=cfg.stages, microbatches=cfg.microbatches,
-                                tensor_parallel=cfg.tensor_parallel, shard_states=cfg.shard_states,
-                                stage_bounds=_stage_bounds(found[1], cfg.stages) if found is not None else None)
+        # the engine reads the config's parallel options and lr; a resumed grid keeps its checkpoint's stage cut
+        # (rank 0 cuts by measured time, which varies)
+        bounds = _stage_bounds(found[1], self.cfg.stages) if found is not None else None
         # every replica starts from rank 0's weights; a step whose gradient is not finite changes nothing
-        self.trainer = Trainer(self.model, self.ctx, options, self.loss_fn, self.sample, seed=self.architecture.seed,
-                               target_scale=(self.shift, self.scale), local_batches=True, skip_non_finite=True)
+        self.trainer = Trainer(self.model, self.ctx, replace(self.cfg, stage_bounds=bounds), self.loss_fn, self.sample,
+                               seed=self.architecture.seed, target_scale=(self.shift, self.scale), local_batches=True,
+                               skip_non_finite=True)
         # with ID columns on N replicas each owns the rows of its keys (flowtrain.train.ids): every lookup is a
         # collective, and a checkpoint holds each table whole (so any --workers resumes it)
         self.sharded_ids = bool(getattr(self.model, "sharded", False))

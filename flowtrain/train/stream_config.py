@@ -19,15 +19,16 @@ import torch
 from connectors.dataset import read_manifest
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import Architecture
-from flowtrain.train.options import StreamTrainOptions, UpdateOptions
+from flowtrain.train.options import EngineSettings, StreamTrainOptions, UpdateOptions
 from flowtrain.train.stream_input import DEFAULT_MAX_SOURCE_GAP
 
 
 @dataclass(kw_only=True)
-class StreamTrainConfig(UpdateOptions, StreamTrainOptions):
+class StreamTrainConfig(EngineSettings, UpdateOptions, StreamTrainOptions):
     """The online trainer's engine config: its options (``StreamTrainOptions``, ``UpdateOptions``, declared once in
     ``flowtrain.train.options``, where ``flowtrain stream train`` takes them from; ranges checked by
-    ``connectors.fields.check`` when the trainer starts) and what the command resolves from the others."""
+    ``connectors.fields.check`` when the trainer starts), what the trainer sets for its engine (``EngineSettings``:
+    a resumed grid's stage cut) and what the command resolves from the others."""
     bootstrap: str
     run_dir: str  # the command's --out
     dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies

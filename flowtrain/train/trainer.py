@@ -14,6 +14,10 @@ made with ``local_batches=True``: each replica's batch is its own (the stream tr
 their own feature partitions). A source whose replicas read their own rows but whose engine takes a
 global batch shares them first (``Trainer.global_batch``: the readers' rows, in rank order, on every rank).
 
+The engine's config is the trainer's own: ``plan.TrainConfig`` (batch) or ``stream_config.StreamTrainConfig``
+(stream), both ``flowtrain.train.options.ParallelOptions`` plus ``lr`` and ``EngineSettings`` (weight decay, a
+resumed grid's stage cut), so every engine option reaches both trainers from one declaration.
+
 ``skip_non_finite`` (the stream trainer): a step whose gradient is not finite on any rank changes no
 weight (the optimizer step is skipped on every rank, ``StepResult.skipped``).
 """
@@ -30,20 +34,6 @@ from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch
 from flowtrain.train.memory_plan import id_tables_held, plan_memory
 from flowtrain.train.models import pack
-
-
-@dataclass
-class EngineOptions:
-    """What an engine reads of its run's options (``plan.TrainConfig`` has them too)."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    bucket_mb: float = 1.0
-    stages: int = 1  # pipeline stages (workers = replicas x stages x tensor_parallel)
-    microbatches: int = 4
-    schedule: str = "1f1b"  # or "gpipe"
-    tensor_parallel: int = 1
-    shard_states: str = "none"  # ZeRO: none, optimizer, gradients or parameters (flowtrain.parallel.zero)
-    stage_bounds: list | None = None  # the stages' layer ranges of a resumed run (None: rank 0 measures and cuts)
 
 
 @dataclass
@@ -70,12 +60,12 @@ def loss_function(task: str, outputs: int = 1) -> nn.Module:
 class Trainer:
     """A model and the engine that trains it; ``step`` runs one training step."""
 
-    def __init__(self, model: nn.Module, ctx: DistContext, options, loss_fn: nn.Module, sample: Batch | None, *,
+    def __init__(self, model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module, sample: Batch | None, *,
                  seed: int, target_scale: tuple[float, float] = (0.0, 1.0), local_batches: bool = False,
                  skip_non_finite: bool = False):
         self.model, self.ctx, self.loss_fn, self.seed = model, ctx, loss_fn, int(seed)
         self.shift, self.scale = target_scale
-        self.engine = make_engine(model, ctx, options, loss_fn, sample, local_batches=local_batches)
+        self.engine = make_engine(model, ctx, config, loss_fn, sample, local_batches=local_batches)
         self.device = getattr(self.engine, "device", None) or next(model.parameters()).device
         self.sample = sample
         self.guard = _FiniteGuard(self.engine, ctx) if skip_non_finite else None

@@ -66,7 +66,6 @@ from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import ERRS, DeadLetter, WriteDeadLettersToKafka, dead_letter_record, reason_kind
 from connectors.fields import validate
 from connectors.kafka import (
-    DEFAULT_CONNECT_TIMEOUT_S,
     PRODUCER_DEFAULTS,
     KafkaDelivery,
     KafkaRecord,
@@ -100,14 +99,17 @@ class ForeignEventsError(ValueError):
 class StreamConfig(PipelineOptions, EventOptions):
     """The feature pipeline's engine config: its options (``pipelines.stream.options``: micro-batches, reader,
     parse bounds, event format; the command's ``StreamPipelineJob`` composes the same sets) plus what the command
-    resolves from the others (brokers, topics, the dataset, the enrichment's factory, Kafka client settings)."""
+    resolves from the others (brokers, topics, consumer group, the dataset, the enrichment's factory, Kafka client
+    settings), which keep no defaults of their own."""
 
     bootstrap: str
     # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
     raw_topic: str
     features_topic: str
     dead_letter_topic: str
-    group_id: str = "flowtrain-features"
+    # the Kafka settings the command resolves (--group-id, --connect-timeout): no defaults of their own either
+    group_id: str  # the pipeline's consumer group
+    connect_timeout: float  # no broker: fail within this bound (seconds)
     spec: dict | None = None  # the batch dataset manifest's "spec"
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
     # A picklable callable returning the domain's Enrichment (e.g. the demo preset's weather/planes join; the
@@ -116,7 +118,6 @@ class StreamConfig(PipelineOptions, EventOptions):
     enrichment_factory: Callable[[], Enrichment] | None = None
     kafka_config: dict[str, Any] = field(default_factory=dict)  # SASL/SSL etc., for every client
     status_path: str | None = None  # prefix of per-instance JSON counters for `flowtrain stream`'s live line
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S  # no broker: fail within this bound
     retry_s: float = 120.0  # a retriable Kafka failure is retried this long before the job stops
 
     def __post_init__(self):
@@ -420,7 +421,7 @@ def build_stream_pipeline(pipeline: beam.Pipeline, cfg: StreamConfig):
     raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
                                                 group_id=cfg.group_id, commit_offsets=False,
                                                 consumer_config=cfg.kafka_config,
-                                                connect_timeout_s=cfg.connect_timeout_s, **read)
+                                                connect_timeout_s=cfg.connect_timeout, **read)
     counts = raw | "Featurize" >> FeaturizeEvents(cfg)
     # The per-flush counts leave the fused stage through a Reshuffle to a no-op sink: on Prism
     # 2.77 a stage with no outputs spins its bundle loop on a closed channel for as long as a

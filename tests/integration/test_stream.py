@@ -460,8 +460,8 @@ def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, da
     _produce(bootstrap, names["raw"], values, partitions=2)
     tables = FLIGHTS.demo_inputs(cache_root())
     cfg = flights_stream_config(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
-                                dead_letter_topic=names["dead"], group_id=names["group"], batch_size=150,
-                                stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
+                                dead_letter_topic=names["dead"], group_id=names["group"], connect_timeout=30,
+                                batch_size=150, stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
                                 planes_path=tables["planes"])
     with TestPipeline(options=pipeline_options("batch")) as p:
         records = p | ReadFromKafka(bootstrap, names["raw"], start="committed", stop="end", group_id=names["group"])

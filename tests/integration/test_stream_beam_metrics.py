@@ -50,7 +50,8 @@ def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_t
     manifest = read_manifest(flights_dataset)
     tables = FLIGHTS.demo_inputs(cache_root())
     cfg = StreamConfig(bootstrap=bootstrap, raw_topic=raw, features_topic=features, dead_letter_topic=dead,
-                       group_id=f"{raw}-group", batch_size=50, max_delay=0.5, spec=manifest["spec"],
+                       group_id=f"{raw}-group", connect_timeout=30, batch_size=50, max_delay=0.5,
+                       spec=manifest["spec"],
                        stats=manifest["stats"], enrichment_factory=FlightReference(tables["weather"], tables["planes"]))
     p = beam.Pipeline(options=pipeline_options("streaming"))
     build_stream_pipeline(p, cfg)

@@ -131,7 +131,7 @@ def test_pipeline_reads_lists_of_records_reconciles_and_its_runner_idles(bootstr
 def test_read_batch_records_is_checked_and_on_by_default():
     from pipelines.flights.streaming import StreamConfig
 
-    topics = {"raw_topic": "r", "features_topic": "f", "dead_letter_topic": "d"}
+    topics = {"raw_topic": "r", "features_topic": "f", "dead_letter_topic": "d", "group_id": "g", "connect_timeout": 5}
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="read_batch_records"):
             StreamConfig(bootstrap="x", read_batch_records=bad, **topics)

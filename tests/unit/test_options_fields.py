@@ -85,12 +85,22 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     dataset, Kafka settings and topics the online trainer and the feature pipeline are given resolved (their options
     serve every part of the stream). The feature pipeline's options are declared in pipelines.stream.options."""
     from flowtrain.commands.stream import StreamPipelineJob, StreamTrainJob
-    from flowtrain.train.options import ParallelOptions, StreamTrainOptions, TrainOptions, UpdateOptions
+    from flowtrain.train.options import (
+        EngineSettings,
+        ParallelOptions,
+        StreamTrainOptions,
+        TrainOptions,
+        UpdateOptions,
+    )
     from flowtrain.train.plan import TrainConfig
     from flowtrain.train.stream_config import StreamTrainConfig
     from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions
     from pipelines.stream.pipeline import StreamConfig
 
+    # both trainers' engines read one ParallelOptions (the stream trainer's are the batch run's, not a copy) and
+    # the run's EngineSettings
+    assert issubclass(StreamTrainOptions, ParallelOptions)
+    assert all(issubclass(engine, EngineSettings) for engine in (TrainConfig, StreamTrainConfig))
     for sets, command, engine in (((TrainOptions, ParallelOptions), BatchJob, TrainConfig),
                                   ((StreamTrainOptions, UpdateOptions), StreamTrainJob, StreamTrainConfig)):
         assert all(issubclass(command, s) and issubclass(engine, s) for s in sets), engine
@@ -110,8 +120,12 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     assert {o.name for o in options_of(StreamConfig)} == {o.name for s in sets for o in options_of(s)}
     pipeline_engine_only = ({f.name for f in dataclasses.fields(StreamConfig)}
                             - {o.name for o in options_of(StreamConfig)})
-    resolved = {"bootstrap", "raw_topic", "features_topic", "dead_letter_topic", "group_id", "kafka_config"}
+    resolved = {"bootstrap", "raw_topic", "features_topic", "dead_letter_topic", "group_id", "connect_timeout",
+                "kafka_config"}
     assert pipeline_engine_only & {f.name for f in dataclasses.fields(StreamPipelineJob)} == resolved
+    # what the command resolves keeps no default of its own (but the typed client settings: none given)
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(StreamConfig)
+               if f.name in resolved - {"kafka_config"})
     from flowtrain.commands.stream import StreamScoreJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.options import ScorerOptions
