@@ -10,7 +10,8 @@ Modules by job:
 - ``record``: ``KafkaRecord`` and its Beam coder;
 - ``delivery``: ``KafkaDelivery``, sending records and confirming every one;
 - ``produce``: senders of many records (kafka-python or confluent-kafka), every one confirmed;
-- ``write``: ``WriteToKafka``.
+- ``write``: ``WriteToKafka``;
+- ``deadletters``: the one Kafka wire format of a dead letter, ``WriteDeadLettersToKafka``.
 
 The names below are the package's API: ``from connectors.kafka import ReadFromKafka``.
 """
@@ -39,6 +40,7 @@ from connectors.kafka.clients import (
     unavailable_message,
     wait_for_partitions,
 )
+from connectors.kafka.deadletters import WriteDeadLettersToKafka, dead_letter_from_record, dead_letter_record
 from connectors.kafka.delivery import KafkaDelivery, KafkaWriteError, record_size, value_budget
 from connectors.kafka.fetch import CLIENTS, KafkaReadError, confluent_config
 from connectors.kafka.offsets import PartitionRead
@@ -54,4 +56,5 @@ __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "
            "value_budget", "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
            "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message", "describe_error", "is_retriable",
            "ReconnectSummary", "summarize_reconnects", "brokers_unreachable", "ProduceError", "new_sender",
-           "topic_partitions", "wait_for_partitions"]
+           "topic_partitions", "wait_for_partitions", "WriteDeadLettersToKafka", "dead_letter_record",
+           "dead_letter_from_record"]

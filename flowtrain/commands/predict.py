@@ -300,7 +300,7 @@ def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict
     import numpy as np
     import torch
 
-    from flowtrain.train.loop import metrics_of
+    from flowtrain.train.metrics import metrics_of
     from pipelines.tabular.labels import encode_labels
 
     table = read_predictions(out)

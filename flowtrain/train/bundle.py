@@ -414,6 +414,23 @@ def check_code(bundle: Bundle, trust_code: bool) -> None:
                           f"trust_code=True (flowtrain.load) or --trust-code (flowtrain predict)")
 
 
+def _skeleton(build):
+    """What ``build()`` makes, on the meta device and with its initializers skipped: its shapes, with no memory.
+    Skipping matters: a meta tensor's random initializer runs torch's reference kernels, whose first call imports
+    ``torch._dynamo`` (1.6 s of every ``flowtrain predict`` here, measured)."""
+    import torch
+
+    class NoInit(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__module__", None) == "torch.nn.init":  # an initializer: the tensor as it is
+                return args[0] if args else kwargs["tensor"]
+            return func(*args, **kwargs)
+
+    with torch.device("meta"), NoInit():
+        return build()
+
+
 def build_module(bundle: Bundle, *, trust_code: bool = False):
     """The bundle's model with its weights, in eval mode on the CPU.
 
@@ -421,7 +438,6 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
     parameter shapes compared with the weights' own (bounded by the file's size) before anything is
     allocated. A ``factory`` architecture imports and runs the module model.json names: only with
     ``trust_code=True`` (``--trust-code``), else a ``BundleError`` saying so."""
-    import torch
     from safetensors.torch import load_file
 
     from flowtrain.train.models import from_factory
@@ -435,8 +451,7 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
         check_code(bundle, trust_code)
         module = from_factory(str(arch.get("factory")), spec)
     elif kind in ARCHITECTURES:
-        with torch.device("meta"):
-            skeleton = ARCHITECTURES[kind](bundle, spec, arch)
+        skeleton = _skeleton(lambda: ARCHITECTURES[kind](bundle, spec, arch))
         want = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
         # an ID table's size is its own (flowtrain.train.ids): only its presence is the architecture's
         want = {k: (() if ".table." in k else v) for k, v in want.items()}

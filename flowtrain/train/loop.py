@@ -40,10 +40,8 @@ from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_bat
 from flowtrain.train.metrics import (
     MetricsLog,
     better,
-    classification_metrics,
     clears,
-    multiclass_metrics,
-    regression_metrics,
+    metrics_of,
     scalars,
 )
 from flowtrain.train.plan import SMALL_STEP, TrainConfig, TrainPlan, plan_training
@@ -86,15 +84,6 @@ def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
     model.train(was_training)
     out = torch.cat(outs) if outs else torch.zeros(0)
     return out * scale[1] + scale[0]
-
-
-def metrics_of(out: torch.Tensor, y: torch.Tensor, task: str, classes=None) -> dict:
-    """The task's metrics of outputs ``out`` against labels ``y``."""
-    if task == "regression":
-        return regression_metrics(out, y)
-    if out.dim() == 2:
-        return multiclass_metrics(out, y, classes)
-    return classification_metrics(out, y)
 
 
 def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0),

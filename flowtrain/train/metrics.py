@@ -181,3 +181,12 @@ class MetricsLog:
         atomic_write(self.path, "".join(json.dumps(r, default=float) + "\n" for r in kept))
         if self.board is not None:
             self.board.purge_after(step)
+
+
+def metrics_of(out: torch.Tensor, y: torch.Tensor, task: str, classes=None) -> dict:
+    """The task's metrics of outputs ``out`` against labels ``y``."""
+    if task == "regression":
+        return regression_metrics(out, y)
+    if out.dim() == 2:
+        return multiclass_metrics(out, y, classes)
+    return classification_metrics(out, y)

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowtrain.train.loop import metrics_of
-from flowtrain.train.metrics import MetricsLog
+from flowtrain.train.metrics import MetricsLog, metrics_of
 
 
 def prequential_metrics(window: list[tuple[np.ndarray, np.ndarray]], task: str, classes: Sequence | None, *,

@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from connectors.deadletter import DeadLetter, dead_letter_record
+from connectors.deadletter import DeadLetter
 from connectors.kafka import (
     KafkaDelivery,
     KafkaUnavailable,
     check_brokers,
     close_client,
+    dead_letter_record,
     describe_error,
     ensure_topic,
     is_retriable,

@@ -23,9 +23,9 @@ from apache_beam.utils.timestamp import Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
 from connectors.dataset_spec import ID_PREFIX
-from connectors.deadletter import DeadLetter, dead_letter_record
+from connectors.deadletter import DeadLetter
 from connectors.id_keys import reason_counts
-from connectors.kafka import KafkaDelivery, KafkaRecord, close_client, new_producer
+from connectors.kafka import KafkaDelivery, KafkaRecord, close_client, dead_letter_record, new_producer
 from pipelines.serving.config import ScoreConfig, ScoringBatch, topic_limits
 from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
 from pipelines.stream.featurize import StreamFeaturizer

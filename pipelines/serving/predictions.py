@@ -27,8 +27,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import PredictionResult
 
 from connectors.dataset_spec import CAT_PREFIX, LABEL
-from connectors.deadletter import DeadLetter, dead_letter_record
-from connectors.kafka import KafkaDelivery, close_client, new_producer, value_budget
+from connectors.deadletter import DeadLetter
+from connectors.kafka import KafkaDelivery, close_client, dead_letter_record, new_producer, value_budget
 from pipelines.serving.codec import PREDICTION_SCHEMA, PredictionsCodec, predictions_format
 from pipelines.serving.handler import parse_model_tag
 from pipelines.stream.formats.registry import SchemaRegistry

@@ -63,7 +63,7 @@ from apache_beam.metrics import Metrics
 
 from connectors.arrow import EncodeArrow, encode_batches
 from connectors.dataset_spec import FeatureSpec
-from connectors.deadletter import ERRS, DeadLetter, WriteDeadLettersToKafka, dead_letter_record, reason_kind
+from connectors.deadletter import ERRS, DeadLetter, reason_kind
 from connectors.fields import validate
 from connectors.kafka import (
     PRODUCER_DEFAULTS,
@@ -71,8 +71,10 @@ from connectors.kafka import (
     KafkaRecord,
     KafkaWriteError,
     ReadFromKafka,
+    WriteDeadLettersToKafka,
     WriteToKafka,
     close_client,
+    dead_letter_record,
     new_consumer,
     new_producer,
     retry_kafka,

@@ -189,7 +189,8 @@ def test_write_dead_letters_to_kafka_one_wire_format_and_oversized_payloads_trun
 
     from kafka import KafkaConsumer, TopicPartition
 
-    from connectors.deadletter import DeadLetter, WriteDeadLettersToKafka, dead_letter_from_record
+    from connectors.deadletter import DeadLetter
+    from connectors.kafka import WriteDeadLettersToKafka, dead_letter_from_record
 
     topic = new_topic(partitions=1, config={"max.message.bytes": "200000"})
     huge = b"{" + b"z" * 2_000_000  # a 2 MB event: larger than the topic allows

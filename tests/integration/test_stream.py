@@ -287,7 +287,7 @@ def _produce(bootstrap, topic, values, *, partitions):
 
 def _delivered(bootstrap, names) -> tuple[list, dict]:
     """Feature rows' (partition, offset) sources, and dead letters by (partition, offset)."""
-    from connectors.deadletter import dead_letter_from_record
+    from connectors.kafka import dead_letter_from_record
 
     rows = [(int(p), int(o)) for m in _read_topic(bootstrap, names["features"])
             for p, o in zip(decode_batch(m.value)["src_partition"].to_pylist(),

@@ -21,7 +21,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
-from connectors.deadletter import dead_letter_from_record
+from connectors.kafka import dead_letter_from_record
 from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]

@@ -121,15 +121,18 @@ def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path, capsys)
     assert proc.returncode != 0 and "no Kafka broker answered at 127.0.0.1:9" in proc.stderr, proc.stderr
     written = json.loads((out / "config.json").read_text())
     from connectors.fields import options_of
-    from flowtrain.commands.stream import StreamPipelineJob
+    from connectors.sections import flat_config
+    from flowtrain.commands.stream import StreamPipelineJob, StreamTrainJob
 
     assert set(written) == {o.name for o in options_of(StreamPipelineJob)}
     assert written["batch_size"] == 7 and written["runner"] == "prism" and "hush" not in json.dumps(written)
     written["kafka_config"] = []  # the redacted secret is not a value to feed back
     (tmp_path / "c.json").write_text(json.dumps(written))
-    assert yaml.safe_load(_printed(capsys, "stream", "pipeline", "--config", str(tmp_path / "c.json"))) == written
+    printed = yaml.safe_load(_printed(capsys, "stream", "pipeline", "--config", str(tmp_path / "c.json")))
+    assert flat_config(printed, StreamPipelineJob) == written  # printed in sections, the same options
     (tmp_path / "whole.yaml").write_text(_printed(capsys, "stream", "--lr", "0.5", "--score"))
-    config = yaml.safe_load(_printed(capsys, "stream", "train", "--config", str(tmp_path / "whole.yaml")))
+    config = flat_config(yaml.safe_load(_printed(capsys, "stream", "train", "--config", str(tmp_path / "whole.yaml"))),
+                         StreamTrainJob)
     assert config["lr"] == 0.5 and "score" not in config and "batch_size" not in config
 
 
@@ -174,8 +177,11 @@ def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_to
              "updates_topic": "model-updates", "predictions_topic": "predictions",
              "score_dead_letter_topic": "scoring-dead-letters"}
 
-    def shown(*argv):
-        return yaml.safe_load(_printed(capsys, *argv))
+    def shown(*argv):  # the printed options, flat (printed in their sections)
+        from connectors.sections import flat_config
+        from flowtrain.commands.stream import ReplayJob, StreamJob
+
+        return flat_config(yaml.safe_load(_printed(capsys, *argv)), ReplayJob if argv[0] == "replay" else StreamJob)
 
     sensors = str(tmp_path / "sensors" / "dataset")
     assert {k: v for k, v in shown("stream", "--dataset", sensors).items() if k in roles} == {
@@ -204,8 +210,8 @@ def test_dead_letters_are_counted_by_kind_not_by_message(bootstrap, new_topic, t
     from types import SimpleNamespace
 
     from connectors.dataset_spec import FeatureSpec
-    from connectors.deadletter import dead_letter_record, reason_kind
-    from connectors.kafka import close_client, new_producer
+    from connectors.deadletter import reason_kind
+    from connectors.kafka import close_client, dead_letter_record, new_producer
     from flowtrain.commands.stream_status import StreamSampler
     from pipelines.stream.events import event_schema, parse_event
 

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from connectors.arrow import decode_batch, encode_batch, encode_batches
-from connectors.deadletter import DeadLetter, dead_letter_from_record, dead_letter_record
-from connectors.kafka import record_size
+from connectors.deadletter import DeadLetter
+from connectors.kafka import dead_letter_from_record, dead_letter_record, record_size
 from flowtrain.train.stream_source import unseen
 from pipelines.flights.events import MALFORMED_KINDS, ParseBounds, events_table, malform, parse_event
 
