@@ -9,6 +9,11 @@ A field made with :func:`option` carries its default, its range (a checking pars
 - the run's ``config.json`` (:func:`to_config`: every field, a valid ``--config``),
 - the Python API's checks (:func:`check`: the same ranges and choices, one error naming the field).
 
+An option set names its ``--config`` section once, in its class body: ``SECTION: ClassVar[str] = "train"``.
+The options a class declares itself are in its section (:attr:`Option.section`; the class's own ``SECTION``, not
+a base's: a command's class adding its own options declares none, and they stay at the top level).
+``connectors.sections`` nests and un-nests a command's options by them (``train: {lr: 0.01}`` is ``lr: 0.01``).
+
 Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast. In the bottom layer, so that
 every layer declares its options next to its code (``pipelines.stream.options``, ``flowtrain.train.options``).
 """
@@ -180,6 +185,30 @@ class Option(NamedTuple):
     group: str
     metavar: str | None
     repeat: bool
+    section: str | None = None  # its --config section (its class's SECTION); None: the top level
+
+    @property
+    def key(self) -> str:
+        """Its key inside its section: the name without the section's name and ``_`` in front (``score_batch_size``
+        in ``score``: ``batch_size``); the name itself at the top level or without that prefix."""
+        short = self.name.removeprefix(f"{self.section}_") if self.section else self.name
+        return short or self.name
+
+    @property
+    def place(self) -> str:
+        """Where it goes in a nested ``--config``: ``section.key``, or its name at the top level."""
+        return f"{self.section}.{self.key}" if self.section else self.name
+
+
+def section_of(cls: type) -> str | None:
+    """The ``--config`` section of the options ``cls`` declares itself: its own ``SECTION`` (not a base's)."""
+    return vars(cls).get("SECTION")
+
+
+def _declared_by(cls: type, field: dataclasses.Field) -> type:
+    """The class in ``cls``'s bases (or ``cls``) that declares ``field``: the most basic one holding it (a dataclass
+    passes its bases' fields on as they are; a field declared again is a new one)."""
+    return next(c for c in reversed(cls.__mro__) if vars(c).get("__dataclass_fields__", {}).get(field.name) is field)
 
 
 def _parser_for(tp: Any) -> Callable[[Any], Any] | None:
@@ -208,7 +237,8 @@ def options_of(cls: type) -> list[Option]:
             continue
         parse = meta["parse"] or _parser_for(hints[f.name])
         out.append(Option(f.name, meta["flag"] or "--" + f.name.replace("_", "-"), f.default, meta["help"],
-                          parse, meta["choices"], meta["group"], meta["metavar"], meta["repeat"]))
+                          parse, meta["choices"], meta["group"], meta["metavar"], meta["repeat"],
+                          section_of(_declared_by(cls, f))))
     return out
 
 
@@ -286,6 +316,6 @@ def plain(value: Any) -> Any:
 
 
 def to_config(config: Any) -> dict[str, Any]:
-    """Every option of ``config`` as ``{name: value}``: what ``config.json`` holds and ``--print-config``
-    prints; a valid ``--config`` of the same command."""
+    """Every option of ``config`` as ``{name: value}``, flat: what ``config.json`` holds; a valid ``--config`` of
+    the same command (``--print-config`` prints them in their sections: ``connectors.sections.to_sections``)."""
     return {o.name: plain(getattr(config, o.name)) for o in options_of(type(config))}

@@ -4,13 +4,16 @@
   ``ExportJob``: fields made with ``connectors.fields.option``) gets its flags from ``add_fields``:
   one flag per field (``--field-name``), its type and range from the field's parser, its choices,
   help and default from the field. ``--config`` keys are the same names, ``config.json`` holds the
-  same keys (``connectors.fields.to_config``), ``--print-config`` prints them. Every default is the
-  field's, in one place.
+  same keys (``connectors.fields.to_config``). Every default is the field's, in one place.
+- **Sections.** ``--config`` also takes the options nested in their option set's section (``train: {lr: 0.01}``,
+  ``score: {batch_size: 64}`` for ``score_batch_size``; ``connectors.sections``), flat keys and sections mixed;
+  ``--print-config`` prints the nested form, ``config.json`` stays flat: both are valid ``--config`` files.
 - **The command line wins over --config, but only for what it says.** An option counts as given
   when it appears on the command line; a ``store_true`` flag that is absent does not turn a YAML
   ``resume: true`` off.
-- **YAML keys are option names** (``-`` or ``_``); an unknown key, or a value of the wrong type or
-  out of range, is an error naming the key and the file. Values go through the option's own
+- **YAML keys are option names** (``-`` or ``_``), at the top level or in their section; an unknown key, a key
+  in the wrong section, an option given twice, or a value of the wrong type or out of range, is an error naming
+  the key and the file. Values go through the option's own
   ``type``, so YAML and the command line are checked alike.
 - **Ranges** are option types (``at_least(1)``, ``above(0)``, ``fraction()``): argparse names the
   option in its message, ``--config`` names the key.
@@ -30,12 +33,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import GENERAL, OptionError, above, at_least, fraction, nearest, options_of, sizes  # noqa: F401
+from connectors.fields import (  # noqa: F401
+    GENERAL,
+    Option,
+    OptionError,
+    above,
+    at_least,
+    fraction,
+    nearest,
+    options_of,
+    sizes,
+)
+from connectors.sections import to_sections, unnest
 from flowtrain.commands.kafka_options import format_value
 
 #: Parser defaults attached by the commands; not options.
 INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help", "print_config",
-                      "run_positional"})
+                      "run_positional", "option_class"})
 
 
 # --- a config dataclass's fields as flags --------------------------------------------------------------
@@ -52,12 +66,16 @@ def _help(opt) -> str:
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per option field of config dataclass ``cls`` (``connectors.fields``), in sections by the
-    fields' groups, plus ``--config`` and ``--print-config``."""
+    fields' groups, plus ``--config`` and ``--print-config`` (``cls`` stays the parser's default ``option_class``:
+    ``load_config`` reads its sections)."""
+    parser.set_defaults(option_class=cls)
     parser.add_argument("--config", default=None, metavar="YAML",
                         help="YAML (or JSON: a run's config.json) file with any of these options, keys as the "
-                             "flags without '--' ('-' or '_'); the command line wins over it")
+                             "flags without '--' ('-' or '_'), or in their sections as --print-config shows "
+                             "them; the command line wins over it")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the effective options (defaults, --config and the command line) as YAML and stop")
+                        help="print the effective options (defaults, --config and the command line) as YAML, in "
+                             "their sections, and stop")
     groups: dict[str, Any] = {GENERAL: parser}
     for opt in options_of(cls):
         target = groups.get(opt.group) or groups.setdefault(opt.group, parser.add_argument_group(opt.group))
@@ -73,12 +91,10 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def print_config(config: Any) -> None:
-    """``--print-config``: the effective options as YAML (a valid ``--config``)."""
+    """``--print-config``: the effective options as YAML, nested in their sections (a valid ``--config``)."""
     import yaml
 
-    from connectors.fields import to_config
-
-    print(yaml.safe_dump(to_config(config), sort_keys=False, default_flow_style=None), end="")
+    print(yaml.safe_dump(to_sections(config), sort_keys=False, default_flow_style=None), end="")
 
 
 # --- which options were given, YAML, merging ----------------------------------------------------------
@@ -113,7 +129,8 @@ def option_name(action: argparse.Action) -> str:
 
 
 def load_config(path: str | Path, sub: argparse.ArgumentParser) -> dict[str, Any]:
-    """A --config YAML file as {dest: typed value}, checked against ``sub``'s options."""
+    """A --config YAML file (flat keys and sections, mixed) as {dest: typed value}, checked against ``sub``'s
+    options (in the sections of ``sub``'s ``option_class``: ``add_fields``)."""
     import yaml
 
     path = Path(path)
@@ -130,13 +147,13 @@ def load_config(path: str | Path, sub: argparse.ArgumentParser) -> dict[str, Any
         raise OptionError(f"{where} must hold a mapping of option: value (e.g. 'epochs: 5'), "
                           f"not a {type(loaded).__name__}")
     actions = {a.dest: a for a in _optional_actions(sub) if a.dest != "config"}
+    cls = sub.get_default("option_class")
+    declared = {o.name: o for o in options_of(cls)} if cls else {}
+    options = [declared.get(dest) or Option(dest, option_name(a), a.default, a.help or "", a.type, a.choices,
+                                            GENERAL, a.metavar, False) for dest, a in actions.items()]
+    found, unknown = unnest(loaded, options, where)
     out: dict[str, Any] = {}
-    unknown = []
-    for key, value in loaded.items():
-        dest = str(key).strip().lstrip("-").replace("-", "_")
-        if dest not in actions:
-            unknown.append(str(key))
-            continue
+    for dest, (key, value) in found.items():
         typed = _coerce(actions[dest], value, f"{where}: {key}")
         if typed is not None:
             out[dest] = typed

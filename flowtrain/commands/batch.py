@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from connectors.fields import above, at_least, option, options_of, store_path, to_config
 from flowtrain.commands.batch_etl import build_dataset, range_of
@@ -131,6 +132,7 @@ class BatchInputs:
 class BatchWorkers:
     """How many local workers, and how a failed one ends (or restarts) the job."""
 
+    SECTION: ClassVar[str] = "parallel"  # --config's section: with the engine's ParallelOptions
     workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
                           "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
     failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",

@@ -20,7 +20,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, fraction, option, store_path
 from flowtrain.errors import FlowtrainError
@@ -52,6 +52,7 @@ kafka_pairs.__name__ = "key-value pairs"
 class KafkaOptions:
     """The brokers and how every client reaches them."""
 
+    SECTION: ClassVar[str] = "kafka"  # --config: kafka: {config_file: FILE} is kafka_config_file
     bootstrap: str = option("127.0.0.1:9092", "Kafka bootstrap servers")
     kafka_config: tuple[str, ...] = option(
         (), "kafka-python client option for every client, e.g. security_protocol=SASL_SSL, sasl_mechanism=PLAIN, "
@@ -98,6 +99,7 @@ class StreamCommon(KafkaOptions):
 class TrainerWorkers:
     """The online trainer's processes."""
 
+    SECTION: ClassVar[str] = "trainer"
     workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
                           parse=at_least(1), group=TRAINER)
     failure_timeout: float = option(
@@ -128,6 +130,7 @@ class ScoreOptions(ScorerOptions):
     (``pipelines.serving.options.ScorerOptions``), and what only the command reads: topics, the wait for a first
     model, drift monitoring."""
 
+    SECTION: ClassVar[str] = "score"
     predictions_topic: str | None = option(None, "predictions, one Arrow record batch per message (default: "
                                                  "NAME-predictions)", group=SCORING)
     score_dead_letter_topic: str | None = option(None, "events the scorer rejects, with their reason (default: "
@@ -246,6 +249,7 @@ class StreamJob(RunnerOptions, UpdateOptions, ScoreOptions, TrainerOptions, Pipe
     """The options of ``flowtrain stream``: the feature pipeline and the online trainer (and with ``--score`` the
     scorer) as one job; every part's options."""
 
+    SECTION: ClassVar[str] = "score"  # its one option, --score, goes with the scorer's: score: {score: true}
     score: bool = option(False, "also run the scoring pipeline: Beam RunInference on the raw events with the newest "
                                 "published model version, hot-swapped without a restart", group=SCORING)
 

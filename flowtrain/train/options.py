@@ -16,6 +16,7 @@ Ranges and choices are checked in one place, ``connectors.fields.check`` / ``bui
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from connectors.fields import above, at_least, fraction, option, sizes, store_path
 
@@ -38,6 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 class ModelOptions:
     """The options a model family reads (``flowtrain.train.models.build_model``)."""
 
+    SECTION: ClassVar[str] = "train"  # --config's section (connectors.sections): train: {hidden: [64, 32]}
     model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
                                "(x_num, x_cat) (see docs/python-api.md); flowtrain imports MODULE and runs FACTORY: "
                                "code that runs as you, here and wherever the bundle is loaded with --trust-code; "
@@ -59,6 +61,7 @@ class TrainOptions(ModelOptions):
     """A batch run's training options: budget, batch, schedule, evaluation (``plan.plan_training`` chooses what
     is left unset)."""
 
+    SECTION: ClassVar[str] = "train"
     epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
                                 "chosen from the table, printed)", parse=at_least(1), group=TRAINING)
     steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
@@ -92,6 +95,7 @@ class ParallelOptions:
     """How a trainer's engine splits the work over its workers (``flowtrain.train.trainer``), the batch run's and
     the online trainer's alike."""
 
+    SECTION: ClassVar[str] = "parallel"
     bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=PARALLELISM)
     shard_states: str = option("none", "ZeRO: shard the data-parallel training state over the workers: optimizer "
                                "(ZeRO-1: Adam's state), gradients (ZeRO-2: and gradients), parameters (ZeRO-3: and "
@@ -127,6 +131,7 @@ class StreamTrainOptions(ParallelOptions):
     batch run's: the replicas' buckets, ZeRO, pipeline stages, tensor shards, the device), its model, optimizer,
     checkpoints and published versions."""
 
+    SECTION: ClassVar[str] = "trainer"
     init_weights: str | None = option(
         None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
               "kind, seed) comes from that run's config.json", group=STREAM_TRAINER,
@@ -164,6 +169,7 @@ class StreamTrainOptions(ParallelOptions):
 class UpdateOptions:
     """Model versions between the trainer (it signs them) and the scorer (it authenticates them)."""
 
+    SECTION: ClassVar[str] = "updates"
     update_key_file: str | None = option(
         None, "the key that signs (trainer) and authenticates (scorer) model versions, HMAC-SHA256; else "
               "$FLOWTRAIN_UPDATE_KEY; without either, versions are unsigned and the scorer warns (default: none)",

@@ -12,6 +12,7 @@ events' options, ``pipelines.stream.options.EventOptions``) plus what the comman
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from connectors.fields import above, at_least, option
 from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES
@@ -26,6 +27,7 @@ PREDICTIONS_FORMATS = ("arrow", "json", "avro", "protobuf")
 class ScorerOptions:
     """The scoring pipeline: RunInference with the newest published version."""
 
+    SECTION: ClassVar[str] = "score"  # --config's score: {batch_size: 64} is score_batch_size (connectors.sections)
     predictions_format: str | None = option(
         None, "how predictions are written: arrow (one record batch per message), json (one object per prediction), "
               "avro or protobuf (one record per prediction; with --schema-registry in its wire format, the schema "

@@ -16,7 +16,7 @@ spec and statistics, the enrichment's factory, Kafka client settings). Stdlib on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, check_value, option, options_of
 
@@ -39,6 +39,7 @@ class ParseBounds:
     below what hurts: a 1 MiB event, 32 levels of JSON, and numbers exact in a float64.
     """
 
+    SECTION: ClassVar[str] = "events"  # --config's section (connectors.sections): events: {max_event_bytes: 4096}
     max_event_bytes: int = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
                                   group=EVENTS)
     max_json_depth: int = option(32, "a raw event nesting objects/arrays deeper than this is a dead letter",
@@ -72,6 +73,7 @@ DEFAULT_BOUNDS = ParseBounds()
 class EventOptions(ParseBounds):
     """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, then these)."""
 
+    SECTION: ClassVar[str] = "events"
     enrichment: str = option(
         "auto", "a domain's reference-data step before the features: auto (the enrichment of the dataset's preset, "
                 "e.g. the demo's weather and planes join; none for your own files; default), none, or the name of a "
@@ -93,6 +95,7 @@ class EventOptions(ParseBounds):
 class PipelineOptions:
     """The feature pipeline's micro-batches and reader."""
 
+    SECTION: ClassVar[str] = "pipeline"
     # 500 cost 2x the CPU per event in parse + featurize + train (bench stream)
     batch_size: int = option(2000, "events per micro-batch (closed by size ...)", parse=at_least(1), group=PIPELINE)
     max_delay: float = option(1.0, "... or by this many seconds after its first event", parse=above(0),

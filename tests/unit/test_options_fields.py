@@ -14,6 +14,7 @@ import yaml
 
 import flowtrain
 from connectors.fields import OptionError, build, options_of, to_config
+from connectors.sections import to_sections
 from flowtrain.cli.main import build_parser
 from flowtrain.cli.options import load_config
 from flowtrain.commands.batch import BatchJob
@@ -159,10 +160,10 @@ def test_config_json_is_a_valid_config_and_print_config_shows_the_effective_opti
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--config", str(tmp_path / "config.json"),
                            "--print-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert yaml.safe_load(proc.stdout) == to_config(job)
+    assert yaml.safe_load(proc.stdout) == to_sections(job)  # in their sections (tests/unit/test_config_sections.py)
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--config", str(tmp_path / "config.json"),
                            "--lr", "0.5", "--print-config"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert yaml.safe_load(proc.stdout) == {**to_config(job), "lr": 0.5}  # the command line wins
+    assert yaml.safe_load(proc.stdout) == to_sections(dataclasses.replace(job, lr=0.5))  # the command line wins
 
 
 def test_each_command_help_shows_its_own_options():
