@@ -19,17 +19,22 @@ Sharded state (``--shard-states``): every rank writes its own pieces with ``torc
 per rank and DCP's ``.metadata``); rank 0 then renames the directory to ``ckpt-<step>.dcp`` and writes
 ``ckpt-<step>.pt`` (the rest of the state, small) last, its checksum file recording every shard file's
 SHA-256: a ``ckpt-<step>.pt`` that verifies has whole shards beside it. A piece is a flat range of a
-tensor (``chunks``: name -> (offset, whole length)); ``load_shards`` reads any ranges of the saved
-tensors back, whatever ranges the ranks that wrote them held (DCP's resharding), so a checkpoint
-written by N ranks resumes on any number.
+tensor (``chunks``: name -> (offset, whole length)), or a flat range of a block of it (``Piece``: a tensor
+shard's slice of a parameter, saved in the parameter's whole shape as at most a few boxes of DCP chunks with
+their offsets in it); ``load_shards`` reads any ranges of the saved tensors back, whatever ranges or blocks the
+ranks that wrote them held and whatever shape they saved them in (DCP's resharding), so a checkpoint written by
+N ranks resumes on any number, with or without tensor shards.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +116,94 @@ def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int =
 SHARDS_SUFFIX = ".dcp"
 
 
-def save_shards(directory: str | Path, step: int, tensors: dict[str, torch.Tensor], chunks: dict[str, tuple[int, int]],
+@dataclass(frozen=True)
+class Piece:
+    """A rank's piece of a saved tensor of shape ``whole``: elements ``[start, start + its numel)``, in row-major
+    order, of the block at ``corner`` with shape ``block`` (a tensor shard's slice of a parameter, whose flat range
+    a ZeRO replica owns). It is saved in the whole shape, as the boxes ``_boxes`` cuts it into (DCP chunks with
+    their offsets: two or three for a 2-D slice), so a shard's slices keep the parameter's own name."""
+
+    start: int
+    whole: tuple[int, ...]
+    corner: tuple[int, ...]
+    block: tuple[int, ...]
+
+
+def _piece(spec) -> Piece:
+    """A ``chunks`` value as a ``Piece``: ``(offset, whole length)`` is a flat range of a flat tensor."""
+    if isinstance(spec, Piece):
+        return spec
+    offset, length = spec
+    return Piece(int(offset), (int(length),), (0,), (int(length),))
+
+
+def _boxes(start: int, numel: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
+    """Elements ``[start, start + numel)`` of a row-major tensor of ``shape`` as boxes ``(offsets, sizes, at)``, each
+    contiguous in that order (a partial row, whole rows, a partial row, recursively), ``at``: its first element's
+    place in the range."""
+    if not shape:
+        return [((), (), 0)] if numel else []
+    out: list[tuple[tuple, tuple, int]] = []
+
+    def walk(lo: int, hi: int, depth: int, prefix: tuple, at: int) -> None:
+        if lo >= hi:
+            return
+        dims, ones = shape[depth:], (1,) * depth
+        inner = math.prod(dims[1:])
+        if len(dims) == 1 or (lo % inner == 0 and hi % inner == 0):
+            rest = (0,) * (len(dims) - 1)
+            out.append((prefix + (lo // inner,) + rest, ones + ((hi - lo) // inner,) + dims[1:], at))
+            return
+        first, last = lo // inner, (hi - 1) // inner
+        if first == last:
+            walk(lo - first * inner, hi - first * inner, depth + 1, prefix + (first,), at)
+            return
+        head, tail = (first + 1) * inner, last * inner
+        walk(lo, head, depth, prefix, at)
+        walk(head, tail, depth, prefix, at + head - lo)
+        walk(tail, hi, depth, prefix, at + tail - lo)
+
+    walk(start, start + numel, 0, (), 0)
+    return out
+
+
+def _runs(offsets: tuple, sizes: tuple, whole: tuple) -> list[tuple[int, int, int]]:
+    """A box of a row-major tensor of shape ``whole`` as flat runs ``(offset, length, at)``, ``at``: the run's place
+    in the box (in its row-major order)."""
+    if not whole:
+        return [(0, 1, 0)]
+    lead = len(whole) - 1
+    while lead > 0 and sizes[lead] == whole[lead]:
+        lead -= 1
+    strides = [math.prod(whole[i + 1:]) for i in range(len(whole))]
+    length = math.prod(sizes[lead:])
+    base = sum(o * st for o, st in zip(offsets[lead:], strides[lead:]))
+    out = []
+    for k, index in enumerate(itertools.product(*(range(n) for n in sizes[:lead]))):
+        out.append((base + sum((offsets[i] + j) * strides[i] for i, j in enumerate(index)), length, k * length))
+    return out
+
+
+def _placements(spec, numel: int, saved: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
+    """Where the ``numel`` elements of a rank's piece (a ``chunks`` value) lie in a saved tensor of shape ``saved``
+    (the same number of elements, in whichever shape it was saved): boxes ``(offsets, sizes, at)`` of it, each
+    contiguous in the piece, ``at`` its place there."""
+    p, saved = _piece(spec), tuple(saved)
+    if p.block == p.whole:  # a flat range of the whole tensor: the same range of the saved one, in its shape
+        return _boxes(p.start, numel, saved)
+    boxes = [(tuple(c + o for c, o in zip(p.corner, off)), size, at) for off, size, at in _boxes(p.start, numel, p.block)]
+    if saved == tuple(p.whole):
+        return boxes
+    return [(o, s, at + run_at + sub_at) for off, size, at in boxes for flat, length, run_at in _runs(off, size, p.whole)
+            for o, s, sub_at in _boxes(flat, length, saved)]
+
+
+def save_shards(directory: str | Path, step: int, tensors: dict[str, torch.Tensor], chunks: dict,
                 *, run_id: str | None = None, group=None) -> Path:
     """Every rank writes its ``tensors`` (a collective, DCP): a name in ``chunks`` is this rank's piece of a
-    flat tensor, ``(offset, whole length)``; any other is whole (one rank's copy is kept). Returns the
-    temporary directory that rank 0's ``save(..., shards=...)`` moves into place."""
+    flat tensor, ``(offset, whole length)``, or of a block of a tensor (a ``Piece``); any other is whole (one
+    rank's copy is kept). Returns the temporary directory that rank 0's ``save(..., shards=...)`` moves into
+    place."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -174,18 +262,19 @@ def read_whole(path: str | Path, model: torch.nn.Module, parts: tuple[str, ...] 
     return out
 
 
-def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict[str, tuple[int, int]], *,
-                group=None) -> None:
-    """Fill ``tensors`` (a collective): a name in ``chunks`` with that range of the saved flat tensor, any
-    other with the whole saved tensor, whichever ranks wrote which pieces. A name the checkpoint does not
-    hold, or a size that differs, is a ``CheckpointError`` naming the directory."""
+def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict, *, group=None) -> None:
+    """Fill ``tensors`` (a collective): a name in ``chunks`` with that piece (a range of the flat tensor, or a
+    ``Piece`` of a block of it), any other with the whole saved tensor, whichever ranks wrote which pieces and in
+    whichever shape (flat, or the parameter's). A name the checkpoint does not hold, or a size that differs, is a
+    ``CheckpointError`` naming the directory."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     saved = shard_names(path)
     for name, t in tensors.items():
-        want = (chunks[name][1],) if name in chunks else tuple(t.shape)
-        if name not in saved or saved[name] != want:
+        want = _piece(chunks[name]).whole if name in chunks else tuple(t.shape)
+        fits = name in saved and (math.prod(saved[name]) == math.prod(want) if name in chunks else saved[name] == want)
+        if not fits:
             found = f"holds it with shape {list(saved[name])}" if name in saved else "does not hold it"
             raise CheckpointError(f"sharded checkpoint {path} cannot be resharded into this model: it {found}, the "
                                   f"model's {name} has shape {list(want)} (another architecture); resume with the "
@@ -197,24 +286,25 @@ def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict
 def load_sharded(engine, model: torch.nn.Module, path: Path, state: dict) -> dict | None:
     """Model and optimizer state from checkpoint ``path`` (its ``state``) whose state was saved sharded
     (``--shard-states``: each rank its pieces), into ``engine``'s layout (a collective): a ZeRO engine
-    (``shard_targets``; on a grid: ZeRO over pipeline stages) reads its own pieces, whichever ranks wrote them;
-    data parallelism, and stages without ZeRO a grid of stages wrote, read them whole; tensor shards, and
-    stages without ZeRO a data-parallel run wrote, cannot take them (one line naming the file and the fix). Returns the best weights saved with it, whole (None: none were)."""
+    (``shard_targets``; on a grid: ZeRO over the replicas of its stages and tensor shards) reads its own pieces,
+    whichever ranks wrote them; data parallelism, and a grid without ZeRO when a grid wrote them, read them whole;
+    a grid without ZeRO cannot take those a data-parallel run wrote (one line naming the file and the fix).
+    Returns the best weights saved with it, whole (None: none were)."""
     shards = path.with_suffix(SHARDS_SUFFIX)
     layout = state.get("layout", {})
-    # a grid reads them through its ZeRO sharder (stages), or whole when a grid of stages wrote them (its cut)
-    if hasattr(engine, "grid") and not hasattr(engine, "shard_targets") and (
-            engine.grid.tensor > 1 or not state.get("stage_bounds")):
+    # a grid reads them through its ZeRO sharder, or whole when a grid wrote them (its stage cut)
+    if hasattr(engine, "grid") and not hasattr(engine, "shard_targets") and not state.get("stage_bounds"):
         raise CheckpointError(
             f"{path} holds ZeRO-sharded state (--workers {layout.get('workers', '?')} --shard-states "
-            f"{layout.get('shard_states', '?')}), which reshards across data-parallel workers (and pipeline stages "
-            f"whose replicas shard theirs), not into tensor shards or unsharded stages: resume it without --stages / "
-            f"--tensor-parallel (any --workers and --shard-states), or with --workers 2 or more and --shard-states, "
-            f"or start a new run with --overwrite")
+            f"{layout.get('shard_states', '?')}), which reshards across data-parallel workers (and the replicas of "
+            f"pipeline stages and tensor shards), not into unsharded stages or tensor shards: resume it without "
+            f"--stages / --tensor-parallel (any --workers and --shard-states), or with --workers 2 or more and "
+            f"--shard-states, or start a new run with --overwrite")
     saved = shard_names(shards)
     best = ("best",) if any(name.startswith("best.") for name in saved) else ()
     if hasattr(engine, "shard_targets"):
-        tensors, chunks = engine.shard_targets(saved)
+        # a sharder reads flat ranges of flat tensors; a grid with tensor shards saved them in their own shapes
+        tensors, chunks = engine.shard_targets({k: (math.prod(v),) if len(v) > 1 else v for k, v in saved.items()})
         load_shards(shards, tensors, chunks)
         engine.take_shards(tensors)
         return read_whole(shards, model, best)["best"] if best else None
@@ -223,9 +313,10 @@ def load_sharded(engine, model: torch.nn.Module, path: Path, state: dict) -> dic
     return whole.get("best")
 
 
-def _piece_save_planner(chunks: dict[str, tuple[int, int]]):
-    """DCP's default save planner, but a name in ``chunks`` is written as a piece at its offset of a flat
-    tensor (a rank's ZeRO shard of a parameter is a flat range, not one of DTensor's even chunks)."""
+def _piece_save_planner(chunks: dict):
+    """DCP's default save planner, but a name in ``chunks`` is written as its piece's boxes at their offsets of the
+    whole tensor (a rank's ZeRO shard of a parameter is a flat range, of a tensor shard's slice on a grid: not one
+    of DTensor's even chunks)."""
     from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan, WriteItem
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
@@ -233,28 +324,39 @@ def _piece_save_planner(chunks: dict[str, tuple[int, int]]):
     class PieceSavePlanner(DefaultSavePlanner):
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.views: dict[tuple, torch.Tensor] = {}
 
         def create_local_plan(self) -> SavePlan:
             items = []
             for name, t in self.state_dict.items():
-                offset, whole = chunks[name] if name in chunks else (0, None)
-                at = torch.Size([offset] if name in chunks else [0] * t.dim())
-                items.append(WriteItem(
-                    index=MetadataIndex(name, at), type=WriteItemType.SHARD if name in chunks else WriteItemType.TENSOR,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=at, sizes=t.size()),
-                                                properties=TensorProperties.create_from_tensor(t),
-                                                size=torch.Size([whole]) if name in chunks else t.size())))
+                properties = TensorProperties.create_from_tensor(t)
+                if name not in chunks:
+                    at = torch.Size([0] * t.dim())
+                    items.append(WriteItem(index=MetadataIndex(name, at), type=WriteItemType.TENSOR, tensor_data=(
+                        TensorWriteData(chunk=ChunkStorageMetadata(offsets=at, sizes=t.size()), properties=properties,
+                                        size=t.size()))))
+                    continue
+                piece, flat = _piece(chunks[name]), t.reshape(-1)
+                for offsets, sizes, at in _placements(piece, t.numel(), piece.whole):
+                    self.views[(name, tuple(offsets))] = flat[at:at + math.prod(sizes)].view(sizes)
+                    items.append(WriteItem(
+                        index=MetadataIndex(name, torch.Size(offsets)), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                               sizes=torch.Size(sizes)),
+                                                    properties=properties, size=torch.Size(piece.whole))))
             self.plan = SavePlan(items)
             return self.plan
 
         def lookup_object(self, index):
-            return self.state_dict[index.fqn]
+            key = (index.fqn, tuple(index.offset))
+            return self.views[key] if key in self.views else self.state_dict[index.fqn]
 
     return PieceSavePlanner()
 
 
-def _piece_load_planner(chunks: dict[str, tuple[int, int]]):
-    """DCP's default load planner, reading a name in ``chunks`` into a piece at its offset of the flat tensor."""
+def _piece_load_planner(chunks: dict):
+    """DCP's default load planner, reading a name in ``chunks`` into its piece: the boxes of the saved tensor (in
+    whichever shape it was saved) its elements lie in."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -262,17 +364,27 @@ def _piece_load_planner(chunks: dict[str, tuple[int, int]]):
     class PieceLoadPlanner(DefaultLoadPlanner):
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.views: dict[str, list[torch.Tensor]] = {}
 
         def create_local_plan(self) -> LoadPlan:
             requests = []
             for name, t in self.state_dict.items():
-                at = torch.Size([chunks[name][0]] if name in chunks else [0] * t.dim())
-                requests += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name],
-                                                             [ChunkStorageMetadata(offsets=at, sizes=t.size())])
+                saved = self.metadata.state_dict_metadata[name]
+                if name in chunks:
+                    if not t.is_contiguous():  # its boxes are views of it: a copy would be filled instead
+                        raise ValueError(f"load_shards fills {name} in place: pass a contiguous tensor")
+                    flat = t.view(-1)
+                    boxes = _placements(chunks[name], t.numel(), tuple(saved.size))
+                    self.views[name] = [flat[at:at + math.prod(sizes)].view(sizes) for _, sizes, at in boxes]
+                    wanted = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in boxes]
+                else:
+                    self.views[name] = [t]
+                    wanted = [ChunkStorageMetadata(offsets=torch.Size([0] * t.dim()), sizes=t.size())]
+                requests += create_read_items_for_chunk_list(name, saved, wanted)
             return LoadPlan(requests)
 
         def lookup_tensor(self, index):
-            return self.state_dict[index.fqn]
+            return self.views[index.fqn][index.index or 0]
 
     return PieceLoadPlanner()
 

@@ -17,8 +17,10 @@ The device holds this rank's shard only; the whole model, which ``sync_model`` f
 host memory.
 
 With ``--shard-states`` and replicas, each (stage, shard)'s state is ZeRO-sharded over its replicas
-(``flowtrain.parallel.zero.shard_stage_worker``); without tensor shards the checkpoints are then saved
-sharded, in data parallelism's ZeRO format (``shard_pieces``).
+(``flowtrain.parallel.zero.shard_stage_worker``), and the checkpoints are saved sharded (``shard_pieces``): each
+rank writes the flat ranges of its parameters it owns, under the whole model's names (a stage keeps them); with
+tensor shards each range of a shard's slice is written at its offsets in the whole parameter
+(``flowtrain.train.checkpoint.Piece``), so a checkpoint resumes with any replicas, tensor shards or none.
 
 The random state is seeded per replica and stage, never per shard (``rng_rank``), so the shards
 of a tensor group draw the same dropout masks. ``sync_model`` gathers the shards and stages
@@ -39,6 +41,7 @@ from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with
 from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
 from flowtrain.parallel.zero import shard_stage_worker
 from flowtrain.parallel.zero_units import peak_rss_bytes, storage_bytes
+from flowtrain.train.checkpoint import Piece
 from flowtrain.train.models import pack
 
 __all__ = ["GridEngine"]
@@ -89,10 +92,11 @@ class GridEngine:
         self.rng_rank = pos.replica * stages + pos.stage  # shards of a tensor group draw alike
         self._states: list[dict] | None = None
         self._shards: list[list[dict]] | None = None
-        if self.sharder is not None and tensor == 1:
-            # ZeRO on pipeline stages saves its checkpoints sharded as data parallelism's ZeRO does (the interface
-            # ``fit`` and the stream trainer look for): a stage keeps the model's parameter names, so each rank
-            # writes flat ranges of whole parameters, which a resume with any --workers reads
+        if self.sharder is not None:
+            # ZeRO on the grid saves its checkpoints sharded as data parallelism's ZeRO does (the interface ``fit``
+            # and the stream trainer look for): a stage keeps the model's parameter names, so each rank writes flat
+            # ranges of whole parameters (a tensor shard: of its slices, placed in the whole), which a resume with
+            # any --workers reads
             self.shard_pieces, self.shard_targets, self.take_shards = \
                 self._shard_pieces, self._shard_targets, self._take_shards
 
@@ -182,13 +186,15 @@ class GridEngine:
         g = self.grid
         stages = optimizer_state.get("stages")
         written = optimizer_state.get("grid", {"stages": len(stages) if stages else 1, "tensor_parallel": 1})
-        if stages is None and g.tensor == 1 and "state" in optimizer_state:
-            # a plain optimizer's state over the whole model (a sharded checkpoint read whole): this stage's part
-            stages = [None] * g.stages
-            stages[self.pos.stage] = self._stage_optimizer_state(optimizer_state)
+        if stages is None and "state" in optimizer_state:
+            # a plain optimizer's state over the whole model (a sharded checkpoint read whole): this shard's part
+            mine = self._stage_optimizer_state(optimizer_state)
         elif stages is None or written["stages"] != g.stages or written["tensor_parallel"] != g.tensor:
             raise ValueError(f"this checkpoint was written with --stages {written['stages']} --tensor-parallel "
                              f"{written['tensor_parallel']}: resume it with the same options")
+        else:
+            mine = stages[self.pos.stage]
+            mine = mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine
         self.model.load_state_dict(model_state)
         stage_keys = set(stage_module(self.model, self.plan, self.pos.stage).state_dict())
         stage_state = {k: v for k, v in model_state.items() if k in stage_keys}
@@ -196,8 +202,6 @@ class GridEngine:
         if self.sharder is not None:
             self.sharder.gather()  # ZeRO-3: the layers whole to be overwritten, then this rank takes its shards
         self.module.load_state_dict(shard)
-        mine = stages[self.pos.stage]
-        mine = mine["tensor_shards"][self.pos.tensor] if g.tensor > 1 else mine
         if self.sharder is not None:  # the whole stage's state, cut into this replica's pieces
             self.sharder.load_parameters()
             self.sharder.load_optimizer_state(mine)
@@ -205,29 +209,68 @@ class GridEngine:
             self.optimizer.load_state_dict(mine)
 
     def _stage_optimizer_state(self, whole: dict) -> dict:
-        """This stage's part of a plain optimizer state dict over ``self.model.parameters()`` (by name: a stage
-        keeps the model's parameter names), as one over its own parameters."""
+        """This stage's (and tensor shard's) part of a plain optimizer state dict over ``self.model.parameters()``
+        (by name: a stage keeps the model's parameter names; a shard's slices cut as its parameters are), as one
+        over its own parameters."""
         index = {name: k for k, (name, _) in enumerate(self.model.named_parameters())}
         names = [name for name, _ in self.module.named_parameters()]
+        sliced = self.tensor_plans[self.pos.stage].sharded_params() if self.grid.tensor > 1 else {}
         state = {}
         for j, name in enumerate(names):
             mine = whole["state"].get(index[name], whole["state"].get(str(index[name])))
+            if mine is not None and name in sliced:
+                dim, ranges = sliced[name]
+                lo, hi = ranges[self.pos.tensor]
+                mine = {k: v.narrow(dim, lo, hi - lo).clone() if torch.is_tensor(v) and v.dim() > dim else v
+                        for k, v in mine.items()}
             if mine is not None:
                 state[j] = mine
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(names)))}
                   for g in whole["param_groups"][:1]]
         return {"state": state, "param_groups": groups}
 
-    # -- sharded checkpoints (ZeRO on stages, T = 1: bound in __init__) ------------------------------------
+    # -- sharded checkpoints (ZeRO on the grid's replicas: bound in __init__) -------------------------------
     def _shard_pieces(self, whole: dict[str, dict] | None = None) -> tuple[dict, dict]:
         """This rank's part of a sharded checkpoint (``ZeroSharder.shard_pieces``); of ``whole`` (whole-model
-        state such as the best weights) this stage's keys only: the other stages write theirs."""
+        state such as the best weights) this stage's keys only, cut to this tensor shard's slices: the other
+        stages and shards write theirs."""
         keys = set(self.module.state_dict())
-        return self.sharder.shard_pieces({prefix: {k: v for k, v in state.items() if k in keys}
-                                          for prefix, state in (whole or {}).items()})
+        plan, tensor = self.tensor_plans[self.pos.stage], self.grid.tensor > 1
+        mine = {}
+        for prefix, state in (whole or {}).items():
+            stage = {k: v for k, v in state.items() if k in keys}
+            mine[prefix] = plan.shard_state(stage, self.pos.tensor) if tensor else stage
+        tensors, chunks = self.sharder.shard_pieces(mine)
+        return self._in_whole(tensors, chunks, writing=True) if tensor else (tensors, chunks)
 
     def _shard_targets(self, saved: dict[str, tuple]) -> tuple[dict, dict]:
-        return self.sharder.shard_targets(saved)
+        tensors, chunks = self.sharder.shard_targets(saved)
+        return self._in_whole(tensors, chunks, writing=False) if self.grid.tensor > 1 else (tensors, chunks)
+
+    def _in_whole(self, tensors: dict, chunks: dict, *, writing: bool) -> tuple[dict, dict]:
+        """The sharder's flat ranges of this tensor shard's parameters as pieces of the whole parameters
+        (``checkpoint.Piece``: a slice sits at its offset in the whole tensor, a replicated parameter is the whole).
+        ``writing``: a shard other than the first leaves out what every shard holds alike (replicated parameters,
+        their optimizer state, buffers), which the first writes."""
+        sliced = self.tensor_plans[self.pos.stage].sharded_params()
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        out_tensors, out_chunks = {}, {}
+        for key, value in tensors.items():
+            part, name = key.split(".", 1)
+            name = name.rsplit(".", 1)[0] if part == "optim" else name  # optim.<parameter>.<state key>
+            if writing and self.pos.tensor > 0 and name not in sliced:
+                continue
+            out_tensors[key] = value
+            if key in chunks:
+                whole, (start, _) = shapes[name], chunks[key]
+                corner, block = (0,) * len(whole), whole
+                if name in sliced:
+                    dim, ranges = sliced[name]
+                    lo, hi = ranges[self.pos.tensor]
+                    corner = tuple(lo if i == dim else 0 for i in range(len(whole)))
+                    block = tuple(hi - lo if i == dim else n for i, n in enumerate(whole))
+                out_chunks[key] = Piece(start, whole, corner, block)
+        return out_tensors, out_chunks
 
     def _take_shards(self, tensors: dict) -> None:
         """This stage's pieces taken (``ZeroSharder.take_shards``), then the whole model filled (a collective)."""
