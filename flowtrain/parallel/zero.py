@@ -30,10 +30,12 @@ Stages (DeepSpeed's ZeRO-1/2/3, ``STAGES``):
   gradients are launched. Every rank runs forward and backward every step, also on zero rows (it
   still takes part in the gathers; its count is 0 and its gradient zeros).
 
-Collectives: ``reduce_scatter_single`` / ``all_gather_single``; on gloo (CPU) with 2 ranks one
-``reduce`` and one ``broadcast`` per rank's slice, issued together, which are faster there
-(``zero_units.per_rank_collectives``: gloo's reduce-scatter is an all-reduce and a copy inside); one
-small all-reduce per step for the count, loss sum and "got a gradient" flags. A parameter no replica produced a gradient for keeps no gradient (the optimizer
+Collectives (``zero_units.choose_collectives``): on NCCL ``reduce_scatter_single`` / ``all_gather_single``; on
+gloo (CPU), whose reduce-scatter is an all-reduce and a copy inside, the reduce-scatter is one ``all_to_all_single``
+(each rank sends slice j to rank j) and a local sum of the N slices received, when the collective is waited on
+(half an all-reduce's bytes), and the all-gathers are the way measured fastest for N and for ZeRO-1/2's buckets
+and ZeRO-3's layers (``GLOO_COLLECTIVES``); one small all-reduce per step for the count, loss sum and "got a
+gradient" flags. A parameter no replica produced a gradient for keeps no gradient (the optimizer
 skips its pieces, as one device skips it).
 
 Checkpoints: ``optimizer_state`` gathers the shards into the state dict a plain optimizer over
@@ -56,7 +58,8 @@ from flowtrain.parallel.mapreduce import sync_buffers
 from flowtrain.parallel.zero_units import (
     RegatherBeforeBackward,
     ShardUnit,
-    per_rank_collectives,
+    ZeroCollectives,
+    choose_collectives,
     shard_units,
     storage_bytes,
     wrap_output,
@@ -92,7 +95,7 @@ class ZeroSharder:
         self.module, self.ctx, self.stage, self.group = module, ctx, stage, group
         self.world = dist.get_world_size(group) if ctx.distributed else 1
         self.rank = dist.get_rank(group) if ctx.distributed else 0
-        self.per_rank = ctx.distributed and per_rank_collectives(group)  # gloo: a reduce / broadcast per slice
+        self.collectives = choose_collectives(group) if ctx.distributed else ZeroCollectives()
         trainable = [p for p in module.parameters() if p.requires_grad]
         if any(p.dtype != torch.float32 for p in trainable):
             raise TypeError("--shard-states shards float32 parameters; cast the model with .float()")
@@ -101,7 +104,8 @@ class ZeroSharder:
         self.bucket_mb = bucket_mb
         groups = shard_units(module, stage, bucket_mb)
         self.units = [ShardUnit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer",
-                                per_rank=self.per_rank)
+                                reduce_way=self.collectives.reduce_scatter,
+                                gather_way=self.collectives.gather(stage))
                       for i, (_, ps) in enumerate(groups)]
         self.params = [p for u in self.units for p in u.params]
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
@@ -196,11 +200,8 @@ class ZeroSharder:
                     p.grad = None  # only this rank's shard of the reduced gradient stays
             if self.stage == "parameters" and unit.gathered:
                 unit.free_params()
-            if self.per_rank:  # this rank's slice of the sum lands in buf; copied to grad_shard when done
-                unit.handle = unit.reduce_to_owners(buf, self.group)
-                self._release_done(keep=1)
-            elif self.world > 1:
-                unit.handle = dist.reduce_scatter_single(unit.grad_shard, buf, group=self.group, async_op=True)
+            if self.world > 1:  # this rank's slice of the sum lands in grad_shard when the handle is waited on
+                unit.handle = unit.reduce_scatter(buf, self.group)
                 self._release_done(keep=1)
             else:
                 unit.grad_shard.copy_(buf)
@@ -219,9 +220,8 @@ class ZeroSharder:
 
     @staticmethod
     def _complete(u: ShardUnit) -> None:
-        """Wait for ``u``'s reduce (per-rank reduces: take this rank's slice of the sum); its buffer is freed."""
+        """Wait for ``u``'s reduce-scatter (its local half too: ``ShardUnit.reduce_scatter``); its buffer is freed."""
         u.handle.wait()
-        u.grad_shard_from_reduced()
         u.handle, u.grad_buffer = None, None
 
     def backward(self, loss_sum: torch.Tensor | None, n_local: int) -> tuple[int, float]:

@@ -1,12 +1,15 @@
 """The per-unit flat-shard machinery of ``flowtrain.parallel.zero``: which layers a stage shards together
 (``shard_units``), a unit's parameters as views of one flat buffer padded to a multiple of N with this
-rank's shard and optimizer pieces (``ShardUnit``), ZeRO-3's regather before a unit's backward
+rank's shard and optimizer pieces (``ShardUnit``), how its reduce-scatter and all-gather run on a group
+(``choose_collectives``), ZeRO-3's regather before a unit's backward
 (``RegatherBeforeBackward``, ``wrap_output``), and the byte counts the memory reports use
 (``storage_bytes``, ``peak_rss_bytes``).
 """
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,29 +17,87 @@ from torch import nn
 
 from flowtrain.parallel.mapreduce import size_buckets
 
-__all__ = ["RegatherBeforeBackward", "ShardUnit", "Works", "peak_rss_bytes", "per_rank_collectives", "shard_units",
-           "storage_bytes", "wrap_output"]
+__all__ = ["GATHER_WAYS", "GLOO_COLLECTIVES", "REDUCE_WAYS", "RegatherBeforeBackward", "ShardUnit", "Works",
+           "ZeroCollectives", "choose_collectives", "peak_rss_bytes", "shard_units", "storage_bytes", "wrap_output"]
 
 
-def per_rank_collectives(group) -> bool:
-    """Whether ``group``'s reduce-scatter and all-gather are faster as one reduce / broadcast per rank's slice,
-    issued together: on gloo (CPU) with 2 ranks. Measured on this project's 2-core machine, 1 M floats, 2 ranks:
-    a reduce-scatter 7.5 ms (gloo's is an all-reduce and a copy inside: all_reduce 5.8 ms) against 4.6 ms as two
-    reduces, an all-gather 4.9 ms against 3.1 ms as two broadcasts; ``bench memory``: ZeRO-1 0.79x -> 0.90x plain
-    DP's speed. With 4 ranks the reduces were no faster and ZeRO-3's per-layer gathers slower (8 small collectives
-    a layer), so gloo's own collectives stay there, as NCCL's do everywhere."""
-    return (dist.is_initialized() and dist.get_world_size(group) == 2 and dist.get_backend(group) == "gloo")
+#: How ZeRO reduce-scatters a unit's gradients (``ZeroCollectives``): ``native``, the backend's
+#: ``reduce_scatter_single``; ``all_to_all``, one ``all_to_all_single`` (each rank sends slice j to rank j) and the
+#: sum of the N slices received, when the collective is waited on.
+REDUCE_WAYS = ("native", "all_to_all")
+#: How ZeRO all-gathers a unit's parameters: ``native``, the backend's ``all_gather_single``; ``per_rank``, one
+#: ``broadcast`` per rank's slice from its owner, issued together; ``all_to_all``, one ``all_to_all_single`` of the
+#: shard repeated N times (each rank sends its shard to every rank).
+GATHER_WAYS = ("native", "per_rank", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ZeroCollectives:
+    """The way (``REDUCE_WAYS``, ``GATHER_WAYS``) of each of ZeRO's collectives on one group: the reduce-scatter
+    of the gradients, the all-gather of a ZeRO-1/2 bucket after the step, the all-gather of a ZeRO-3 layer before
+    its forward and its backward (smaller and more of them)."""
+
+    reduce_scatter: str = "native"
+    bucket_gather: str = "native"
+    layer_gather: str = "native"
+
+    def gather(self, stage: str) -> str:
+        """The all-gather's way for ``stage``'s units (ZeRO-3: layers; ZeRO-1/2: buckets)."""
+        return self.layer_gather if stage == "parameters" else self.bucket_gather
+
+
+#: gloo's choice by number of ranks (``choose_collectives``); more ranks than listed: the largest's
+GLOO_COLLECTIVES = {
+    2: ZeroCollectives(reduce_scatter="all_to_all", bucket_gather="per_rank", layer_gather="per_rank"),
+    3: ZeroCollectives(reduce_scatter="all_to_all", bucket_gather="per_rank", layer_gather="per_rank"),
+    4: ZeroCollectives(reduce_scatter="all_to_all", bucket_gather="per_rank", layer_gather="all_to_all"),
+}
+
+
+def choose_collectives(group) -> ZeroCollectives:
+    """ZeRO's collectives on ``group``: the backend's own on NCCL (and without a process group); on gloo (CPU)
+    ``GLOO_COLLECTIVES``, the fastest measured per N, because gloo's reduce-scatter is an all-reduce and a copy
+    inside (ZeRO paid an all-reduce and an all-gather where plain data parallelism pays one all-reduce).
+
+    Measured on this project's 2-core machine (2026-12-02, shared: load average 2-7), ms per collective, the
+    median of 5 interleaved rounds of 10-20, float32, 1 thread per rank, 1-3 runs (a range); 1.05 M floats is
+    ``bench memory``'s ZeRO-1/2 bucket, 263 K one of its ZeRO-3 layers; plain DP's all-reduce for scale:
+
+    - N = 2, 1.05 M: all-reduce 5.7-6.9; reduce-scatter native 7.1-8.6, per-rank reduces 3.9-5.3, all-to-all
+      2.4-4.3; all-gather native 3.6-5.4, per-rank broadcasts 2.6-3.3, all-to-all 3.4-4.4
+    - N = 2, 263 K: all-reduce 1.5-1.9; reduce-scatter 2.3-3.2 / 1.4-2.2 / 1.3-1.4; all-gather 1.2-1.9 /
+      1.2-1.4 / 2.0-2.1
+    - N = 3, 1.05 M: all-reduce 11.7; reduce-scatter 16.1 / 13.2 / 10.8; all-gather 14.5 / 8.4 / 8.3
+    - N = 3, 263 K: all-reduce 6.4; reduce-scatter 12.1 / 10.7 / 6.8; all-gather 8.6 / 2.4 / 3.6
+    - N = 4, 1.05 M: all-reduce 15.9-18.6; reduce-scatter 17.3-20.6 / 18.0-19.3 / 7.4-9.8; all-gather
+      9.5-12.1 / 7.4-8.2 / 9.4-11.7
+    - N = 4, 263 K: all-reduce 8.4-9.6; reduce-scatter 8.8-10.6 / 13.4-14.3 / 3.6-5.7; all-gather 4.7-8.4 /
+      4.4-5.6 / 3.9-4.9
+
+    The all-to-all reduce-scatter moves half an all-reduce's bytes and is the fastest at every N (per-rank
+    reduces, the earlier choice at N = 2, are gone); the all-gathers: per-rank broadcasts for buckets, and for
+    ZeRO-3's layers up to 3 ranks; the all-to-all for layers on 4."""
+    if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+        return ZeroCollectives()
+    world = dist.get_world_size(group)
+    if world < 2:
+        return ZeroCollectives()
+    return GLOO_COLLECTIVES[min(world, max(GLOO_COLLECTIVES))]
 
 
 class Works:
-    """Several async collectives as one handle."""
+    """Async collectives as one handle; ``then`` runs once, when they are waited on: the local half of a
+    collective (the sum of an all-to-all's received slices)."""
 
-    def __init__(self, works: list):
-        self.works = works
+    def __init__(self, works: list, then: Callable[[], object] | None = None):
+        self.works, self.then = works, then
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        if self.then is not None:
+            then, self.then = self.then, None  # its buffers go with it
+            then()
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -86,12 +147,18 @@ def peak_rss_bytes() -> int:
 
 
 class ShardUnit:
-    """One layer's parameters as views of a flat buffer padded to a multiple of ``world``."""
+    """One layer's parameters as views of a flat buffer padded to a multiple of ``world``; ``reduce_way`` and
+    ``gather_way``: how its reduce-scatter and all-gather run (``REDUCE_WAYS``, ``GATHER_WAYS``,
+    ``choose_collectives``)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], rank: int, world: int, device,
-                 flat_grad: bool = False, per_rank: bool = False):
+                 flat_grad: bool = False, reduce_way: str = "native", gather_way: str = "native"):
+        if reduce_way not in REDUCE_WAYS:
+            raise ValueError(f"ZeRO reduce-scatter way {reduce_way!r}: use one of {', '.join(REDUCE_WAYS)}")
+        if gather_way not in GATHER_WAYS:
+            raise ValueError(f"ZeRO all-gather way {gather_way!r}: use one of {', '.join(GATHER_WAYS)}")
         self.index, self.params = index, params
-        self.world, self.per_rank = world, per_rank  # per_rank: per_rank_collectives
+        self.world, self.reduce_way, self.gather_way = world, reduce_way, gather_way
         self.sizes = [p.numel() for p in params]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(params))]
         self.numel = sum(self.sizes)
@@ -108,7 +175,6 @@ class ShardUnit:
         self.shard = self.full[self.lo:self.lo + self.shard_numel].clone()
         self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         self.grad_buffer: torch.Tensor | None = None
-        self.reduced: torch.Tensor | None = None  # per-rank reduces in flight into this buffer
         # ZeRO-1 keeps whole gradients: as views of one flat buffer that autograd accumulates into and the
         # reduce-scatter reads directly (no copy, no allocation per step)
         self.flat_grad = torch.zeros(self.padded, dtype=torch.float32, device=device) if flat_grad else None
@@ -124,18 +190,18 @@ class ShardUnit:
         self.handle = None
         self.gathered = True
 
-    def reduce_to_owners(self, buf: torch.Tensor, group) -> Works:
-        """Each rank's slice of ``buf`` summed on that rank (``per_rank``: one reduce per slice, issued
-        together); ``grad_shard_from`` takes this rank's sum when they are done."""
+    def reduce_scatter(self, buf: torch.Tensor, group):
+        """Async: this rank's slice of the sum over the ranks of ``buf`` (the unit's padded gradients) into
+        ``grad_shard``, done when the returned handle is waited on (``reduce_way``; ``all_to_all``: the N
+        received slices are summed then, in rank order, and the padded receive buffer freed: the collective's
+        workspace, as the copy inside gloo's own reduce-scatter is, not counted in ``state_bytes`` or the memory
+        plan)."""
         n = self.shard_numel
-        self.reduced = buf
-        return Works([dist.reduce(buf[r * n:(r + 1) * n], group=group, group_dst=r, async_op=True)
-                      for r in range(self.world)])
-
-    def grad_shard_from_reduced(self) -> None:
-        if self.reduced is not None:
-            self.grad_shard.copy_(self.reduced[self.lo:self.lo + self.shard_numel])
-            self.reduced = None
+        if self.reduce_way == "all_to_all":
+            received = torch.empty_like(buf)
+            work = dist.all_to_all_single(received, buf, group=group, async_op=True)
+            return Works([work], then=lambda: torch.sum(received.view(self.world, n), 0, out=self.grad_shard))
+        return dist.reduce_scatter_single(self.grad_shard, buf, group=group, async_op=True)
 
     # -- parameter storage (ZeRO-3) -----------------------------------------------------------------
     def free_params(self) -> None:
@@ -149,17 +215,19 @@ class ShardUnit:
     def gather_params(self, group) -> None:
         if not self.gathered:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
-        if self.per_rank:  # each rank's slice broadcast by its owner, all issued together
+        if self.world == 1:  # one rank: the shard is the whole
+            with torch.no_grad():
+                self.full.copy_(self.shard)
+        elif self.gather_way == "all_to_all":  # this rank's shard to every rank
+            dist.all_to_all_single(self.full, self.shard.repeat(self.world), group=group)
+        elif self.gather_way == "per_rank":  # each rank's slice broadcast by its owner, all issued together
             n = self.shard_numel
             with torch.no_grad():
                 self.full[self.lo:self.lo + n].copy_(self.shard)
             Works([dist.broadcast(self.full[r * n:(r + 1) * n], group=group, group_src=r, async_op=True)
                    for r in range(self.world)]).wait()
-        elif dist.is_initialized():
+        else:
             dist.all_gather_single(self.full, self.shard, group=group)
-        else:  # one rank: the shard is the whole
-            with torch.no_grad():
-                self.full.copy_(self.shard)
         for p, view in zip(self.params, self.views):
             p.data = view
         self.gathered = True
