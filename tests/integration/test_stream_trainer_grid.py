@@ -1,7 +1,8 @@
 """The online trainer through the engine's grid (issue 30 item 1): `flowtrain stream train --stages 2` and
 `--tensor-parallel 2` (real Kafka, real torch.distributed gloo) end with the parameters of a one-process
-run on the same feature messages, and a grid run killed with SIGKILL and restarted trains every row
-exactly once (and still ends with those parameters)."""
+run on the same feature messages, and a grid run with ZeRO on its stages' replicas (sharded checkpoints)
+killed with SIGKILL and restarted from them trains every row exactly once (and still ends with those
+parameters)."""
 from __future__ import annotations
 
 import os
@@ -111,14 +112,16 @@ def test_stream_tensor_parallel_equals_one_process(features, bootstrap, tmp_path
 @pytest.mark.timeout(360)
 def test_stream_pipeline_stages_sigkill_restart_exactly_once_equals_one_process(features, bootstrap, new_topic,
                                                                                  tmp_path):
-    """--stages 2: the second stage's process is killed with SIGKILL mid-stream; the restart resumes from the
-    last checkpoint, trains every row once, and ends where the uninterrupted one-process run ended (1e-5)."""
+    """--workers 2 --stages 2 --shard-states parameters (ZeRO-3 over each stage's replicas: its checkpoints sharded,
+    one file per rank, no whole model): a process is killed with SIGKILL mid-stream; the restart resumes from the
+    last checkpoint's shards, trains every row once, and ends where the uninterrupted one-process run ended
+    (1e-5)."""
     dataset, messages = features["dataset"], features["messages"]
     topic = new_topic(partitions=1)
     first, rest = messages[:8], messages[8:]
     sources = _send(bootstrap, topic, first)
     out = tmp_path / "crashed"
-    argv = _argv(bootstrap, topic, dataset, out, "--stages", "2")
+    argv = _argv(bootstrap, topic, dataset, out, "--workers", "2", "--stages", "2", "--shard-states", "parameters")
     run = subprocess.Popen(argv + ["--idle-exit", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=ENV, start_new_session=True)
     job_path = str(out / "workers" / "job.json")
@@ -127,18 +130,24 @@ def test_stream_pipeline_stages_sigkill_restart_exactly_once_equals_one_process(
         while time.monotonic() < deadline and _status_step(out) < 4 and run.poll() is None:
             time.sleep(0.05)
         pids = worker_pids(job_path)
-        assert set(pids) == {0, 1}, f"processes not found ({pids}); {run.poll()}"
-        os.kill(pids[1], signal.SIGKILL)  # stage 1: it reads no partition, rank 0 does
+        assert set(pids) == {0, 1, 2, 3}, f"processes not found ({pids}); {run.poll()}"
+        os.kill(pids[1], signal.SIGKILL)  # it reads no partition, rank 0 does
         _, err = run.communicate(timeout=120)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
             run.wait(timeout=10)
     assert run.returncode != 0 and "worker rank 1 was killed by SIGKILL" in err, err[-3000:]
+    newest = sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert {p.name for p in newest.with_suffix(".dcp").iterdir()} == {".metadata", *(f"__{r}_0.distcp" for r in range(4))}
+    assert "model" not in torch.load(newest, weights_only=True)
 
     sources |= _send(bootstrap, topic, rest)
     again = _run(argv + ["--idle-exit", "3"])
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from ckpt-" in again.stdout
+    assert f"resumed from {newest.name}" in again.stdout
     _exactly_once(out, sources)
-    _assert_equal_models(_final_model(out), features["reference"])
+    # sharded checkpoints hold no whole model: the final model whole is the version published last
+    final = torch.load(sorted((out / "published").glob("ckpt-*.pt"))[-1], weights_only=True)
+    assert final["step"] == features["steps"]
+    _assert_equal_models(final["model"], features["reference"])
