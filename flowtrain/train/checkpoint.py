@@ -18,29 +18,28 @@ Sharded state (``--shard-states``): every rank writes its own pieces with ``torc
 (DCP) into ``ckpt-<step>.dcp.tmp-<run id>/`` (``save_shards``, a collective: one ``__<rank>_0.distcp`` file
 per rank and DCP's ``.metadata``); rank 0 then renames the directory to ``ckpt-<step>.dcp`` and writes
 ``ckpt-<step>.pt`` (the rest of the state, small) last, its checksum file recording every shard file's
-SHA-256: a ``ckpt-<step>.pt`` that verifies has whole shards beside it. A piece is a flat range of a
-tensor (``chunks``: name -> (offset, whole length)), or a flat range of a block of it (``Piece``: a tensor
-shard's slice of a parameter, saved in the parameter's whole shape as at most a few boxes of DCP chunks with
+SHA-256: a ``ckpt-<step>.pt`` that verifies has whole shards beside it. A piece is a flat range of a tensor
+(``chunks``: name -> (offset, whole length)), or a flat range of a block of it (``flowtrain.train.pieces.Piece``: a
+tensor shard's slice of a parameter, saved in the parameter's whole shape as at most a few boxes of DCP chunks with
 their offsets in it); ``load_shards`` reads any ranges of the saved tensors back, whatever ranges or blocks the
-ranks that wrote them held and whatever shape they saved them in (DCP's resharding), so a checkpoint written by
-N ranks resumes on any number, with or without tensor shards.
+ranks that wrote them held and whatever shape they saved them in (DCP's resharding), so a checkpoint written by N
+ranks resumes on any number, with or without tensor shards.
 """
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from connectors.atomic import atomic_file, file_sha256
+from flowtrain.train.pieces import as_piece, placements
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _log = logging.getLogger(__name__)
@@ -114,88 +113,6 @@ def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int =
 
 #: The directory of a checkpoint's sharded state, beside its ``ckpt-<step>.pt``.
 SHARDS_SUFFIX = ".dcp"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A rank's piece of a saved tensor of shape ``whole``: elements ``[start, start + its numel)``, in row-major
-    order, of the block at ``corner`` with shape ``block`` (a tensor shard's slice of a parameter, whose flat range
-    a ZeRO replica owns). It is saved in the whole shape, as the boxes ``_boxes`` cuts it into (DCP chunks with
-    their offsets: two or three for a 2-D slice), so a shard's slices keep the parameter's own name."""
-
-    start: int
-    whole: tuple[int, ...]
-    corner: tuple[int, ...]
-    block: tuple[int, ...]
-
-
-def _piece(spec) -> Piece:
-    """A ``chunks`` value as a ``Piece``: ``(offset, whole length)`` is a flat range of a flat tensor."""
-    if isinstance(spec, Piece):
-        return spec
-    offset, length = spec
-    return Piece(int(offset), (int(length),), (0,), (int(length),))
-
-
-def _boxes(start: int, numel: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
-    """Elements ``[start, start + numel)`` of a row-major tensor of ``shape`` as boxes ``(offsets, sizes, at)``, each
-    contiguous in that order (a partial row, whole rows, a partial row, recursively), ``at``: its first element's
-    place in the range."""
-    if not shape:
-        return [((), (), 0)] if numel else []
-    out: list[tuple[tuple, tuple, int]] = []
-
-    def walk(lo: int, hi: int, depth: int, prefix: tuple, at: int) -> None:
-        if lo >= hi:
-            return
-        dims, ones = shape[depth:], (1,) * depth
-        inner = math.prod(dims[1:])
-        if len(dims) == 1 or (lo % inner == 0 and hi % inner == 0):
-            rest = (0,) * (len(dims) - 1)
-            out.append((prefix + (lo // inner,) + rest, ones + ((hi - lo) // inner,) + dims[1:], at))
-            return
-        first, last = lo // inner, (hi - 1) // inner
-        if first == last:
-            walk(lo - first * inner, hi - first * inner, depth + 1, prefix + (first,), at)
-            return
-        head, tail = (first + 1) * inner, last * inner
-        walk(lo, head, depth, prefix, at)
-        walk(head, tail, depth, prefix, at + head - lo)
-        walk(tail, hi, depth, prefix, at + tail - lo)
-
-    walk(start, start + numel, 0, (), 0)
-    return out
-
-
-def _runs(offsets: tuple, sizes: tuple, whole: tuple) -> list[tuple[int, int, int]]:
-    """A box of a row-major tensor of shape ``whole`` as flat runs ``(offset, length, at)``, ``at``: the run's place
-    in the box (in its row-major order)."""
-    if not whole:
-        return [(0, 1, 0)]
-    lead = len(whole) - 1
-    while lead > 0 and sizes[lead] == whole[lead]:
-        lead -= 1
-    strides = [math.prod(whole[i + 1:]) for i in range(len(whole))]
-    length = math.prod(sizes[lead:])
-    base = sum(o * st for o, st in zip(offsets[lead:], strides[lead:]))
-    out = []
-    for k, index in enumerate(itertools.product(*(range(n) for n in sizes[:lead]))):
-        out.append((base + sum((offsets[i] + j) * strides[i] for i, j in enumerate(index)), length, k * length))
-    return out
-
-
-def _placements(spec, numel: int, saved: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
-    """Where the ``numel`` elements of a rank's piece (a ``chunks`` value) lie in a saved tensor of shape ``saved``
-    (the same number of elements, in whichever shape it was saved): boxes ``(offsets, sizes, at)`` of it, each
-    contiguous in the piece, ``at`` its place there."""
-    p, saved = _piece(spec), tuple(saved)
-    if p.block == p.whole:  # a flat range of the whole tensor: the same range of the saved one, in its shape
-        return _boxes(p.start, numel, saved)
-    boxes = [(tuple(c + o for c, o in zip(p.corner, off)), size, at) for off, size, at in _boxes(p.start, numel, p.block)]
-    if saved == tuple(p.whole):
-        return boxes
-    return [(o, s, at + run_at + sub_at) for off, size, at in boxes for flat, length, run_at in _runs(off, size, p.whole)
-            for o, s, sub_at in _boxes(flat, length, saved)]
 
 
 def save_shards(directory: str | Path, step: int, tensors: dict[str, torch.Tensor], chunks: dict,
@@ -272,7 +189,7 @@ def load_shards(path: str | Path, tensors: dict[str, torch.Tensor], chunks: dict
 
     saved = shard_names(path)
     for name, t in tensors.items():
-        want = _piece(chunks[name]).whole if name in chunks else tuple(t.shape)
+        want = as_piece(chunks[name]).whole if name in chunks else tuple(t.shape)
         fits = name in saved and (math.prod(saved[name]) == math.prod(want) if name in chunks else saved[name] == want)
         if not fits:
             found = f"holds it with shape {list(saved[name])}" if name in saved else "does not hold it"
@@ -336,8 +253,8 @@ def _piece_save_planner(chunks: dict):
                         TensorWriteData(chunk=ChunkStorageMetadata(offsets=at, sizes=t.size()), properties=properties,
                                         size=t.size()))))
                     continue
-                piece, flat = _piece(chunks[name]), t.reshape(-1)
-                for offsets, sizes, at in _placements(piece, t.numel(), piece.whole):
+                piece, flat = as_piece(chunks[name]), t.reshape(-1)
+                for offsets, sizes, at in placements(piece, t.numel(), piece.whole):
                     self.views[(name, tuple(offsets))] = flat[at:at + math.prod(sizes)].view(sizes)
                     items.append(WriteItem(
                         index=MetadataIndex(name, torch.Size(offsets)), type=WriteItemType.SHARD,
@@ -374,7 +291,7 @@ def _piece_load_planner(chunks: dict):
                     if not t.is_contiguous():  # its boxes are views of it: a copy would be filled instead
                         raise ValueError(f"load_shards fills {name} in place: pass a contiguous tensor")
                     flat = t.view(-1)
-                    boxes = _placements(chunks[name], t.numel(), tuple(saved.size))
+                    boxes = placements(chunks[name], t.numel(), tuple(saved.size))
                     self.views[name] = [flat[at:at + math.prod(sizes)].view(sizes) for _, sizes, at in boxes]
                     wanted = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in boxes]
                 else:

@@ -20,7 +20,7 @@ With ``--shard-states`` and replicas, each (stage, shard)'s state is ZeRO-sharde
 (``flowtrain.parallel.zero.shard_stage_worker``), and the checkpoints are saved sharded (``shard_pieces``): each
 rank writes the flat ranges of its parameters it owns, under the whole model's names (a stage keeps them); with
 tensor shards each range of a shard's slice is written at its offsets in the whole parameter
-(``flowtrain.train.checkpoint.Piece``), so a checkpoint resumes with any replicas, tensor shards or none.
+(``flowtrain.train.pieces.Piece``), so a checkpoint resumes with any replicas, tensor shards or none.
 
 The random state is seeded per replica and stage, never per shard (``rng_rank``), so the shards
 of a tensor group draw the same dropout masks. ``sync_model`` gathers the shards and stages
@@ -41,8 +41,8 @@ from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with
 from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
 from flowtrain.parallel.zero import shard_stage_worker
 from flowtrain.parallel.zero_units import peak_rss_bytes, storage_bytes
-from flowtrain.train.checkpoint import Piece
 from flowtrain.train.models import pack
+from flowtrain.train.pieces import Piece
 
 __all__ = ["GridEngine"]
 

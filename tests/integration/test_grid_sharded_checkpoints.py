@@ -13,6 +13,7 @@ import torch
 
 from flowtrain.parallel.launch import spawn
 from flowtrain.train import checkpoint
+from tests.dcp_files import elements_per_file
 from tests.tp_jobs import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,19 +30,6 @@ def _spawn(n: int, job: dict, workdir: Path) -> None:
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
-
-
-def _elements_per_file(shards: Path, prefix: str) -> dict[str, int]:
-    """Elements of the tensors named ``prefix...`` each file of a DCP checkpoint holds (its metadata)."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(shards)).read_metadata()
-    out: dict[str, int] = {}
-    for index, info in meta.storage_data.items():
-        if index.fqn.startswith(prefix):
-            chunk = next(c for c in meta.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
-            out[info.relative_path] = out.get(info.relative_path, 0) + chunk.sizes.numel()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +53,11 @@ def test_grid_with_tensor_shards_saves_each_ranks_pieces_in_the_whole_shapes(wri
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved = checkpoint.shard_names(shards)
     assert {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")} == shapes
-    held = _elements_per_file(shards, "model.")
+    held = elements_per_file(shards, "model.")
     total = sum(v.numel() for v in model.state_dict().values())
     assert sum(held.values()) == total  # every element once: no rank wrote a whole copy, none was left out
     assert set(held) == {f"__{r}_0.distcp" for r in range(4)} and max(held.values()) <= 0.45 * total, held
-    assert set(_elements_per_file(shards, "optim.")) == set(held)  # the Adam moments: each rank its own too
+    assert set(elements_per_file(shards, "optim.")) == set(held)  # the Adam moments: each rank its own too
     whole = checkpoint.read_whole(shards, model, ("model", "optim", "best"), param_groups=small["optimizer_groups"])
     assert all(torch.equal(whole["model"][k], v) for k, v in written["half"].items())
     assert all(torch.equal(whole["best"][k], v) for k, v in written["half"].items())

@@ -14,6 +14,7 @@ import torch
 
 from flowtrain.parallel.launch import spawn
 from flowtrain.train import checkpoint
+from tests.dcp_files import elements_per_file
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -24,19 +25,6 @@ STEPS, HALF = 12, 6
 def _spawn(n: int, job: dict, workdir: Path) -> None:
     spawn(n, "tests.zero_dcp_jobs:run_job", job, failure_timeout_s=120, workdir=workdir, extra_env=ENV,
           threads_per_worker=1)
-
-
-def _elements_per_file(shards: Path, prefix: str) -> dict[str, int]:
-    """Elements of the tensors named ``prefix...`` each file of a DCP checkpoint holds (its metadata)."""
-    import torch.distributed.checkpoint as dcp
-
-    meta = dcp.FileSystemReader(str(shards)).read_metadata()
-    out: dict[str, int] = {}
-    for index, info in meta.storage_data.items():
-        if index.fqn.startswith(prefix):
-            chunk = next(c for c in meta.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
-            out[info.relative_path] = out.get(info.relative_path, 0) + chunk.sizes.numel()
-    return out
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -61,9 +49,9 @@ def test_zero3_sharded_checkpoint_per_rank_files_resume_on_1_and_3_equals_uninte
     small = torch.load(ckpts / f"ckpt-{HALF:09d}.pt", weights_only=True)
     assert "model" not in small and small["sharded_state"] == shards.name  # the file holds no whole model
     # each rank's file holds its own half of the parameters (and of the Adam moments), not the whole
-    held = _elements_per_file(shards, "model.")
+    held = elements_per_file(shards, "model.")
     assert set(held) == {"__0_0.distcp", "__1_0.distcp"} and max(held.values()) <= 0.6 * sum(held.values()), held
-    moments = _elements_per_file(shards, "optim.")
+    moments = elements_per_file(shards, "optim.")
     assert set(moments) == {"__0_0.distcp", "__1_0.distcp"}, moments
 
     want = torch.load(uninterrupted, weights_only=True)

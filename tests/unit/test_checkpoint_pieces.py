@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from flowtrain.train import checkpoint
-from flowtrain.train.checkpoint import Piece, _placements
+from flowtrain.train.pieces import Piece, placements
 
 
 def _gather(whole: torch.Tensor, piece, numel: int, saved: tuple) -> torch.Tensor:
     """The piece's elements read out of ``whole`` saved in shape ``saved``, through its placements."""
     out = torch.full((numel,), float("nan"))
     source = whole.reshape(saved)
-    for offsets, sizes, at in _placements(piece, numel, saved):
+    for offsets, sizes, at in placements(piece, numel, saved):
         box = source[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         out[at:at + math.prod(sizes)] = box.reshape(-1)
     return out
@@ -37,7 +37,7 @@ def test_a_range_of_a_slice_lands_on_its_elements_in_the_whole_or_flat(whole, di
                 got = _gather(full, piece, stop - start, saved)
                 assert torch.equal(got, flat_slice[start:stop]), (start, stop, saved)
             if len(whole) == 2:  # a 2-D slice saved in its shape: a partial row, whole rows, a partial row
-                assert len(_placements(piece, stop - start, whole)) <= 3
+                assert len(placements(piece, stop - start, whole)) <= 3
 
 
 def test_a_flat_range_reads_from_a_tensor_saved_in_its_shape():
