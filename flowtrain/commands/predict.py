@@ -268,16 +268,17 @@ def _columns(names) -> dict:
             "unseen": names.unseen}
 
 
-def read_predictions(path: str | Path):
-    """A predictions file (Parquet or CSV) as a pyarrow Table."""
+def read_predictions(path: str | Path, columns: list[str] | None = None):
+    """A predictions file (Parquet or CSV) as a pyarrow Table (``columns``: only those)."""
     path = str(path)
     if path.lower().endswith(".csv"):
         import pyarrow.csv as pacsv
 
-        return pacsv.read_csv(path)
+        return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(include_columns=columns)
+                              if columns else None)
     import pyarrow.parquet as pq
 
-    return pq.read_table(path)
+    return pq.read_table(path, columns=columns)
 
 
 def _scores(out: Path, kind: str, names):
@@ -285,13 +286,14 @@ def _scores(out: Path, kind: str, names):
     regression: the value), for the drift section; None for an empty file."""
     import numpy as np
 
-    table = read_predictions(out)
+    wanted = list(names.probabilities) if kind == "multiclass" else [
+        names.value if kind == "regression" else names.probabilities[0]]
+    table = read_predictions(out, wanted)  # the score columns only
     if table.num_rows == 0:
         return None
     if kind == "multiclass":
-        return np.stack([table.column(c).to_numpy() for c in names.probabilities], axis=1)
-    column = names.value if kind == "regression" else names.probabilities[0]
-    return table.column(column).to_numpy()
+        return np.stack([table.column(c).to_numpy() for c in wanted], axis=1)
+    return table.column(wanted[0]).to_numpy()
 
 
 def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict:

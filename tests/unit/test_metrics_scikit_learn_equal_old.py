@@ -1,5 +1,6 @@
-"""Issue 30 item 7: the validation metrics are scikit-learn's (``roc_auc_score``, ``confusion_matrix``; per
-class as ``precision_recall_fscore_support`` defines it) and equal the hand-written formulas they replaced,
+"""Issue 30 item 7: the validation metrics are the libraries' (AUC as ``scipy.stats.mannwhitneyu``'s U, equal to
+scikit-learn's ``roc_auc_score``; scikit-learn's ``confusion_matrix``, per class as ``precision_recall_fscore_support``
+defines it) and equal the hand-written formulas they replaced,
 kept here as the oracle, on fixed inputs (ties, float32 logits, classes absent or never predicted)."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 import torch
-from sklearn.metrics import precision_recall_fscore_support
+from sklearn.metrics import precision_recall_fscore_support, roc_auc_score
 
 from flowtrain.train.metrics import auc, classification_metrics, multiclass_metrics
 
@@ -72,6 +73,8 @@ def test_auc_is_scikit_learns_and_equals_the_rank_sum_formula():
                    torch.round((torch.randn(5000, generator=g) + labels) * 4),  # many ties
                    (torch.randn(5000, 1, generator=g) + labels[:, None]).float()):  # float32 column
         assert auc(logits, labels) == pytest.approx(_old_auc(logits, labels), rel=1e-12)
+        assert auc(logits, labels) == pytest.approx(roc_auc_score(labels.numpy() > 0.5, logits.flatten().numpy()),
+                                                    rel=1e-12)
         assert classification_metrics(logits.flatten(), labels)["auc"] == auc(logits, labels)
     assert math.isnan(auc(torch.randn(10), torch.ones(10))) and math.isnan(auc(torch.randn(10), torch.zeros(10)))
     assert auc(torch.tensor([0.2, 0.2, 0.7, 0.1]), torch.tensor([1.0, 0.0, 1.0, 0.0])) == 0.875  # a tie counts half
