@@ -414,23 +414,6 @@ def check_code(bundle: Bundle, trust_code: bool) -> None:
                           f"trust_code=True (flowtrain.load) or --trust-code (flowtrain predict)")
 
 
-def _skeleton(build):
-    """What ``build()`` makes, on the meta device and with its initializers skipped: its shapes, with no memory.
-    Skipping matters: a meta tensor's random initializer runs torch's reference kernels, whose first call imports
-    ``torch._dynamo`` (1.6 s of every ``flowtrain predict`` here, measured)."""
-    import torch
-
-    class NoInit(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if getattr(func, "__module__", None) == "torch.nn.init":  # an initializer: the tensor as it is
-                return args[0] if args else kwargs["tensor"]
-            return func(*args, **kwargs)
-
-    with torch.device("meta"), NoInit():
-        return build()
-
-
 def build_module(bundle: Bundle, *, trust_code: bool = False):
     """The bundle's model with its weights, in eval mode on the CPU.
 
@@ -440,7 +423,7 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
     ``trust_code=True`` (``--trust-code``), else a ``BundleError`` saying so."""
     from safetensors.torch import load_file
 
-    from flowtrain.train.models import from_factory
+    from flowtrain.train.models import from_factory, skeleton
 
     where = bundle.path / "model.json"
     spec = _spec_of(bundle)
@@ -451,8 +434,8 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
         check_code(bundle, trust_code)
         module = from_factory(str(arch.get("factory")), spec)
     elif kind in ARCHITECTURES:
-        skeleton = _skeleton(lambda: ARCHITECTURES[kind](bundle, spec, arch))
-        want = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+        meta = skeleton(lambda: ARCHITECTURES[kind](bundle, spec, arch))
+        want = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
         # an ID table's size is its own (flowtrain.train.ids): only its presence is the architecture's
         want = {k: (() if ".table." in k else v) for k, v in want.items()}
         shapes = {k: (() if ".table." in k else v) for k, v in shapes.items()}

@@ -29,6 +29,7 @@ from flowtrain.train.models.factory import (
     tabular_mlp,
 )
 from flowtrain.train.models.ids import IdWideDeep
+from flowtrain.train.models.skeleton import skeleton
 from flowtrain.train.models.tabular import LinearModel, TabularMLP, embedding_dim, pack
 from flowtrain.train.options import ModelOptions
 
@@ -123,4 +124,4 @@ class Architecture:
 
 __all__ = ["Architecture", "LinearModel", "ModelOptions", "ModelSpec", "PackedSequential", "TabularMLP",
            "build_model", "build_run_model", "check_factory_parallelism", "embedding_dim", "from_factory",
-           "load_factory", "model_families", "model_spec", "pack", "register_model", "tabular_mlp"]
+           "load_factory", "model_families", "model_spec", "pack", "register_model", "skeleton", "tabular_mlp"]
