@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.table import markdown_table
-from bench.timing import MIN_REPEATS, check_repeats, median
+from bench.timing import MIN_REPEATS, median
 
 __all__ = ["BENCHES", "main", "run_once"]
 
@@ -66,7 +66,9 @@ def main(argv=None) -> None:
     ap.add_argument("bench", choices=BENCHES)
     ap.add_argument("--rounds", type=int, default=MIN_REPEATS, help="interleaved rounds (>= 3); medians reported")
     a = ap.parse_args(argv)
-    check_repeats(a.rounds)
+    if a.rounds < MIN_REPEATS:
+        raise SystemExit(f"--rounds {a.rounds}: a benchmark reports the median of at least {MIN_REPEATS} interleaved "
+                         f"runs; pass --rounds {MIN_REPEATS} or more")
     if not (a.checkout / "bench" / f"{a.bench}.py").is_file():
         raise SystemExit(f"bench against: {a.checkout} has no bench/{a.bench}.py: pass a checkout of flowtrain "
                          f"(git worktree add {a.checkout} COMMIT)")
