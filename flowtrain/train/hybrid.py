@@ -249,7 +249,8 @@ class GridEngine:
 
     def _in_whole(self, tensors: dict, chunks: dict, *, writing: bool) -> tuple[dict, dict]:
         """The sharder's flat ranges of this tensor shard's parameters as pieces of the whole parameters
-        (``checkpoint.Piece``: a slice sits at its offset in the whole tensor, a replicated parameter is the whole).
+        (``flowtrain.train.pieces.Piece``: a slice sits at its offset in the whole tensor, a replicated parameter is
+        the whole).
         ``writing``: a shard other than the first leaves out what every shard holds alike (replicated parameters,
         their optimizer state, buffers), which the first writes."""
         sliced = self.tensor_plans[self.pos.stage].sharded_params()
