@@ -281,13 +281,18 @@ def read_predictions(path: str | Path, columns: list[str] | None = None):
     return pq.read_table(path, columns=columns)
 
 
+def _score_columns(kind: str, names) -> list[str]:
+    """The predictions' score columns: the class probabilities (K classes), P(positive) (binary), the value."""
+    return list(names.probabilities) if kind == "multiclass" else [
+        names.value if kind == "regression" else names.probabilities[0]]
+
+
 def _scores(out: Path, kind: str, names):
     """The model's scores in a predictions file (binary: P(positive); K classes: (rows, K) probabilities;
     regression: the value), for the drift section; None for an empty file."""
     import numpy as np
 
-    wanted = list(names.probabilities) if kind == "multiclass" else [
-        names.value if kind == "regression" else names.probabilities[0]]
+    wanted = _score_columns(kind, names)
     table = read_predictions(out, wanted)  # the score columns only
     if table.num_rows == 0:
         return None
@@ -305,7 +310,7 @@ def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict
     from flowtrain.train.metrics import metrics_of
     from pipelines.tabular.labels import encode_labels
 
-    table = read_predictions(out)
+    table = read_predictions(out, [spec.label, *_score_columns(kind, names)])  # the label and scores only
     if table.num_rows == 0:
         return {}
     targets, known = encode_labels(table.column(spec.label).combine_chunks(), spec, features["stats"])

@@ -45,8 +45,12 @@ def bundle_handler(load: Callable[[str], tuple[Any, int]], path: str, run: str, 
                                  target_scale=tuple(target_scale), n_classes=n_classes, torch_threads=torch_threads)
 
 
+COUNTS = "counts"  # the tag of the per-batch count dicts, summed into the counts file
+
+
 class _OutputFn(beam.DoFn):
-    """A predicted batch -> its output record batch (carried columns, predictions, model version)."""
+    """A predicted batch -> its output record batch (carried columns, predictions, model version); its row count
+    on ``COUNTS``."""
 
     def __init__(self, kind: str, classes: Sequence[str] | None, version: str, schema: pa.Schema, names: OutputNames,
                  spec: FeatureSpec | None):
@@ -55,11 +59,16 @@ class _OutputFn(beam.DoFn):
 
     def process(self, result: PredictionResult):
         outputs, _scored_ms = result.inference
-        yield output_batch(result.example, outputs, self._kind, self._classes, self._version, self._names,
+        out = output_batch(result.example, outputs, self._kind, self._classes, self._version, self._names,
                            self._spec).cast(self._schema)
+        yield beam.pvalue.TaggedOutput(COUNTS, {"predictions": out.num_rows})
+        yield out
 
 
 class _FeaturizeFn(beam.DoFn):
+    """A read batch -> its model input (main), its bad rows (``ERRS``) and, on ``COUNTS``, its rows read, its
+    dead letters and its unseen categorical values per column."""
+
     def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str], source_name: str):
         self._spec, self._stats, self._carry, self._source = spec, stats, list(carry), source_name
 
@@ -67,8 +76,11 @@ class _FeaturizeFn(beam.DoFn):
         inp, letters = featurize_for_prediction(batch, self._spec, self._stats, self._carry, self._source)
         for letter in letters:
             yield beam.pvalue.TaggedOutput(ERRS, letter)
+        counts = {"in": batch.num_rows, "dead_letters": len(letters)}
         if inp is not None:
+            counts.update({f"unseen:{c}": n for c, n in unseen_counts(inp.features, self._spec).items()})
             yield inp
+        yield beam.pvalue.TaggedOutput(COUNTS, counts)
 
 
 def _csv_text(batch: pa.RecordBatch) -> str:
@@ -95,6 +107,13 @@ def _sum_counts(parts) -> dict:
     return total
 
 
+def _counts_json(total: dict, spec: FeatureSpec) -> str:
+    """The summed count dicts -> the counts file: in, predictions, dead letters, unseen values per column."""
+    unseen = {c: total.get(f"unseen:{c}", 0) for c in spec.categorical}
+    return json.dumps({"in": total.get("in", 0), "predictions": total.get("predictions", 0),
+                       "dead_letters": total.get("dead_letters", 0), "unseen": unseen})
+
+
 def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, spec: FeatureSpec, stats: dict,
                   carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str,
                   kind: str, classes: Sequence[str] | None, version: str, names: OutputNames,
@@ -104,11 +123,12 @@ def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, sp
     types = {**{c: None for c in carry}, **read_types(spec)}
     raw, read_errs = p | "ReadFiles" >> ReadFromFiles(files, with_source=True, columns=list(types),
                                                       column_types=types, with_errors=True)
-    inputs, errs = raw | "Featurize" >> beam.ParDo(
-        _FeaturizeFn(spec, stats, carry, names.source)).with_outputs(ERRS, main="rows")
-    batches = (inputs | "RunInference" >> RunInference(handler)
-               | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema, names,
-                                                       spec if flag_unseen else None)))
+    inputs, errs, counts = raw | "Featurize" >> beam.ParDo(
+        _FeaturizeFn(spec, stats, carry, names.source)).with_outputs(ERRS, COUNTS, main="rows")
+    batches, predicted_counts = (
+        inputs | "RunInference" >> RunInference(handler)
+        | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema, names,
+                                                spec if flag_unseen else None)).with_outputs(COUNTS, main="batches"))
     if out.lower().endswith(".csv"):
         _ = (batches | "CsvText" >> beam.Map(_csv_text) | "NonEmpty" >> beam.Filter(bool)
              | "WriteCsv" >> beam.io.WriteToText(out, shard_name_template="", header=csv_header(schema)))
@@ -121,19 +141,8 @@ def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, sp
 
         _ = inputs | "DriftCounts" >> WriteDriftCounts(drift[0], spec, stats, drift[1])
 
-    def total(pcoll, label, size):
-        return pcoll | f"Size{label}" >> beam.Map(size) | f"Sum{label}" >> beam.CombineGlobally(sum)
-
-    read = total(raw, "Read", lambda b: b.num_rows)
-    rejected = total(read_errs, "ReadErrs", lambda _: 1)
-    dead = total(errs, "Dead", lambda _: 1)
-    predicted = total(batches, "Predicted", lambda b: b.num_rows)
-    unseen = (inputs | "UnseenPerBatch" >> beam.Map(lambda inp: unseen_counts(inp.features, spec))
-              | "Unseen" >> beam.CombineGlobally(_sum_counts))
-    counts = (p | "CountsStart" >> beam.Create([None])
-              | "Counts" >> beam.Map(lambda _, r, re, d, pr, u: json.dumps({"in": r + re, "predictions": pr,
-                                                                             "dead_letters": re + d, "unseen": u}),
-                                     r=beam.pvalue.AsSingleton(read), re=beam.pvalue.AsSingleton(rejected),
-                                     d=beam.pvalue.AsSingleton(dead), pr=beam.pvalue.AsSingleton(predicted),
-                                     u=beam.pvalue.AsSingleton(unseen)))
-    _ = counts | "WriteCounts" >> beam.io.WriteToText(counts_path, shard_name_template="")
+    read_rejected = read_errs | "CountReadErrs" >> beam.Map(lambda _: {"in": 1, "dead_letters": 1})
+    _ = ((counts, predicted_counts, read_rejected) | "AllCounts" >> beam.Flatten()
+         | "SumCounts" >> beam.CombineGlobally(_sum_counts)
+         | "CountsJson" >> beam.Map(_counts_json, spec)
+         | "WriteCounts" >> beam.io.WriteToText(counts_path, shard_name_template=""))
