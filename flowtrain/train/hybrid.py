@@ -60,7 +60,7 @@ class GridEngine:
         sample = sample.cpu()
         on_cpu = model if all(p.device.type == "cpu" for p in model.parameters()) else _cpu_copy(model)
         if stages > 1:  # rank 0 measures the layers and decides the cut (a resumed run: its own); every rank uses it
-            given = [tuple(b) for b in config.stage_bounds] if getattr(config, "stage_bounds", None) else None
+            given = [tuple(b) for b in config.stage_bounds] if config.stage_bounds else None
             plan = plan_stages(on_cpu, stages, sample) if ctx.is_main and not given else None
             shared = [plan.bounds if plan else given]
             dist.broadcast_object_list(shared, src=0)

@@ -189,8 +189,11 @@ def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_clus
     # RPC, data, metrics RPC; more while an earlier test's job environment is cached (--environment_cache_millis)
     assert len(ports["jobmanager"]) == 4 and all(len(ports[f"taskmanager-{i}"]) >= 3 for i in (1, 2)), idle
 
-    job = subprocess.Popen([sys.executable, "-c", _TINY_JOB, str(tmp_path / "sums")], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The job's output goes to a file, not a pipe nobody reads while it runs; faulthandler lets a hang show where.
+    log = tmp_path / "job.log"
+    with open(log, "wb") as out:
+        job = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _TINY_JOB, str(tmp_path / "sums")],
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     seen = {name: set(addrs) for name, addrs in idle.items()}
     try:
         deadline = time.monotonic() + 240
@@ -198,7 +201,9 @@ def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_clus
             for name, addrs in sockets().items():
                 seen.setdefault(name, set()).update(addrs)
             time.sleep(0.2)
-        assert job.poll() == 0, f"the job failed or hung: {job.poll()}\n{job.stdout.read()[-3000:] if job.poll() else ''}"
+        if job.poll() is None:
+            _hang_report(job, flink_cluster)
+        assert job.poll() == 0, f"the job failed or hung: {job.poll()}\n{log.read_text(errors='replace')[-6000:]}"
     finally:
         _stop(job, timeout=30)
     assert len((tmp_path / "sums").read_text().splitlines()) == 7
@@ -206,6 +211,22 @@ def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_clus
     assert all(len(opened[f"taskmanager-{i}"]) >= 4 for i in (1, 2)), opened  # the Fn API services were seen
     exposed = {name: sorted(a for a in addrs if not is_loopback(a[0])) for name, addrs in seen.items()}
     assert not {name: a for name, a in exposed.items() if a}, f"listening beyond 127.0.0.1: {exposed}"
+
+
+def _hang_report(job: subprocess.Popen, cluster: LocalFlink) -> None:
+    """A job still running at its deadline: SIGABRT makes its faulthandler write every thread's stack to its log,
+    and the Flink jobs the REST API knows (none: it never reached the job server) go to the test's output."""
+    import os
+
+    try:
+        print("flink jobs at the deadline:", [(j["name"], j["state"]) for j in _jobs(cluster)])
+    except (OSError, ValueError, KeyError) as err:
+        print(f"flink REST did not answer at the deadline: {err}")
+    try:
+        os.kill(job.pid, signal.SIGABRT)
+        job.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
 
 
 def test_item3_without_the_bind_patch_flink_start_refuses_to_expose_the_job_server(tmp_path):
