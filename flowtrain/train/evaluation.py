@@ -154,7 +154,8 @@ def bootstrap(kind: str, y: np.ndarray, preds: dict[str, np.ndarray], *, b: int 
     ``scipy.stats.bootstrap(method="percentile")`` draws the ``b`` resamples of the row indices
     (``numpy.random.default_rng(seed)``) and takes the percentiles; one statistic returns every model's
     metrics and the differences of each resample, so all of them see the same rows. A resample whose
-    metric is undefined (an AUC of a resample with one class) is left out of that metric's interval."""
+    metric is undefined (an AUC of a resample with one class) is left out of that metric's interval. An interval
+    that misses its point estimate (a metric at its bound) is widened to it."""
     from scipy import stats
 
     n = len(y)
@@ -187,6 +188,12 @@ def bootstrap(kind: str, y: np.ndarray, preds: dict[str, np.ndarray], *, b: int 
             for i in np.flatnonzero(undefined):
                 kept = result.bootstrap_distribution[i][~np.isnan(result.bootstrap_distribution[i])]
                 low[i], high[i] = np.percentile(kept, [2.5, 97.5]) if len(kept) else (np.nan, np.nan)
+        # A percentile interval can miss its own estimate when the metric sits at its bound: the R^2 of the training
+        # mean is at most 0, and when the test mean is close to it nearly every resample's R^2 is below the test
+        # set's. Such an interval is widened to the estimate (never narrowed): the report never shows an estimate
+        # outside its own interval.
+        known = np.isfinite(point) & np.isfinite(low) & np.isfinite(high)
+        low, high = np.where(known, np.minimum(low, point), low), np.where(known, np.maximum(high, point), high)
     intervals = [{"value": float(v), "low": float(lo), "high": float(hi)} for v, lo, hi in zip(point, low, high)]
     out = {"resamples": b, "models": {name: dict(zip(keys, intervals[i * len(keys):(i + 1) * len(keys)]))
                                       for i, name in enumerate(names)}}

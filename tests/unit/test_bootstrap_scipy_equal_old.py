@@ -20,8 +20,19 @@ def _old_interval(values):
     return {"low": float(low), "high": float(high)}
 
 
-def _old_bootstrap(kind, y, preds, rows, difference=None):
-    """The old loop and percentiles, over given resamples (``rows``: [b, n] drawn row indices)."""
+def _widened(out):
+    """An interval that misses its estimate widened to it (the new rule: the report never shows an estimate outside
+    its interval), on every interval of an ``_old_bootstrap`` result."""
+    groups = [*out["models"].values(), *([out["difference"]["metrics"]] if "difference" in out else [])]
+    for m in (m for g in groups for m in g.values()):
+        if not any(math.isnan(m[k]) for k in ("value", "low", "high")):
+            m["low"], m["high"] = min(m["low"], m["value"]), max(m["high"], m["value"])
+    return out
+
+
+def _old_bootstrap(kind, y, preds, rows, difference=None, *, widen=True):
+    """The old loop and percentiles, over given resamples (``rows``: [b, n] drawn row indices); with ``widen`` an
+    interval that misses its estimate is widened to it."""
     n = len(y)
     draws = {name: [] for name in preds}
     prepared = {name: prepare(kind, y, p) for name, p in preds.items()}
@@ -40,7 +51,7 @@ def _old_bootstrap(kind, y, preds, rows, difference=None):
             value = out["models"][a][k]["value"] - out["models"][c][k]["value"]
             out["difference"]["metrics"][k] = {"value": value, **_old_interval(
                 [da[k] - dc[k] for da, dc in zip(draws[a], draws[c])])}
-    return out
+    return _widened(out) if widen else out
 
 
 def _rows(n, b, seed, batch):
@@ -99,3 +110,20 @@ def test_bootstrap_of_one_row_or_none():
     assert one["models"]["m"]["mae"] == {"value": 2.0, "low": 2.0, "high": 2.0}
     none = bootstrap("regression", np.zeros(0), {"m": np.zeros(0)}, b=10)
     assert math.isnan(none["models"]["m"]["mae"]["low"])
+
+
+def test_an_interval_that_misses_its_estimate_is_widened_to_it():
+    """The R^2 of a constant prediction is at most 0, reached when it is the test set's own mean: then every
+    resample's R^2 is below the test set's and the percentile interval ends below its estimate. The report widens
+    such an interval to the estimate (never narrows one)."""
+    y = np.random.default_rng(0).normal(size=400)
+    preds = {"mean": np.full(400, y.mean()), "good": y + np.random.default_rng(1).normal(scale=0.5, size=400)}
+    raw = _old_bootstrap("regression", y, preds, _rows(400, 200, 0, 200), widen=False)["models"]["mean"]["r2"]
+    assert raw["value"] == pytest.approx(0.0, abs=1e-12) and raw["high"] < raw["value"]  # the percentiles miss it
+    got = bootstrap("regression", y, preds, b=200, seed=0)
+    _same(got["models"]["mean"]["r2"], {"value": raw["value"], "low": raw["low"], "high": raw["value"]})
+    for name, metrics in got["models"].items():  # every interval holds its estimate; the rest are the percentiles
+        for key, m in metrics.items():
+            assert m["low"] <= m["value"] <= m["high"], (name, key, m)
+    _same(got["models"]["good"], _old_bootstrap("regression", y, preds, _rows(400, 200, 0, 200),
+                                                widen=False)["models"]["good"])
