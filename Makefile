@@ -29,9 +29,14 @@ browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v promtool >/dev/null || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver prometheus)
 
+# Each lane prints its 30 slowest tests and keeps a JUnit XML (every test's seconds) under test-results/: what
+# the next change to the suite's time is guided by.
+RESULTS := test-results
+
 test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
-	$(BIN)/python -m pytest -m "not slow and not multihost" -v --durations=15
+	@mkdir -p $(RESULTS)
+	$(BIN)/python -m pytest -m "not slow and not multihost" -v --durations=30 --junitxml=$(RESULTS)/test.xml
 
 # The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.
 test-fast: $(STAMP)
@@ -44,7 +49,8 @@ test-slow: install
 # Needs root or CAP_NET_ADMIN: without it the lane fails with one line saying why (never a silent skip).
 test-multihost: install
 	@$(BIN)/python -m tests.multihost.hosts
-	$(BIN)/python -m pytest tests/multihost -v -p no:cacheprovider --durations=15
+	@mkdir -p $(RESULTS)
+	$(BIN)/python -m pytest tests/multihost -v -p no:cacheprovider --durations=30 --junitxml=$(RESULTS)/test-multihost.xml
 
 demo: $(STAMP)
 	$(BIN)/flowtrain batch --out runs/demo --id-columns tailnum,route
