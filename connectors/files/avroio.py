@@ -15,6 +15,7 @@ import fastavro
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
+from connectors.avro_schema import AvroSchemaError, check_avro_schema
 from connectors.files.units import FileReadError, FileUnit, ReadUnits, ReadUnitsFn, numbered
 
 __all__ = ["ReadFromAvro", "avro_arrow_type", "avro_head", "check_avro_file", "read_avro"]
@@ -117,13 +118,23 @@ def _avro_magic(fh, path: str) -> None:
     fh.seek(0)
 
 
+def _safe_schema(schema, path: str) -> None:
+    """A ``FileReadError`` naming ``path`` when its writer schema is one fastavro cannot decode safely
+    (``connectors.avro_schema``): checked from the header, before any record is decoded."""
+    try:
+        check_avro_schema(schema)
+    except AvroSchemaError as err:
+        raise FileReadError(f"{path}: refused: its Avro schema {err}; a table's rows are records of columns") from None
+
+
 def _avro_records(fh, path: str, columns: Sequence[str] | None, batch_rows: int, limit: int | None = None
                   ) -> Iterator[pa.RecordBatch]:
     """The file's rows as record batches (of ``columns`` the file has, in the file's types; all its fields
     without ``columns``); an unreadable file or block is a ``FileReadError`` naming the file."""
     _avro_magic(fh, path)
     try:
-        reader = fastavro.reader(fh)
+        reader = fastavro.reader(fh)  # the header only: records are decoded as they are iterated
+        _safe_schema(reader.writer_schema, path)
         fields = _avro_fields(reader.writer_schema, path)
     except FileReadError:
         raise
@@ -165,8 +176,12 @@ def check_avro_file(path: str) -> int:
     with FileSystems.open(path) as fh:
         _avro_magic(fh, path)
         try:
-            for block in fastavro.block_reader(fh):
+            blocks = fastavro.block_reader(fh)
+            _safe_schema(blocks.writer_schema, path)
+            for block in blocks:
                 n += block.num_records
+        except FileReadError:
+            raise
         except Exception as err:  # noqa: BLE001 - whatever fastavro raises: the file's fault
             raise _not_avro(path, err) from None
     return n

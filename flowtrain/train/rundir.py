@@ -8,7 +8,10 @@ Every run directory flowtrain writes holds ``run.json``, the run marker, written
 ``status`` becomes ``complete`` last, after every final output is written (``mark_complete``), or
 ``failed`` with the ``error`` when the run stops on an error (``mark_failed``); both record ``files``,
 the files the run wrote (relative paths). A directory whose marker says ``running`` holds a run that
-is in progress or crashed.
+is in progress or crashed. A run whose process died without a word (a native crash such as SIGSEGV,
+SIGKILL, a lost machine) is found by the next command on that ``--out``: it holds the directory's lock,
+so no process on this host runs the run the marker names (its ``pid`` and ``host``); the marker is then
+recorded ``failed`` ("its process ... died") and the rules below apply to a failed run.
 
 The rules (``prepare_run_dir``; the CLI and the Python API both call it before writing anything):
 
@@ -44,6 +47,8 @@ import calendar
 import hashlib
 import json
 import os
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -59,7 +64,7 @@ from connectors.spill import remove_stale_spills
 from flowtrain.errors import FlowtrainError
 from flowtrain.train import checkpoint
 from flowtrain.train.run_marker import FORMAT, RUN_MARKER, RunDirError, read_marker, running, write_marker
-from flowtrain.train.rundir_lock import lock, lockable, release
+from flowtrain.train.rundir_lock import held, lock, lockable, release
 
 __all__ = ["RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "prepare_run_dir", "mark_complete", "mark_failed",
            "options_hash", "prepare_stream_dir", "STREAM_IDENTITY"]
@@ -150,6 +155,21 @@ def _record_failure(path: Path, marker: dict, error: BaseException | str) -> Non
     marker["error"] = (f"{what}: {text}" if what and not isinstance(error, FlowtrainError) else text or what)[:1000]
     marker["files"] = _written(path, marker)
     write_marker(path, marker)
+
+
+def _found_dead(path: Path, marker: dict | None) -> str | None:
+    """When ``marker`` says a run is running but its process has ended without recording it (this process
+    holds the directory's lock, and the marker names this host): the marker recorded ``failed``, and the line
+    saying so. None otherwise (no run, one that ended, or one on another host: not provably dead)."""
+    if marker is None or marker.get("status") != "running" or not held(path) \
+            or marker.get("host", socket.gethostname()) != socket.gethostname():
+        return None
+    who = f"pid {marker['pid']} on host {marker.get('host')}" if marker.get("pid") else "pid not recorded"
+    error = (f"its process ({who}) died without recording the run's end (a native crash such as SIGSEGV, "
+             f"SIGKILL, or the machine stopped); found by the next run on this --out")
+    _record_failure(path, marker, error)
+    return f"{path}: the earlier {marker.get('command', 'flowtrain')} run {marker.get('run_id')}: {error}; recorded " \
+           f"as failed in {RUN_MARKER}"
 
 
 def _link_on_the_way(path: Path, rel: str) -> Path | None:
@@ -319,6 +339,7 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
     given = dict(options)
     entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     marker = read_marker(path) if entries else None
+    died = _found_dead(path, marker)  # a run whose process died is a failed run from here on
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def fresh(note: str | None = None) -> RunDir:
@@ -379,7 +400,7 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
             marker.pop(key, None)
         write_marker(path, running(marker))
         remove_stale_spills(path / "dataset")
-        return RunDir(path, marker["run_id"], merged, resumed=True)
+        return RunDir(path, marker["run_id"], merged, resumed=True, note=died)
     failed = marker.get("status") == "failed" and not _has_model(path, marker)
     if overwrite or marker.get("options_hash") == options_hash(given) or failed:
         reads_own = given.get("dataset") is not None and Path(os.path.abspath(str(given["dataset"]))) == \
@@ -391,9 +412,11 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
             return fresh(f"{path}: replaced flowtrain's own failed run {marker['run_id']} (it failed: "
                          f"{error[:200]}; it left no model; {n} file(s) it wrote deleted)")
         why = "--overwrite" if overwrite else "the same options"
-        return fresh(f"{path}: replaced the earlier run {marker['run_id']} ({why}; {n} file(s) it wrote deleted)")
+        return fresh("\n".join(filter(None, [died, f"{path}: replaced the earlier run {marker['run_id']} ({why}; "
+                                                    f"{n} file(s) it wrote deleted)"])))
     diffs = "; ".join(_differences(recorded, _identity(given, NOT_IDENTITY), NOT_IDENTITY)) or "options differ"
-    raise RunDirError(f"--out {path} holds a flowtrain run with other options ({diffs}); "
+    raise RunDirError(f"--out {path} holds a flowtrain run with other options ({diffs}"
+                      f"{'; it failed: its process died' if died else ''}); "
                       f"give --resume to continue it, --overwrite to replace it, or choose another --out")
 
 
@@ -427,6 +450,9 @@ def _prepare_stream(path: Path, options: Mapping[str, Any], command: str) -> Run
     given = {k: options.get(k) for k in STREAM_IDENTITY if options.get(k) not in (None, (), [], "")}
     entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     marker = read_marker(path) if entries else None
+    died = _found_dead(path, marker)  # recorded failed; a trainer continues from its checkpoint all the same
+    if died:
+        print(died, file=sys.stderr, flush=True)
     if not entries:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flowtrain.train.run_marker import RUN_MARKER, RunDirError, read_marker
 
-__all__ = ["holder", "lock", "lockable", "release"]
+__all__ = ["held", "holder", "lock", "lockable", "release"]
 
 #: The run directories this process holds locked: path -> the open directory's file descriptor.
 _HELD: dict[Path, int] = {}
@@ -60,6 +60,12 @@ def lock(path: Path) -> None:
         os.close(fd)
         raise
     _HELD[path] = fd
+
+
+def held(path: Path) -> bool:
+    """Whether this process holds the lock of ``path`` (so no other process runs it: a run that the marker says
+    is running there has ended, on this host, without recording its end)."""
+    return path in _HELD
 
 
 def release(path: str | Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 
+from connectors.avro_schema import AvroSchemaError, check_avro_schema
 from connectors.deadletter import DeadLetter
 from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds
 from pipelines.stream.formats.base import EventFormat, converter, writer_value
@@ -56,16 +57,16 @@ class AvroFormat(EventFormat):
             else:
                 groups.setdefault(None, []).append((i, payload))
         for key, items in groups.items():
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(key)
-                with self._lock:
-                    self._plans[key] = plan
+            plan = self.plan_for(key)
             if isinstance(plan, str):
                 for i, _ in items:
                     rows[i] = plan
                 continue
-            for (i, _), out in zip(items, plan.many([body for _, body in items])):
+            try:
+                outs = plan.many([body for _, body in items])
+            except Exception as err:  # noqa: BLE001 - the content of events must never stop the pipeline
+                outs = [f"undecodable avro: {type(err).__name__}: {str(err)[:300]}"] * len(items)
+            for (i, _), out in zip(items, outs):
                 rows[i] = out
         for i, (payload, (t, p, o)) in enumerate(zip(payloads, sources)):
             if not isinstance(rows[i], dict):
@@ -75,7 +76,10 @@ class AvroFormat(EventFormat):
     def _decoder(self, text: str, indexes, where: str):
         try:
             writer = json.loads(text)
+            check_avro_schema(writer)  # before fastavro's C decoder ever sees a value of it
             fields = fields_of_avro(writer)
+        except AvroSchemaError as err:
+            raise ValueError(f"refused: the Avro schema {err}") from None
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"not an Avro record schema ({err})") from None
         by_name = self._resolve(fields, where)

@@ -3,7 +3,6 @@ writer's schema resolved to the dataset's fields) and the value conversions the 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -11,7 +10,8 @@ import pyarrow as pa
 from connectors.deadletter import DeadLetter
 from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds
 from pipelines.stream.events import text_value as _as_text
-from pipelines.stream.formats.registry import PROTOBUF, SchemaRegistry
+from pipelines.stream.formats.plans import PlanCache, Retry
+from pipelines.stream.formats.registry import PROTOBUF, RegistryError, RegistryUnavailable, SchemaRegistry
 from pipelines.stream.formats.schemas import (
     BOOLEAN_TYPES,
     INTEGER_TYPES,
@@ -21,6 +21,9 @@ from pipelines.stream.formats.schemas import (
 )
 from pipelines.stream.formats.wire import WireError, frame, unframe
 from pipelines.stream.parse import parse_rows
+
+#: The longest writer schema text read (characters): a registry may hold any text; a table's schema is a few KB.
+MAX_SCHEMA_CHARS = 1 << 20
 
 
 class EventFormat:
@@ -35,17 +38,16 @@ class EventFormat:
         self.schema_text = self.dataset_schema_text()
         self.writer_text = schema_text if schema_text is not None else self.schema_text
         self._writer_id: int | None = None
-        self._plans: dict = {}
-        self._lock = threading.Lock()
+        self._plans = PlanCache()
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_plans"], state["_lock"] = {}, None
+        state["_plans"] = None  # a copy (a DoFn's) builds its own decoders
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._plans = PlanCache()
 
     # --- the interface -------------------------------------------------------------------------------
     def dataset_schema_text(self) -> str:
@@ -89,14 +91,13 @@ class EventFormat:
         try:
             if self.registry is not None:
                 schema_id, indexes, body = unframe(payload, protobuf=self.registry_type == PROTOBUF)
+                if indexes is not None and len(indexes) != 1:  # not kept: any number of these is one answer
+                    return (f"schema id {schema_id}: message indexes {list(indexes)} name a nested message; events "
+                            f"are top-level messages of the schema")
                 key = (schema_id, indexes)
             else:
                 key, body = None, payload
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plan(key)
-                with self._lock:
-                    self._plans[key] = plan
+            plan = self.plan_for(key)
             if isinstance(plan, str):
                 return plan
             return plan(body)
@@ -112,24 +113,44 @@ class EventFormat:
         plan = self._plan(None)
         return plan if isinstance(plan, str) else None
 
+    def plan_for(self, key):
+        """The kept plan of ``key`` (``_plan``'s answer, kept by ``PlanCache``: bounded, a ``Retry`` briefly)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key)
+            self._plans.put(key, plan)
+        return plan
+
     def _plan(self, key):
         """A decoder of the writer's schema (``key``: registry id and indexes; None: the schema file's) or the
-        reason its events are dead letters."""
-        if key is None:
-            text, where = self.writer_text, "the writer's schema"
-        else:
-            schema_id, indexes = key
-            found = self.registry.schema(schema_id)
-            if found is None:
-                return f"unknown schema id {schema_id}: the schema registry {self.registry.url} does not know it"
-            kind, text = found
-            if kind != self.registry_type:
-                return f"schema id {schema_id} is {kind}, not {self.registry_type} (--event-format {self.name})"
-            where = f"schema id {schema_id}"
+        reason its events are dead letters (a ``Retry`` when asking again later may give another answer). Never
+        raises: whatever the registry answers, however the schema is written, it is a reason."""
+        where = "the writer's schema" if key is None else f"schema id {key[0]}"
         try:
+            if key is None:
+                text = self.writer_text
+            else:
+                schema_id, indexes = key
+                try:
+                    found = self.registry.schema(schema_id)
+                except (RegistryError, RegistryUnavailable) as err:
+                    return Retry(f"{where}: {err}")
+                if found is None:
+                    return Retry(f"unknown schema id {schema_id}: the schema registry {self.registry.url} does not "
+                                 f"know it")
+                kind, text = found
+                if kind != self.registry_type:
+                    return f"schema id {schema_id} is {kind}, not {self.registry_type} (--event-format {self.name})"
+            if len(text) > MAX_SCHEMA_CHARS:
+                return (f"{where}: a schema of {len(text):,} characters, more than {MAX_SCHEMA_CHARS:,}; a table's "
+                        f"schema is a few KB")
             return self._decoder(text, key[1] if key else None, where)
         except ValueError as err:
             return f"{where}: {err}"
+        except RecursionError:
+            return f"{where}: nested too deeply to be read (a table's schema is flat)"
+        except Exception as err:  # noqa: BLE001 - a schema no decoder can be built of: its events' reason
+            return f"{where}: no decoder can be built ({type(err).__name__}: {str(err)[:300]})"
 
     def _resolve(self, writer: list[SchemaField], where: str) -> dict[str, SchemaField]:
         """The writer's fields by name; ValueError naming the dataset's fields it lacks or types it cannot give."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from connectors.avro_schema import AvroSchemaError, check_avro_schema
 from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, ParseBounds
 from pipelines.stream.formats.avro import AvroFormat
 from pipelines.stream.formats.base import EventFormat
@@ -62,7 +63,14 @@ def event_format(name: str, events: EventSchema, *, schema_file: str | None = No
     fmt = FORMATS[name](events, schema_text=text, registry=client, subject=subject, record=record)
     if text is not None:  # a schema file that does not parse: one line now, not a dead letter per event
         try:
+            if name == "avro":
+                check_avro_schema(json.loads(text))  # before any value of it is encoded or decoded
             fields_of_avro(text) if name == "avro" else fields_of_proto(text)
+        except AvroSchemaError as err:
+            raise ValueError(f"--schema-file {schema_file}: refused: the Avro schema {err}") from None
+        except RecursionError:
+            raise ValueError(f"--schema-file {schema_file}: nested too deeply to be read (a table's schema is "
+                             f"flat)") from None
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"--schema-file {schema_file}: not a {name} schema of a record ({err})") from None
     return fmt

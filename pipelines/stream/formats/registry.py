@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Callable
 
 _log = logging.getLogger(__name__)
@@ -22,6 +23,9 @@ _log = logging.getLogger(__name__)
 #: ``schemaType`` of the API (Avro is the API's default and may be left out).
 AVRO, PROTOBUF = "AVRO", "PROTOBUF"
 _CONTENT = "application/vnd.schemaregistry.v1+json"
+#: Schemas a client keeps (by id, the last used), and the most bytes of one answer it reads.
+MAX_SCHEMAS = 1024
+MAX_ANSWER_BYTES = 4 << 20
 
 
 class RegistryUnavailable(RuntimeError):
@@ -41,7 +45,7 @@ class SchemaRegistry:
             raise ValueError(f"--schema-registry {url!r}: expected an http:// or https:// URL of the registry's "
                              f"Confluent-compatible API (Apicurio: http://HOST:PORT/apis/ccompat/v7)")
         self.url, self.wait_s, self.timeout_s, self.on_wait = url.rstrip("/"), wait_s, timeout_s, on_wait
-        self._schemas: dict[int, tuple[str, str] | None] = {}
+        self._schemas: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __reduce__(self):  # a DoFn's copy starts with an empty cache
@@ -56,7 +60,15 @@ class SchemaRegistry:
                                          headers={"Content-Type": _CONTENT, "Accept": _CONTENT})
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    answer = json.loads(resp.read() or b"null")
+                    raw = resp.read(MAX_ANSWER_BYTES + 1)
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise RegistryError(f"schema registry {self.url}{path}: an answer of more than "
+                                        f"{MAX_ANSWER_BYTES:,} bytes")
+                try:
+                    answer = json.loads(raw or b"null")
+                except (ValueError, RecursionError) as err:
+                    raise RegistryError(f"schema registry {self.url}{path}: the answer is not JSON "
+                                        f"({type(err).__name__})") from None
                 if waiting and self.on_wait:
                     self.on_wait(None)
                 if waiting:
@@ -66,7 +78,7 @@ class SchemaRegistry:
                 if err.code == 404:
                     return None
                 if err.code < 500:
-                    text = err.read()[:500].decode("utf-8", "replace")
+                    text = err.read(500).decode("utf-8", "replace")
                     raise RegistryError(f"schema registry {self.url}{path}: HTTP {err.code}: {text}") from None
                 reason = f"HTTP {err.code}"
             except (urllib.error.URLError, OSError, ValueError) as err:
@@ -84,14 +96,28 @@ class SchemaRegistry:
             pause = min(pause * 2, 5.0)
 
     def schema(self, schema_id: int) -> tuple[str, str] | None:
-        """``(schemaType, schema text)`` of an id (cached), or None when the registry does not know it."""
+        """``(schemaType, schema text)`` of an id (the last ``MAX_SCHEMAS`` found are kept: an id names one
+        schema for ever), or None when the registry does not know it (not kept: it may learn it). An answer
+        that is not a schema (not a JSON object with the text in ``schema``) is a ``RegistryError``."""
         with self._lock:
             if schema_id in self._schemas:
+                self._schemas.move_to_end(schema_id)
                 return self._schemas[schema_id]
         answer = self._call("GET", f"/schemas/ids/{int(schema_id)}")
-        found = None if answer is None else (answer.get("schemaType") or AVRO, answer["schema"])
+        if answer is None:
+            return None
+        kind = answer.get("schemaType", AVRO) if isinstance(answer, dict) else None
+        if not isinstance(answer, dict) or not isinstance(answer.get("schema"), str) \
+                or not isinstance(kind, (str, type(None))):
+            shape = type(answer).__name__ if not isinstance(answer, dict) else \
+                f"an object with keys {sorted(map(str, answer))[:5]}"
+            raise RegistryError(f"schema registry {self.url}: the answer for schema id {schema_id} is not a schema "
+                                f"(a JSON object with its text in 'schema'): {shape}")
+        found = (kind or AVRO, answer["schema"])
         with self._lock:
             self._schemas[schema_id] = found
+            while len(self._schemas) > MAX_SCHEMAS:
+                self._schemas.popitem(last=False)
         return found
 
     def register(self, subject: str, text: str, schema_type: str) -> int:

@@ -105,22 +105,99 @@ def fields_of_avro(schema: dict | str) -> list[SchemaField]:
     return [SchemaField(f["name"], _avro_branch(f["type"])[0], "default" in f) for f in schema["fields"]]
 
 
-_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
-_MESSAGE = re.compile(r"\bmessage\s+(\w+)\s*\{([^{}]*)\}", re.S)
-_FIELD = re.compile(r"^\s*(optional|required|repeated)?\s*([\w.]+)\s+(\w+)\s*=\s*(\d+)\s*(\[[^\]]*\])?\s*;", re.M)
+#: One token of a ``.proto`` file: white space, a line comment, the start of a block comment, a string, a name
+#: (dots allowed) or a number, else one character. Matched at one position at a time: linear in the text.
+_TOKEN = re.compile(r"""\s+|//[^\n]*|/\*|"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|[\w.]+|\S""")
+_LABELS = ("optional", "required", "repeated")
+
+
+def _proto_tokens(text: str) -> list[str]:
+    """The tokens of a ``.proto`` text, comments and white space left out (one pass)."""
+    out, pos, n = [], 0, len(text)
+    while pos < n:
+        m = _TOKEN.match(text, pos)
+        tok = m.group()
+        if tok == "/*":
+            end = text.find("*/", pos + 2)
+            if end < 0:
+                raise ValueError("a /* comment that never ends")
+            pos = end + 2
+            continue
+        pos = m.end()
+        if not tok[0].isspace() and not tok.startswith("//"):
+            out.append(tok)
+    return out
+
+
+def _skip_block(toks: list[str], i: int) -> int:
+    """The index after the block whose ``{`` is at or after ``i`` (nested blocks included)."""
+    depth = 0
+    while i < len(toks):
+        if toks[i] == "{":
+            depth += 1
+        elif toks[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError("a { without its }")
+
+
+def _skip_statement(toks: list[str], i: int) -> int:
+    """The index after the statement at ``i`` (up to its ``;``, or a block it opens)."""
+    while i < len(toks):
+        if toks[i] == ";":
+            return i + 1
+        if toks[i] == "{":
+            return _skip_block(toks, i)
+        if toks[i] == "}":
+            return i
+        i += 1
+    return i
+
+
+def _message_fields(name: str, toks: list[str], i: int) -> tuple[list[SchemaField], int]:
+    """The scalar fields of the message whose body starts after the ``{`` at ``i - 1``; the index after its ``}``.
+    Nested definitions (messages, enums) are skipped; a ``oneof``'s fields are the message's."""
+    fields: list[SchemaField] = []
+    depth = 1  # inside the message (2: inside one of its oneofs)
+    while i < len(toks):
+        t = toks[i]
+        if t == "}":
+            depth -= 1
+            i += 1
+            if depth == 0:
+                return fields, i
+        elif t in ("message", "enum", "extend", "service", "group"):
+            i = _skip_block(toks, i)
+        elif t == "oneof" and depth == 1 and i + 2 < len(toks) and toks[i + 2] == "{":
+            depth, i = 2, i + 3
+        elif t in ("option", "reserved", "extensions", ";", "map"):
+            i = _skip_statement(toks, i)
+        else:
+            j = i + (t in _LABELS)
+            stmt = toks[j: j + 5]
+            if len(stmt) == 5 and stmt[2] == "=" and stmt[3].isdigit() and stmt[4] in (";", "[") \
+                    and re.fullmatch(r"\w+", stmt[1]):
+                if t == "repeated":
+                    raise ValueError(f"message {name}: field {stmt[1]!r} is repeated; events hold one value per field")
+                fields.append(SchemaField(stmt[1], stmt[0], True, int(stmt[3])))
+            i = _skip_statement(toks, i)
+    raise ValueError(f"message {name}: a {{ without its }}")
 
 
 def proto_messages(text: str) -> list[tuple[str, list[SchemaField]]]:
-    """The messages of a ``.proto`` file (flat messages of scalar fields: what flowtrain writes and reads)."""
-    text = _COMMENT.sub("", text)
-    found = []
-    for name, body in _MESSAGE.findall(text):
-        fields = []
-        for label, ftype, fname, number, _ in _FIELD.findall(body):
-            if label == "repeated":
-                raise ValueError(f"message {name}: field {fname!r} is repeated; events hold one value per field")
-            fields.append(SchemaField(fname, ftype, True, int(number)))
-        found.append((name, fields))
+    """The top-level messages of a ``.proto`` file, in order (their scalar fields: what flowtrain writes and
+    reads; the wire format's message index ``[i]`` is the i-th). Linear in the text's length."""
+    toks = _proto_tokens(text)
+    found, i = [], 0
+    while i < len(toks):
+        if toks[i] == "message" and i + 2 < len(toks) and toks[i + 2] == "{":
+            name = toks[i + 1]
+            fields, i = _message_fields(name, toks, i + 3)
+            found.append((name, fields))
+        else:
+            i = _skip_statement(toks, i) if toks[i] != "}" else i + 1
     if not found:
         raise ValueError("no message in the .proto text")
     return found
