@@ -13,6 +13,13 @@ fallback vector (the dense ``<table>.fallback``) for an unknown ID, counted per 
 ``snapshot()`` is the served version whole (what the scorer stores and its model handler loads);
 ``status()`` its counts for the scorer's status (``held``: deltas that did not follow the served
 version, never applied out of order).
+
+A version is checked whole before any of it is applied (``check_version``: each table's rows 2-D, of a float
+type, finite, as wide as the table it changes and as its fallback vector; keys and evicted IDs integers; dense
+parameters finite and, in a delta, of the shapes they replace), then applied to copies of the tables it changes,
+which replace the served ones only once it all applied: a version that cannot be applied is rejected with its
+reason and leaves the served version as it was (an 8-wide delta on a 4-wide table evicted and added keys before
+it raised, and left keys without rows).
 """
 from __future__ import annotations
 
@@ -36,6 +43,11 @@ class ServedTable:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def copy(self) -> ServedTable:
+        out = ServedTable(self.dim)
+        out.rows, out.index, out.free = self.rows.copy(), dict(self.index), list(self.free)
+        return out
 
     def upsert(self, keys: np.ndarray, rows: np.ndarray) -> None:
         need = sum(1 for k in keys.tolist() if k not in self.index) - len(self.free)
@@ -85,8 +97,11 @@ class ServedIds:
         if self.version is not None and v.version <= self.version:
             self.counts["stale"] += 1
             return "stale"
+        problem = self.check_version(v)
+        if problem is not None:
+            self.counts["rejected"] += 1
+            return f"rejected: version {v.version} ({v.kind}): {problem}"
         if v.kind == "snapshot":
-            self.dense, self.tables, self.info = {}, {}, {}
             self._apply(v, record["sha256"])
             self.held = {b: (d, sha) for b, (d, sha) in self.held.items() if d.version > v.version}
         elif v.base == self.version and base_sha256 == self.sha256:
@@ -100,18 +115,52 @@ class ServedIds:
         while self.sha256 in self.held:  # deltas that were waiting for this one
             d, sha = self.held.pop(self.sha256)
             if d.base == self.version:
-                self._apply(d, sha)
+                if self.check_version(d) is None:
+                    self._apply(d, sha)
+                else:
+                    self.counts["rejected"] += 1
         return "applied"
 
-    def _apply(self, v: IdVersion, sha256: str) -> None:
-        self.dense.update(v.dense)
-        self.info.update(v.info)
+    def check_version(self, v: IdVersion) -> str | None:
+        """Why ``v`` cannot be applied on what is served (a snapshot: on nothing), or None."""
+        delta = v.kind == "delta"
+        dense = {**self.dense, **v.dense} if delta else dict(v.dense)
+        for name, arr in v.dense.items():
+            if not np.issubdtype(arr.dtype, np.floating) or not np.isfinite(arr).all():
+                return f"dense parameter {name!r}: {arr.dtype} values that are not all finite numbers"
+            if delta and name in self.dense and self.dense[name].shape != arr.shape:
+                return f"dense parameter {name!r} is {list(arr.shape)}, the served one {list(self.dense[name].shape)}"
         for name, change in v.tables.items():
-            table = self.tables.get(name)
-            if table is None:
-                table = self.tables[name] = ServedTable(change.rows.shape[1] if change.rows.ndim == 2 else 0)
+            keys, rows, evicted = change.keys, change.rows, change.evicted
+            if keys.ndim != 1 or evicted.ndim != 1 or not np.issubdtype(keys.dtype, np.integer) \
+                    or not np.issubdtype(evicted.dtype, np.integer):
+                return f"ID table {name!r}: keys and evicted IDs must be lists of whole numbers"
+            if rows.ndim != 2 or len(rows) != len(keys) or not np.issubdtype(rows.dtype, np.floating):
+                return f"ID table {name!r}: rows of {rows.dtype} {list(rows.shape)} for {len(keys)} keys"
+            if not np.isfinite(rows).all():
+                return f"ID table {name!r}: rows that are not all finite numbers"
+            served = self.tables.get(name) if delta else None
+            width = served.dim if served is not None else None
+            if len(rows) and width is not None and rows.shape[1] != width:
+                return f"ID table {name!r}: rows {rows.shape[1]} wide, the served table's are {width}"
+            fallback = dense.get(f"{name}.fallback")
+            if fallback is None:
+                return f"ID table {name!r}: no fallback vector ({name}.fallback) for the IDs it does not hold"
+            if len(rows) and fallback.shape != (rows.shape[1],):
+                return f"ID table {name!r}: rows {rows.shape[1]} wide, its fallback vector {list(fallback.shape)}"
+        return None
+
+    def _apply(self, v: IdVersion, sha256: str) -> None:
+        """``v`` (checked) applied to copies of what it changes; the served version replaced only at the end."""
+        tables = dict(self.tables) if v.kind == "delta" else {}
+        for name, change in v.tables.items():
+            table = tables[name].copy() if name in tables else ServedTable(change.rows.shape[1])
             table.evict(change.evicted)
-            table.upsert(change.keys, change.rows)
+            table.upsert(change.keys, change.rows.astype(np.float32, copy=False))
+            tables[name] = table
+        dense = {**self.dense, **v.dense} if v.kind == "delta" else dict(v.dense)
+        info = {**self.info, **v.info} if v.kind == "delta" else dict(v.info)
+        self.tables, self.dense, self.info = tables, dense, info
         self.version, self.sha256 = v.version, sha256
         self.counts["applied"] += 1
 

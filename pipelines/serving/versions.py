@@ -281,7 +281,10 @@ class VersionTracker:
                 except RejectedUpdate as err:
                     rejects.append((msg.where, rec.version, str(err), err.kind))
                     continue
-                result = served.offer(rec.raw, payload)
+                try:
+                    result = served.offer(rec.raw, payload)
+                except Exception as err:  # noqa: BLE001 - nothing a record holds raises out of offer
+                    result = f"rejected: {type(err).__name__}: {str(err)[:300]}"
                 if result.startswith("rejected"):
                     rejects.append((msg.where, rec.version, result.partition(": ")[2], "ID version"))
                 elif result == "stale":
