@@ -1,0 +1,57 @@
+"""The options that declare features over time, declared once (``connectors.fields``) for every command that
+takes them (``flowtrain features``, ``flowtrain batch``, the stream's): ``--aggregate`` (YAML ``aggregations:``)
+and ``--join`` (YAML ``joins:``), each repeatable, checked as they are parsed (``pipelines.features.declare``).
+Stdlib only: ``flowtrain --help`` imports this."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from connectors.fields import option
+from pipelines.features.declare import Declaration, DeclarationError, declare, parse_aggregate, parse_join
+
+FEATURES = "features over time (docs/features.md)"
+
+
+def _declarations(parse, flag: str):
+    def check(value: Any) -> tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        out = []
+        for item in items:
+            try:
+                parse(item)
+            except DeclarationError as err:
+                raise argparse.ArgumentTypeError(str(err).removeprefix(f"{flag} ")) from None
+            out.append(item if isinstance(item, str) else dict(item))
+        return tuple(out)
+
+    return check
+
+
+aggregations_of = _declarations(parse_aggregate, "--aggregate")
+aggregations_of.__name__ = "KEY:COLUMN:AGGS:WINDOWS"
+joins_of = _declarations(parse_join, "--join")
+joins_of.__name__ = "TABLE:KEY[:VALID_FROM]"
+
+
+@dataclass
+class FeatureOptions:
+    """``--aggregate`` and ``--join``."""
+
+    SECTION: ClassVar[str] = "features"
+    aggregations: tuple = option(
+        (), "an aggregation per key over time windows, KEY:COLUMN:AGGS:WINDOWS (repeat), e.g. "
+            "card:amount:count,sum,mean:10m,1h,1d; COLUMN * counts the key's events; AGGS of count, sum, mean, min, "
+            "max, std, distinct, last, lastK; WINDOWS Ns/Nm/Nh/Nd or life. The window of an event at t is [t - w, t) "
+            "in event time (needs --time-column)", parse=aggregations_of, repeat=True, group=FEATURES,
+        flag="--aggregate", metavar="KEY:COLUMN:AGGS:WINDOWS")
+    joins: tuple = option(
+        (), "a table joined as of each event's time, TABLE:KEY[:VALID_FROM] (repeat): its other columns, prefixed "
+            "KEY_, from the row of the event's key with the greatest VALID_FROM at or before the event's time "
+            "(without VALID_FROM: a static lookup)", parse=joins_of, repeat=True, group=FEATURES, flag="--join",
+        metavar="TABLE:KEY[:VALID_FROM]")
+
+    def declaration(self) -> Declaration:
+        """The checked declaration (a ``DeclarationError`` for a feature named twice)."""
+        return declare(self.aggregations or (), self.joins or ())
