@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -119,7 +120,13 @@ def entry() -> None:
     runner and job-server processes it started, flowtrain's close Kafka clients) and then ends
     without the rest of the interpreter's teardown: a native thread that torch or Beam's gRPC
     started could otherwise abort the process while it is destroyed ("terminate called without
-    an active exception", SIGABRT, seen after a schema error), turning exit status 2 into a crash."""
+    an active exception", SIGABRT, seen after a schema error), turning exit status 2 into a crash.
+
+    SIGINT is made to stop the command even where it was inherited as ignored (a POSIX shell starts a script's
+    background job `flowtrain ... &` so, and Python then installs no KeyboardInterrupt handler): Ctrl-C and
+    `kill -INT` stop every flowtrain command alike."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     if code:
         import atexit

@@ -305,6 +305,10 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     from flowtrain.train.bundle import bundle_key as read_bundle_key
 
     bundle_key = read_bundle_key(job.bundle_key_file)  # a bad key file fails now, not after training
+    from flowtrain.parallel.device import resolve_device
+
+    # --device (and a GPU per local worker): an error before the ETL, not after it (checked again below)
+    resolve_device(job.device, local_world=1 if job.job_only else job.workers * job.stages * job.tensor_parallel)
     run_dir = run_directory(job)
     resume = job.resume
     from flowtrain.train.rundir import mark_complete, prepare_run_dir

@@ -307,11 +307,20 @@ def _blocks(summary: dict, history: list[dict] | None, figures: list[str]) -> li
 
 def md_text(text, *, cell: bool = False) -> str:
     """Text for Markdown that stays text, whatever the data holds (column, class and file names,
-    values): no HTML (``<``, ``>``, ``&`` as entities), no link or image (``](``), one line; in a table
-    cell no column break (``|``). The report's own Markdown is only backtick code spans, kept."""
+    values): no HTML (a ``<`` that could open a tag as ``&lt;``, an ``&`` that could start an entity as
+    ``&amp;``), no link or image (``](``), no quote (a leading ``>``), one line; in a table cell no column
+    break (``|``). What cannot make markup stays as it is, so the file reads as plain text too (``arr_delay >
+    15``, ``AT&T``). The report's own Markdown is only backtick code spans, kept."""
     text = str(text).replace("\r", " ").replace("\n", " ")
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("](", "]\\(")
+    text = _ENTITY_START.sub("&amp;", text)
+    text = _TAG_START.sub("&lt;", text).replace("](", "]\\(")
+    text = "\\" + text if text.startswith(">") else text
     return text.replace("|", "\\|") if cell else text
+
+
+#: What makes HTML inside Markdown: a ``<`` before a tag's name, ``/``, ``!`` or ``?``; an ``&`` of an entity.
+_TAG_START = re.compile(r"<(?=[A-Za-z/!?])")
+_ENTITY_START = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 
 
 def _markdown(blocks: list[tuple]) -> str:
@@ -358,7 +367,7 @@ def _html(blocks: list[tuple], run_dir: Path) -> str:
             data = base64.b64encode((Path(run_dir) / block[1]).read_bytes()).decode("ascii")
             body.append(f'<figure><img alt="{html.escape(block[2])}" src="data:image/png;base64,{data}">'
                         f"<figcaption>{html.escape(block[2])}</figcaption></figure>")
-    title = inline(blocks[0][1]) if blocks else "flowtrain report"
+    title = html.escape(blocks[0][1]) if blocks else "flowtrain report"  # <title> is text: no <code>
     style = ("body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
              "table{border-collapse:collapse;margin:0.5em 0 1em}th,td{border:1px solid #ccc;padding:3px 8px;"
              "text-align:right}th:first-child,td:first-child{text-align:left}th{background:#f3f3f3}"

@@ -80,7 +80,7 @@ def test_report_shows_the_time_split_as_dates_the_features_used_the_unused_colum
     assert f"train before {cut_valid}; validation from {cut_valid} to before {cut_test}; test from {cut_test}" in md
     assert f"its values run from {_date(split['min'])} to {_date(split['max'])}" in md
     assert "time column `when`: splits the rows by time; not a feature" in md
-    assert "label: `y`; features used: numeric `x`; categorical `&lt;img src=x onerror=alert(1)&gt;`" in md
+    assert "label: `y`; features used: numeric `x`; categorical `&lt;img src=x onerror=alert(1)>`" in md
     assert re.search(r"columns of `[^`]*data\.csv` not used \(neither a feature, the label nor the time column\): "
                      r"`id`, `note`\n", md)
     data = json.loads((run / "summary.json").read_text())["data"]  # the same for machines
@@ -127,8 +127,8 @@ def test_report_md_and_html_escape_html_and_links_from_the_data(step_zero_run):
         assert "<script" not in text and "<img src=x" not in text and "<b>" not in text
     assert "](javascript:" not in md  # a Markdown link from the data stays text (in HTML it is text anyway)
     assert "<a " not in html
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
-    assert f"## Slices by {HOSTILE_COLUMN.replace('<', '&lt;').replace('>', '&gt;')}" in md
+    assert "&lt;script>alert(1)&lt;/script>" in md and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert f"## Slices by {HOSTILE_COLUMN.replace('<', '&lt;')}" in md
     # every row of every Markdown table has as many columns as its header ("a|b" stays one cell)
     tables = re.findall(r"((?:^\|.*\|\n)+)", md, flags=re.M)
     assert len(tables) >= 4
