@@ -45,6 +45,7 @@ from connectors.model_updates import MIN_KEY_BYTES, sign_record
 from connectors.secrets import read_secret_file
 from flowtrain import __version__
 from flowtrain.errors import BundleError, FlowtrainError
+from flowtrain.train.bundle_tables import check_id_tables, check_table_options
 
 FORMAT = 1
 FILES = ("weights.safetensors", "model.json", "features.json")
@@ -385,6 +386,7 @@ def _mlp_ids(bundle: Bundle, spec, arch: dict):
             or not _positive_ints([dim], MAX_DIMENSION) or not isinstance(arch.get("table", {}), dict):
         raise BundleError(f"{bundle.path / 'model.json'}: the mlp_ids model needs 'id_columns' (names), 'id_dim' "
                           f"and 'table' options; export the bundle again")
+    check_table_options(bundle.path / "model.json", arch.get("table", {}), dim)  # before a table is made
     return from_architecture(spec, arch)
 
 
@@ -430,6 +432,8 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
     arch = bundle.model.get("architecture")
     kind = arch.get("kind") if isinstance(arch, dict) else None
     shapes = _weight_shapes(bundle.path / "weights.safetensors")
+    # every ID table's state against its own tensors and model.json, before anything is allocated
+    check_id_tables(bundle.path / "weights.safetensors", shapes, arch.get("id_dim") if kind == "mlp_ids" else None)
     if kind == "factory":
         check_code(bundle, trust_code)
         module = from_factory(str(arch.get("factory")), spec)
@@ -452,7 +456,7 @@ def build_module(bundle: Bundle, *, trust_code: bool = False):
     state = load_file(str(bundle.path / "weights.safetensors"))
     try:
         module.load_state_dict(state)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError, IndexError, KeyError) as err:
         raise BundleError(f"{bundle.path / 'weights.safetensors'}: does not fit the architecture of model.json "
                           f"({str(err).splitlines()[0]})") from None
     return module.eval()
