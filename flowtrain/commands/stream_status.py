@@ -247,8 +247,11 @@ class StreamSampler:
         bounds, buckets = None, None
         serving, newest = None, -1.0
         unseen: dict[str, int] = {}
+        by_version: dict[str, int] = {}
         for data in read_status(prefix, "predictions"):
             predictions += int(data.get("predictions", 0) or 0)
+            for version, n in (data.get("versions") or {}).items():
+                by_version[str(version)] = by_version.get(str(version), 0) + int(n or 0)
             for column, n in (data.get("unseen") or {}).items():
                 unseen[column] = unseen.get(column, 0) + int(n or 0)
             latency_ms += int(data.get("latency_ms_sum", 0) or 0)
@@ -259,13 +262,20 @@ class StreamSampler:
             if data.get("version") is not None and data.get("time", 0) > newest:
                 newest, serving = data["time"], data["version"]
                 snap["serving_run"] = data.get("run_id")
-        rejected, rejected_count = [], 0
+        rejected, rejected_count, announced = [], 0, None
         for data in read_status(prefix, "versions"):
             rejected.extend(data.get("rejected") or [])
             rejected_count = max(rejected_count, int(data.get("rejected_count", 0) or 0))
             if serving is None and data.get("version") is not None:
                 serving = data["version"]
+            if data.get("version") is not None and (announced is None or (data.get("announced_at") or 0) >
+                                                    (announced.get("announced_at") or 0)):
+                announced = data
         snap["scorer_rejected_count"] = rejected_count
+        if by_version:
+            snap["predictions_by_version"] = by_version
+        if announced is not None:
+            snap.update(serving_lag(announced, serving, snap.get("serving_run")))
         if predictions or serving is not None or rejected:
             snap["counters"]["predictions"] = predictions
             snap["unseen"] = unseen
@@ -427,6 +437,22 @@ def raw_lag(args) -> int | None:
             close_client(consumer)
     except Exception:  # noqa: BLE001 - the live line must not stop the job
         return None
+
+
+def serving_lag(announced: dict, serving: int | None, serving_run: str | None, now: float | None = None) -> dict:
+    """The scorer's serving lag: the newest version a scorer instance announced (its ``versions`` status: version,
+    run id, when it found it) against the version the newest predictions carry. In versions (0 when they are the
+    same; the announced run's number minus the served one within a run, 1 across runs) and in seconds since the
+    announcement while they differ (0 when the newest predictions carry it)."""
+    version, at = announced.get("version"), float(announced.get("announced_at") or 0.0)
+    out = {"announced_version": version}
+    if serving is None or version is None:
+        return out
+    same_run = serving_run is None or serving_run == announced.get("run_id")
+    behind = serving != version or not same_run
+    out["serving_lag_versions"] = (max(0, int(version) - int(serving)) if same_run else 1) if behind else 0
+    out["serving_lag_s"] = max(0.0, (time.time() if now is None else now) - at) if behind and at else 0.0
+    return out
 
 
 def serving_status(out: Path) -> dict:

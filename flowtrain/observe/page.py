@@ -65,6 +65,7 @@ const CARDS = [
   ["dead letters", "flowtrain_dead_letters_total"], ["trainer step", "flowtrain_trainer_step"],
   ["rows trained", "flowtrain_rows_trained_total"], ["train loss", "flowtrain_train_loss"],
   ["published version", "flowtrain_published_version"], ["serving version", "flowtrain_serving_version"],
+  ["announced version", "flowtrain_announced_version"], ["serving lag (s)", "flowtrain_serving_lag_seconds"],
   ["model freshness (s)", "flowtrain_model_freshness_seconds"], ["predictions", "flowtrain_predictions_total"]];
 
 function parseMetrics(text) {
@@ -153,8 +154,18 @@ function renderCards(metrics) {
       card.appendChild(el);
     } else {
       const sample = given || one(metrics, name);
-      if (!sample) continue;
-      card.appendChild(numberCell("div", name, sample));
+      const labelled = metrics[name] || [];
+      if (sample) {
+        card.appendChild(numberCell("div", name, sample));
+      } else if (labelled.length) {  // a counter by label (predictions by model version): their sum
+        const el = document.createElement("div");
+        el.className = "num";
+        el.title = labelled.map(s => JSON.stringify(s.labels) + " " + s.valueText).join("\n");
+        el.textContent = fmt(labelled.reduce((a, s) => a + s.value, 0));
+        card.appendChild(el);
+      } else {
+        continue;
+      }
     }
     cards.appendChild(card);
   }

@@ -20,6 +20,7 @@ A snapshot is a dict; every key is optional:
 ``dead_letters_by_reason`` ({reason: n}), ``unseen`` ({column: scored events with a categorical value
 training never saw}), ``lag`` ({partition: records}), ``trainer_step``,
 ``train_loss``, ``prequential`` ({metric: value}), ``published_version``, ``serving_version``,
+``announced_version``, ``serving_lag_versions``, ``serving_lag_s``, ``predictions_by_version`` ({version: n}),
 ``freshness_s`` (seconds since the newest published version was written), ``latency``
 ({"count": n, "sum_s": seconds, "buckets": [[upper bound s, cumulative count], ...]}: prediction
 latency, event time to scoring; without buckets, a summary), ``dead_letters``
@@ -28,8 +29,9 @@ published | published (unsigned) | serving | rejected, reason, time}]).
 
 Metric families (``flowtrain_`` prefix): ``<counter>_total`` for every counter,
 ``dead_letters_by_reason_total{reason}``, ``unseen_values_total{column}``, ``consumer_lag{partition}``, ``trainer_step``,
-``train_loss``, ``prequential{metric}``, ``published_version``, ``serving_version``,
-``model_freshness_seconds``, ``prediction_latency_seconds`` (a histogram; a summary without buckets),
+``train_loss``, ``prequential{metric}``, ``published_version``, ``serving_version`` (what the newest predictions
+carry), ``announced_version``, ``serving_lag_versions``, ``serving_lag_seconds``, ``predictions_total{version}``
+(with the scorer's counts by version, in place of the unlabelled counter), ``model_freshness_seconds``, ``prediction_latency_seconds`` (a histogram; a summary without buckets),
 ``half_up{half}`` (1 while that half runs), ``sample_number`` (which snapshot this is) and
 ``sample_timestamp_seconds``; with the scorer's drift window (``drift``: ``pipelines.serving.drift.window_report``)
 ``feature_drift{feature,measure}``, ``drift_alarm{feature}``, ``prediction_drift`` and ``drift_window_rows``.
@@ -77,10 +79,20 @@ class SnapshotCollector:
         for half, state in (snap.get("halves") or {}).items():
             halves.add_metric([half], 1.0 if state == "running" else 0.0)
         yield halves
+        by_version = snap.get("predictions_by_version") or {}
         for name, total in (snap.get("counters") or {}).items():
+            if name == "predictions" and by_version:
+                continue  # labelled by version below
             if _number(total) is not None:
                 yield CounterMetricFamily(PREFIX + name, f"{name.replace('_', ' ')} since the job started",
                                           value=float(total))
+        if by_version:
+            made = CounterMetricFamily(PREFIX + "predictions", "predictions since the job started, by the model "
+                                       "version that made them", labels=["version"])
+            for version, n in sorted(by_version.items(), key=lambda kv: int(kv[0])):
+                if _number(n) is not None:
+                    made.add_metric([str(version)], float(n))
+            yield made
         unseen = CounterMetricFamily(PREFIX + "unseen_values", "scored events whose categorical value training never "
                                      "saw (or that is missing), per column", labels=["column"])
         for column, n in (snap.get("unseen") or {}).items():
@@ -105,7 +117,14 @@ class SnapshotCollector:
         for key, name, text in (("trainer_step", "trainer_step", "the online trainer's optimizer step"),
                                 ("train_loss", "train_loss", "the trainer's loss on its newest batch"),
                                 ("published_version", "published_version", "the newest model version published"),
-                                ("serving_version", "serving_version", "the model version the scorer serves"),
+                                ("serving_version", "serving_version", "the model version the newest "
+                                 "predictions carry"),
+                                ("announced_version", "announced_version", "the newest valid model version a "
+                                 "scorer instance has read on the updates topic"),
+                                ("serving_lag_versions", "serving_lag_versions", "announced version minus the "
+                                 "version the newest predictions carry (1 across trainer runs; 0: serving it)"),
+                                ("serving_lag_s", "serving_lag_seconds", "seconds since the announced version was "
+                                 "found while the newest predictions carry another (0: serving it)"),
                                 ("freshness_s", "model_freshness_seconds",
                                  "seconds since the newest published model version was written")):
             value = _number(snap.get(key))

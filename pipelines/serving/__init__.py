@@ -5,8 +5,10 @@ Modules by job:
 - ``config``: ``ScoreConfig`` and ``ScoringBatch`` (a featurized micro-batch);
 - ``versions``: the model-updates records -> the newest valid, authenticated version
   (``VersionTracker``, the scorer's own model copies ``ModelCache``);
-- ``updates``: reading the updates topic (``wait_for_version`` at the start, the ``LatestModelVersion`` side input);
-- ``handler``: ``FlowtrainModelHandler``, RunInference's model handler (hot swap, never backwards);
+- ``updates``: reading the updates topic (``wait_for_version`` at the start, then ``NewestVersion``: a reader
+  thread per worker process that the handler asks before each forward);
+- ``handler``: ``FlowtrainModelHandler``, RunInference's model handler (serves the newest version read, never
+  backwards);
 - ``featurize``: raw events -> ``ScoringBatch``es with the stream pipeline's featurizer;
 - ``predictions``: ``PREDICTION_SCHEMA`` and ``WritePredictions``;
 - ``commit``: ``CommitScored``, at-least-once commits of the raw offsets;

@@ -8,15 +8,21 @@ the positive class, for K classes the (rows, K) class probabilities, for regress
 the label's units (the model predicts the standardized target: ``value * scale + shift``).
 ``PredictionResult.model_id`` is ``"<run id>:<version>"`` of the model that computed it.
 
-Model updates are Beam's own: ``update_model_path`` takes the side input's ``model_id`` (a
-``ModelVersion`` as JSON), ``load_model`` loads it. Two of ``_RunInferenceDoFn``'s behaviours
-shape the handler: a window whose side input is empty reloads the model "without a path" (the
-handler's current one), and a loading error would fail the bundle (on Prism, the job). So per
-process the handler keeps the most recently *published* version it has loaded and never serves
-an earlier one; a version it cannot load is logged while the newest loaded one keeps serving;
-and when nothing is loaded yet and the version it names cannot be loaded (its copy pruned, a
-file gone), it falls back to the newest valid copy in the scorer's model cache: a missing model
-never fails the job while any valid version exists.
+Which version serves: before each forward the handler asks ``newest`` (``pipelines.serving.updates.NewestVersion``:
+the newest valid version a reader thread in this worker process has found on the updates topic) and, when it
+is newer than the model Beam handed over, loads it and scores with it. So every micro-batch scored more than
+about one ``--swap-interval`` after a version was published carries it (or a newer one), whatever the event
+times, the windows or the runner. (Beam's own path, a ``ModelMetadata`` side input of ``RunInference``, is
+not used: on Prism a micro-batch whose serving window's side input was not complete yet was scored with an
+empty side input, i.e. with the model loaded last, so a new version reached only the windows that happened to
+see it — 300 of 300 events scored by v2 with v3 published, issue #42 — and a backlog stamped before the
+first side-input tick stayed in the first window. ``update_model_path`` still takes a ``ModelVersion`` as
+JSON for a caller that passes one.)
+
+Per process the handler keeps the most recently *published* version it has loaded and never serves an earlier
+one; a version it cannot load is logged while the newest loaded one keeps serving; and when nothing is loaded
+yet and the version it names cannot be loaded (its copy pruned, a file gone), it falls back to the newest valid
+copy in the scorer's model cache: a missing model never fails the job while any valid version exists.
 """
 from __future__ import annotations
 
@@ -64,6 +70,10 @@ def parse_model_tag(tag: str) -> tuple[str, int]:
 _SERVED: dict[str, dict[str, ServedModel]] = {}
 _NEWEST: dict[str, ServedModel] = {}
 _SERVED_LOCK = threading.Lock()
+# Per process and handler: why a wanted version could not be loaded (its path -> the reason), and the versions
+# already warned about as announced but not serving.
+_FAILED: dict[str, dict[str, str]] = {}
+_WARNED: dict[str, set[str]] = {}
 
 
 class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
@@ -71,10 +81,13 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
 
     def __init__(self, load_version: Callable[..., tuple[Any, int]], initial: ModelVersion, spec: FeatureSpec, *,
                  cache_dir: str | None = None, device: str = "cpu", max_batch_size: int = 16,
-                 target_scale: tuple[float, float] = (0.0, 1.0), n_classes: int = 2, torch_threads: int | None = 1):
+                 target_scale: tuple[float, float] = (0.0, 1.0), n_classes: int = 2, torch_threads: int | None = 1,
+                 newest: Callable[[], ModelVersion | None] | None = None, warn_after_s: float = 10.0):
         super().__init__(min_batch_size=1, max_batch_size=max_batch_size)
         self._load_version = load_version
         self._want = initial
+        self._newest = newest  # the newest valid version this process has read (NewestVersion), or None
+        self._warn_after_s = warn_after_s  # a version announced this long ago and not serving: a warning
         self._spec = spec
         self._cache_dir = cache_dir
         self._device = device
@@ -108,21 +121,40 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
         raise RuntimeError(f"no model to serve: {self._want.path} cannot be loaded ({type(err).__name__}: {err}) and "
                            f"the model cache {self._cache_dir} holds no valid version") from err
 
+    def _announced(self) -> bool:
+        """True when ``newest`` names a version published after the one this handler wants (it wants it now)."""
+        announced = self._newest() if self._newest is not None else None
+        if announced is not None and announced.order > self._want.order:
+            self._want = announced
+            return True
+        return False
+
     def load_model(self) -> ServedModel:
         if self._threads:
             import torch
 
             torch.set_num_threads(self._threads)
+        self._announced()
+        return self._serve()
+
+    def _serve(self) -> ServedModel:
+        """The newest publication this process has loaded, loading what the handler wants when it is newer."""
         with _SERVED_LOCK:
             loaded = _SERVED.setdefault(self._token, {})
             newest = _NEWEST.get(self._token)
             if newest is not None and self._want.order <= newest.version.order:
-                return newest  # never back to an earlier publication (a late window names an older one)
+                return newest  # never back to an earlier publication (an older one named by update_model_path)
             served = loaded.get(self._want.path)
+            if served is None and newest is not None and self._want.path in _FAILED.get(self._token, {}):
+                return newest  # tried once: a copy that did not load never will (its name is its digest)
             if served is None:
                 try:
                     served = self._load(self._want)
                 except Exception as err:  # noqa: BLE001 - a bad or missing version must not stop serving
+                    failed = _FAILED.setdefault(self._token, {})
+                    failed[self._want.path] = f"{type(err).__name__}: {err}"
+                    if len(failed) > 100:  # bounded: the oldest reasons go
+                        failed.pop(next(iter(failed)))
                     if newest is not None:
                         _log.warning("model at %s rejected (%s: %s); still serving version %d", self._want.path,
                                      type(err).__name__, err, newest.version.version)
@@ -139,6 +171,10 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
 
     def run_inference(self, batch: Sequence[Any], model: ServedModel,
                       inference_args: dict | None = None) -> Iterable[PredictionResult]:
+        if self._announced() or self._want.order > model.version.order:
+            model = self._serve()  # a version published since Beam loaded ``model`` (or another copy's newer one)
+            if self._want.order > model.version.order:
+                self._not_serving(model)
         parts = [b.features for b in batch if b.features is not None and b.features.num_rows]
         sizes = [0 if b.features is None else b.features.num_rows for b in batch]
         table = pa.Table.from_batches(parts) if parts else pa.table({})
@@ -150,6 +186,19 @@ class FlowtrainModelHandler(ModelHandler[Any, PredictionResult, ServedModel]):
         bounds = np.cumsum([0] + sizes)
         for b, lo, hi in zip(batch, bounds[:-1], bounds[1:]):
             yield PredictionResult(b, (outputs[lo:hi], scored_ms), tag)
+
+    def _not_serving(self, model: ServedModel) -> None:
+        """The wanted version does not serve: a warning with the reason once it was announced ``warn_after_s`` ago."""
+        at = getattr(self._newest, "announced_at", None)
+        since = time.time() - at() if at is not None else 0.0
+        warned = _WARNED.setdefault(self._token, set())
+        if since < self._warn_after_s or self._want.path in warned:
+            return
+        warned.add(self._want.path)
+        reason = _FAILED.get(self._token, {}).get(self._want.path, "not loaded yet")
+        _log.warning("model version %d of run %s was announced %.0f s ago but micro-batches are still scored with "
+                     "version %d: %s", self._want.version, self._want.run_id or "(unnamed)", since,
+                     model.version.version, reason)
 
     def get_num_bytes(self, batch: Sequence[Any]) -> int:
         return sum(b.features.nbytes for b in batch if b.features is not None)

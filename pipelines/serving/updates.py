@@ -1,35 +1,25 @@
 """Reading the model-updates topic for serving: ``updates_consumer`` (every partition, from the beginning),
 ``read_updates`` (the records not read yet), ``wait_for_version`` (the newest valid version at the scorer's
-start: the topic read to its end, else the newest stored copy), and ``LatestModelVersion``, the side input of
-the scoring pipeline (one look-up per serving window, Beam's "slowly updating side input"). Which version
-serves is ``pipelines.serving.versions.VersionTracker``'s decision.
+start: the topic read to its end, else the newest stored copy), and ``NewestVersion``, what the scoring
+pipeline's model handler asks before each forward: the newest valid version as a reader thread per worker
+process has read it (every ``--swap-interval`` seconds). Which version serves is
+``pipelines.serving.versions.VersionTracker``'s decision.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import uuid
 from collections.abc import Callable
-
-import apache_beam as beam
-from apache_beam.ml.inference.base import ModelMetadata
-from apache_beam.transforms import window
-from apache_beam.transforms.periodicsequence import PeriodicImpulse
-from apache_beam.utils.timestamp import Timestamp
 
 from connectors.kafka import close_client, new_consumer, retry_kafka, wait_for_partitions
 from pipelines.serving.versions import ModelVersion, UpdateMessage, VersionTracker, new_tracker
 from pipelines.stream.status import write_status
 
-__all__ = ["PARTITIONS_ASK_S", "WINDOW_OFFSET_S", "LatestModelVersion", "first_tick", "read_updates",
-           "updates_consumer", "wait_for_version"]
+__all__ = ["PARTITIONS_ASK_S", "NewestVersion", "read_updates", "updates_consumer", "wait_for_version"]
 
 _log = logging.getLogger(__name__)
-
-#: Serving windows start this far after each whole multiple of the interval: Kafka timestamps are
-#: whole milliseconds, so no event lands exactly on a tick (a tick at T is not in the side input
-#: before the side input's watermark has passed T).
-WINDOW_OFFSET_S = 0.0005
-
 
 def read_updates(consumer, *, rounds: int = 20, poll_ms: int = 50) -> list[UpdateMessage]:
     """Records the consumer has not returned yet, in partition-offset order.
@@ -127,64 +117,99 @@ def _kinds(tracker: VersionTracker) -> str:
             if tracker.rejected_kinds else "")
 
 
-class _LatestVersionFn(beam.DoFn):
-    """Tick -> ``ModelMetadata`` of the newest valid version, exactly one per serving window: until
-    this worker's tracker has read a version, the version the scorer started with (``initial_model``,
-    found and authenticated by ``wait_for_version``). Flink's portable runner holds an element
-    until its window's side input has a value, so a window without one would never be scored."""
+class _Watcher:
+    """One per process and scorer: a daemon thread reading the updates topic every ``swap_interval`` seconds into a
+    ``VersionTracker``; ``current`` is the newest valid version read so far, ``announced_at`` when it was found."""
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.current: ModelVersion | None = None
+        self.announced_at = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flowtrain-model-versions", daemon=True)
+        self._thread.start()
 
-    def setup(self):
-        self.consumer = updates_consumer(self.cfg.bootstrap, self.cfg.updates_topic, self.cfg.kafka_config)
-        self.tracker = new_tracker(self.cfg, warn_unsigned=False)  # the command warned already
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
 
-    def teardown(self):
-        if getattr(self, "consumer", None) is not None:
-            close_client(self.consumer)
-            self.consumer = None
+    def _run(self) -> None:
+        consumer, tracker, failing = None, None, None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = updates_consumer(self.cfg.bootstrap, self.cfg.updates_topic, self.cfg.kafka_config)
+                    tracker = tracker or new_tracker(self.cfg, warn_unsigned=False)  # the command warned already
+                self._look(tracker, read_updates(consumer))
+                if failing is not None:
+                    _log.info("reading model updates from %s again", self.cfg.updates_topic)
+                failing = None
+            except Exception as err:  # noqa: BLE001 - the thread must live: the newest valid version keeps serving
+                reason = f"{type(err).__name__}: {err}"
+                if reason != failing:
+                    _log.warning("cannot read model updates from %s (%s); the newest valid version read so far keeps "
+                                 "serving, retrying every %g s", self.cfg.updates_topic, reason,
+                                 self.cfg.swap_interval)
+                failing = reason
+                if consumer is not None:
+                    close_client(consumer)
+                    consumer = None
+            self._stop.wait(self.cfg.swap_interval)
+        if consumer is not None:
+            close_client(consumer)
 
-    def process(self, _tick):
-        before = self.tracker.rejected_count
-        ids_before = self.tracker.ids_status()
-        changed = self.tracker.offer(read_updates(self.consumer))
-        current = self.tracker.current
-        ids = self.tracker.ids_status()
-        if changed or self.tracker.rejected_count != before or ids != ids_before:
-            write_status(self.cfg.status_path, self, kind="versions", status={
-                "version": current.version if current else None, "run_id": current.run_id if current else None,
-                "path": current.path if current else None, "rejected_count": self.tracker.rejected_count,
-                "rejected_kinds": dict(self.tracker.rejected_kinds), "rejected": self.tracker.rejected[-20:],
-                **({"ids": ids} if ids is not None else {})})
+    def _look(self, tracker: VersionTracker, records: list[UpdateMessage]) -> None:
+        before, ids_before = tracker.rejected_count, tracker.ids_status()
+        changed = tracker.offer(records)
+        current, ids = tracker.current, tracker.ids_status()
         if changed:
+            self.current, self.announced_at = current, time.time()
             _log.info("model version %d of run %s (%s) is the newest valid one", current.version,
                       current.run_id or "(unnamed)", current.path)
-        if current is not None:
-            yield ModelMetadata(model_id=current.model_id(), model_name=f"v{current.version}")
-        elif self.cfg.initial_model:  # the first look-ups can come before the consumer's first fetch
-            initial = ModelVersion.from_model_id(self.cfg.initial_model)
-            yield ModelMetadata(model_id=self.cfg.initial_model, model_name=f"v{initial.version}")
+        if changed or tracker.rejected_count != before or ids != ids_before:
+            write_status(self.cfg.status_path, self, kind="versions", status={
+                "version": current.version if current else None, "run_id": current.run_id if current else None,
+                "path": current.path if current else None, "announced_at": self.announced_at or None,
+                "rejected_count": tracker.rejected_count, "rejected_kinds": dict(tracker.rejected_kinds),
+                "rejected": tracker.rejected[-20:], **({"ids": ids} if ids is not None else {})})
 
 
-def first_tick(start: float, interval_s: float) -> float:
-    """The time of ``LatestModelVersion``'s first tick: the start of the serving window holding ``start``."""
-    return (start // interval_s) * interval_s + WINDOW_OFFSET_S
+_WATCHERS: dict[str, _Watcher] = {}
+_WATCHERS_LOCK = threading.Lock()
 
 
-class LatestModelVersion(beam.PTransform):
-    """Beam's slowly-updating side input: the newest valid version on the updates topic per window,
-    one tick in each serving window from the one holding ``start`` (default: now) on."""
+class NewestVersion:
+    """The newest valid, authenticated version on the updates topic, as this process has read it: what the
+    scorer's model handler serves (``pipelines.serving.handler``).
 
-    def __init__(self, cfg, *, start: float | None = None):
-        super().__init__()
+    Picklable (the config and a token): in each worker process the first call starts one reader thread for the
+    token (``_Watcher``: the topic read from the beginning, then every ``swap_interval`` seconds, each record
+    decided by a ``VersionTracker``); a call is a dict look-up. None until the thread has found a valid version
+    (the handler serves the version the scorer started with, ``ScoreConfig.initial_model``, until then)."""
+
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.start = start
+        self.token = uuid.uuid4().hex
 
-    def expand(self, pbegin):
-        n = self.cfg.swap_interval
-        first = first_tick(time.time() if self.start is None else self.start, n)
-        return (pbegin
-                | "Tick" >> PeriodicImpulse(start_timestamp=Timestamp.of(first), fire_interval=n)
-                | "TickWindows" >> beam.WindowInto(window.FixedWindows(n, offset=WINDOW_OFFSET_S))
-                | "NewestValid" >> beam.ParDo(_LatestVersionFn(self.cfg)))
+    def _watcher(self) -> _Watcher:
+        watcher = _WATCHERS.get(self.token)
+        if watcher is None:
+            with _WATCHERS_LOCK:
+                watcher = _WATCHERS.get(self.token)
+                if watcher is None:
+                    watcher = _WATCHERS[self.token] = _Watcher(self.cfg)
+        return watcher
+
+    def __call__(self) -> ModelVersion | None:
+        return self._watcher().current
+
+    def announced_at(self) -> float:
+        """When this process found the version ``__call__`` returns (epoch seconds; 0 before)."""
+        return self._watcher().announced_at
+
+    def stop(self) -> None:
+        """Stop this process's reader thread (tests; a worker process's thread is a daemon)."""
+        with _WATCHERS_LOCK:
+            watcher = _WATCHERS.pop(self.token, None)
+        if watcher is not None:
+            watcher.stop()

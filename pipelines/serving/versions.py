@@ -37,7 +37,7 @@ like any version. ``ids_status()`` has the counts (held, applied, stale, rejecte
 Every rejected record is remembered with its reason (``rejected``, ``rejected_count``, counts by
 kind in ``rejected_kinds``) and logged with the version that serves instead, once per kind (a
 flood of bad records is counted, not logged line by line). Reading the topic (at the scorer's start, and
-``LatestModelVersion``, the scoring pipeline's side input) is ``pipelines.serving.updates``.
+``NewestVersion``, what the scoring pipeline's model handler asks) is ``pipelines.serving.updates``.
 """
 from __future__ import annotations
 

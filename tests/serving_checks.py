@@ -1,0 +1,61 @@
+"""What users see of serving, read back from the topics: the version each prediction carries against the versions
+published before its event was sent (issue #42: a scorer that announced new versions kept serving an old one, and
+the tests of the time looked at what was announced or loaded, or at *any* prediction with the new version)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from tests.scoring_helpers import predictions, read_topic
+
+#: Events sent this long after a version's publication must carry it or a newer one (docs/serving.md).
+AFTER_S = 5.0
+
+
+def publications(bootstrap: str, updates_topic: str) -> list[tuple[float, str, int]]:
+    """(publication time s, run id, version) of every record on the updates topic, in publication order (the
+    record's Kafka timestamp: when it was produced)."""
+    out = []
+    for m in read_topic(bootstrap, updates_topic):
+        try:
+            record = json.loads(m.value)
+            out.append((m.timestamp / 1000.0, str(record.get("run_id") or ""), int(record["version"])))
+        except (TypeError, ValueError, KeyError):
+            continue  # not a version (the hostile-record tests put such records there)
+    return sorted(out)
+
+
+def stale(preds: Iterable[dict], sent_at: dict[str, float], published: list[tuple[float, str, int]],
+          *, after_s: float = AFTER_S) -> dict:
+    """Of the predictions whose event was sent ``after_s`` or more after some publication: how many carry an older
+    version than the newest published by then (of the newest record's run: a version of another run is never
+    compared by number). ``sent_at``: event source (``topic/partition/offset``) -> when it was sent (s).
+    Returns {"checked", "stale", "share", "examples": [(source, carried, wanted)]}."""
+    checked, bad, examples = 0, 0, []
+    for p in preds:
+        sent = sent_at.get(p["source"])
+        if sent is None:
+            continue
+        due = [(run, v) for at, run, v in published if at + after_s <= sent]
+        if not due:
+            continue
+        run, want = due[-1]
+        checked += 1
+        carried = (str(p.get("model_run") or ""), int(p["model_version"]))
+        if carried[0] != run or carried[1] < want:
+            bad += 1
+            if len(examples) < 5:
+                examples.append((p["source"], carried, (run, want)))
+    return {"checked": checked, "stale": bad, "share": bad / checked if checked else 0.0, "examples": examples}
+
+
+def raw_sent_at(bootstrap: str, raw_topic: str) -> dict[str, float]:
+    """Event source -> its Kafka timestamp (s): when it was sent, for events produced with the broker's clock."""
+    return {f"{m.topic}/{m.partition}/{m.offset}": m.timestamp / 1000.0 for m in read_topic(bootstrap, raw_topic)}
+
+
+def served_fresh(bootstrap: str, names: dict, *, sent_at: dict[str, float] | None = None,
+                 after_s: float = AFTER_S) -> dict:
+    """``stale`` over a run's topics (``names``: raw, pred, updates)."""
+    return stale(predictions(bootstrap, names["pred"]), sent_at or raw_sent_at(bootstrap, names["raw"]),
+                 publications(bootstrap, names["updates"]), after_s=after_s)
