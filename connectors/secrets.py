@@ -4,8 +4,12 @@ An option is secret when its name (any spelling: ``sasl.jaas.config``, ``sasl_pl
 ``--s3_secret_access_key``, ``ssl.key.password``) holds one of ``SECRET_WORDS``. ``redact``
 returns a copy of a JSON-like value with every secret replaced by ``REDACTED``: dict entries by
 key, command-line lists (``--key=value``, ``--key value``, ``key=value``) by option name, and
-``password="..."``-style text inside strings (a JAAS line). Every writer of a run's files
-(``config.json``, ``job.json``, ...) passes its data through ``redact``.
+``password="..."``-style text inside strings (a JAAS line), and the credentials of a URL anywhere in a
+string (``redact_url``: its userinfo, ``az://alice:S3cret@acct/...`` -> ``az://<redacted>@acct/...``, and query
+parameters that carry a secret, ``SECRET_QUERY``: a SAS ``sig=``, a presigned URL's signature and token).
+Every writer of a run's files (``config.json``, ``job.json``, ``run.json``, ...) passes its data through
+``redact``; the command line prints its errors through it and ``redact_logs`` makes every log record go
+through it too. Credentials belong in the environment (docs/object-stores.md), never in a URL.
 
 ``read_secret_file`` reads a secret file (an update key, a bundle key): a regular file only its
 owner can read; one that group or others may read is refused naming its mode (as ssh refuses such a
@@ -18,13 +22,14 @@ instead of a file or a command line.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
 from typing import Any
 
-__all__ = ["SECRET_WORDS", "REDACTED", "SECRETS_ENV", "is_secret", "redact", "split_secrets", "secrets_from_env",
-           "check_private", "read_secret_file"]
+__all__ = ["SECRET_WORDS", "SECRET_QUERY", "REDACTED", "SECRETS_ENV", "is_secret", "redact", "redact_url",
+           "redact_logs", "split_secrets", "secrets_from_env", "check_private", "read_secret_file"]
 
 #: Words that make an option name secret.
 SECRET_WORDS = ("password", "passwd", "secret", "token", "credential", "jaas", "private_key", "api_key", "apikey",
@@ -34,10 +39,19 @@ REDACTED = "<redacted>"
 #: Environment variable through which a parent passes secret client settings to its children (JSON).
 SECRETS_ENV = "FLOWTRAIN_KAFKA_SECRETS"
 
+#: Query parameters of a URL whose value is a secret (Azure SAS, S3 and GCS presigned URLs, OAuth tokens).
+SECRET_QUERY = ("sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
+                "x-goog-signature", "x-goog-credential", "token", "access_token", "id_token", "refresh_token",
+                "client_secret", "password", "passwd", "secret", "api_key", "apikey", "key", "code", "sas")
+
 _SECRET_NAME = re.compile("|".join(SECRET_WORDS))
+# scheme://user[:password]@ (a user name holds no '/', a password may: an S3 secret key does)
+_USERINFO = re.compile(r"""(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^/\s@:?#'"<>]*(?::[^\s@'"<>]*)?@""")
+_QUERY = re.compile(r"""(?P<name>[?&;](?:""" + "|".join(re.escape(q) for q in SECRET_QUERY) + r""")=)[^&#\s'"<>:;,]*""",
+                    re.IGNORECASE)
 # name=value or name: value inside free text, the name holding a secret word; the value quoted or a word
 _IN_TEXT = re.compile(r"(?P<name>[\w.\-]*(?:" + "|".join(SECRET_WORDS) + r")[\w.\-]*)(?P<sep>\s*[=:]\s*)"
-                      r"""(?P<value>"[^"]*"|'[^']*'|[^\s;,'"]+)""", re.IGNORECASE)
+                      r"""(?P<value>"[^"]*"|'[^']*'|[^\s;,&'"]+)""", re.IGNORECASE)
 
 
 def is_secret(name: str) -> bool:
@@ -45,7 +59,18 @@ def is_secret(name: str) -> bool:
     return bool(_SECRET_NAME.search(str(name).lstrip("-").lower().replace(".", "_").replace("-", "_")))
 
 
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced: the userinfo (``user:password@``) and the
+    values of the query parameters in ``SECRET_QUERY``."""
+    if "@" in text and "://" in text:
+        text = _USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+    if "=" in text and ("?" in text or "&" in text):
+        text = _QUERY.sub(lambda m: f"{m.group('name')}{REDACTED}", text)
+    return text
+
+
 def _redact_text(text: str) -> str:
+    text = redact_url(text)
     if not any(word in text.lower() for word in SECRET_WORDS):
         return text
 
@@ -68,6 +93,9 @@ def _redact_list(items: list) -> list:
         hide_next = False
         if isinstance(item, str):
             name, sep, _ = item.partition("=")
+            if "://" in name:  # a URL (its query may hold "name=value"): its credentials only
+                out.append(_redact_text(item))
+                continue
             if sep and is_secret(name):
                 out.append(f"{name}={REDACTED}")
                 continue
@@ -89,6 +117,28 @@ def redact(value: Any) -> Any:
     if isinstance(value, str):
         return _redact_text(value)
     return value
+
+
+def redact_logs() -> None:
+    """From now on every log record of this process is redacted (its message, formatted, through ``redact``) when
+    it holds a URL or a secret word: a logger anywhere (Beam's, fsspec's, ours) may name a URL a user gave."""
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "flowtrain_redacts", False):
+        return
+
+    def make(*args, **kwargs) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that does not format is logging's to report
+            return record
+        shown = _redact_text(text)
+        if shown != text:
+            record.msg, record.args = shown, ()
+        return record
+
+    make.flowtrain_redacts = True
+    logging.setLogRecordFactory(make)
 
 
 def split_secrets(config: dict) -> tuple[dict, dict]:

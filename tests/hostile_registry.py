@@ -18,11 +18,12 @@ from pipelines.stream.formats import avro_schema, frame
 
 
 class HostileRegistry:
-    """``with HostileRegistry({id: answer}) as reg``: ``reg.url``, ``reg.asked[id]``. An answer is a ``dict`` or
+    """``with HostileRegistry({id: answer}) as reg``: ``reg.url``, ``reg.asked[id]``, ``reg.auth`` (each request's
+    Authorization header). An answer is a ``dict`` or
     ``list`` (sent as JSON), ``bytes`` (sent as they are), or an ``int`` (that HTTP status, a short JSON body)."""
 
     def __init__(self, answers: dict):
-        self.answers, self.asked = dict(answers), Counter()
+        self.answers, self.asked, self.auth = dict(answers), Counter(), []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -30,6 +31,7 @@ class HostileRegistry:
                 m = re.search(r"/schemas/ids/(\d+)$", self.path)
                 key = int(m.group(1)) if m else None
                 owner.asked[key] += 1
+                owner.auth.append(self.headers.get("Authorization"))
                 answer = owner.answers.get(key, 404)
                 status, body = (answer, json.dumps({"error_code": answer * 100, "message": "no"}).encode()) \
                     if isinstance(answer, int) else (200, answer if isinstance(answer, bytes) else

@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+from connectors.secrets import redact, redact_logs
+
 
 class OneLineErrors(argparse.ArgumentParser):
     """A parser whose errors are one line (the message and where help is), not the usage block:
@@ -101,6 +103,7 @@ def _drop_import_noise(record: logging.LogRecord) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     logging.getLogger().addFilter(_drop_import_noise)
+    redact_logs()  # a URL's credentials never reach a log line (connectors.secrets)
     args, beam_args = parse(list(sys.argv[1:] if argv is None else argv))
     from flowtrain.errors import FlowtrainError
 
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or 0)
         return int(args.func(args, beam_args) or 0)
     except FlowtrainError as err:  # a user's error: one line naming the input and the fix
-        print(f"flowtrain {args.command}: {err}", file=sys.stderr)
+        print(f"flowtrain {args.command}: {redact(str(err))}", file=sys.stderr)  # never a URL's credentials
         return 2
 
 

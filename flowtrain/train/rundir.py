@@ -152,7 +152,7 @@ def _record_failure(path: Path, marker: dict, error: BaseException | str) -> Non
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     what = type(error).__name__ if isinstance(error, BaseException) else ""
     marker["status"] = "failed"
-    marker["error"] = (f"{what}: {text}" if what and not isinstance(error, FlowtrainError) else text or what)[:1000]
+    marker["error"] = redact(f"{what}: {text}" if what and not isinstance(error, FlowtrainError) else text or what)[:1000]
     marker["files"] = _written(path, marker)
     write_marker(path, marker)
 
@@ -394,7 +394,7 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
         except checkpoint.CheckpointError as err:
             raise RunDirError(f"--resume: {err}; check --out, or leave out --resume (with --overwrite) to start "
                               f"the run over") from None
-        merged = {**{k: v for k, v in recorded.items() if v != "<redacted>"}, **given}
+        merged = {**{k: v for k, v in recorded.items() if REDACTED not in json.dumps(v, default=str)}, **given}
         marker["status"] = "running"
         for key in ("files", "error"):  # recorded again when the resumed run ends
             marker.pop(key, None)

@@ -1,6 +1,7 @@
 """A small client of a Confluent-compatible Schema Registry's REST API (Confluent's, Apicurio's
 ``/apis/ccompat/v7``, Redpanda's, Karapace): schemas by id (cached for the client's life) and registering
-the schemas flowtrain writes. Stdlib HTTP only.
+the schemas flowtrain writes. Stdlib HTTP only. A URL's ``user:password@`` is sent as HTTP basic
+authentication and never shown: every message and dead letter names the URL without it.
 
 A registry that does not answer (refused, timed out, a 5xx) is waited for, as the Kafka clients wait for
 brokers: retried with a growing pause, logged once per outage, for ``wait_s`` seconds (None: for as long as
@@ -9,14 +10,18 @@ events dead letters.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
+
+from connectors.secrets import redact_url
 
 _log = logging.getLogger(__name__)
 
@@ -42,14 +47,17 @@ class SchemaRegistry:
     def __init__(self, url: str, *, wait_s: float | None = None, timeout_s: float = 10.0,
                  on_wait: Callable[[str | None], None] | None = None):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--schema-registry {url!r}: expected an http:// or https:// URL of the registry's "
+            raise ValueError(f"--schema-registry {redact_url(url)!r}: expected an http:// or https:// URL of the registry's "
                              f"Confluent-compatible API (Apicurio: http://HOST:PORT/apis/ccompat/v7)")
-        self.url, self.wait_s, self.timeout_s, self.on_wait = url.rstrip("/"), wait_s, timeout_s, on_wait
+        self._given = url  # with its credentials, if it holds any: a copy (a DoFn's) needs them too
+        # user:password@ in the URL: sent as HTTP basic authentication, never shown (self.url is without them)
+        self.url, self.headers = _without_userinfo(url.rstrip("/"))
+        self.wait_s, self.timeout_s, self.on_wait = wait_s, timeout_s, on_wait
         self._schemas: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __reduce__(self):  # a DoFn's copy starts with an empty cache
-        return (_rebuild, (self.url, self.wait_s, self.timeout_s))
+        return (_rebuild, (self._given, self.wait_s, self.timeout_s))
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict | None:
         """The JSON answer; None for a 404; waits while the registry does not answer."""
@@ -57,7 +65,7 @@ class SchemaRegistry:
         started, pause, waiting = time.monotonic(), 0.2, False
         while True:
             req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": _CONTENT, "Accept": _CONTENT})
+                                         headers={"Content-Type": _CONTENT, "Accept": _CONTENT, **self.headers})
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     raw = resp.read(MAX_ANSWER_BYTES + 1)
@@ -141,7 +149,7 @@ def wait_for_registry(url: str, *, what: str, should_stop: Callable[[], bool] = 
     client = SchemaRegistry(url, timeout_s=timeout_s)
     started, pause, waiting = time.monotonic(), 0.2, False
     while True:
-        req = urllib.request.Request(client.url + "/subjects", headers={"Accept": _CONTENT})
+        req = urllib.request.Request(client.url + "/subjects", headers={"Accept": _CONTENT, **client.headers})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 resp.read()
@@ -164,6 +172,17 @@ def wait_for_registry(url: str, *, what: str, should_stop: Callable[[], bool] = 
                 return False
             time.sleep(0.2)
         pause = min(pause * 2, 5.0)
+
+
+def _without_userinfo(url: str) -> tuple[str, dict[str, str]]:
+    """(the URL without ``user:password@``, the basic-authentication header they make, or none)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, {}
+    netloc = parts.netloc.rpartition("@")[2]
+    user = urllib.parse.unquote(parts.username or "")
+    token = base64.b64encode(f"{user}:{urllib.parse.unquote(parts.password or '')}".encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), {"Authorization": f"Basic {token}"}
 
 
 def _rebuild(url, wait_s, timeout_s):
