@@ -212,7 +212,8 @@ def _flink_status(status: dict) -> int:
 class RegistryJob:
     """The options of ``flowtrain registry stop`` and ``status`` (and of every registry action)."""
 
-    port: int = option(8081, "HTTP port on 127.0.0.1 (default 8081)")
+    port: int | None = option(None, "HTTP port on 127.0.0.1 (default: the port the data dir's registry.json "
+                                     "records, the one started there; else 8081)")
     data_dir: str | None = option(None, "its state file and log (default ~/.cache/flowtrain/registry-data)")
     json: bool = option(False, "print the status as JSON")
 
@@ -221,6 +222,7 @@ class RegistryJob:
 class RegistryStartJob(RegistryJob):
     """The options of ``flowtrain registry start``."""
 
+    port: int | None = option(8081, "HTTP port on 127.0.0.1 (default 8081)")
     timeout: float = option(120.0, "seconds to wait for it to answer (default 120)")
 
 
@@ -228,7 +230,8 @@ def run_registry(action: str, job: RegistryJob) -> int:
     """``flowtrain registry ACTION``: a local Apicurio Registry (``flowtrain.local.registry.LocalRegistry``)."""
     from flowtrain.local.registry import LocalRegistry, RegistryError
 
-    reg = LocalRegistry(**{"port": job.port} | ({"data_dir": Path(job.data_dir)} if job.data_dir else {}))
+    # stop and status: the registry the data dir records (its port), unless --port names another
+    reg = LocalRegistry.of(Path(job.data_dir) if job.data_dir else None, job.port)
     try:
         if action == "start":
             status = reg.start(timeout_s=job.timeout, quiet=job.json)

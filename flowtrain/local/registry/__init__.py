@@ -4,7 +4,8 @@
 machine and unpacks it into ``<cache>/apicurio/<version>``; ``LocalRegistry(port).start()`` runs it as a
 detached ``java`` process bound to 127.0.0.1 (HTTP, and the Quarkus management interface, which is also
 turned off), leaving ``registry.json`` in its data directory for ``status`` and ``stop`` (the pid is trusted
-only while it still is that registry: ``flowtrain.local.processes.same_process``). The Confluent-compatible
+only while it still is that registry: ``flowtrain.local.processes.same_process``); ``LocalRegistry.of(data_dir)``
+is the registry that file records, on its port. The Confluent-compatible
 API is at ``http://127.0.0.1:PORT/apis/ccompat/v7`` (``LocalRegistry.url``). Storage is in memory: a
 restart forgets every schema.
 """
@@ -79,6 +80,17 @@ class LocalRegistry(LocalService):
     data_dir: Path = field(default_factory=lambda: cache_root() / "registry-data")
     version: str = APICURIO_VERSION
     heap: str = "256m"
+
+    @classmethod
+    def of(cls, data_dir: Path | None = None, port: int | None = None) -> LocalRegistry:
+        """The registry of ``data_dir`` (default: the cache's): on ``port`` when given, else on the port its
+        ``registry.json`` records (the one started there: what ``stop`` and ``status`` are about), else 8081."""
+        reg = cls(**({"data_dir": Path(data_dir)} if data_dir is not None else {}))
+        if port is None:
+            recorded = (reg._read_state() or {}).get("port")
+            port = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else cls.port
+        reg.port = int(port)
+        return reg
 
     @property
     def url(self) -> str:
