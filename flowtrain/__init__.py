@@ -40,16 +40,18 @@ if TYPE_CHECKING:
 def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
     """Run the batch job (``flowtrain batch``): ETL -> dataset -> linear start -> training -> baselines ->
     report -> bundle. ``options`` are ``BatchJob``'s fields (``input``, ``label``, ``numeric``, ``epochs``,
-    ``workers``, ``model``...), checked as the command line checks them. Returns the run's summary (as
+    ``workers``, ``model``...), checked as the command line checks them. ``input`` may also be a pandas DataFrame
+    or a pyarrow Table (written to a temporary Parquet file the ETL reads). Without ``numeric``/``categorical``
+    the feature columns are inferred from the data (printed once). Returns the run's summary (as
     ``summary.json``). With ``dataset=DIR`` it trains on an existing dataset directory (no ETL).
 
     (There is no ``flowtrain.train(...)``: ``flowtrain.train`` is the engine's package.)"""
-    from connectors.fields import build, to_config
-    from flowtrain.commands.batch import BatchJob, run_batch
+    from connectors.fields import to_config
+    from flowtrain.commands.batch import run_batch_options
 
     if job is not None:
         options = {**to_config(job), **options}
-    return run_batch(build(BatchJob, options))
+    return run_batch_options(options)
 
 
 def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: A002 - the option's name

@@ -23,16 +23,22 @@ Run directory::
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import os
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from connectors.fields import above, at_least, option, options_of, store_path, to_config
+from connectors.fields import above, at_least, build, check, option, options_of, store_path, to_config
+from connectors.paths import is_url
 from flowtrain.commands.batch_etl import build_dataset, range_of
+from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
@@ -46,9 +52,6 @@ _TASKS = ("regression", "classification")
 
 def numeric_ranges(value) -> tuple[str, ...]:
     """``--numeric-range`` values (a list, or one text): each ``COL=LO:HI`` with two numbers."""
-    import argparse
-    import math
-
     pairs = tuple(str(v).strip() for v in (value if isinstance(value, (list, tuple)) else [value]))
     for pair in pairs:
         try:
@@ -86,10 +89,14 @@ class BatchInputs:
                               "integers with few values too, other numbers a regression target; the choice is "
                               "printed)", choices=_TASKS, group=_DATA)
     numeric: tuple[str, ...] = option((), "numeric feature columns, comma-separated (a missing value is a dead "
-                                      "letter)", group=_DATA)
+                                      "letter; without --numeric/--categorical they are inferred, see --exclude)",
+                                      group=_DATA)
     optional_numeric: tuple[str, ...] = option((), "numeric columns where a missing value becomes the mean",
                                                group=_DATA)
     categorical: tuple[str, ...] = option((), "categorical feature columns, comma-separated", group=_DATA)
+    exclude: tuple[str, ...] = option((), "without --numeric/--categorical the feature columns are inferred from the "
+                                      "files' first rows (numbers, text with few values, the time column; printed "
+                                      "once): leave these columns out, comma-separated", group=_DATA)
     positive_above: float | None = option(None, "classification: label > this is the positive class (else the "
                                           "classes are the label's values in the training split: text, booleans "
                                           "or integers)", group=_DATA)
@@ -224,14 +231,10 @@ def user_error(err: BaseException) -> FlowtrainError:
 def run_batch(job: BatchJob) -> dict:
     """The whole batch job; returns the summary (also written to summary.json). A user's error (bad option,
     input, dataset, run directory, a failed worker) is a ``FlowtrainError`` with a one-line message."""
-    from connectors.fields import check
     from flowtrain.train.rundir import mark_failed
 
     job = check(job)
     prepared: list = []  # the run directory, once prepare_run_dir made it this run's
-    from contextlib import ExitStack
-
-    from connectors.paths import is_url
     from flowtrain.train.staging import publish_run, staged_dir
 
     with ExitStack() as stack:
@@ -254,6 +257,17 @@ def run_batch(job: BatchJob) -> dict:
                 raise shown from err
             raise
         return publish_run(stage, summary) if stage is not None else summary
+
+
+def run_batch_options(options: dict[str, Any]) -> dict:
+    """``flowtrain.batch(**options)``: the job of the keyword options, run. ``input`` may be a pandas DataFrame or
+    a pyarrow Table (``batch_frame``: a temporary Parquet file the ETL reads, removed after the run)."""
+    table = options.get("input")
+    if is_frame(table):
+        with tempfile.TemporaryDirectory(prefix="flowtrain-input-") as tmp:
+            return run_batch(build(BatchJob, {**options, "input": [write_frame(table, tmp)]}))
+    check_paths(table)
+    return run_batch(build(BatchJob, options))
 
 
 def _check_resumable(run_dir: Path) -> None:

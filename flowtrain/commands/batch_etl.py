@@ -17,6 +17,7 @@ from pipelines.presets import default_preset, load_preset
 
 if TYPE_CHECKING:
     from flowtrain.commands.batch import BatchJob
+    from pipelines.tabular.infer import Inferred
 
 
 def range_of(text: str) -> tuple[str, list[float]]:
@@ -34,8 +35,14 @@ def batch_preset(job: BatchJob):
         raise FlowtrainError(f"--preset {job.preset}: {err}" if job.preset else str(err)) from None
 
 
-def spec_from(job: BatchJob):
-    """(the --input patterns, or None for a preset's demo inputs; the FeatureSpec the ETL builds)."""
+def declares_features(job: BatchJob) -> bool:
+    """Whether the job names its feature columns (else, with --input, they are inferred from the files)."""
+    return bool(job.numeric or job.optional_numeric or job.categorical)
+
+
+def spec_from(job: BatchJob, inferred: Inferred | None = None):
+    """(the --input patterns, or None for a preset's demo inputs; the FeatureSpec the ETL builds): the declared
+    columns, or ``inferred``'s (``pipelines.tabular.infer``) where none are declared."""
     if job.preset and job.input:
         raise FlowtrainError("--preset builds a preset's own dataset: leave out --input (or --preset)")
     if not job.input:
@@ -48,12 +55,19 @@ def spec_from(job: BatchJob):
         return None, spec
     if not job.label:
         raise FlowtrainError("--input needs --label (the column to predict)")
+    if job.exclude and declares_features(job):
+        raise FlowtrainError("--exclude drops columns from the inferred features: with --numeric/--categorical given, "
+                             "leave the columns out of them instead")
+    if declares_features(job):
+        inferred = None  # declared columns: nothing of an inference applies
+    cols = inferred if inferred is not None else job
     try:
         spec = FeatureSpec(
-            label=job.label, task=job.task, numeric=list(job.numeric), categorical=list(job.categorical),
-            optional_numeric=list(job.optional_numeric), positive_above=job.positive_above,
+            label=job.label, task=job.task, numeric=list(cols.numeric), categorical=list(cols.categorical),
+            optional_numeric=list(cols.optional_numeric), positive_above=job.positive_above,
             positive_class=job.positive_class,
-            time_column=job.time_column, valid_from=job.valid_from, test_from=job.test_from,
+            time_column=job.time_column or (inferred.time_column if inferred is not None else None),
+            valid_from=job.valid_from, test_from=job.test_from,
             time_format=job.time_format, seed=job.seed, min_count=job.min_count,
             numeric_range={col: bounds for col, bounds in map(range_of, job.numeric_range)},
             clip_numeric=job.clip_outliers, id_columns=list(job.id_columns), max_id_bytes=job.max_id_bytes,
@@ -61,6 +75,17 @@ def spec_from(job: BatchJob):
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
     return list(job.input), spec
+
+
+def _infer(job: BatchJob, inputs: list[str]) -> Inferred:
+    """The feature columns of the files, inferred (``pipelines.tabular.infer``) and printed once."""
+    from pipelines.tabular.infer import infer_columns  # pyarrow and Beam's FileSystems: not at `flowtrain --help`
+    from pipelines.tabular.preflight import expand_inputs
+
+    inferred = infer_columns(expand_inputs(inputs), job.label, exclude=job.exclude, id_columns=job.id_columns,
+                             time_column=job.time_column, max_record_bytes=job.max_record_bytes)
+    print(inferred.describe(), flush=True)
+    return inferred
 
 
 def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, str]:
@@ -80,9 +105,12 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
         title = "resumed run"
     else:
         dataset_path = run_dir / "dataset"
-        inputs, spec = spec_from(job)
-        if inputs:
-            inputs = fetch_inputs(inputs, "--input")  # on an object store: downloaded once
+        inferred, inputs = None, None
+        if job.input and job.label and not job.preset:
+            inputs = fetch_inputs(list(job.input), "--input")  # on an object store: downloaded once
+            if not declares_features(job):  # the feature columns from the files' first rows
+                inferred = _infer(job, inputs)
+        _, spec = spec_from(job, inferred)
         beam_opts = pipeline_options("batch", beam_args, runner=job.runner, flink_master=job.flink_master)
         dead = str(run_dir / "dead_letters.jsonl")
         t_etl = time.perf_counter()
@@ -102,8 +130,10 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
             if why:
                 print(f"task: {spec.task} ({why}; --task chooses)", flush=True)
             print(f"etl: {len(inputs)} input pattern(s) -> dataset", flush=True)
-            manifest = pipeline.run_tabular_etl(inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead,
-                                       options=beam_opts, max_record_bytes=job.max_record_bytes)
+            manifest = pipeline.run_tabular_etl(
+                inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead, options=beam_opts,
+                max_record_bytes=job.max_record_bytes,
+                extra_metadata={"inferred": inferred.as_dict()} if inferred is not None else None)
             title = ", ".join(inputs)
         c = manifest["counts"]
         print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "

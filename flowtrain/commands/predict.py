@@ -117,7 +117,7 @@ def _run_predict(job: PredictJob) -> dict:
     from flowtrain.local.runners import pipeline_options
     from flowtrain.train.bundle import bundle_key, check_code, load_module, read_bundle
     from pipelines.predict.pipeline import build_predict, bundle_handler
-    from pipelines.predict.rows import check_columns, output_names, output_schema
+    from pipelines.predict.rows import absent_line, check_columns, output_names, output_schema
     from pipelines.tabular.preflight import expand_inputs, file_head
 
     if not job.model:
@@ -147,10 +147,10 @@ def _run_predict(job: PredictJob) -> dict:
 
     files = expand_inputs(fetch_inputs(list(job.input), "--input"))  # on an object store: downloaded once
     extra = [c for c in [job.id_column, *job.keep_columns] if c]
-    heads = {}
+    heads, absent = {}, {}
     for path in files:
         heads[path] = file_head(path)
-        check_columns(heads[path].schema.names, spec, path, extra)
+        absent[path] = check_columns(heads[path].schema.names, spec, path, extra)
     labelled = all(spec.label in h.schema.names for h in heads.values())
     carry = list(dict.fromkeys([*extra, *([spec.label] if labelled else [])]))
     first = next(iter(heads.values()))
@@ -190,10 +190,12 @@ def _run_predict(job: PredictJob) -> dict:
                               out=str(staged[out]), schema=schema, dead_letters_path=str(staged[dead_path]),
                               counts_path=counts_path, kind=kind, classes=classes, version=bundle.version,
                               names=names, flag_unseen=job.flag_unseen,
-                              drift=(reference, drift_path) if reference is not None else None)
+                              drift=(reference, drift_path) if reference is not None else None,
+                              absent={origin_of(f): cols for f, cols in absent.items() if cols})
             counts = json.loads(Path(counts_path).read_text())
             drift_counts = json.loads(Path(drift_path).read_text()) if reference is not None else None
         unseen = counts.pop("unseen", None) or {c: 0 for c in spec.categorical}
+        absent_rows = counts.pop("absent", None) or {}
         if counts["in"] != counts["predictions"] + counts["dead_letters"]:
             raise RuntimeError(f"row counts do not reconcile: in {counts['in']} != predictions "
                                f"{counts['predictions']} + dead letters {counts['dead_letters']}")
@@ -203,6 +205,10 @@ def _run_predict(job: PredictJob) -> dict:
                                    "columns": _columns(names), "unseen": unseen}
         if names.renamed:
             summary["renamed_columns"] = dict(names.renamed)
+        if absent_rows:  # optional feature columns an input file lacked: read as missing, said once
+            summary["absent_columns"] = absent_rows
+            lacking = sorted({origin_of(f) for f, cols in absent.items() if cols})
+            print(f"predict: {absent_line(absent_rows, ', '.join(lacking))}", flush=True)
         print(f"predict: {counts['in']:,} rows in, {counts['predictions']:,} predictions, "
               f"{counts['dead_letters']:,} dead letters ({dead_path.name}), {time.perf_counter() - t0:.1f} s",
               flush=True)

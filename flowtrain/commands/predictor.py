@@ -1,22 +1,46 @@
 """``load(bundle)``: a bundle as a ``Predictor`` in this process (``flowtrain.load``): ``predict(rows)`` runs what
 ``flowtrain predict`` runs on each batch of rows (``pipelines.predict.rows``, the scorer's forward), without Beam."""
 
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from connectors.dataset_spec import FeatureSpec
+from connectors.paths import is_url
+from connectors.rows import parse_numbers
 from flowtrain.errors import BundleError, FlowtrainError
+from pipelines.predict.rows import (
+    absent_line,
+    check_columns,
+    feature_columns,
+    featurize_for_prediction,
+    output_names,
+    prediction_columns,
+    read_types,
+    required_columns,
+    unseen_column,
+    unseen_counts,
+)
+from pipelines.tabular.schema import SchemaError
 
 
 class Predictor:
-    """A loaded bundle. ``predict(rows)`` takes a pyarrow Table or RecordBatch, a pandas DataFrame or a list of
-    dicts with the raw columns and returns the same type with one row per input row, in order: the ``keep``
-    columns as given, the ``pred_*`` prediction columns and ``pred_model_version`` (the names and values of
-    ``flowtrain predict``), and ``pred_reason``: null where the row was predicted, else why not (its prediction
-    columns are then null). ``errors="raise"`` raises instead. The rows' dead letters are also in
-    ``last_dead_letters``; the unseen categorical values per column of the last call in ``last_unseen``."""
+    """A loaded bundle. ``predict(rows)`` takes a pyarrow Table or RecordBatch, a pandas DataFrame, a list of dicts
+    or one dict (one row) with the raw columns and returns the same type with one row per input row, in order: the
+    ``keep`` columns as given (``keep_columns=True``: every input column), the ``pred_*`` prediction columns and
+    ``pred_model_version`` (the names and values of ``flowtrain predict``), and ``pred_reason``: null where the row
+    was predicted, else why not (its prediction columns are then null). ``errors="raise"`` raises instead. The
+    rows' dead letters are also in ``last_dead_letters``; the unseen categorical values per column of the last call
+    in ``last_unseen``; optional feature columns the input lacked (read as missing) in ``last_absent``.
+
+    For scikit-learn users: ``classes_`` and ``predict_proba(rows)`` (an array of the class probabilities,
+    ``(rows, classes)``)."""
 
     def __init__(self, path: str | Path, *, trust_code: bool = False, bundle_key_file: str | None = None):
-        from connectors.dataset_spec import FeatureSpec
         from flowtrain.train.bundle import build_module, bundle_key, read_bundle
 
         self.bundle = read_bundle(path, option="flowtrain.load", key=bundle_key(bundle_key_file, "bundle_key_file"))
@@ -29,6 +53,7 @@ class Predictor:
         self.version = self.bundle.version
         self.last_dead_letters: list = []
         self.last_unseen: dict[str, int] = {}
+        self.last_absent: dict[str, int] = {}
 
     def _forward(self, inp):
         """The forward flowtrain predict's (and the stream scorer's) model handler runs, in this process and
@@ -40,40 +65,54 @@ class Predictor:
 
     @property
     def columns(self) -> list[str]:
-        """The raw columns the model needs."""
-        from pipelines.predict.rows import required_columns
+        """The raw columns the model reads (``required`` those it cannot do without)."""
+        return feature_columns(self.spec)
 
+    @property
+    def required(self) -> list[str]:
+        """The raw columns an input must have (the others may be absent: read as missing)."""
         return required_columns(self.spec)
 
+    @property
+    def classes_(self):
+        """The class names, in the order of ``predict_proba``'s columns (scikit-learn's ``classes_``); a
+        ``FlowtrainError`` for a regression model."""
+        if self.kind == "regression":
+            raise FlowtrainError("classes_: the model is a regression model (it predicts pred_value, no classes)")
+        return np.asarray([str(c) for c in (self.classes or ["0", "1"])], dtype=object)
+
+    def predict_proba(self, rows: Any, *, errors: str = "raise"):
+        """The class probabilities of each row, a float64 array ``(rows, len(classes_))`` (binary: ``[1 - p, p]``),
+        as scikit-learn's ``predict_proba``. A row that cannot be predicted raises (``errors="null"``: its row is
+        NaN)."""
+        classes = self.classes_
+        out = self.predict(_as_table(rows)[0], errors=errors)  # a Table in, a Table out
+        names = output_names([], self.kind, self.classes)
+        cols = [pc.fill_null(out.column(c), np.nan).to_numpy() for c in names.probabilities]
+        if self.kind == "binary":
+            return np.stack([1.0 - cols[0], cols[0]], axis=1)
+        return np.stack(cols, axis=1) if cols else np.zeros((0, len(classes)))
+
     def predict(self, rows: Any, *, keep: tuple[str, ...] | list[str] = (), errors: str = "null",
-                flag_unseen: bool = False) -> Any:
-        import numpy as np
-        import pyarrow as pa
-
-        from pipelines.predict.rows import (
-            check_columns,
-            featurize_for_prediction,
-            output_names,
-            prediction_columns,
-            read_types,
-            unseen_column,
-            unseen_counts,
-        )
-        from pipelines.tabular.schema import SchemaError
-
+                flag_unseen: bool = False, keep_columns: bool | tuple[str, ...] | list[str] = False) -> Any:
         if errors not in ("null", "raise"):
             raise FlowtrainError(f"predict(rows, errors={errors!r}): give errors='null' (rows that cannot be "
                                  f"predicted get nulls and a reason) or errors='raise'")
         table, given = _as_table(rows)
-        keep = list(keep)
+        keep = list(dict.fromkeys([*keep, *(table.schema.names if keep_columns is True else (keep_columns or []))]))
         try:
-            check_columns(table.schema.names, self.spec, "predict(rows)", extra=keep)
+            absent = check_columns(table.schema.names, self.spec, "predict(rows)", extra=keep, what="input")
         except SchemaError as err:
             raise BundleError(str(err)) from None
         names = output_names(keep, self.kind, self.classes)
         n = table.num_rows
         kept = table.select(keep)
         types = read_types(self.spec)
+        self.last_absent = {c: n for c in absent}
+        for name in absent:  # an optional column the input lacks: missing in every row, as a file reader reads it
+            table = table.append_column(name, pa.nulls(n, types[name]))
+        if absent and n:
+            warnings.warn(f"predict(rows): {absent_line(self.last_absent, 'the input')}", stacklevel=2)
         inputs = table.select(list(dict.fromkeys([*keep, *types])))
         for name, t in types.items():  # the types the reader gives the feature columns
             i = inputs.schema.get_field_index(name)
@@ -115,8 +154,8 @@ class Predictor:
 
 def _as_table(rows: Any):
     """``rows`` as a pyarrow Table, and the kind of input it was (the output is given back as that kind)."""
-    import pyarrow as pa
-
+    if isinstance(rows, dict):  # one row
+        return _from_dicts([rows]), "dict"
     if isinstance(rows, pa.Table):
         return rows, "table"
     if isinstance(rows, pa.RecordBatch):
@@ -124,11 +163,18 @@ def _as_table(rows: Any):
     if isinstance(rows, list):
         if not all(isinstance(r, dict) for r in rows):
             raise FlowtrainError("predict(rows): a list must hold one dict per row (column name -> value)")
-        return pa.Table.from_pylist(rows), "dicts"
+        return _from_dicts(rows), "dicts"
     if type(rows).__module__.startswith("pandas") and hasattr(rows, "columns"):
         return pa.Table.from_pandas(rows, preserve_index=False), "pandas"
     raise FlowtrainError(f"predict(rows): expected a pyarrow Table or RecordBatch, a pandas DataFrame or a list of "
                          f"dicts, not a {type(rows).__name__}")
+
+
+def _from_dicts(rows: list[dict]):
+    """Dicts as a Table whose columns are every key of any row (a key a row lacks is null there; pyarrow's
+    ``from_pylist`` takes the first row's keys only)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return pa.table({k: [r.get(k) for r in rows] for k in keys}) if keys else pa.Table.from_pylist(rows)
 
 
 def _as_given(table, rows: Any, given: str) -> Any:
@@ -138,6 +184,8 @@ def _as_given(table, rows: Any, given: str) -> Any:
             __import__("pyarrow").RecordBatch.from_pylist([], schema=table.schema)
     if given == "dicts":
         return table.to_pylist()
+    if given == "dict":
+        return table.to_pylist()[0]
     if given == "pandas":
         frame = table.to_pandas()
         frame.index = rows.index
@@ -147,11 +195,6 @@ def _as_given(table, rows: Any, given: str) -> Any:
 
 def _conform(col, t):
     """A column as the file reader would type it: numbers from text parsed, categories as text."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from connectors.rows import parse_numbers
-
     col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
     if pa.types.is_floating(t):
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
@@ -168,8 +211,6 @@ def load(path: str | Path, *, trust_code: bool = False, bundle_key_file: str | N
     """A bundle (or a run directory's ``bundle/``) as a ``Predictor``, checked first (checksums, version; the
     signature with ``bundle_key_file`` or ``$FLOWTRAIN_BUNDLE_KEY``). Loading imports no code: a bundle whose
     model is a user's factory is refused unless ``trust_code=True``."""
-    from connectors.paths import is_url
-
     if is_url(path):  # a bundle (or a run) on an object store: downloaded, then checked as a local one
         from flowtrain.train.staging import fetch_bundle
 

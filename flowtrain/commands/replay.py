@@ -59,7 +59,7 @@ def run_replay(job: ReplayJob) -> dict:
             raise FlowtrainError("--generate makes the events: leave out --input")
         job = dataclasses.replace(job, input=(_generated_clicks(job),), label=job.label or "clicked")
     try:
-        events, kinds, oldest_ms = _table_events(job) if job.input else (*_preset_events(job), None)
+        events, kinds, oldest_ms, label = _table_events(job) if job.input else (*_preset_events(job), None, None)
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
     check_brokers(job, "flowtrain replay")
@@ -103,7 +103,10 @@ def run_replay(job: ReplayJob) -> dict:
         sender.close()
     took = time.monotonic() - t0
     bad = {k: counts[k] for k in kinds if counts[k]}
-    unlabelled = f"; unlabelled: {counts['unlabelled']:,}" if job.input else ""
+    if job.input and label is None:  # no label column known: unlabelled events cannot be told from the others
+        counts["unlabelled"] = None
+    unlabelled = "" if not job.input else f"; unlabelled: {counts['unlabelled']:,}" if label is not None else \
+        "; unlabelled: not counted (no --label or --dataset names the label column)"
     print(f"replay: {counts['events']:,} events to {job.topic} in {took:.1f} s "
           f"({counts['events'] / max(took, 1e-9):,.0f}/s, {job.client}); malformed: {bad or 'none'}{unlabelled}")
     return {**counts, "seconds": took}
@@ -163,17 +166,20 @@ def _table_events(job: ReplayJob):
     if job.unlabelled and not label:
         raise ValueError("--unlabelled needs the label column: --label COL or --dataset DIR")
     table = read_files(list(job.input))
-    for name, col in (("--key-column", job.key_column), ("--label", label)):
+    for name, col in (("--key-column", job.key_column), ("--label", job.label)):
         if col and col not in table.column_names:
             raise ValueError(f"{name} {col!r} is not a column of {' '.join(job.input)}; it has "
                              f"{', '.join(table.column_names)}")
+    if label not in table.column_names and label is not None:  # the dataset's label: events may lack it
+        print(f"replay: {' '.join(job.input)} has no column {label!r} (the label of --dataset {job.dataset}): every "
+              f"event is unlabelled (scored, not trained on)", flush=True)
     table, times = order_by_time(table, job.time_column, spec.time_format if spec else None)
     schema = event_schema(spec) if spec else None
     if job.event_format != "json" and schema is None:
         raise ValueError(f"--event-format {job.event_format} needs --dataset DIR (its spec gives the events' "
                          f"schema)")
     encode = _encoder(job, schema, Path(job.dataset).resolve().name if job.dataset else "Event")
-    kinds = tuple(k for k in MALFORMED_KINDS if k != "too large" or job.max_event_bytes)
+    kinds = tuple(k for k in MALFORMED_KINDS if k != "event too large" or job.max_event_bytes)
     bounds = ParseBounds(max_event_bytes=job.max_event_bytes) if job.max_event_bytes else ParseBounds()
 
     def malformed(event, kind, rng):
@@ -181,7 +187,7 @@ def _table_events(job: ReplayJob):
 
     rows = event_keys(table_events(table), job.key_column)
     oldest = None if times is None or not np.isfinite(times).any() else float(np.nanmin(times))
-    return _replayed(job, rows, kinds, malformed, label=label, times=times, encode=encode), kinds, oldest
+    return _replayed(job, rows, kinds, malformed, label=label, times=times, encode=encode), kinds, oldest, label
 
 
 def _encoder(job: ReplayJob, schema, record: str):
@@ -196,7 +202,8 @@ def _encoder(job: ReplayJob, schema, record: str):
 def _replayed(job: ReplayJob, rows, kinds, malform, *, label=None, times=None, encode=None):
     """(value, key, Kafka timestamp, kind) per (event, key) row after --skip, up to --limit: --malformed F of
     them malformed (the kinds in turn, by ``malform(event, kind, rng)``), --unlabelled F without their label;
-    kind is the malformed kind, "unlabelled" or None. One seeded generator: the same flags, the same events."""
+    kind is the malformed kind, "unlabelled" (dropped, or a row whose ``label`` is missing) or None. One seeded
+    generator: the same flags, the same events."""
     rng = random.Random(job.seed)
     done = made = 0
     for i, (event, key) in enumerate(rows):
@@ -212,6 +219,8 @@ def _replayed(job: ReplayJob, rows, kinds, malform, *, label=None, times=None, e
         else:
             if job.unlabelled and rng.random() < job.unlabelled:
                 event, kind = drop_label(event, label), "unlabelled"
+            elif label is not None and event.get(label) is None:  # the row has no label: so is its event
+                kind = "unlabelled"
             value = encode(event) if encode is not None else json.dumps(event).encode()
         done += 1
         yield value, key, kafka_timestamps(times, i), kind

@@ -210,8 +210,9 @@ class ReplayJob(KafkaOptions):
     skip: int = option(0, "start after this many events", parse=at_least(0))
     malformed: float = option(
         0.0, "fraction of events replaced by bad ones, for demos and tests: the demo: its preset's kinds (broken "
-             "JSON, missing field, wrong type, NaN, impossible value); --input: broken JSON, missing field, wrong "
-             "type, NaN, infinite, too deep, not UTF-8 (and too large with --max-event-bytes)", parse=fraction(inclusive_high=True))
+             "JSON, missing field, wrong type, NaN, impossible value); --input: broken JSON, missing field(s), wrong "
+             "type, NaN, infinite, too deeply nested JSON, not UTF-8 (and event too large with --max-event-bytes): "
+             "the names of their dead letters' reasons", parse=fraction(inclusive_high=True))
     seed: int = option(0, "seed of which events --malformed replaces")
     event_format: str = option(
         "json", "write events as json, avro or protobuf (the --dataset's schema, or --schema-file's); with "

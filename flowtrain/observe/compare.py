@@ -10,7 +10,9 @@ Reads each run directory's ``config.json``, ``summary.json`` and ``metrics.jsonl
   differ only by their linear fits); each run minus the first on the same test rows: a paired
   bootstrap of the metric difference (the same resamples of the shared test rows for both runs'
   predictions; each run's bundle predicts its dataset's test split, and the splits must hold the same
-  rows in the same order, else the table says why there is no paired interval);
+  rows, else the table says why there is no paired interval). A row is known by its source: its file's
+  name relative to the run's input folder and its line, so two runs on copies of the same file in two
+  folders (or one local, one on a store) pair row by row, in whatever order their splits hold them;
 - ``compare.png``: the runs' validation curves overlaid (validation loss and the selection metric);
 - ``compare.json``: the same numbers for machines.
 
@@ -21,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from connectors.dataset import read_shard, shard_paths
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.bundle import build_module, read_bundle
 from flowtrain.train.evaluation import BOOTSTRAP, bootstrap, probabilities
@@ -140,12 +144,38 @@ def _step_zero_text(runs: list[Run]) -> str | None:
 
 @dataclass
 class TestPredictions:
-    """A run's model on its dataset's test split: labels, ``probabilities`` and a digest of the rows
-    (features and labels, in order): two runs with the same digest predicted the same test rows."""
+    """A run's model on its dataset's test split: labels, ``probabilities``, each row's id (``row_ids``: its
+    source relative to the run's input folder; None for a dataset without sources) and a digest of the rows
+    (features and labels, in order)."""
     kind: str
     y: np.ndarray
     p: np.ndarray
     digest: str
+    ids: np.ndarray | None = None
+
+
+def row_ids(sources: list[str]) -> np.ndarray:
+    """Each row's ``file:line`` source with the file named relative to the deepest folder holding all the
+    files (``/data/a/t.csv:12`` -> ``t.csv:12``; a URL's scheme and bucket go too): the same row of the same file
+    has the same id wherever the run's copy of the file sat."""
+    files = [src.rpartition(":")[0] or src for src in sources]
+    paths = {f: (f.split("://", 1)[1] if "://" in f else f) for f in dict.fromkeys(files)}
+    parts = list(dict.fromkeys(paths.values()))
+    root = posixpath.commonpath(parts) if len(parts) > 1 else posixpath.dirname(parts[0]) if parts else ""
+    if root in parts:
+        root = posixpath.dirname(root)
+    rel = {f: posixpath.relpath(p, root) if root else p for f, p in paths.items()}
+    return np.asarray([rel[f] + src[len(f):] for f, src in zip(files, sources)], dtype=object)
+
+
+def _test_sources(data: TabularDataset) -> np.ndarray | None:
+    """The test split's row ids in the order the split is read (its shards' ``source`` column), or None."""
+    files = shard_paths(data.path, "test")
+    try:
+        sources = [s for f in files for s in read_shard(f, columns=["source"]).column("source").to_pylist()]
+    except (KeyError, ValueError, OSError):  # a dataset without sources: rows by position only
+        return None
+    return row_ids([str(s) for s in sources])
 
 
 def test_predictions(run: Run) -> TestPredictions:
@@ -164,7 +194,33 @@ def test_predictions(run: Run) -> TestPredictions:
         for t in (batch.x_num, batch.x_cat, batch.y):
             h.update(t.contiguous().numpy().tobytes())
     out = predict(model, test, scale=target_scale(data))
-    return TestPredictions(data.kind, test.y.double().numpy(), probabilities(out.numpy(), data.kind), h.hexdigest())
+    ids = _test_sources(data)
+    return TestPredictions(data.kind, test.y.double().numpy(), probabilities(out.numpy(), data.kind), h.hexdigest(),
+                           ids if ids is not None and len(ids) == len(test.y) else None)
+
+
+def aligned(ref: TestPredictions, pred: TestPredictions) -> tuple[TestPredictions | None, str]:
+    """``pred`` with its rows in ``ref``'s order when both predicted the same rows (by row id; by the digest of
+    the rows where a dataset has no ids), else (None, why not)."""
+    if ref.ids is None or pred.ids is None:
+        if pred.digest == ref.digest:
+            return pred, ""
+        return None, (f"different test rows ({len(pred.y):,} and {len(ref.y):,} rows; not the same rows in the same "
+                      f"order)")
+    where = {rid: i for i, rid in enumerate(pred.ids)}
+    order = [where.get(rid, -1) for rid in ref.ids]
+    common = sum(i >= 0 for i in order)
+    if len(where) != len(pred.ids) or len(set(ref.ids)) != len(ref.ids):
+        return None, "a test split holds a row twice"
+    if common != len(ref.ids) or len(pred.ids) != len(ref.ids):
+        return None, (f"different test rows ({len(pred.y):,} and {len(ref.y):,} rows, {common:,} of them the same "
+                      f"rows of the same files): the runs split differently (another --seed, --time-column, "
+                      f"other files)")
+    idx = np.asarray(order, dtype=np.int64)
+    moved = TestPredictions(pred.kind, pred.y[idx], pred.p[idx], pred.digest, pred.ids[idx])
+    if not np.array_equal(moved.y, ref.y):
+        return None, "the same test rows with different labels (another label column, or other classes)"
+    return moved, ""
 
 
 def paired_differences(names: list[str], predictions: list[TestPredictions | str], *, seed: int = 0,
@@ -181,10 +237,10 @@ def paired_differences(names: list[str], predictions: list[TestPredictions | str
             out["runs"][name] = {"reason": f"{name}: {pred}"}
         elif pred.kind != ref.kind:
             out["runs"][name] = {"reason": f"{name} is a {pred.kind} run, {first} a {ref.kind} run"}
-        elif pred.digest != ref.digest:
-            out["runs"][name] = {"reason": f"{name} and {first} have different test rows ({len(pred.y):,} and "
-                                           f"{len(ref.y):,} rows; not the same rows in the same order)"}
+        elif (pair := aligned(ref, pred))[0] is None:
+            out["runs"][name] = {"reason": f"{name} and {first} have {pair[1]}"}
         else:
+            pred = pair[0]
             a, c = f"run {name}", f"run {first}"
             result = bootstrap(ref.kind, ref.y, {a: pred.p, c: ref.p}, b=b or BOOTSTRAP, seed=seed, difference=(a, c))
             out["runs"][name] = {"metrics": result["difference"]["metrics"], "rows": int(len(ref.y)),

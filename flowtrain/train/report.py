@@ -90,6 +90,8 @@ def describe_data(manifest: dict) -> dict:
                 "categorical": list(spec.get("categorical") or []), "id": list(spec.get("id_columns") or [])}
     used = {spec.get("label"), spec.get("time_column"), *(c for cols in features.values() for c in cols)}
     out: dict = {"label": spec.get("label"), "features": features}
+    if manifest.get("inferred"):  # no feature column declared: the ETL's choice (pipelines.tabular.infer)
+        out["inferred"] = manifest["inferred"]
     inputs = manifest.get("inputs") or []
     if isinstance(inputs, dict):  # a preset's manifest (the demo's): {table name: file}
         inputs = list(inputs.values())
@@ -128,6 +130,13 @@ def _data_lines(data: dict | None) -> list[str]:
              (f.get("categorical"), "categorical"), (f.get("id"), "ID (an embedding row per ID)")]
     lines = [f"label: `{data.get('label')}`; features used: " + "; ".join(
         f"{kind} {', '.join(f'`{c}`' for c in cols)}" for cols, kind in kinds if cols)]
+    inferred = data.get("inferred")
+    if inferred:
+        left = "; ".join(f"`{c}` ({why})" for c, why in (inferred.get("left_out") or {}).items())
+        lines.append(f"feature columns inferred from the first {inferred.get('rows', 0):,} rows (no --numeric or "
+                     f"--categorical given)" + (f"; left out: {left}" if left else "")
+                     + (f"; ID-like, for --id-columns: {', '.join(f'`{c}`' for c in inferred['id_suggested'])}"
+                        if inferred.get("id_suggested") else ""))
     cols = data.get("input_columns") or {}
     if "unused" in cols:
         lines.append(f"columns of `{cols['file']}` not used (neither a feature, the label nor the time column): "

@@ -21,11 +21,12 @@ from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
+import pyarrow.compute as pc
 from apache_beam.ml.inference.base import PredictionResult, RunInference
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import ERRS, WriteDeadLettersToJsonl
-from connectors.files import ReadFromFiles
+from connectors.files import SOURCE_FILE, ReadFromFiles
 from pipelines.predict.rows import OutputNames, featurize_for_prediction, output_batch, read_types, unseen_counts
 from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.versions import ModelVersion
@@ -67,16 +68,26 @@ class _OutputFn(beam.DoFn):
 
 class _FeaturizeFn(beam.DoFn):
     """A read batch -> its model input (main), its bad rows (``ERRS``) and, on ``COUNTS``, its rows read, its
-    dead letters and its unseen categorical values per column."""
+    dead letters, its unseen categorical values per column and its rows from files without an optional column
+    (``absent``: ``{file as sources name it: [columns]}``)."""
 
-    def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str], source_name: str):
+    def __init__(self, spec: FeatureSpec, stats: dict, carry: Sequence[str], source_name: str,
+                 absent: dict[str, list[str]] | None = None):
         self._spec, self._stats, self._carry, self._source = spec, stats, list(carry), source_name
+        self._absent = {f: cols for f, cols in (absent or {}).items() if cols}
 
     def process(self, batch: pa.RecordBatch):
+        counts = {"in": batch.num_rows}
+        if self._absent and batch.num_rows:
+            files = batch.column(SOURCE_FILE)
+            for file, cols in self._absent.items():
+                rows = int(pc.sum(pc.equal(files, file)).as_py() or 0)
+                for col in cols:
+                    counts[f"absent:{col}"] = counts.get(f"absent:{col}", 0) + rows
         inp, letters = featurize_for_prediction(batch, self._spec, self._stats, self._carry, self._source)
         for letter in letters:
             yield beam.pvalue.TaggedOutput(ERRS, letter)
-        counts = {"in": batch.num_rows, "dead_letters": len(letters)}
+        counts["dead_letters"] = len(letters)
         if inp is not None:
             counts.update({f"unseen:{c}": n for c, n in unseen_counts(inp.features, self._spec).items()})
             yield inp
@@ -108,23 +119,27 @@ def _sum_counts(parts) -> dict:
 
 
 def _counts_json(total: dict, spec: FeatureSpec) -> str:
-    """The summed count dicts -> the counts file: in, predictions, dead letters, unseen values per column."""
+    """The summed count dicts -> the counts file: in, predictions, dead letters, unseen values per column, rows
+    of files without an optional column per column."""
     unseen = {c: total.get(f"unseen:{c}", 0) for c in spec.categorical}
+    absent = {k.split(":", 1)[1]: n for k, n in total.items() if k.startswith("absent:")}
     return json.dumps({"in": total.get("in", 0), "predictions": total.get("predictions", 0),
-                       "dead_letters": total.get("dead_letters", 0), "unseen": unseen})
+                       "dead_letters": total.get("dead_letters", 0), "unseen": unseen, "absent": absent})
 
 
 def build_predict(p, files: Sequence[str], *, handler: FlowtrainModelHandler, spec: FeatureSpec, stats: dict,
                   carry: Sequence[str], out: str, schema: pa.Schema, dead_letters_path: str, counts_path: str,
                   kind: str, classes: Sequence[str] | None, version: str, names: OutputNames,
-                  flag_unseen: bool = False, drift: tuple[dict, str] | None = None):
+                  flag_unseen: bool = False, drift: tuple[dict, str] | None = None,
+                  absent: dict[str, list[str]] | None = None):
     """Wire the prediction pipeline into ``p`` (``names``: the output's ``pred_*`` column names). ``drift``:
-    (a reference profile, a path): the rows' counts in its buckets as JSON there (``pipelines.drift``)."""
+    (a reference profile, a path): the rows' counts in its buckets as JSON there (``pipelines.drift``).
+    ``absent``: the optional feature columns each file lacks (read as missing), counted."""
     types = {**{c: None for c in carry}, **read_types(spec)}
     raw, read_errs = p | "ReadFiles" >> ReadFromFiles(files, with_source=True, columns=list(types),
                                                       column_types=types, with_errors=True)
     inputs, errs, counts = raw | "Featurize" >> beam.ParDo(
-        _FeaturizeFn(spec, stats, carry, names.source)).with_outputs(ERRS, COUNTS, main="rows")
+        _FeaturizeFn(spec, stats, carry, names.source, absent)).with_outputs(ERRS, COUNTS, main="rows")
     batches, predicted_counts = (
         inputs | "RunInference" >> RunInference(handler)
         | "Predictions" >> beam.ParDo(_OutputFn(kind, classes, version, schema, names,

@@ -102,23 +102,49 @@ class PredictionInput(NamedTuple):
     carry: pa.RecordBatch  # source, then the id / keep / label columns as read
 
 
-def required_columns(spec: FeatureSpec) -> list[str]:
-    """The input columns a prediction needs: the features (the label and time column are optional)."""
+def feature_columns(spec: FeatureSpec) -> list[str]:
+    """The input columns a model reads: its features (the label and the time column are not among them)."""
     return [*spec.all_numeric, *spec.categorical, *spec.id_columns]
 
 
-def check_columns(names: Sequence[str], spec: FeatureSpec, where: str, extra: Sequence[str] = ()) -> None:
+def required_columns(spec: FeatureSpec) -> list[str]:
+    """The input columns a prediction cannot do without: the numerics whose missing value is a dead letter and the
+    ID columns that must have a key (``--required-ids``). The others (optional numerics, categoricals, other ID
+    columns) may be absent: their missing values are what the model was trained to handle."""
+    return [*spec.numeric, *spec.required_ids]
+
+
+def optional_columns(spec: FeatureSpec) -> list[str]:
+    """The feature columns an input may lack (each then read as missing in every row)."""
+    need = set(required_columns(spec))
+    return [c for c in feature_columns(spec) if c not in need]
+
+
+def check_columns(names: Sequence[str], spec: FeatureSpec, where: str, extra: Sequence[str] = (), *,
+                  what: str = "file") -> list[str]:
     """Columns the model (or ``--id-column`` / ``--keep-columns``) needs and ``where`` lacks: one error naming
-    them (extra columns are ignored)."""
+    them (extra columns are ignored). Returns the optional feature columns it lacks (read as missing). ``what``:
+    how the message calls the input (``file``, or ``input`` for rows given in Python)."""
     have = set(names)
     missing = [c for c in required_columns(spec) if c not in have]
     if missing:
-        raise SchemaError(f"{where}: missing column(s) {', '.join(missing)} the model needs (its feature spec); "
-                          f"the file has {', '.join(names)}")
+        raise SchemaError(f"{where}: missing column(s) {', '.join(missing)} that the model needs (features it was "
+                          f"trained without missing values); the {what} has {', '.join(names) or 'no column'}")
     absent = [c for c in extra if c not in have]
     if absent:
-        raise SchemaError(f"{where}: no column {', '.join(absent)} (--id-column / --keep-columns); the file has "
-                          f"{', '.join(names)}")
+        raise SchemaError(f"{where}: no column {', '.join(absent)} (--id-column / --keep-columns); the {what} has "
+                          f"{', '.join(names) or 'no column'}")
+    return [c for c in optional_columns(spec) if c not in have]
+
+
+def absent_line(absent: dict[str, int], what: str) -> str:
+    """``age absent from new.csv: read as missing in its 50 row(s) (the model learned with missing values
+    there)``: said once per call."""
+    rows = set(absent.values())
+    counts = f"its {rows.pop():,} row(s)" if len(rows) == 1 else ", ".join(f"{c} {n:,}" for c, n in absent.items()) \
+        + " row(s)"
+    return (f"{', '.join(absent)} absent from {what}: read as missing in {counts} (the model learned with missing "
+            f"values there)")
 
 
 def read_types(spec: FeatureSpec) -> dict[str, pa.DataType | None]:
@@ -147,7 +173,7 @@ def featurize_for_prediction(batch: pa.RecordBatch, spec: FeatureSpec, stats: di
     batch = with_sources(batch)
     # a user's own `source` column (not a feature) is set aside while the feature code, which reads `source` as
     # the row's position when present, names the dead letters' sources
-    user_source = SOURCE in batch.schema.names and SOURCE not in required_columns(spec)
+    user_source = SOURCE in batch.schema.names and SOURCE not in feature_columns(spec)
     if user_source:
         batch = batch.rename_columns([_USER_SOURCE if n == SOURCE else n for n in batch.schema.names])
     valid, letters = split_valid(batch, spec, features_only=True, stats=stats)  # and the numeric ranges

@@ -177,7 +177,7 @@ def _parse_event(payload, source: str, schema: EventSchema, bounds: ParseBounds)
         return DeadLetter(payload, source, f"too deeply nested JSON: more levels than the parser can take "
                                            f"(max_json_depth {bounds.max_json_depth})")
     except UnicodeDecodeError as err:
-        return DeadLetter(payload, source, f"broken JSON: not UTF-8 ({err})")
+        return DeadLetter(payload, source, f"not UTF-8: {err}")
     except (TypeError, ValueError) as err:
         return DeadLetter(payload, source, f"broken JSON: {err}")
     if not isinstance(event, dict):
@@ -205,7 +205,8 @@ def validate_event(event: dict, payload, source: str, schema: EventSchema, bound
             return DeadLetter(payload, source, f"wrong type: field {f.name!r} is {type(value).__name__}, "
                                                f"expected {' or '.join(t.__name__ for t in f.types)}")
         if isinstance(value, float) and not math.isfinite(value):
-            return DeadLetter(payload, source, f"NaN: field {f.name!r} is {value}")
+            return DeadLetter(payload, source, f"{'NaN' if math.isnan(value) else 'infinite'}: field {f.name!r} is "
+                                               f"{value}")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > bounds.max_abs_number:
             return DeadLetter(payload, source, f"number out of range: field {f.name!r} is {_magnitude(value)}, "
                                                f"beyond max_abs_number {bounds.max_abs_number:.6g}")

@@ -23,8 +23,11 @@ from pipelines.stream.events import DEFAULT_BOUNDS, ISO_Z, EventSchema, ParseBou
 from pipelines.tabular.times import time_seconds
 
 #: The bad events ``--malformed`` makes, in turn: each one a dead letter naming its reason.
-MALFORMED_KINDS = ("broken JSON", "missing field", "wrong type", "NaN", "infinite", "too deep", "not UTF-8",
-                   "too large")
+#: The kinds of bad events ``malform_event`` makes (``flowtrain replay --malformed``): each is the kind its dead letter
+#: is counted under (``connectors.deadletter.reason_kind``: its reason starts with the kind), so a replay's count of
+#: a kind and the pipeline's dead letters of that kind are one name.
+MALFORMED_KINDS = ("broken JSON", "missing field(s)", "wrong type", "NaN", "infinite", "too deeply nested JSON",
+                   "not UTF-8", "event too large")
 
 
 def read_files(paths: Sequence[str], columns: Sequence[str] | None = None) -> pa.Table:
@@ -96,7 +99,7 @@ def drop_label(event: dict, label: str) -> dict:
 def malform_event(event: dict, kind: str, rng: random.Random, schema: EventSchema | None = None,
                   bounds: ParseBounds = DEFAULT_BOUNDS) -> bytes:
     """One bad event of the given kind (``MALFORMED_KINDS``), each a dead letter for the stream
-    pipeline with ``bounds`` (``too large`` exceeds ``bounds.max_event_bytes``; ``too deep``
+    pipeline with ``bounds`` (``event too large`` exceeds ``bounds.max_event_bytes``; ``too deeply nested JSON``
     nests deeper than ``bounds.max_json_depth``). ``schema`` says which fields are required and numeric;
     without it the event's own numbers and keys are used."""
     numbers = [k for k, v in event.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -108,18 +111,18 @@ def malform_event(event: dict, kind: str, rng: random.Random, schema: EventSchem
     bad = dict(event)
     if kind == "broken JSON":
         return json.dumps(event)[: rng.randint(5, 40)].encode()
-    if kind == "missing field" and required:
+    if kind == "missing field(s)" and required:
         bad.pop(rng.choice(required))
     elif kind in ("NaN", "infinite") and numbers:
         bad[rng.choice(numbers)] = float("nan") if kind == "NaN" else float("inf")
-    elif kind == "too deep":
+    elif kind == "too deeply nested JSON":
         nested: object = 1
         for _ in range(bounds.max_json_depth + 1):
             nested = [nested]
         bad["_nested"] = nested
     elif kind == "not UTF-8":
         return b'{"_bytes": "\xff\xfe", ' + json.dumps(bad, allow_nan=True).encode()[1:]
-    elif kind == "too large":
+    elif kind == "event too large":
         bad["_padding"] = "x" * (bounds.max_event_bytes + 1)
     else:  # "wrong type", and the kinds above when the event has no field for them
         target = rng.choice(numbers) if numbers else (rng.choice(required) if required else "_")

@@ -37,7 +37,7 @@ from pipelines.tabular.checks import split_valid
 from pipelines.tabular.features import featurize_rows
 from pipelines.tabular.preflight import check_splits, expand_inputs, preflight, resolve_task
 from pipelines.tabular.schema import read_types
-from pipelines.tabular.splits import assign_splits
+from pipelines.tabular.splits import assign_splits, source_names
 from pipelines.tabular.stats import StatsAccumulator
 from pipelines.tabular.times import time_cutoff, time_seconds
 
@@ -158,11 +158,11 @@ def _cutoffs(spec: FeatureSpec, time_range, *, label: str):
 
 
 class _AssignSplitsFn(beam.DoFn):
-    def __init__(self, spec: FeatureSpec):
-        self._spec = spec
+    def __init__(self, spec: FeatureSpec, names: dict[str, str] | None = None):
+        self._spec, self._names = spec, names
 
     def process(self, batch: pa.RecordBatch, cutoffs):
-        codes = assign_splits(batch, self._spec, cutoffs)
+        codes = assign_splits(batch, self._spec, cutoffs, names=self._names)
         for i, name in enumerate(SPLITS):
             mask = codes == i
             if mask.any():
@@ -257,7 +257,7 @@ def _cutoffs_known_up_front(spec: FeatureSpec) -> bool:
     return not spec.time_column or bool(spec.valid_from and spec.test_from)
 
 
-def _spill_and_split(spec: FeatureSpec, rows, cutoffs, spill_dir: str):
+def _spill_and_split(spec: FeatureSpec, rows, cutoffs, spill_dir: str, names: dict[str, str] | None = None):
     """(split, batch) twice: for the statistics, and read back from the spill for featurizing.
 
     The valid rows are written to temporary files in the stage that validates them, so the
@@ -267,14 +267,14 @@ def _spill_and_split(spec: FeatureSpec, rows, cutoffs, spill_dir: str):
     the spill holds the unsplit rows and is read twice (statistics, then featurize).
     """
     if _cutoffs_known_up_front(spec):
-        split_batches = rows | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs)
+        split_batches = rows | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec, names), cutoffs)
         spilled = split_batches | "SpillRows" >> WriteToSpill(spill_dir)
         return split_batches, spilled | "ReadSpill" >> ReadFromSpill()
     spilled = rows | "KeyRows" >> beam.Map(lambda b: ("rows", b)) | "SpillRows" >> WriteToSpill(spill_dir)
     for_stats = (spilled | "ReadSpillForStats" >> ReadFromSpill() | "UnkeyForStats" >> beam.Values()
-                 | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs))
+                 | "AssignSplits" >> beam.ParDo(_AssignSplitsFn(spec, names), cutoffs))
     back = (spilled | "ReadSpill" >> ReadFromSpill() | "Unkey" >> beam.Values()
-            | "AssignSplitsAgain" >> beam.ParDo(_AssignSplitsFn(spec), cutoffs))
+            | "AssignSplitsAgain" >> beam.ParDo(_AssignSplitsFn(spec, names), cutoffs))
     return for_stats, back
 
 
@@ -285,13 +285,15 @@ def _remove_spill_then(manifest: dict, spill_dir: str) -> dict:
 
 def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters_path: str | None,
               extra_checks: ExtraChecks | None = None,
-              extra_metadata: dict | None = None, rows_in=None, overwrite: bool = True, read_errs=None):
+              extra_metadata: dict | None = None, rows_in=None, overwrite: bool = True, read_errs=None,
+              file_names: dict[str, str] | None = None):
     """Wire the ETL after a reader; returns the PCollection holding the written manifest.
 
     ``rows_in`` counts the reader's rows (default: rows of ``raw_batches``); give it when
     rows were rejected before ``raw_batches`` (e.g. by a join's own checks) and fold those
     rejections into ``raw_batches``' dead letters yourself. ``read_errs``: the reader's own
-    dead letters (``ReadFromFiles(..., with_errors=True)``), counted in and written out.
+    dead letters (``ReadFromFiles(..., with_errors=True)``), counted in and written out. ``file_names``
+    (``splits.source_names``): each file's name as a random split hashes it (default: as read).
 
     Memory stays bounded with the data: the valid rows go to temporary files beside the dataset
     (``<dataset_path>.spill-<id>/``, through Beam's FileSystems) while the statistics are
@@ -303,7 +305,7 @@ def build_etl(raw_batches, spec: FeatureSpec, *, dataset_path: str, dead_letters
     time_range = _time_range(spec, rows, label="Split")
     cutoffs = _cutoffs(spec, time_range, label="Split")
     spill_dir = spill_directory(dataset_path)
-    split_batches, spilled_back = _spill_and_split(spec, rows, cutoffs, spill_dir)
+    split_batches, spilled_back = _spill_and_split(spec, rows, cutoffs, spill_dir, file_names)
     train = (split_batches | "TrainOnly" >> beam.Filter(lambda kv: kv[0] == "train")
              | "TrainBatches" >> beam.Values())
     stats = train | "ComputeStats" >> ComputeStats(spec)
@@ -431,14 +433,15 @@ def _termination_raises():
 
 
 def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: str,
-                    dead_letters_path: str | None, options, max_record_bytes: int = MAX_RECORD_BYTES) -> dict:
+                    dead_letters_path: str | None, options, max_record_bytes: int = MAX_RECORD_BYTES,
+                    extra_metadata: dict | None = None) -> dict:
     """Pre-flight the files, run the ETL, return the manifest.
 
     Files are read with the declared column types (``schema.read_types``): a row that cannot
     be read or whose value does not fit becomes a dead letter naming its file and line; so does a
     CSV record or JSON line longer than ``max_record_bytes``. A failure, SIGTERM or SIGHUP
     included, leaves none of this job's temporary files behind (another job's stay); an empty
-    split is a ``SplitError``.
+    split is a ``SplitError``. ``extra_metadata``: more keys for the manifest (the inferred columns).
     """
     files = expand_inputs(inputs)
     spec, _ = resolve_task(files, spec)
@@ -448,7 +451,9 @@ def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: s
             files, with_source=True, columns=[*spec.input_columns], column_types=read_types(spec),
             with_errors=True, max_record_bytes=max_record_bytes)
         build_etl(raw, spec, dataset_path=dataset_path, dead_letters_path=dead_letters_path,
-                  extra_metadata={"inputs": [origin_of(f) for f in files]}, read_errs=read_errs)  # URLs as given
+                  extra_metadata={**(extra_metadata or {}), "inputs": [origin_of(f) for f in files]},  # URLs as given
+                  read_errs=read_errs,
+                  file_names=source_names(files))  # a random split by names relative to the inputs' root
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
     return manifest

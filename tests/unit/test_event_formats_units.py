@@ -44,7 +44,7 @@ def test_item1_json_format_is_parse_batch_unchanged_with_its_dead_letters():
     schema = event_schema(SPEC)
     rng = random.Random(1)
     payloads = [json.dumps(e).encode() for e in _events()]
-    payloads += [malform_event(_events(1)[0], k, rng, schema) for k in MALFORMED_KINDS if k != "too large"]
+    payloads += [malform_event(_events(1)[0], k, rng, schema) for k in MALFORMED_KINDS if k != "event too large"]
     want_table, want_letters = parse_batch(payloads, _sources(len(payloads)), schema)
     table, letters = event_format("json", schema).decode(payloads, _sources(len(payloads)))
     assert table.equals(want_table)

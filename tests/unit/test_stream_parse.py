@@ -104,12 +104,9 @@ def test_every_malformed_kind_is_a_dead_letter_naming_its_field(sensor_dataset):
     out = StreamFeaturizer.from_manifest(manifest).featurize_payloads(
         payloads, [("t", 0, i) for i in range(len(payloads))], bounds)
     assert out.features is None and len(out.dead_letters) == len(payloads)
-    starts = {"broken JSON": "broken JSON", "missing field": "missing field(s): ", "wrong type": "wrong type: field",
-              "NaN": "NaN: field", "infinite": "NaN: field", "too deep": "too deeply nested JSON",
-              "not UTF-8": "broken JSON: not UTF-8", "too large": "event too large"}
-    for kind, letter in zip(MALFORMED_KINDS * 3, out.dead_letters):
-        assert letter.reason.startswith(starts[kind]), (kind, letter.reason)
-        if kind in ("missing field", "wrong type", "NaN", "infinite"):
+    for kind, letter in zip(MALFORMED_KINDS * 3, out.dead_letters):  # the kind is the reason's own name
+        assert letter.reason.startswith(kind + ": ") or letter.reason == kind, (kind, letter.reason)
+        if kind in ("missing field(s)", "wrong type", "NaN", "infinite"):
             assert any(f"{c}" in letter.reason for c in ("temp", "pressure", "ts", "humidity")), letter.reason
 
 
