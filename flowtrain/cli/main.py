@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args, beam_args) or 0)
     except FlowtrainError as err:  # a user's error: one line naming the input and the fix
         print(f"flowtrain {args.command}: {redact(str(err))}", file=sys.stderr)  # never a URL's credentials
-        return 2
+        return int(getattr(err, "exit_code", 2))  # 3: the input was read but could not be used (flowtrain.errors)
 
 
 def entry() -> None:

@@ -39,6 +39,7 @@ from connectors.fields import above, at_least, build, check, option, options_of,
 from connectors.paths import is_url
 from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
+from flowtrain.commands.dead_letter_bound import check_dead_letters, max_dead_letter_fraction_option
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
@@ -121,6 +122,7 @@ class BatchInputs:
     required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
                                            "one missing, empty or over --max-id-bytes is a dead letter with its "
                                            "reason (else it uses the fallback vector, counted)", group=_DATA)
+    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows the ETL reads", group=_DATA)
     max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
                                    "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
     numeric_range: tuple[str, ...] = option(
@@ -342,6 +344,12 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
 
     # --- 2. training ---------------------------------------------------------------------------------
     data = TabularDataset(dataset_path)
+    counts = data.manifest.get("counts") or {}  # more dead letters than --max-dead-letter-fraction: no training
+    check_dead_letters(int(counts.get("in", 0)), int(counts.get("dead_letters", 0)), job.max_dead_letter_fraction,
+                       what="rows", where=str(run_dir / "dead_letters.jsonl") if not job.dataset else
+                       f"the dead letters of {dataset_path}", reasons="; ".join(
+                           f"{r} ({n:,})" for r, n in sorted((counts.get("dead_letters_by_reason") or {}).items(),
+                                                            key=lambda kv: -kv[1])[:3]))
     try:
         check_label(data)
         if positive_class_line(data):  # a binary label: which class is positive, and why (once)

@@ -17,6 +17,7 @@ from typing import Any
 
 from connectors.fields import at_least, check, option, store_path, to_config
 from connectors.paths import origin_of
+from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
 from flowtrain.errors import FlowtrainError
 
 _IO = "input and output"
@@ -51,6 +52,7 @@ class PredictJob:
                                       parse=store_path("--dead-letters"))
     overwrite: bool = option(False, "replace an existing --out (and its dead letters and metrics files), once the "
                              "new ones are complete", group=_IO)
+    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows", group=_IO)
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
     drift_threshold: str = option("", "thresholds of the summary's drift section (the rows against the training "
@@ -104,10 +106,19 @@ def run_predict(job: PredictJob) -> dict:
 
     try:
         if job.out and (is_url(job.out) or is_url(job.dead_letters)):
-            return _predict_to_stores(job)
-        return _run_predict(job)
+            summary = _predict_to_stores(job)
+        else:
+            summary = _run_predict(job)
     except user_errors() as err:
         raise user_error(err) from err
+    # the outputs are written (the dead letters with their reasons); nothing predicted, or more dead letters than
+    # --max-dead-letter-fraction allows, is exit status 3
+    counts = summary["counts"]
+    check_dead_letters(counts["in"], counts["dead_letters"], job.max_dead_letter_fraction, what="rows",
+                       where=summary["dead_letters"],
+                       reasons=common_reasons(summary["dead_letters"]) if counts["dead_letters"] else "",
+                       nothing_used=counts["predictions"] == 0, done="predicted")
+    return summary
 
 
 def _run_predict(job: PredictJob) -> dict:

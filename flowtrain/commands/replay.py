@@ -12,6 +12,7 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pyarrow as pa
 
 from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
+from connectors.deadletter import reason_kind
 from connectors.kafka import (
     KafkaUnavailable,
     ProduceError,
@@ -29,6 +31,7 @@ from connectors.kafka import (
     topic_config,
 )
 from connectors.kafka import check_brokers as reachable
+from flowtrain.commands.dead_letter_bound import check_dead_letters
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import ReplayJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import raw_partitions
@@ -36,6 +39,7 @@ from flowtrain.errors import FlowtrainError
 from pipelines.ids.clicks import generate_clicks
 from pipelines.presets import default_preset
 from pipelines.stream.events import ParseBounds, event_schema
+from pipelines.stream.featurize import StreamFeaturizer
 from pipelines.stream.formats import event_format
 from pipelines.stream.replay import (
     MALFORMED_KINDS,
@@ -60,6 +64,8 @@ def run_replay(job: ReplayJob) -> dict:
         job = dataclasses.replace(job, input=(_generated_clicks(job),), label=job.label or "clicked")
     try:
         events, kinds, oldest_ms, label = _table_events(job) if job.input else (*_preset_events(job), None, None)
+    except FlowtrainError:
+        raise  # its own exit status (3: too many dead letters)
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
     check_brokers(job, "flowtrain replay")
@@ -155,10 +161,11 @@ def _generated_clicks(job: ReplayJob) -> str:
 def _table_events(job: ReplayJob):
     """--input FILES: (value, key, timestamp, kind) per row, in event-time order; kind is a
     malformed kind, "unlabelled" or None."""
-    spec = None
+    spec = manifest = None
     if job.dataset:
         try:
-            spec = FeatureSpec.from_dict(read_manifest(job.dataset)["spec"])
+            manifest = read_manifest(job.dataset)
+            spec = FeatureSpec.from_dict(manifest["spec"])
         except Exception as err:  # noqa: BLE001 - not a dataset, or one without a spec
             raise ValueError(f"--dataset {job.dataset}: not a `flowtrain batch` dataset with a spec "
                              f"({type(err).__name__}: {str(err)[:200]})") from None
@@ -178,6 +185,7 @@ def _table_events(job: ReplayJob):
     if job.event_format != "json" and schema is None:
         raise ValueError(f"--event-format {job.event_format} needs --dataset DIR (its spec gives the events' "
                          f"schema)")
+    _check_rows(job, table, manifest)  # --max-dead-letter-fraction: before anything is sent
     encode = _encoder(job, schema, Path(job.dataset).resolve().name if job.dataset else "Event")
     kinds = tuple(k for k in MALFORMED_KINDS if k != "event too large" or job.max_event_bytes)
     bounds = ParseBounds(max_event_bytes=job.max_event_bytes) if job.max_event_bytes else ParseBounds()
@@ -188,6 +196,27 @@ def _table_events(job: ReplayJob):
     rows = event_keys(table_events(table), job.key_column)
     oldest = None if times is None or not np.isfinite(times).any() else float(np.nanmin(times))
     return _replayed(job, rows, kinds, malformed, label=label, times=times, encode=encode), kinds, oldest, label
+
+
+def _check_rows(job: ReplayJob, table: pa.Table, manifest: dict | None) -> None:
+    """With ``--max-dead-letter-fraction``: the rows whose events the stream would make dead letters (its own
+    featurizer, ``StreamFeaturizer``, on the events as JSON: the event checks and the batch ETL's feature checks),
+    counted before any event is sent; over the fraction, a ``DeadLettersError`` (exit status 3) and nothing sent."""
+    if job.max_dead_letter_fraction is None:
+        return
+    if manifest is None:
+        raise ValueError("--max-dead-letter-fraction needs --dataset DIR (the stream's checks come from its spec and "
+                         "statistics)")
+    featurizer = StreamFeaturizer.from_manifest(manifest)
+    bounds = ParseBounds(max_event_bytes=job.max_event_bytes) if job.max_event_bytes else ParseBounds()
+    reasons: Counter = Counter()
+    events = table_events(table)
+    while chunk := [json.dumps(e).encode() for _, e in zip(range(10_000), events)]:
+        out = featurizer.featurize_payloads(chunk, [("replay", 0, i) for i in range(len(chunk))], bounds)
+        reasons.update(reason_kind(d.reason) for d in out.dead_letters)
+    check_dead_letters(table.num_rows, sum(reasons.values()), job.max_dead_letter_fraction,
+                       what=f"rows of {' '.join(job.input)}", where=f"nothing was sent to {job.topic}",
+                       reasons="; ".join(f"{r} ({n:,})" for r, n in reasons.most_common(3)))
 
 
 def _encoder(job: ReplayJob, schema, record: str):

@@ -214,6 +214,10 @@ class ReplayJob(KafkaOptions):
              "type, NaN, infinite, too deeply nested JSON, not UTF-8 (and event too large with --max-event-bytes): "
              "the names of their dead letters' reasons", parse=fraction(inclusive_high=True))
     seed: int = option(0, "seed of which events --malformed replaces")
+    max_dead_letter_fraction: float | None = option(
+        None, "with --input and --dataset: before sending, stop with exit status 3 when more than this fraction of the "
+              "rows make events the stream would make dead letters (its own checks: fields, types, the feature "
+              "checks); default: no check", parse=fraction(inclusive_high=True), metavar="F")
     event_format: str = option(
         "json", "write events as json, avro or protobuf (the --dataset's schema, or --schema-file's); with "
                 "--schema-registry in its wire format, the schema registered under TOPIC-value",

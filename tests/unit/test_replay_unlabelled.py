@@ -17,14 +17,20 @@ from flowtrain.commands.replay import _table_events
 from flowtrain.commands.stream import ReplayJob
 from pipelines.stream.events import ParseBounds, event_schema, parse_event
 from pipelines.stream.replay import MALFORMED_KINDS, malform_event
+from pipelines.tabular.stats import StatsAccumulator
 
 SPEC = FeatureSpec(label="status", task="classification", numeric=["x"], categorical=["city"])
 
 
 @pytest.fixture
 def dataset(tmp_path):
+    """A dataset's manifest (the spec and the training statistics; the replay reads no shard)."""
+    train = pa.RecordBatch.from_pydict({"x": [1.0, 2.0, 3.0, 4.0], "city": ["a", "b", "a", "b"],
+                                        "status": ["yes", "no", "yes", "no"]})
+    stats = StatsAccumulator().add(train, SPEC).finalize(SPEC)
     (tmp_path / "ds").mkdir()
-    (tmp_path / "ds" / "_manifest.json").write_text(json.dumps({"format": FORMAT, "spec": SPEC.to_dict()}))
+    (tmp_path / "ds" / "_manifest.json").write_text(json.dumps({"format": FORMAT, "spec": SPEC.to_dict(),
+                                                                "stats": stats}))
     return str(tmp_path / "ds")
 
 
@@ -61,3 +67,19 @@ def test_each_malformed_kind_is_the_kind_of_its_dead_letter():
         letter = parse_event(malform_event(event, kind, rng, schema, bounds), "raw/0/1", schema, bounds)
         assert reason_kind(letter.reason).startswith(kind), (kind, letter.reason)
     assert "infinite" in MALFORMED_KINDS and "not UTF-8" in MALFORMED_KINDS
+
+
+def test_item6_replay_over_the_dead_letter_fraction_exits_3_before_sending(tmp_path, dataset, capsys):
+    from flowtrain.cli.main import main
+
+    x = [1.0, float("nan"), float("inf"), 4.0]  # two of four rows: no finite number where the stream needs one
+    pacsv.write_csv(pa.table({"x": x, "city": ["a"] * 4, "status": ["yes"] * 4}), tmp_path / "t.csv")
+    argv = ["replay", "--input", str(tmp_path / "t.csv"), "--dataset", dataset, "--topic", "t",
+            "--bootstrap", "127.0.0.1:1", "--connect-timeout", "1"]  # no broker: the check comes first
+    assert main([*argv, "--max-dead-letter-fraction", "0.25"]) == 3
+    err = capsys.readouterr().err
+    assert ("flowtrain replay: 2 of 4 rows of " in err and "(50.0%) are dead letters, more than "
+            "--max-dead-letter-fraction 0.25 (numeric feature 'x' is missing or not a finite number (2)); see nothing was "
+            "sent to t" in err), err
+    with pytest.raises(SystemExit, match="no Kafka broker answered at 127.0.0.1:1"):  # under the bound: on to Kafka
+        main([*argv, "--max-dead-letter-fraction", "0.5"])
