@@ -147,7 +147,7 @@ def _write_config(job, out: Path) -> None:
 
 def _run_parts(job: StreamJob, beam_args: Sequence[str], parts: list[str], given: Collection[str]) -> int:
     """The whole job: ``parts`` as supervised child processes (``flowtrain stream PART``, each with the job's
-    options through a private file, never its command line), a live line every few seconds; Ctrl-C stops all
+    options through a private file descriptor, never its command line or a file left behind), a live line every few seconds; Ctrl-C stops all
     cleanly. 0 when every part ended cleanly (stopped, or by itself: the trainer's --idle-exit)."""
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,9 +155,16 @@ def _run_parts(job: StreamJob, beam_args: Sequence[str], parts: list[str], given
     status = serve_stream_status(job, process_states(procs), title="flowtrain stream")
     options = {k: v for k, v in to_config(job).items() if k in given or k.endswith("topic")}
     options.update(local_kafka=False, score=False, metrics_port=0)  # the parent serves the port, started the broker
-    fd, config = tempfile.mkstemp(prefix="flowtrain-stream-", suffix=".json")  # mode 0600: it may hold secrets
-    with os.fdopen(fd, "w") as fh:
-        json.dump(options, fh)
+    # the options may hold secrets: a private file (0600) deleted at once, its content kept by an open descriptor the
+    # parts inherit and read as /dev/fd/N; a SIGKILL of this process leaves no file behind
+    fd, path = tempfile.mkstemp(prefix="flowtrain-stream-", suffix=".json")
+    try:
+        os.unlink(path)
+        os.write(fd, json.dumps(options).encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    config = f"/dev/fd/{fd}"
     passthrough = ["--", *beam_args] if beam_args else []
     base = [sys.executable, "-m", "flowtrain.cli", "stream"]
     last = [(time.monotonic(), 0)]
@@ -170,9 +177,10 @@ def _run_parts(job: StreamJob, beam_args: Sequence[str], parts: list[str], given
     try:  # children that end with this process; SIGINT/SIGTERM/SIGHUP stop them (SIGINT: each stops its
         # runner / writes its checkpoint), SIGKILL after 60 s. JOB_PART_ENV: this job wrote config.json
         codes = supervise({names.get(p, p): (base + [p, "--config", config] + passthrough, out / PARTS[p])
-                           for p in parts}, report=report, procs=procs, env={**os.environ, JOB_PART_ENV: "1"})
+                           for p in parts}, report=report, procs=procs, env={**os.environ, JOB_PART_ENV: "1"},
+                          pass_fds=(fd,))
     finally:
         stop_stream_status(status)
-        os.unlink(config)
+        os.close(fd)
     print(f"stream: stopped ({', '.join(f'{p} {code}' for p, code in codes.items())}); logs in {out}")
     return 0 if all(code == 0 for code in codes.values()) else 1  # a part failing on its way out fails

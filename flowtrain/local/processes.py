@@ -360,8 +360,8 @@ class StopSignals:
 
 def supervise(commands: Mapping[str, tuple[Sequence[str], Path]], *, report: Callable[[], None] | None = None,
               every_s: float = 2.0, stop_signal: int = signal.SIGINT, grace_s: float = 60.0,
-              procs: dict | None = None, what: str = "flowtrain", env: Mapping[str, str] | None = None
-              ) -> dict[str, int]:
+              procs: dict | None = None, what: str = "flowtrain", env: Mapping[str, str] | None = None,
+              pass_fds: Sequence[int] = ()) -> dict[str, int]:
     """Run ``{name: (argv, log)}`` as supervised children (output appended to ``log``) until one of them
     ends or this process gets SIGTERM, SIGHUP or SIGINT; then stop them all (``stop_signal`` to each
     group, so each stops its own work cleanly; SIGKILL after ``grace_s`` to its group and to everything
@@ -369,12 +369,13 @@ def supervise(commands: Mapping[str, tuple[Sequence[str], Path]], *, report: Cal
     status line), on a thread of its own: a report that waits (on brokers that do not answer) never
     delays a stop. ``procs`` gets ``{name: Popen}`` as they start (for a status page). Lines about the
     stop, a child that had to be killed among them, start with ``what``. ``env``: the children's environment
-    (default: this process's). Returns each child's exit status."""
+    (default: this process's); ``pass_fds``: file descriptors the children inherit (``subprocess.Popen``'s).
+    Returns each child's exit status."""
     with StopSignals() as stop, Supervisor(grace_s=grace_s) as children:
         for name, (argv, log) in commands.items():
             with open(log, "ab") as out:
                 child = children.start(name, argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=None if env is None else dict(env))
+                                       env=None if env is None else dict(env), pass_fds=tuple(pass_fds))
             if procs is not None:
                 procs[name] = child.proc
         reporting: list[threading.Thread] = []
