@@ -82,12 +82,15 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
         kwargs: dict[str, Any] = {"dest": opt.name, "help": _help(opt)}
         if opt.metavar:
             kwargs["metavar"] = opt.metavar
+        # a field whose flag is not --field-name (--aggregate for aggregations) takes --field-name too
+        flags = [opt.flag, *([f"--{opt.name.replace('_', '-')}"] if opt.flag != f"--{opt.name.replace('_', '-')}"
+                             else [])]
         if opt.parse is None:
-            target.add_argument(opt.flag, action="store_true", default=False, **kwargs)
+            target.add_argument(*flags, action="store_true", default=False, **kwargs)
         elif opt.repeat:
-            target.add_argument(opt.flag, action="append", default=None, **kwargs)
+            target.add_argument(*flags, action="append", default=None, **kwargs)
         else:
-            target.add_argument(opt.flag, type=opt.parse, choices=opt.choices, default=opt.default, **kwargs)
+            target.add_argument(*flags, type=opt.parse, choices=opt.choices, default=opt.default, **kwargs)
 
 
 def print_config(config: Any) -> None:

@@ -10,6 +10,7 @@ when a measure crosses its threshold.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -27,8 +28,6 @@ _IO = "input and output"
 
 
 def drift_thresholds(value) -> str:
-    import argparse
-
     from pipelines.drift.measures import parse_thresholds
 
     try:

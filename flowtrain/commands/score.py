@@ -8,6 +8,7 @@ metrics to ``<out>/score-metrics.json``. A bad option, key or dataset: ``Flowtra
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -124,8 +125,6 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     ``should_stop()`` (the command line passes its Ctrl-C / SIGTERM flag; install it before calling:
     the runner starts here) or the runner ends; returns the exit code (1: the runner failed, or a Flink
     job could not be cancelled)."""
-    import logging
-
     import apache_beam as beam
 
     from connectors.kafka import close_all_clients, ensure_topic

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from connectors.fields import option
 from pipelines.features.declare import Declaration, DeclarationError, declare, parse_aggregate, parse_join
@@ -37,9 +37,8 @@ joins_of.__name__ = "TABLE:KEY[:VALID_FROM]"
 
 @dataclass
 class FeatureOptions:
-    """``--aggregate`` and ``--join``."""
+    """``--aggregate`` and ``--join`` (YAML ``aggregations:`` and ``joins:``, at the top level)."""
 
-    SECTION: ClassVar[str] = "features"
     aggregations: tuple = option(
         (), "an aggregation per key over time windows, KEY:COLUMN:AGGS:WINDOWS (repeat), e.g. "
             "card:amount:count,sum,mean:10m,1h,1d; COLUMN * counts the key's events; AGGS of count, sum, mean, min, "

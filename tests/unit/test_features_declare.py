@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from connectors.fields import OptionError, build
+from flowtrain.commands.features import FeaturesJob
 from pipelines.features.declare import DeclarationError, declare, parse_aggregate, parse_join
 from pipelines.features.options import FeatureOptions
 
@@ -74,3 +75,21 @@ def test_the_options_check_each_declaration_as_they_are_parsed():
     assert ok.declaration().aggregate_names() == ["card_seen", "card_amount_sum_1h"]
     with pytest.raises(OptionError, match=r"^aggregations \(--aggregate\): card:amount:sum:1x: window '1x'"):
         build(FeatureOptions, aggregations=["card:amount:sum:1x"])
+
+
+def test_flowtrain_features_takes_repeated_flags_and_yaml_lists(tmp_path):
+    from flowtrain.cli.main import parse
+
+    (tmp_path / "c.yaml").write_text(
+        "aggregations:\n  - card:amount:sum,mean:1h,1d\n  - card:*:count:10m\n"
+        "joins: ['m.csv:merchant:valid_from']\ntime_column: t\n")
+    args, _ = parse(["features", "--config", str(tmp_path / "c.yaml"), "--input", "x.csv", "--out", "o.parquet"])
+    job = build(FeaturesJob, args.options)
+    assert job.declaration().aggregate_names() == [
+        "card_seen", "card_amount_sum_1h", "card_amount_mean_1h", "card_amount_sum_1d", "card_amount_mean_1d",
+        "card_count_10m"]
+    args, _ = parse(["features", "--input", "x.csv", "--out", "o.parquet", "--time-column", "t",
+                     "--aggregate", "card:amount:count,sum:10m,1h", "--aggregate", "card:*:count:1h",
+                     "--join", "m.csv:merchant"])
+    job = build(FeaturesJob, args.options)
+    assert job.aggregations == ("card:amount:count,sum:10m,1h", "card:*:count:1h") and job.joins == ("m.csv:merchant",)

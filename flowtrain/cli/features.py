@@ -1,0 +1,32 @@
+"""``flowtrain features``: the flags of ``FeaturesJob`` (``flowtrain.commands.features``), which runs the backfill."""
+from __future__ import annotations
+
+import argparse
+
+from connectors.fields import build
+from flowtrain.cli.options import add_fields, print_config
+from flowtrain.commands import features as features_job
+from flowtrain.commands.features import FeaturesJob, run_features
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "features", help="features over time: windowed aggregations per key and as-of joins, one row per input row",
+        description="Computes every --aggregate (per key, over [t - w, t) in event time) and --join (as of each "
+                    "event's time) for every row of the input files with a Beam pipeline, and writes one Parquet "
+                    "file: the input's rows in order with their aggregates and joined columns (docs/features.md). "
+                    "Options flowtrain does not know go to Beam.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=features_job.__doc__)
+    add_fields(p, FeaturesJob)
+    p.set_defaults(func=run_command, accepts_beam_args=True, options_parser=p)
+
+
+def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+    options = dict(args.options)
+    options["beam_args"] = [*(options.get("beam_args") or []), *(beam_args or [])]
+    job = build(FeaturesJob, options)
+    if args.print_config:
+        print_config(job)
+        return 0
+    run_features(job)
+    return 0

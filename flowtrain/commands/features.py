@@ -1,0 +1,93 @@
+"""``flowtrain features``: the backfill of features over time, one row per input row.
+
+``run_features(FeaturesJob(input=..., time_column=..., aggregations=[...], joins=[...], out="table.parquet"))``
+reads the files, computes every ``--aggregate`` of every row over ``[t - w, t)`` in event time and every ``--join``
+as of the row's time (``pipelines.features.backfill``: a Beam pipeline keyed by KEY, time-ordered within a key),
+and writes ``--out``: one Parquet file, the input's rows in the input's order (files in the order given, rows in
+each file's order), their columns then the aggregates and the joined columns. ``flowtrain batch`` runs the same
+backfill before its ETL when given aggregations or joins (docs/features.md).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from connectors.fields import option, store_path
+from flowtrain.errors import FlowtrainError
+from pipelines.features.options import FeatureOptions
+
+_RUN = "where the Beam pipeline runs"
+
+
+@dataclass
+class FeatureInputs:
+    """The events and where their features go."""
+
+    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs of events (repeat or "
+                                        "comma-separate)", repeat=True, parse=store_path("--input", many=True))
+    time_column: str | None = option(None, "each event's time (ISO date/time, YYYY/MM/DD, epoch seconds, a timestamp "
+                                           "or --time-format); needed by --aggregate")
+    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format, or "
+                                           "epoch / epoch_ms / epoch_us / epoch_ns for numbers")
+    out: str | None = option(None, "the Parquet file to write (one row per input row, in input order)",
+                             parse=store_path("--out"))
+    overwrite: bool = option(False, "replace --out when it exists")
+
+
+@dataclass
+class FeaturesJob(FeatureOptions, FeatureInputs):
+    """The options of ``flowtrain features``."""
+
+    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start`, or --flink-master's; "
+                                      "any other value is Beam's --runner. Default: Beam's FnApiRunner", group=_RUN)
+    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink 1.19 "
+                                            "cluster", group=_RUN, metavar="HOST:PORT")
+    beam_args: tuple[str, ...] = option((), "Beam pipeline options (on the command line, give Beam's options as they "
+                                            "are)", group=_RUN, repeat=True)
+
+
+def declaration_of(job) -> object:
+    """The job's checked declaration (``FeatureOptions``); a ``--aggregate`` without ``--time-column`` is an error."""
+    try:
+        decl = job.declaration()
+    except ValueError as err:
+        raise FlowtrainError(str(err)) from None
+    if decl.aggregations and not job.time_column:
+        raise FlowtrainError("--aggregate needs --time-column: the window of an event is [t - w, t) in event time")
+    if decl.joins and any(j.valid_from for j in decl.joins) and not job.time_column:
+        raise FlowtrainError("--join with VALID_FROM needs --time-column: the table is joined as of each event's time")
+    return decl
+
+
+def backfill(job, inputs: list[str], out: str, *, quiet: bool = False) -> dict:
+    """The backfill of ``inputs`` into ``out`` with ``job``'s declaration, time column and runner; the counts."""
+    from flowtrain.local.runners import RunnerError, pipeline_options
+    from pipelines.features.backfill import run_backfill
+
+    decl = declaration_of(job)
+    t0 = time.perf_counter()
+    try:
+        options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
+        counts = run_backfill(inputs, decl, time_column=job.time_column or "", time_format=job.time_format, out=out,
+                              options=options, overwrite=getattr(job, "overwrite", False))
+    except RunnerError as err:
+        raise FlowtrainError(str(err)) from None
+    counts["seconds"] = round(time.perf_counter() - t0, 3)
+    if not quiet:
+        extra = [f"{n:,} {what}" for what, n in counts.items() if what.startswith("rows without") and n]
+        print(f"features: {counts.get('rows_in', 0):,} rows -> {out} ({len(decl.aggregate_names())} aggregates, "
+              f"{len(decl.joins)} joins, {counts['seconds']:.1f} s)" + (f"; {', '.join(extra)} (their aggregates "
+                                                                         f"are empty)" if extra else ""), flush=True)
+    return counts
+
+
+def run_features(job: FeaturesJob) -> dict:
+    """Run ``flowtrain features``; returns the counts (rows in and out, rows without a time or a key, seconds)."""
+    if not job.input:
+        raise FlowtrainError("flowtrain features needs --input (the events)")
+    if not job.out:
+        raise FlowtrainError("flowtrain features needs --out (the Parquet file to write)")
+    if not (job.aggregations or job.joins):
+        raise FlowtrainError("nothing to compute: give --aggregate KEY:COLUMN:AGGS:WINDOWS and/or --join "
+                             "TABLE:KEY[:VALID_FROM]")
+    return backfill(job, list(job.input), job.out)
