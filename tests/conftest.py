@@ -5,17 +5,43 @@ a skipped infrastructure test would let CI go green while testing nothing.
 """
 from __future__ import annotations
 
+import os
 import signal
 import uuid
 
 import pytest
 
 from flowtrain.local.kafka import LocalKafka, free_port
+from tests.shared_data import SharedData
 
 # The process tests send SIGHUP to what they start and expect it to stop. A suite started under
 # `nohup` (SIGHUP ignored, and inherited as ignored by every child) would test nothing there: flowtrain
 # leaves an ignored SIGHUP ignored, as nohup asks. The tests' children get the default disposition.
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+#: Session services each test of a group shares on one pytest-xdist worker (one Flink cluster, one registry, one
+#: Azurite for the whole run, not one per worker).
+SERVICE_GROUPS = {"flink_cluster": "flink", "schema_registry": "registry", "azurite": "azurite"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (`make test`): the tests of one module run on one worker (its
+    module-scoped runs are made once), and the tests of a session service on the worker that starts it. Before
+    xdist reads the groups (``tryfirst``)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    group = {}  # module -> its group: the first service one of its tests uses, else the module itself
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        service = next((g for f, g in SERVICE_GROUPS.items() if f in getattr(item, "fixturenames", ())), None)
+        if service and group.get(module, module) == module:
+            group[module] = service  # the first service a test of the module uses
+        group.setdefault(module, module)
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +54,19 @@ def say(request):
             print(line, flush=True)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory) -> SharedData:
+    """The session's small datasets and runs (tests/shared_data.py), each made once (and once for all of
+    pytest-xdist's workers): read them; a test that changes one works on a copy (checked at the end)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' folders share this parent
+    data = SharedData(root / "shared-data")
+    yield data
+    changed = data.changed()
+    assert not changed, f"tests changed the session's shared datasets or runs (change a copy): {changed}"
 
 
 @pytest.fixture(scope="session")
@@ -97,8 +136,6 @@ def new_topic(bootstrap):
 @pytest.fixture(scope="session")
 def flink_cluster(tmp_path_factory, say):
     """A real local Flink session cluster (jars from Maven) for the session; `--runner flink` finds it."""
-    import os
-
     from flowtrain.local.flink import DIR_ENV, LocalFlink
     from flowtrain.local.tools import free_port
 
@@ -125,8 +162,6 @@ def azurite(tmp_path_factory, say):
     """A real object store for the session: Azurite's blob service (npm, provisioned once per machine) on
     127.0.0.1, its development account in $AZURE_STORAGE_CONNECTION_STRING (adlfs's ``az://``, here and in CLI
     children). Yields the ``LocalAzurite``."""
-    import os
-
     from flowtrain.local.azurite import LocalAzurite
     from flowtrain.local.tools import free_port
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import flowtrain
-from tests.synthetic_data import make_regression_run
 
 _OPENED: list[tuple[str, str]] = []
 _WATCH: list[Path] = []  # the run directory watched (empty: the hook records nothing)
@@ -32,8 +31,8 @@ sys.addaudithook(_record)  # a hook cannot be removed: it is inert while _WATCH 
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_regression_run(tmp_path_factory.mktemp("in_memory"), epochs=1, rows=600)[0]
+def dataset(shared_data) -> str:
+    return shared_data.regression_dataset(rows=600)
 
 
 @pytest.mark.timeout(300)

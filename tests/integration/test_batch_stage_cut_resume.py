@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.synthetic_data import make_regression_run
-
 pytestmark = pytest.mark.timeout(400)
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress"]
@@ -23,8 +21,8 @@ COMMON = ("--dropout", "0", "--batch-size", "64", "--threads", "1", "--hidden", 
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_regression_run(tmp_path_factory.mktemp("cut"), epochs=1, rows=1000)[0]
+def dataset(shared_data) -> str:
+    return shared_data.regression_dataset(rows=1200)
 
 
 def _batch(dataset: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,6 @@ import pytest
 
 import flowtrain
 from flowtrain.errors import BundleError
-from tests.synthetic_data import make_regression_run
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +24,8 @@ KEY = b"bundle-test-key-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return make_regression_run(tmp_path_factory.mktemp("bundles"), hidden="8", epochs=1, rows=400)[1]
+def run(shared_data) -> Path:
+    return shared_data.regression_run(hidden="8", epochs=1, rows=400)[1]  # read only: a test that changes it copies it
 
 
 def _copy(run: Path, dest: Path) -> Path:

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 
 from flowtrain.cli.main import main
-from tests.synthetic_data import make_regression_run
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory) -> str:
-    dataset, _ = make_regression_run(tmp_path_factory.mktemp("synthetic"), epochs=1)
-    return dataset
+def synthetic(shared_data) -> str:
+    return shared_data.regression_dataset(rows=1200)
 
 
 def _batch(dataset: str, out: Path, *extra: str) -> list[str]:

@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.synthetic_data import make_regression_run
-
 pytestmark = [pytest.mark.timeout(300)]
 KEY = b"k" * 32
 ARCH = {"kind": "mlp", "hidden": [8], "dropout": 0.0, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_regression_run(tmp_path_factory.mktemp("updates"), hidden="8", epochs=1, rows=300)[0]
+def dataset(shared_data) -> str:
+    return shared_data.regression_dataset(rows=600)
 
 
 def _weights(dataset: str, seed: int) -> dict:

@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.synthetic_data import make_regression_run
-
 
 def _write_csv(path: Path, header: list[str], columns: list) -> None:
     rows = zip(*columns)
@@ -141,8 +139,8 @@ def test_batch_run_writes_tensorboard_events_and_timestamped_metrics(binary_run)
     assert "test/auc" in {m.name.tag for m in experiment.experiment.metric_infos}
 
 
-def test_regression_report_has_residual_and_predicted_vs_actual_plots(tmp_path):
-    _, run = make_regression_run(tmp_path, epochs=2, rows=900)
+def test_regression_report_has_residual_and_predicted_vs_actual_plots(shared_data):
+    _, run = shared_data.regression_run()
     summary = json.loads((run / "summary.json").read_text())
     ev = summary["evaluation"]
     assert _intervals_cover(ev["intervals"]) == 3 * 3 + 3

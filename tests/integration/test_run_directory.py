@@ -13,7 +13,6 @@ import torch
 from connectors.atomic import atomic_file, atomic_write
 from flowtrain.cli.main import main
 from flowtrain.train import checkpoint
-from tests.synthetic_data import make_regression_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -146,9 +145,8 @@ def test_report_and_summary_writers_never_truncate_the_old_file(tmp_path, monkey
 
 # --- the batch command -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory) -> str:
-    dataset, _ = make_regression_run(tmp_path_factory.mktemp("synthetic"), epochs=1)
-    return dataset
+def synthetic(shared_data) -> str:
+    return shared_data.regression_dataset(rows=1200)
 
 
 def _batch(dataset: str, out: Path, *extra: str) -> list[str]:

@@ -4,6 +4,7 @@ Prism, the online trainer) is stopped; SIGTERM to the job then ends it within it
 a line naming what could not be committed, and kafka-python's reconnect warnings are summarised."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,6 @@ import pytest
 from flowtrain.local.kafka import LocalKafka, free_port
 from tests.procs import descendants, still_running
 from tests.scoring_helpers import KEY, events, produce
-from tests.sensor_data import make_sensor_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -40,9 +40,45 @@ def _logs(out: Path, tail: int = 2500) -> str:
     return text
 
 
-def test_item15_sigterm_stops_stream_score_while_the_broker_is_down(tmp_path):
-    (tmp_path / "sensor").mkdir()
-    dataset, _run, _ = make_sensor_run(tmp_path / "sensor", rows=400, epochs=1)
+def _trainer_steps(out: Path) -> tuple[int, int]:
+    """(the step the trainer is at, the step of its last checkpoint): its status file and its metrics log's
+    prequential records, one per checkpointed version."""
+    try:
+        step = int(json.loads((out / "trainer-status.json").read_text()).get("step", 0))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return 0, 0
+    return step, max((int(r["step"]) for r in records if r.get("kind") == "prequential"), default=0)
+
+
+def _await_uncommitted_steps(proc: subprocess.Popen, bootstrap: str, out: Path) -> None:
+    """Until the idle trainer holds steps past its last checkpoint: with --checkpoint-seconds far away only every
+    2nd step checkpoints (--checkpoint-every 2), so labelled events are sent one at a time until it does. A trainer
+    whose every step is checkpointed has nothing to name at the stop (it prints no line, rightly): before this wait,
+    which of the two the test saw depended on the machine's speed (a quiet machine trained and checkpointed all 300
+    events before the broker stopped)."""
+    spare = iter([e for e in events(40, seed=7) if "state" in e and e["pressure"] is not None])  # rows to train
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, f"flowtrain stream --score ended early:{_logs(out)}"
+        assert time.monotonic() < deadline, f"the trainer did not settle with an unsaved step:{_logs(out)}"
+        before = _trainer_steps(out)
+        time.sleep(3)  # idle: the status file (written every second) and the metrics log agree
+        now = _trainer_steps(out)
+        if now != before:
+            continue  # still training
+        step, saved = now
+        if step > saved:
+            return
+        produce(bootstrap, "raw", [next(spare)])
+        moved = time.monotonic() + 60
+        while _trainer_steps(out)[0] == step and time.monotonic() < moved:
+            assert proc.poll() is None, f"flowtrain stream --score ended early:{_logs(out)}"
+            time.sleep(0.5)
+
+
+def test_item15_sigterm_stops_stream_score_while_the_broker_is_down(shared_data, tmp_path):
+    dataset, _run, _ = shared_data.sensor_run(rows=1500, epochs=6)
     key = tmp_path / "update.key"
     key.write_bytes(KEY)
     key.chmod(0o600)
@@ -64,6 +100,7 @@ def test_item15_sigterm_stops_stream_score_while_the_broker_is_down(tmp_path):
                    "--dead-letter-topic", "dead", "--updates-topic", "upd", "--group-id", "g",
                    "--predictions-topic", "pred", "--score-dead-letter-topic", "sdead", "--score-group-id", "sg",
                    "--dataset", dataset, "--out", str(out), "--batch-size", "50", "--checkpoint-every", "2",
+                   "--checkpoint-seconds", "3600",
                    "--swap-interval", "1", "--update-key-file", str(key), "--id-column", "reading_id",
                    "--replication-factor", "1"],
             stdout=open(_log(out, "job.log"), "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -76,6 +113,8 @@ def test_item15_sigterm_stops_stream_score_while_the_broker_is_down(tmp_path):
                 break
             assert time.monotonic() < deadline, f"the job was not running within 300 s:{_logs(out)}"
             time.sleep(1)
+        # the trainer has trained steps it has not checkpointed: what its line at the stop names
+        _await_uncommitted_steps(proc, bootstrap, out)
         tree = descendants(proc.pid)
         assert sum("prism" in cmd for cmd in still_running(tree).values()) == 2, still_running(tree)
 

@@ -35,10 +35,8 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")
-def flights_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
+def flights_dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 def _read_all(bootstrap: str, topic: str) -> list:
@@ -210,30 +208,27 @@ def test_stream_trainer_trains_a_three_class_target_with_its_metrics(bootstrap, 
 
 
 @pytest.mark.timeout(120)
-def test_stream_trainer_uses_one_torch_thread_unless_told(tmp_path):
+def test_stream_trainer_uses_one_torch_thread_unless_told(shared_data, tmp_path):
     code = ("import torch, sys; from flowtrain.train.stream import StreamTrainer\n"
             "from flowtrain.train.stream_config import StreamTrainConfig\n"
             "torch.set_num_threads(2)\n"
-            "from tests.synthetic_data import make_regression_run\n"
-            "ds, _ = make_regression_run(sys.argv[1], epochs=1, rows=200)\n"
+            "ds = sys.argv[2]\n"
             "for t in (None, 1, 2):\n"
             "    kw = {} if t is None else {'threads': t}\n"
             "    StreamTrainer(StreamTrainConfig(bootstrap='127.0.0.1:1', run_dir=sys.argv[1] + '/r', dataset=ds, **kw))\n"
             "    print(torch.get_num_threads())\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=100,
-                          env=ENV, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), shared_data.regression_dataset(rows=600)],
+                          capture_output=True, text=True, timeout=100, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-3:] == ["1", "1", "2"]
 
 
 @pytest.mark.timeout(120)
 def test_stream_trainer_creates_its_updates_topic_with_the_replication_factor_given(bootstrap, new_topic,
-                                                                                  tmp_path):
+                                                                                  shared_data, tmp_path):
     """One broker: --replication-factor 2 cannot be met, which the trainer must say (it ignored the
     option and created the updates topic with factor 1 before)."""
-    from tests.synthetic_data import make_regression_run
-
-    dataset, _ = make_regression_run(tmp_path, epochs=1, rows=200)
+    dataset = shared_data.regression_dataset(rows=600)
     topic = new_topic(partitions=1, prefix="rffeat")
     updates = f"{topic}-upd"
     proc = subprocess.run(CLI + ["stream", "train", "--bootstrap", bootstrap, "--features-topic", topic,

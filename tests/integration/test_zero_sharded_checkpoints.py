@@ -99,10 +99,8 @@ def _batch(dataset: str, out: Path, *extra: str, ok: bool = True) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    from tests.synthetic_data import make_regression_run
-
-    return make_regression_run(tmp_path_factory.mktemp("zdcp"), epochs=1, rows=1000)[0]
+def dataset(shared_data) -> str:
+    return shared_data.regression_dataset(rows=1200)
 
 
 def test_batch_zero3_checkpoints_per_rank_files_resume_on_one_worker_and_not_into_stages(dataset, tmp_path):

@@ -12,7 +12,6 @@ import torch
 
 from flowtrain.cli.main import main, parse
 from flowtrain.commands.kafka_options import kafka_config
-from tests.synthetic_data import make_regression_run
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 pytestmark = pytest.mark.timeout(300)
@@ -175,9 +174,8 @@ def test_typed_kafka_config_reaches_real_clients_and_a_bad_key_is_one_line(boots
 
 # --- the batch job: --out, --resume, a corrupt newest checkpoint, --job-only -------------------------------
 @pytest.fixture(scope="module")
-def synthetic(tmp_path_factory) -> str:
-    dataset, _ = make_regression_run(tmp_path_factory.mktemp("synthetic"), epochs=1)
-    return dataset
+def synthetic(shared_data) -> str:
+    return shared_data.regression_dataset(rows=1200)
 
 
 def _batch(dataset: str, out: Path, *extra: str) -> list[str]:
