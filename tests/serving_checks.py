@@ -4,7 +4,10 @@ the tests of the time looked at what was announced or loaded, or at *any* predic
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
+
+from kafka import KafkaProducer
 
 from tests.scoring_helpers import predictions, read_topic
 
@@ -33,7 +36,7 @@ def stale(preds: Iterable[dict], sent_at: dict[str, float], published: list[tupl
     Returns {"checked", "stale", "share", "examples": [(source, carried, wanted)]}."""
     checked, bad, examples = 0, 0, []
     for p in preds:
-        sent = sent_at.get(p["source"])
+        sent = sent_at.get(p["pred_source"])
         if sent is None:
             continue
         due = [(run, v) for at, run, v in published if at + after_s <= sent]
@@ -41,12 +44,25 @@ def stale(preds: Iterable[dict], sent_at: dict[str, float], published: list[tupl
             continue
         run, want = due[-1]
         checked += 1
-        carried = (str(p.get("model_run") or ""), int(p["model_version"]))
+        carried = (str(p.get("pred_model_run") or ""), int(p["pred_model_version"]))
         if carried[0] != run or carried[1] < want:
             bad += 1
             if len(examples) < 5:
-                examples.append((p["source"], carried, (run, want)))
+                examples.append((p["pred_source"], carried, (run, want)))
     return {"checked": checked, "stale": bad, "share": bad / checked if checked else 0.0, "examples": examples}
+
+
+def stale_scored(preds: Iterable[dict], published: list[tuple[float, str, int]], *, after_s: float = AFTER_S) -> dict:
+    """As ``stale``, by when each prediction was made (its ``scoring_time``) rather than when its event was sent: of
+    the predictions made ``after_s`` or more after a publication, those that carry an older version (a whole job's
+    check, where the trainer publishes while events flow)."""
+    sent = {}
+    rows = []
+    for p in preds:
+        made = p["pred_scoring_time"]
+        sent[p["pred_source"]] = made.timestamp() if hasattr(made, "timestamp") else float(made) / 1000.0
+        rows.append(p)
+    return stale(rows, sent, published, after_s=after_s)
 
 
 def raw_sent_at(bootstrap: str, raw_topic: str) -> dict[str, float]:
@@ -59,3 +75,23 @@ def served_fresh(bootstrap: str, names: dict, *, sent_at: dict[str, float] | Non
     """``stale`` over a run's topics (``names``: raw, pred, updates)."""
     return stale(predictions(bootstrap, names["pred"]), sent_at or raw_sent_at(bootstrap, names["raw"]),
                  publications(bootstrap, names["updates"]), after_s=after_s)
+
+
+def send_events(bootstrap: str, topic: str, rows: list[dict], *, timestamp_ms: int | None = None,
+                spread_s: float = 0.0) -> dict[str, float]:
+    """Send ``rows`` as JSON events (each confirmed); source -> when it was sent (s). ``timestamp_ms``: the records'
+    own (old) time, as a replay of a table with its time column stamps them; ``spread_s``: sent over that long, as a
+    live source sends."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    sent = {}
+    try:
+        step = spread_s / max(1, len(rows))
+        for row in rows:
+            at = time.time()
+            meta = producer.send(topic, value=json.dumps(row).encode(), timestamp_ms=timestamp_ms).get(timeout=30)
+            sent[f"{topic}/{meta.partition}/{meta.offset}"] = at
+            if step:
+                time.sleep(step)
+    finally:
+        producer.close()
+    return sent

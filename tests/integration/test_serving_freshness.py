@@ -7,12 +7,10 @@ The same run's /metrics counts predictions by the version that made them and sho
 tests/integration/test_observe_stream.py.)"""
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 
 import pytest
-from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,7 +27,7 @@ from tests.scoring_helpers import (
     topic_names,
     wait_covered,
 )
-from tests.serving_checks import AFTER_S, publications, stale
+from tests.serving_checks import AFTER_S, publications, send_events, stale
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(480)]
 
@@ -40,25 +38,6 @@ BURST = 150
 @pytest.fixture(scope="module")
 def sensor(tmp_path_factory) -> dict:
     return make_sensor(tmp_path_factory.mktemp("freshsensor"))
-
-
-def _send(bootstrap: str, topic: str, rows: list[dict], *, timestamp_ms: int | None = None,
-          spread_s: float = 0.0) -> dict[str, float]:
-    """Send ``rows`` (each confirmed); source -> when it was sent. ``timestamp_ms``: the records' own (old) time, as
-    a replay of a table with its time column stamps them; ``spread_s``: sent over that long, as a live source."""
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    sent = {}
-    try:
-        step = spread_s / max(1, len(rows))
-        for row in rows:
-            at = time.time()
-            meta = producer.send(topic, value=json.dumps(row).encode(), timestamp_ms=timestamp_ms).get(timeout=30)
-            sent[f"{topic}/{meta.partition}/{meta.offset}"] = at
-            if step:
-                time.sleep(step)
-    finally:
-        producer.close()
-    return sent
 
 
 def _scrape(port: int) -> dict:
@@ -83,7 +62,7 @@ def test_every_event_sent_5_s_after_a_publication_is_scored_with_it_or_a_newer_v
     log = tmp_path / "score" / "scorer.log"
     sent, bursts = {}, {}
     try:
-        sent.update(_send(bootstrap, names["raw"], events(100, seed=20)))  # the scorer runs
+        sent.update(send_events(bootstrap, names["raw"], events(100, seed=20)))  # the scorer runs
         wait_covered(bootstrap, names, len(sent), proc, log, timeout=180)
         day_ago = int((time.time() - 86_400) * 1000)
         for version, how in ((2, "burst after a quiet trainer"), (3, "old event times (a replay)"),
@@ -91,7 +70,7 @@ def test_every_event_sent_5_s_after_a_publication_is_scored_with_it_or_a_newer_v
             publish(bootstrap, names, pub, version, arch, random_weights(sensor["data"], arch, version))
             time.sleep(AFTER_S + 0.5)  # the trainer is quiet; the events come 5 s after the publication
             rows = events(BURST, seed=20 + version)
-            got = _send(bootstrap, names["raw"], rows, timestamp_ms=day_ago if version == 3 else None,
+            got = send_events(bootstrap, names["raw"], rows, timestamp_ms=day_ago if version == 3 else None,
                         spread_s=3.0 if version == 5 else 0.0)
             bursts[version] = (how, set(got))
             sent.update(got)
@@ -108,9 +87,9 @@ def test_every_event_sent_5_s_after_a_publication_is_scored_with_it_or_a_newer_v
         stop_group(proc)
     published = publications(bootstrap, names["updates"])
     assert [v for _, _, v in published] == [1, 2, 3, 4, 5]
-    by_source = {p["source"]: p for p in preds}
+    by_source = {p["pred_source"]: p for p in preds}
     for version, (how, sources) in bursts.items():
-        carried = [by_source[s]["model_version"] for s in sources if s in by_source]
+        carried = [by_source[s]["pred_model_version"] for s in sources if s in by_source]
         assert len(carried) >= 0.95 * BURST, (version, len(carried))  # the rest are dead letters, counted below
         fresh = sum(v >= version for v in carried) / len(carried)
         say(f"\nfreshness: version {version} ({how}): {fresh:.1%} of {len(carried)} events sent {AFTER_S:g} s "
@@ -118,11 +97,11 @@ def test_every_event_sent_5_s_after_a_publication_is_scored_with_it_or_a_newer_v
         assert fresh >= 0.99, (version, how, sorted(set(carried)), log.read_text()[-3000:])
     overall = stale(preds, sent, published)
     assert overall["checked"] >= 4 * 0.95 * BURST and overall["share"] <= 0.01, overall
-    assert len({p["source"] for p in preds} | {d["source"] for d in dead}) == len(sent)
+    assert len({p["pred_source"] for p in preds} | {d["source"] for d in dead}) == len(sent)
     # /metrics: predictions by the version that made them, equal to what the topic holds; no serving lag at the end
     on_topic: dict[str, int] = {}
     for p in preds:
-        on_topic[str(p["model_version"])] = on_topic.get(str(p["model_version"]), 0) + 1
+        on_topic[str(p["pred_model_version"])] = on_topic.get(str(p["pred_model_version"]), 0) + 1
     by_version = {dict(labels)["version"]: v for (n, labels), v in metrics.items()
                   if n == "flowtrain_predictions_total" and labels}
     assert by_version == on_topic, (by_version, on_topic)
