@@ -19,7 +19,7 @@ from tests.features_oracle import oracle
 pytestmark = pytest.mark.timeout(300)
 
 AGGREGATIONS = [
-    "card:amount:count,sum,mean,min,max,std,last,last3:10m,1h,1d,30d,life",
+    "card:amount:count,sum,mean,min,max,std,last,last3:10m,1h,1d,7d,life",  # 20 days: 3 time blocks
     "card:*:count:10m,life",
     "card:merchant:distinct,last2:1d,life",
     "card+merchant:amount:sum,count:1d",
