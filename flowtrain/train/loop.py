@@ -192,11 +192,21 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     resumed = False
     if found is not None:
         path, state = found
-        if state.get("sharded_state"):  # each rank reads its pieces, whichever ranks wrote them (DCP)
-            best_state = checkpoint.load_sharded(engine, model, path, state)
-        else:
-            engine.load(state["model"], state["optimizer"])
-            best_state = state["best_model"]
+        try:
+            if state.get("sharded_state"):  # each rank reads its pieces, whichever ranks wrote them (DCP)
+                best_state = checkpoint.load_sharded(engine, model, path, state)
+            else:
+                engine.load(state["model"], state["optimizer"])
+                best_state = state["best_model"]
+        except (RuntimeError, ValueError, KeyError, IndexError) as err:  # a checkpoint of another model's shapes
+            if isinstance(err, checkpoint.CheckpointError):
+                raise
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
+            raise checkpoint.CheckpointError(
+                f"--resume: {path} does not fit this run's model ({detail[:300]}); its checksum holds, so another "
+                f"model wrote it (or it was changed and resealed): restore the run's own checkpoint, or start the "
+                f"run over with --overwrite") from None
         torch.set_rng_state(state["rng"])
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
         best_step = int(state.get("best_step", 0))
