@@ -6,9 +6,12 @@ sets, one rendezvous port, and ``cores / N`` threads. It ends the whole job, wit
 when a worker exits non-zero, is killed, or stops making progress (no heartbeat for
 ``failure_timeout_s``); collectives themselves time out after the same bound inside the
 workers. No worker process is left behind: the workers are children of a
-:class:`flowtrain.local.processes.Supervisor` (each in its own process group, with a parent-death
-signal), stopped on every way out, and SIGTERM, SIGHUP or SIGINT to the launching process are
-forwarded to them (then the launcher ends as the signal would have ended it).
+:class:`flowtrain.local.processes.Supervisor` (each in its own process group), stopped on every way out,
+and SIGTERM, SIGHUP or SIGINT to the launching process are forwarded to them (then the launcher ends as
+the signal would have ended it). A launcher that dies without a word (SIGKILL, a native crash) takes its
+workers with it at once: their parent-death signal is SIGKILL, not a stop they would act on (a stream
+trainer's workers, told to stop, write a last checkpoint: after their launcher was gone, and maybe after a
+new one had resumed from the checkpoint before it).
 
 Everything the job listens on is on 127.0.0.1: the rendezvous store (``MASTER_ADDR=127.0.0.1``,
 bound to loopback by :func:`flowtrain.parallel.context.init_from_env`) and gloo's (and NCCL's)
@@ -101,7 +104,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     job_path.write_text(json.dumps(redact({**job, "failure_timeout_s": failure_timeout_s}), default=str))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
     port = free_port(below_ephemeral=True)  # a rendezvous port no client socket can be holding
-    supervisor = Supervisor(grace_s=5.0)
+    supervisor = Supervisor(grace_s=5.0, death_signal=signal.SIGKILL)  # no worker outlives its launcher
     logs: list[Path] = []
     t0 = time.monotonic()
     signals = StopSignals(orphan_grace_s=failure_timeout_s).install()  # before the first worker exists

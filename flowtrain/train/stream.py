@@ -61,7 +61,7 @@ from flowtrain.train.prequential import plot_prequential, prequential_metrics
 from flowtrain.train.published import new_run_id
 from flowtrain.train.replicas import all_agree, gather, gather_dict, gather_list, sum_counts
 from flowtrain.train.stream_config import NonFiniteModel, StreamTrainConfig, starting_model, weights_finite
-from flowtrain.train.stream_rejects import InputRejects
+from flowtrain.train.stream_rejects import InputRejects, StoppedWaiting
 from flowtrain.train.stream_sinks import STOP_KAFKA_S, Ledger, VersionSink, write_status
 from flowtrain.train.stream_source import FeatureSource
 from flowtrain.train.trainer import Trainer, loss_function
@@ -348,12 +348,15 @@ class StreamTrainer:
             raise NonFiniteModel(self._diverged())
         # before the gathers (a barrier): a dead letter sent after these offsets is one of a message
         # past this checkpoint's positions, which a restart reads again
+        # rank 0 asks Kafka; every replica waits with it and all leave together on a stop (none left in a gather)
         try:
-            dead_letter_ends = self.rejects.end_offsets(self.should_stop, heartbeat) if ctx.is_main else {}
+            dead_letter_ends = self.rejects.end_offsets(self.should_stop, heartbeat, ask=ctx.is_main,
+                                                        all_agree=lambda flag: all_agree(ctx, flag, self.device))
         except (KafkaError, KafkaUnavailable) as err:
-            if not self.should_stop():
+            if not self.should_stop() and not isinstance(err, StoppedWaiting):
                 raise
-            raise _StoppedWithoutKafka(describe_error(err)) from None  # a stop while waiting for the brokers
+            # a stop while waiting for the brokers (the brokers' last error)
+            raise _StoppedWithoutKafka(str(err) if isinstance(err, StoppedWaiting) else describe_error(err)) from None
         self.version += 1
         engine, shards = self.trainer.engine, None
         if hasattr(engine, "shard_pieces"):  # --shard-states: every rank writes its own shard (DCP, a collective)

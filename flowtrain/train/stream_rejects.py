@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kafka.errors import KafkaError
+
 from connectors.deadletter import DeadLetter
 from connectors.kafka import (
     KafkaDelivery,
@@ -39,12 +41,17 @@ from connectors.kafka import (
     topic_partitions,
 )
 
-__all__ = ["InputRejects", "START_FILE"]
+__all__ = ["InputRejects", "START_FILE", "StoppedWaiting"]
 
 _log = logging.getLogger(__name__)
 
 #: ``<run_dir>/trainer-input.json``: the dead-letter topic's end offsets when a run started without a checkpoint.
 START_FILE = "trainer-input.json"
+
+
+class StoppedWaiting(KafkaUnavailable):
+    """A stop was requested while the brokers did not answer (``InputRejects.end_offsets``): raised on every replica
+    at the same round; the text is the brokers' last error."""
 
 
 class InputRejects:
@@ -98,40 +105,57 @@ class InputRejects:
                   f"restart; they are counted again, not sent again", flush=True)
 
     def end_offsets(self, should_stop: Callable[[], bool] = lambda: False,
-                    progress: Callable[[], None] = lambda: None) -> dict[int, int]:
+                    progress: Callable[[], None] = lambda: None, *, ask: bool = True,
+                    all_agree: Callable[[bool], bool] = lambda flag: flag) -> dict[int, int]:
         """The dead-letter topic's end offset per partition, now. While the brokers cannot answer (a
         lost quorum, no leader), it waits and asks again, as the Kafka clients do, saying so once and
         calling ``progress`` (the launcher's heartbeat); a stop requested meanwhile ends the wait with
-        the broker's error (the last checkpoint stands)."""
-        from kafka import TopicPartition
-        from kafka.errors import KafkaError
+        ``StoppedWaiting`` (the last checkpoint stands).
 
-        waiting_since = None
+        With replicas, only the one with ``ask`` asks Kafka (``{}`` on the others) and every replica waits with
+        it: each round (an ask is bounded: about 10 s) all call ``all_agree`` twice (``flowtrain.train.replicas``:
+        did the brokers answer; is no replica asked to stop), so they all go on, or all raise ``StoppedWaiting``,
+        at the same round: none is left waiting in a collective of the checkpoint that the others never reach."""
+        waiting_since, reason = None, ""
         while True:
-            consumer = None
-            try:
-                # kafka-python's metadata wait (partitions_for_topic) has no bound: ask the brokers first
-                # (within 5 s), and the topic's partitions within 5 s, so a stop requested meanwhile is seen
-                check_brokers(self.bootstrap, timeout_s=5.0, client_config=self.kafka_config, cached=False)
-                consumer = new_consumer(self.bootstrap, self.kafka_config, group_id=None)
-                parts = sorted(topic_partitions(consumer, self.topic, timeout_s=5.0))
-                ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in parts]) if parts else {}
-                if waiting_since is not None:
+            ends = None
+            if ask:
+                try:
+                    ends = self._ends_now()
+                except (KafkaError, KafkaUnavailable) as err:
+                    if not (is_retriable(err) or isinstance(err, KafkaUnavailable)):
+                        raise
+                    reason = describe_error(err)
+            if all_agree(ends is not None or not ask):  # the asking replica has the ends
+                if waiting_since is not None and ask:
                     print(f"stream train: the brokers answer again after {time.monotonic() - waiting_since:.0f} s",
                           flush=True)
-                return {tp.partition: int(o) for tp, o in ends.items()}
-            except (KafkaError, KafkaUnavailable) as err:
-                if should_stop() or not (is_retriable(err) or isinstance(err, KafkaUnavailable)):
-                    raise
-                if waiting_since is None:
-                    waiting_since = time.monotonic()
-                    print(f"stream train: the end of {self.topic} is not known ({describe_error(err)}); "
-                          f"waiting for the brokers", flush=True)
-                progress()
-                time.sleep(1.0)
-            finally:
-                if consumer is not None:
-                    close_client(consumer)
+                return ends if ask else {}
+            if not all_agree(not should_stop()):
+                raise StoppedWaiting(reason or "a stop was requested while waiting for the brokers")
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                if ask:
+                    print(f"stream train: the end of {self.topic} is not known ({reason}); waiting for the brokers",
+                          flush=True)
+            progress()
+            time.sleep(1.0)
+
+    def _ends_now(self) -> dict[int, int]:
+        """One ask: the brokers first (within 5 s; kafka-python's metadata wait has no bound), then the topic's
+        partitions (within 5 s) and their ends."""
+        from kafka import TopicPartition
+
+        consumer = None
+        try:
+            check_brokers(self.bootstrap, timeout_s=5.0, client_config=self.kafka_config, cached=False)
+            consumer = new_consumer(self.bootstrap, self.kafka_config, group_id=None)
+            parts = sorted(topic_partitions(consumer, self.topic, timeout_s=5.0))
+            ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in parts]) if parts else {}
+            return {tp.partition: int(o) for tp, o in ends.items()}
+        finally:
+            if consumer is not None:
+                close_client(consumer)
 
     def _sent_since(self, since: dict[int, int], mine: set[int]) -> set[tuple[int, int]]:
         """(partition, offset) of this replica's feature messages found on the topic after ``since``."""
