@@ -24,6 +24,8 @@ BENCHMARKS = {
     "predict": ("bench.predict", "flowtrain predict (Beam RunInference) vs pyarrow batches + the bundle's predict, "
                                  "1x/10x flights rows/s"),
     "tabular": ("bench.tabular", "flowtrain batch on public tables vs scikit-learn linear models and HGB"),
+    "quality": ("bench.quality", "the default model vs its linear start, HistGradientBoosting and LightGBM on 9 "
+                                 "offline tables, medians of 3 seeds (--tiny: a smoke test)"),
     "ids": ("bench.ids", "ID tables (flowtrain.train.ids) vs torch.nn.EmbeddingBag: lookups/s, rows trained/s; "
                          "bytes of a snapshot and a 1%-touched delta of a 1,000,000-ID table"),
     "ids-publish": ("bench.ids_publish", "bytes and seconds per published version with an ID table: a delta (1% of "

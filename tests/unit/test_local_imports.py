@@ -36,6 +36,7 @@ ALLOWED = (
     "pyarrow.parquet", "pyarrow.dataset", "pyarrow.csv", "pyarrow.json", "pyarrow.fs", "pyarrow.orc",
     "pyarrow.flight", "pyarrow.compute",             # pyarrow's heavy parts (not pyarrow itself)
     "palmerpenguins",                                # a benchmark's data set
+    "optuna", "mlflow", "lightgbm",                  # extras: flowtrain tune, --mlflow, bench quality's trees
 )
 
 
