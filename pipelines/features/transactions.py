@@ -61,7 +61,7 @@ def generate_transactions(events: int, *, cards: int | None = None, merchants: i
     fraud = np.zeros(normal, dtype=np.int64)
     # fraud bursts: 3-8 payments within ~10 minutes at merchants risky at that moment, 3-8x the typical amount
     b_card = rng.choice(cards, n_fraud_bursts, p=rate / rate.sum())
-    b_start = start_time + rng.integers(7 * DAY, span - 3600, n_fraud_bursts)
+    b_start = start_time + rng.integers(min(7 * DAY, span // 4), span - 3600, n_fraud_bursts)  # after a history
     b_rows = np.repeat(np.arange(n_fraud_bursts), burst_sizes)
     b_when = b_start[b_rows] + np.sort(rng.integers(0, 600, len(b_rows)))
     b_merchant = rng.integers(0, merchants, len(b_rows))
