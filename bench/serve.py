@@ -74,7 +74,7 @@ def _pipeline_throughput(env: ServeEnv, extra: tuple[str, ...] = ()) -> dict:
     finally:
         stop(proc)
     rows = sum(b.num_rows for _, b in msgs)
-    times = np.concatenate([b.column("scoring_time").cast("int64").to_numpy() for _, b in msgs]) / 1000.0
+    times = np.concatenate([b.column("pred_scoring_time").cast("int64").to_numpy() for _, b in msgs]) / 1000.0
     span = float(times.max() - times.min())
     return {"rows": rows, "events": n, "span": span, "whole": whole}
 
@@ -194,10 +194,10 @@ def _latency_and_freshness(env: ServeEnv, publish_every_s: float = 5.0) -> dict:
         stop(proc)
     lat, made = [], []
     for m, b in msgs:
-        event_ms = b.column("event_time").cast("int64").to_numpy()
+        event_ms = b.column("pred_event_time").cast("int64").to_numpy()
         steady = event_ms >= (t_start + 2.0) * 1000  # after the first seconds at the rate
         lat.append((m.timestamp - event_ms[steady]) / 1000.0)
-        made += [(m.timestamp / 1000.0, int(v)) for v in b.column("model_version").to_pylist()]
+        made += [(m.timestamp / 1000.0, int(v)) for v in b.column("pred_model_version").to_pylist()]
     published = {json.loads(m.value)["version"]: m.timestamp / 1000.0
                  for m in read_topic(env.bootstrap, names["updates"])}
     fresh = freshness(made, published)
@@ -254,7 +254,7 @@ def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float
                       f"Events: {what}. One broker, Prism, the machine's cores shared by the broker, the scorer and "
                       f"the producer; torch with 1 thread in (a), (b) and the scorer; versions signed and "
                       f"authenticated (--update-key-file). (c): rows / "
-                      f"(last - first scoring_time), {events:,} events already in the topic. Latency: each event's "
+                      f"(last - first pred_scoring_time), {events:,} events already in the topic. Latency: each event's "
                       f"produce timestamp to its predictions message's timestamp, events produced at {rate:,.0f}/s "
                       f"for {seconds:g} s (the first 2 s left out). Freshness: a version published every 5 s "
                       f"during that run; its record's timestamp until >= 99% of the predictions made from then on "

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from flowtrain.errors import BundleError, FlowtrainError
 
 __version__ = "0.1.0"
-__all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "BatchJob", "PredictJob", "ExportJob",
-           "ReplayJob", "StreamJob", "FlowtrainError", "BundleError", "__version__"]
+__all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "predictions", "BatchJob", "PredictJob",
+           "ExportJob", "ReplayJob", "StreamJob", "FlowtrainError", "BundleError", "__version__"]
 
 if TYPE_CHECKING:
     from flowtrain.commands.batch import BatchJob
@@ -58,11 +58,9 @@ def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: 
     """``flowtrain predict``: predict files with a run's (or a bundle's) model in a Beam pipeline; ``options``
     are ``PredictJob``'s fields (``id_column``, ``keep_columns``, ``runner``...). Returns counts and, where the
     files hold the label, the metrics."""
-    from connectors.fields import build
-    from flowtrain.commands.predict import PredictJob, run_predict
+    from flowtrain.commands.predict import run_predict_options
 
-    inputs = [input] if isinstance(input, str) else list(input)
-    return run_predict(build(PredictJob, options, model=str(model), input=inputs, out=str(out)))
+    return run_predict_options(model, [input] if isinstance(input, str) else list(input), out, options)
 
 
 def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = None) -> Predictor:
@@ -115,6 +113,16 @@ def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_arg
     from flowtrain.commands.stream_job import run_stream
 
     return run_stream(build(StreamJob, _options(job, options)), beam_args, half=half)
+
+
+def predictions(topic: str | None = None, **options: Any) -> Any:
+    """``flowtrain predictions``: every prediction on a scorer's predictions topic now, as a pyarrow Table (the
+    ``pred_*`` columns of ``flowtrain predict``, the event's id and label); ``options`` are ``PredictionsJob``'s
+    (``bootstrap``, ``predictions_format``, ``schema_registry``, ``dataset`` (its scorer's topic by default),
+    ``limit``...)."""
+    from flowtrain.commands.predictions import read_predictions
+
+    return read_predictions(topic, **options)
 
 
 def score(job: Any = None, /, *, beam_args: tuple[str, ...] = (), **options: Any) -> int:

@@ -101,6 +101,11 @@ def read_topic(bootstrap, topic):
         c.close()
 
 
+def probabilities(prediction: dict, classes) -> list[float]:
+    """A prediction's class probabilities in ``classes``' order (its ``pred_probability_<class>`` columns)."""
+    return [prediction[f"pred_probability_{c}"] for c in classes]
+
+
 def predictions(bootstrap, topic) -> list[dict]:
     rows = []
     for m in read_topic(bootstrap, topic):
@@ -128,7 +133,7 @@ def wait_covered(bootstrap, names, n_raw: int, proc, log: Path, timeout=180):
     deadline = time.monotonic() + timeout
     while True:
         preds, dead = predictions(bootstrap, names["pred"]), dead_letters(bootstrap, names["dead"])
-        if len({p["source"] for p in preds} | {d["source"] for d in dead}) >= n_raw:
+        if len({p["pred_source"] for p in preds} | {d["source"] for d in dead}) >= n_raw:
             return preds, dead
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, (f"{len(preds)} predictions + {len(dead)} dead letters of {n_raw} "

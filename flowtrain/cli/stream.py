@@ -1,4 +1,5 @@
-"""``flowtrain replay`` and ``flowtrain stream [pipeline|train|score]``: the streaming job against Kafka.
+"""``flowtrain replay``, ``flowtrain stream [pipeline|train|score]`` and ``flowtrain predictions`` (the scorer's
+predictions topic read back as a table): the streaming job against Kafka.
 
 The options are the fields of ``flowtrain.commands.stream`` (``ReplayJob``, ``StreamJob`` and one config per
 part of the job): ``stream --help`` lists the whole job's, ``stream pipeline --help`` (``train``, ``score``)
@@ -11,6 +12,7 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.kafka_options import kafka_pair
+from flowtrain.commands.predictions import PredictionsJob, run_predictions
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob, with_dataset_topics
 
 __all__ = ["CLIENTS", "register"]
@@ -76,6 +78,13 @@ def register(sub) -> None:
     _fields(s, StreamJob)
     s.set_defaults(func=_stream, accepts_beam_args=True, options_parser=s)
 
+    p = sub.add_parser("predictions", help="read a scorer's predictions topic as a table (CSV on stdout, or --out)",
+                       description="Reads the predictions topic of `flowtrain stream score` from its beginning to its "
+                                   "end (--follow: on, until Ctrl-C) in any of the scorer's formats and writes the "
+                                   "rows: the pred_* columns of `flowtrain predict` and the event's id and label.")
+    _fields(p, PredictionsJob)
+    p.set_defaults(func=_predictions, options_parser=p)
+
 
 # ---------------------------------------------------------------------------------------------
 def _replay(args: argparse.Namespace) -> int:
@@ -86,6 +95,15 @@ def _replay(args: argparse.Namespace) -> int:
         print_config(job)
         return 0
     run_replay(job)
+    return 0
+
+
+def _predictions(args: argparse.Namespace) -> int:
+    job = build(PredictionsJob, args.options)
+    if args.print_config:
+        print_config(job)
+        return 0
+    run_predictions(job)
     return 0
 
 

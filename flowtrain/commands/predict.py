@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import at_least, check, option, store_path, to_config
+from connectors.fields import at_least, build, check, option, store_path, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
 from flowtrain.errors import FlowtrainError
@@ -94,6 +94,11 @@ class ExportJob:
 # --- flowtrain predict ------------------------------------------------------------------------------------
 def _sidecar(out: Path, suffix: str) -> Path:
     return out.with_name(out.name + suffix)
+
+
+def run_predict_options(model: Any, inputs: list, out: Any, options: dict[str, Any]) -> dict:
+    """``flowtrain.predict(model, input, out, **options)``: the job of the keyword options, run."""
+    return run_predict(build(PredictJob, options, model=str(model), input=inputs, out=str(out)))
 
 
 def run_predict(job: PredictJob) -> dict:

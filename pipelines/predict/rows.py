@@ -53,6 +53,7 @@ class OutputNames:
     reason: str
     unseen: str
     renamed: dict[str, str] = field(default_factory=dict)  # wanted name -> name given, where an input had it
+    more: dict[str, str] = field(default_factory=dict)  # ``output_names(more=...)``: each wanted name -> its name
 
     @property
     def predictions(self) -> list[str]:
@@ -65,9 +66,11 @@ def positive_class(classes: Sequence[str] | None) -> str:
     return str(list(classes or ["0", "1"])[1])
 
 
-def output_names(carried: Sequence[str], kind: str, classes: Sequence[str] | None) -> OutputNames:
+def output_names(carried: Sequence[str], kind: str, classes: Sequence[str] | None,
+                 more: Sequence[str] = ()) -> OutputNames:
     """The ``pred_*`` names of the columns flowtrain adds, none equal to a ``carried`` input column (a taken name
-    gets the first free ``_1``, ``_2``... suffix) nor to each other."""
+    gets the first free ``_1``, ``_2``... suffix) nor to each other; ``more``: further ``pred_<what>`` columns (the
+    stream scorer's), in ``OutputNames.more``."""
     taken = set(carried)
     renamed: dict[str, str] = {}
 
@@ -92,7 +95,9 @@ def output_names(carried: Sequence[str], kind: str, classes: Sequence[str] | Non
         picked = [positive_class(classes)] if kind == "binary" else names
         probs = tuple(free(f"probability_{c}") for c in picked)
         klass = free("class")
-    return OutputNames(source, probs, klass, value, free("model_version"), free("reason"), free("unseen"), renamed)
+    version, reason, unseen = free("model_version"), free("reason"), free("unseen")
+    extra = {what: free(what) for what in more}
+    return OutputNames(source, probs, klass, value, version, reason, unseen, renamed, extra)
 
 
 class PredictionInput(NamedTuple):

@@ -10,7 +10,8 @@ Modules by job:
 - ``handler``: ``FlowtrainModelHandler``, RunInference's model handler (serves the newest version read, never
   backwards);
 - ``featurize``: raw events -> ``ScoringBatch``es with the stream pipeline's featurizer;
-- ``predictions``: ``PREDICTION_SCHEMA`` and ``WritePredictions``;
+- ``predictions``: ``prediction_layout`` (the ``pred_*`` columns of ``flowtrain predict``) and ``WritePredictions``;
+- ``codec``: the predictions' formats on the topic (``PredictionsCodec``);
 - ``commit``: ``CommitScored``, at-least-once commits of the raw offsets;
 - ``scoring``: ``build_scoring_pipeline``, the whole pipeline.
 """

@@ -2,39 +2,41 @@
 or one JSON object, Avro or Protobuf record per prediction; Avro/Protobuf events give Avro/Protobuf predictions,
 ``pipelines.serving.codec``).
 
-``PREDICTION_SCHEMA``, one row per event:
+The columns follow ``flowtrain predict``'s scheme (``pipelines.predict.rows.output_names``): the event's own columns
+keep their names, every column flowtrain adds starts with ``pred_`` (``prediction_layout``), one row per event:
 
-- ``source`` (``"raw topic/partition/offset"``), ``src_partition``, ``src_offset``: where the event was;
-- ``id``: the event's own id (the value of ``--id-column``, as text; null without that option or value);
-- ``prediction``: binary classification: the probability of the positive class (the second of the
-  manifest's classes); K classes: the probability of the predicted class; regression: the value in
-  the label's units;
-- ``predicted_class``: classification: the predicted class's *name* (the manifest's classes); null
-  for regression;
-- ``probabilities``: K > 2 classes: each class's probability, in the manifest's class order; null otherwise;
-- ``model_version``, ``model_run``: the version that computed it and its trainer run;
-- ``event_time`` (the raw record's Kafka timestamp), ``scoring_time`` (when the model computed it);
-- ``label``: the event's label when the model could be trained on it (the class index, or the value);
-  null for an unlabelled event or a class the training split never saw.
+- ``pred_source`` (``"raw topic/partition/offset"``), ``pred_source_partition``, ``pred_source_offset``: where the
+  event was;
+- the ``--id-column`` (under its own name, as text; null where the event has none), and the label (under its own
+  name: the class name, or the value; null for an unlabelled event or a class the training split never saw);
+- binary classification: ``pred_probability_<positive class>`` and ``pred_class``; K classes:
+  ``pred_probability_<class>`` for each class and ``pred_class``; regression: ``pred_value``, in the label's units;
+- ``pred_model_version``, ``pred_model_run``: the version (a number) that computed it and its trainer run;
+- ``pred_event_time`` (the raw record's Kafka timestamp), ``pred_scoring_time`` (when the model computed it).
+
+An event column whose name is one of these takes its place, and flowtrain's the first free ``_1``... suffix.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import PredictionResult
 
-from connectors.dataset_spec import CAT_PREFIX, LABEL
+from connectors.dataset_spec import CAT_PREFIX, LABEL, FeatureSpec
 from connectors.deadletter import DeadLetter
 from connectors.kafka import KafkaDelivery, close_client, dead_letter_record, new_producer, value_budget
-from pipelines.serving.codec import PREDICTION_SCHEMA, PredictionsCodec, predictions_format
+from pipelines.predict.rows import OutputNames, output_names
+from pipelines.serving.codec import PredictionsCodec, predictions_format
 from pipelines.serving.handler import parse_model_tag
 from pipelines.stream.formats.registry import SchemaRegistry
 from pipelines.stream.status import write_status
 
-__all__ = ["LATENCY_BUCKETS_S", "METRICS_NAMESPACE", "predictions_batch", "WritePredictions"]
+__all__ = ["LATENCY_BUCKETS_S", "METRICS_NAMESPACE", "PredictionLayout", "prediction_layout", "predictions_batch",
+           "WritePredictions"]
 
 
 #: Upper bounds (seconds) of the prediction-latency histogram (event time to scoring time) the scorer
@@ -47,6 +49,48 @@ _BUCKET_MS = np.asarray([b * 1000 for b in LATENCY_BUCKETS_S])
 #: ``correct``; distribution ``batch_latency_ms`` (each scored micro-batch's mean event-time-to-scoring
 #: latency: one update per batch, so counting costs nothing per event).
 METRICS_NAMESPACE = "flowtrain.serving"
+#: The stream's own ``pred_*`` columns besides ``flowtrain predict``'s.
+_STREAM_MORE = ("source_partition", "source_offset", "model_run", "event_time", "scoring_time")
+_MS = pa.timestamp("ms", tz="UTC")
+
+
+@dataclass(frozen=True)
+class PredictionLayout:
+    """The columns of a stream's predictions: their names (``names``: ``flowtrain predict``'s, with the stream's
+    own in ``names.more``), the carried ``id_column`` and ``label`` (each None when absent), the task's ``kind``
+    (binary, multiclass, regression), the ``classes`` and the Arrow ``schema``."""
+
+    names: OutputNames
+    id_column: str | None
+    label: str | None
+    kind: str
+    classes: tuple[str, ...]
+    schema: pa.Schema
+
+    def more(self, what: str) -> str:
+        return self.names.more[what]
+
+
+def prediction_layout(spec: FeatureSpec, classes, id_column: str | None = None) -> PredictionLayout:
+    """The prediction columns of a stream of ``spec``'s events (``classes``: the dataset's, in label-code order)."""
+    classes = tuple(str(c) for c in (classes or ([] if spec.task == "regression" else ["0", "1"])))
+    kind = "regression" if spec.task == "regression" else ("binary" if len(classes) <= 2 else "multiclass")
+    label = spec.label if spec.label != id_column else None
+    carried = [c for c in (id_column, label) if c]
+    names = output_names(carried, kind, list(classes), more=_STREAM_MORE)
+    fields = [pa.field(names.source, pa.string(), nullable=False),
+              pa.field(names.more["source_partition"], pa.int64(), nullable=False),
+              pa.field(names.more["source_offset"], pa.int64(), nullable=False)]
+    if id_column:
+        fields.append(pa.field(id_column, pa.string()))
+    if label:
+        fields.append(pa.field(label, pa.float64() if kind == "regression" else pa.string()))
+    fields += [pa.field(c, pa.float64()) for c in names.probabilities]
+    fields += [pa.field(names.klass, pa.string())] if names.klass else [pa.field(names.value, pa.float64())]
+    fields += [pa.field(names.version, pa.int64(), nullable=False), pa.field(names.more["model_run"], pa.string()),
+               pa.field(names.more["event_time"], _MS, nullable=False),
+               pa.field(names.more["scoring_time"], _MS, nullable=False)]
+    return PredictionLayout(names, id_column, label, kind, classes, pa.schema(fields))
 
 
 def _own_column(features: pa.RecordBatch, name: str) -> pa.Array:
@@ -62,53 +106,60 @@ def unseen_counts(features: pa.RecordBatch | None, categorical) -> dict[str, int
     return {c: int((features.column(CAT_PREFIX + c).to_numpy(zero_copy_only=False) == 0).sum()) for c in categorical}
 
 
-def predictions_batch(result: PredictionResult, task: str, classes: list[str] | None,
-                      id_column: str | None = None) -> pa.RecordBatch:
-    """One ``PREDICTION_SCHEMA`` record batch for a scored micro-batch."""
+def label_codes(features: pa.RecordBatch, n: int) -> np.ndarray:
+    """The events' labels as the trainer sees them (class index, or value), NaN where an event has none (unlabelled,
+    or a class the training split never saw)."""
+    if LABEL not in features.schema.names:
+        return np.full(n, np.nan)
+    return _own_column(features, LABEL).cast(pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
+
+
+def predictions_batch(result: PredictionResult, layout: PredictionLayout) -> pa.RecordBatch:
+    """One record batch of ``layout.schema`` for a scored micro-batch."""
     batch = result.example
     outputs, scored_ms = result.inference
     n = len(outputs)
     if n == 0:
-        return pa.RecordBatch.from_pylist([], schema=PREDICTION_SCHEMA)
+        return pa.RecordBatch.from_pylist([], schema=layout.schema)
     f = batch.features
     run, version = parse_model_tag(result.model_id)
-    outputs = np.asarray(outputs, dtype=np.float32)
-    probabilities = pa.nulls(n, pa.list_(pa.float32()))
-    names = pa.nulls(n, pa.string())
-    if task == "classification":
-        classes = list(classes or ["0", "1"])
-        if outputs.ndim == 2:  # K classes: (rows, K) probabilities
-            best = outputs.argmax(axis=1)
-            prediction = outputs[np.arange(n), best]
-            probabilities = pa.FixedSizeListArray.from_arrays(pa.array(outputs.reshape(-1)),
-                                                              outputs.shape[1]).cast(pa.list_(pa.float32()))
+    outputs = np.asarray(outputs, dtype=np.float64)
+    arrays = [_own_column(f, "source").cast(pa.string()), _own_column(f, "src_partition").cast(pa.int64()),
+              _own_column(f, "src_offset").cast(pa.int64())]
+    if layout.id_column:  # an event field carried as the id follows the featurizer's own columns, whatever its name
+        arrays.append(f.column(f.schema.get_all_field_indices(layout.id_column)[-1]).cast(pa.string())
+                      if layout.id_column in f.schema.names else pa.nulls(n, pa.string()))
+    if layout.label:
+        codes = label_codes(f, n)
+        known = np.isfinite(codes)
+        if layout.kind == "regression":
+            arrays.append(pa.array(codes, pa.float64(), mask=~known))
         else:
-            best = (outputs > 0.5).astype(np.int64)
-            prediction = outputs
-        names = pa.array(np.asarray(classes, dtype=object)[best], type=pa.string())
+            names = np.asarray(layout.classes, dtype=object)
+            picked = np.where(known, codes, 0).astype(np.int64).clip(0, max(len(names) - 1, 0))
+            arrays.append(pa.array(names[picked] if len(names) else np.full(n, None), pa.string(), mask=~known))
+    if layout.kind == "multiclass":  # (rows, K) probabilities
+        arrays += [pa.array(outputs[:, i]) for i in range(outputs.shape[1])]
+        arrays.append(pa.array(np.asarray(layout.classes, dtype=object)[outputs.argmax(axis=1)], pa.string()))
+    elif layout.kind == "binary":  # P(positive class)
+        arrays.append(pa.array(outputs))
+        arrays.append(pa.array(np.asarray(layout.classes, dtype=object)[(outputs > 0.5).astype(np.int64)],
+                               pa.string()))
     else:
-        prediction = outputs
-    # an event field carried as the id comes after the featurizer's own columns, whatever its name (`label`...)
-    ids = f.column(f.schema.get_all_field_indices(id_column)[-1]).cast(pa.string()) \
-        if id_column and id_column in f.schema.names else pa.nulls(n, pa.string())
-    label = pa.nulls(n, pa.float32())
-    if LABEL in f.schema.names:  # NaN (the featurizer's "no label": unlabelled, unseen class) -> null
-        values = _own_column(f, LABEL).cast(pa.float32())
-        label = pc.if_else(pc.is_nan(values), pa.scalar(None, pa.float32()), values)
-    return pa.RecordBatch.from_arrays([
-        _own_column(f, "source").cast(pa.string()),
-        _own_column(f, "src_partition").cast(pa.int64()),
-        _own_column(f, "src_offset").cast(pa.int64()),
-        ids,
-        pa.array(prediction, type=pa.float32()),
-        names,
-        probabilities,
-        pa.array(np.full(n, version, dtype=np.int64)),
-        pa.array([run] * n, type=pa.string()),
-        pa.array(batch.event_ms.astype(np.int64), type=pa.int64()).cast(pa.timestamp("ms", tz="UTC")),
-        pa.array(np.full(n, scored_ms, dtype=np.int64)).cast(pa.timestamp("ms", tz="UTC")),
-        label,
-    ], schema=PREDICTION_SCHEMA)
+        arrays.append(pa.array(outputs))
+    arrays += [pa.array(np.full(n, version, dtype=np.int64)), pa.array([run] * n, type=pa.string()),
+               pa.array(batch.event_ms.astype(np.int64), type=pa.int64()).cast(_MS),
+               pa.array(np.full(n, scored_ms, dtype=np.int64)).cast(_MS)]
+    return pa.RecordBatch.from_arrays(arrays, schema=layout.schema)
+
+
+def scores_of(preds: pa.RecordBatch, layout: PredictionLayout) -> np.ndarray:
+    """The model's scores in predictions: binary P(positive); K classes (rows, K) probabilities; the value."""
+    names = layout.names
+    if layout.kind == "multiclass":
+        return np.stack([preds.column(c).to_numpy(zero_copy_only=False) for c in names.probabilities], axis=1)
+    column = names.probabilities[0] if layout.kind == "binary" else names.value
+    return preds.column(column).to_numpy(zero_copy_only=False).astype(np.float64)
 
 
 class _WritePredictionsFn(beam.DoFn):
@@ -127,7 +178,8 @@ class _WritePredictionsFn(beam.DoFn):
         self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
         fmt = predictions_format(getattr(cfg, "predictions_format", None), cfg.event_format)
         registry = SchemaRegistry(cfg.schema_registry) if cfg.schema_registry and fmt in ("avro", "protobuf") else None
-        self.codec = PredictionsCodec(fmt, registry, f"{cfg.predictions_topic}-value")
+        self.layout = prediction_layout(cfg.spec, cfg.classes, cfg.id_column)
+        self.codec = PredictionsCodec(fmt, registry, f"{cfg.predictions_topic}-value", self.layout.schema)
         self.codec.register()  # the predictions' schema, once (a registry that does not answer is waited for)
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "run_id": None,
@@ -155,7 +207,7 @@ class _WritePredictionsFn(beam.DoFn):
     def process(self, result: PredictionResult):
         batch = result.example
         try:
-            preds = predictions_batch(result, self.cfg.spec.task, self.cfg.classes, self.cfg.id_column)
+            preds = predictions_batch(result, self.layout)
             messages, preds, unwritable = self.codec.encode(
                 preds, value_budget(self.limits[self.cfg.predictions_topic], str(batch.partition).encode()))
         except Exception as err:  # noqa: BLE001 - a micro-batch that cannot be written: its events are dead letters
@@ -174,9 +226,10 @@ class _WritePredictionsFn(beam.DoFn):
         self.totals["dead_letters"] += len(unwritable)
         if preds is not None and preds.num_rows:
             self._count_unseen(batch.features)
-            self._count(preds, batch.featurized_ms)
+            labels = self._labels(batch.features, preds)
+            self._count(preds, labels, batch.featurized_ms)
             if self.drift is not None:
-                self._drift(batch.features, preds)
+                self._drift(batch.features, preds, labels)
         elif unwritable:
             write_status(self.cfg.status_path, self, self.totals, kind="predictions")
         yield (f"{batch.topic}/{batch.partition}", (batch.first_offset, batch.last_offset))
@@ -205,16 +258,20 @@ class _WritePredictionsFn(beam.DoFn):
             if n:
                 Metrics.counter(METRICS_NAMESPACE, f"unseen_{col}").inc(n)
 
-    def _drift(self, features: pa.RecordBatch, preds: pa.RecordBatch) -> None:
+    def _labels(self, features: pa.RecordBatch, preds: pa.RecordBatch) -> np.ndarray:
+        """The label codes (class index or value; NaN: none) of the events whose predictions were written."""
+        codes = label_codes(features, features.num_rows)
+        if preds.num_rows == features.num_rows:
+            return codes
+        where = {int(o): i for i, o in enumerate(_own_column(features, "src_offset").to_numpy(zero_copy_only=False))}
+        kept = preds.column(self.layout.more("source_offset")).to_numpy(zero_copy_only=False)
+        return codes[[where[int(o)] for o in kept]]
+
+    def _drift(self, features: pa.RecordBatch, preds: pa.RecordBatch, label: np.ndarray) -> None:
         """The micro-batch into the drift window (``pipelines.serving.drift.DriftReporter``: the window's counts go
         to the status file, kind ``drift``, and its measures to the drift topic, from the reporter's thread)."""
-        label = preds.column("label").to_numpy(zero_copy_only=False).astype(np.float64)
         k = self.cfg.n_classes
-        if k > 2:
-            scores = np.asarray(preds.column("probabilities").flatten().to_numpy(zero_copy_only=False),
-                                dtype=np.float64).reshape(preds.num_rows, k)
-        else:
-            scores = preds.column("prediction").to_numpy(zero_copy_only=False).astype(np.float64)
+        scores = scores_of(preds, self.layout)
         known = np.isfinite(label)
         wrong = None
         if known.any():
@@ -226,24 +283,23 @@ class _WritePredictionsFn(beam.DoFn):
                 wrong = np.minimum(1.0, np.abs(scores[known] - label[known]) / (4.0 * std))
         self.drift.add(features, label, scores, wrong)
 
-    def _count(self, preds: pa.RecordBatch, featurized_ms: int) -> None:
-        t = self.totals
+    def _count(self, preds: pa.RecordBatch, label: np.ndarray, featurized_ms: int) -> None:
+        t, layout = self.totals, self.layout
         t["predictions"] += preds.num_rows
         labelled = correct = 0
-        version = int(preds.column("model_version")[0].as_py())
-        t["version"], t["run_id"] = version, preds.column("model_run")[0].as_py()
+        version = int(preds.column(layout.names.version)[0].as_py())
+        t["version"], t["run_id"] = version, preds.column(layout.more("model_run"))[0].as_py()
         t["versions"][str(version)] = t["versions"].get(str(version), 0) + preds.num_rows
-        label = preds.column("label").to_numpy(zero_copy_only=False)
         known = ~np.isnan(label)
         if self.cfg.spec.task == "classification" and known.any():
             classes = list(self.cfg.classes or ["0", "1"])
-            names = np.asarray(preds.column("predicted_class").to_pylist(), dtype=object)[known]
+            names = np.asarray(preds.column(layout.names.klass).to_pylist(), dtype=object)[known]
             want = np.asarray(classes, dtype=object)[label[known].astype(np.int64)]
             labelled, correct = int(known.sum()), int((names == want).sum())
             t["labelled"] += labelled
             t["correct"] += correct
-        event = preds.column("event_time").cast(pa.int64()).to_numpy()
-        latency_ms = preds.column("scoring_time").cast(pa.int64()).to_numpy() - event
+        event = preds.column(layout.more("event_time")).cast(pa.int64()).to_numpy()
+        latency_ms = preds.column(layout.more("scoring_time")).cast(pa.int64()).to_numpy() - event
         t["latency_ms_sum"] += int(latency_ms.sum())
         t["to_featurized_ms_sum"] += int((featurized_ms - event).sum())
         # bucket i counts latencies in (bound[i-1], bound[i]]; the last, those above the last bound

@@ -281,11 +281,11 @@ def test_item2_the_scorer_reads_avro_events_from_the_registry_and_predicts_what_
     """``flowtrain stream score --event-format avro --schema-registry`` (Prism) on events a producer wrote with an
     evolved schema: every event predicted (by its id) as the batch model predicts the JSON events' features; the
     predictions are Avro records in the wire format, their schema registered under ``<predictions topic>-value``."""
+    import flowtrain
     from connectors.kafka import ensure_topic
-    from pipelines.serving.codec import PREDICTION_AVRO, PredictionsCodec
     from pipelines.stream.formats import SchemaRegistry
     from tests.procs import stop_group
-    from tests.scoring_helpers import KEY, dead_letters, publish, publisher, scorer, topic_names
+    from tests.scoring_helpers import KEY, dead_letters, probabilities, publish, publisher, scorer, topic_names
 
     rows = events(120, seed=4)
     cols = list(rows[0])
@@ -308,13 +308,14 @@ def test_item2_the_scorer_reads_avro_events_from_the_registry_and_predicts_what_
     proc = scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", str(key_file),
                   "--event-format", "avro", "--schema-registry", schema_registry)
     log = tmp_path / "run" / "scorer.log"
-    codec = PredictionsCodec("avro", SchemaRegistry(schema_registry))
     deadline = time.monotonic() + 180
     try:
         while True:  # until predictions + dead letters cover every raw event
             messages = read_topic(bootstrap, names["pred"])
-            preds = [p for m in messages for p in codec.decode(m.value)]
-            if len({p["source"] for p in preds} | {d["source"] for d in dead_letters(bootstrap, names["dead"])}) \
+            # the predictions topic as a table (`flowtrain predictions`, #45 item 4), Avro through the registry
+            preds = flowtrain.predictions(names["pred"], bootstrap=bootstrap, predictions_format="avro",
+                                          schema_registry=schema_registry).to_pylist() if messages else []
+            if len({p["pred_source"] for p in preds} | {d["source"] for d in dead_letters(bootstrap, names["dead"])}) \
                     >= len(rows):
                 break
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -322,14 +323,22 @@ def test_item2_the_scorer_reads_avro_events_from_the_registry_and_predicts_what_
             time.sleep(0.5)
     finally:
         stop_group(proc)
+    messages = read_topic(bootstrap, names["pred"])  # all of them, the scorer stopped
+    table = flowtrain.predictions(names["pred"], bootstrap=bootstrap, predictions_format="avro",
+                                  schema_registry=schema_registry)
+    preds = table.to_pylist()
     assert len(messages) == len(preds)  # one Avro record per prediction, not Arrow batches
     ids = {int.from_bytes(m.value[1:5], "big") for m in messages}
     assert len(ids) == 1 and messages[0].value[0] == 0  # the wire format: magic byte, one registered schema id
     kind, text = SchemaRegistry(schema_registry).schema(ids.pop())
-    assert kind == "AVRO" and json.loads(text)["name"] == PREDICTION_AVRO["name"]
-    assert {p["id"] for p in preds} == set(want)
+    assert kind == "AVRO" and json.loads(text)["name"] == "Prediction"
+    classes = sensor["data"].classes
+    assert table.column_names[:4] == ["pred_source", "pred_source_partition", "pred_source_offset", "reading_id"]
+    assert [c for c in table.column_names if c.startswith("pred_probability_")] == [
+        f"pred_probability_{c}" for c in classes]  # flowtrain predict's names, the dataset's classes
+    assert {p["reading_id"] for p in preds} == set(want)
     for p in preds:
-        np.testing.assert_allclose(p["probabilities"], want[p["id"]], atol=1e-6, err_msg=p["id"])
+        np.testing.assert_allclose(probabilities(p, classes), want[p["reading_id"]], atol=1e-6, err_msg=p["reading_id"])
 
 
 @pytest.mark.parametrize("fmt", ["avro", "protobuf"])
@@ -339,18 +348,23 @@ def test_item2_the_predictions_schema_registers_and_a_registry_aware_reader_read
     knows only the registry (the schema by the record's id) reads the predictions back."""
     import datetime as dt
 
-    from pipelines.serving.codec import PREDICTION_SCHEMA, PredictionsCodec
+    from connectors.dataset_spec import FeatureSpec
+    from pipelines.serving.codec import PredictionsCodec
+    from pipelines.serving.predictions import prediction_layout
     from pipelines.stream.formats import SchemaRegistry
 
     t0 = dt.datetime(2026, 12, 2, 3, 0, tzinfo=dt.timezone.utc)
+    layout = prediction_layout(FeatureSpec(label="state", task="classification", numeric=["temp"]),
+                               ["cold", "hot", "ok"], "reading_id")
     preds = pa.RecordBatch.from_pylist([
-        {"source": "raw/0/5", "src_partition": 0, "src_offset": 5, "id": "r5", "prediction": 0.75,
-         "predicted_class": "hot", "probabilities": [0.125, 0.75, 0.125], "model_version": 3, "model_run": "run-a",
-         "event_time": t0, "scoring_time": t0, "label": 1.0}], schema=PREDICTION_SCHEMA)
+        {"pred_source": "raw/0/5", "pred_source_partition": 0, "pred_source_offset": 5, "reading_id": "r5",
+         "state": "hot", "pred_probability_cold": 0.125, "pred_probability_hot": 0.75, "pred_probability_ok": 0.125,
+         "pred_class": "hot", "pred_model_version": 3, "pred_model_run": "run-a", "pred_event_time": t0,
+         "pred_scoring_time": t0}], schema=layout.schema)
     subject = f"fmt-pred-{uuid.uuid4().hex[:6]}-value"
-    writer = PredictionsCodec(fmt, SchemaRegistry(schema_registry), subject)
+    writer = PredictionsCodec(fmt, SchemaRegistry(schema_registry), subject, layout.schema)
     messages, _, bad = writer.encode(preds, 1 << 20)
     assert not bad and len(messages) == 1 and messages[0][0] == 0
-    got = PredictionsCodec(fmt, SchemaRegistry(schema_registry)).decode(messages[0])[0]
-    assert got["source"] == "raw/0/5" and got["probabilities"] == [0.125, 0.75, 0.125]
-    assert got["predicted_class"] == "hot" and got["model_version"] == 3
+    got = PredictionsCodec(fmt, SchemaRegistry(schema_registry)).decode(messages[0])[0]  # the schema by its id
+    assert got["pred_source"] == "raw/0/5" and got["pred_probability_hot"] == 0.75 and got["state"] == "hot"
+    assert got["pred_class"] == "hot" and got["pred_model_version"] == 3 and got["reading_id"] == "r5"

@@ -184,7 +184,7 @@ def test_id_deltas_scorer_with_a_lost_delta_never_applies_out_of_order_and_ends_
         forward_updates()
         last = max(r["version"] for r in relayed)
         assert last >= 9
-        while not any(p["model_version"] == last for p in predictions(bootstrap, names["pred"])):
+        while not any(p["pred_model_version"] == last for p in predictions(bootstrap, names["pred"])):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
             n += produce(bootstrap, names["raw"], _events(10, start=n))
             time.sleep(0.5)
@@ -202,7 +202,7 @@ def test_id_deltas_scorer_with_a_lost_delta_never_applies_out_of_order_and_ends_
     assert max(r["rows"]["ids.0"] for r in relayed if r["kind"] == "delta") <= 40
     assert max(r["rows"]["ids.0"] for r in relayed if r["kind"] == "snapshot") > 40
     # never out of order: 6 (whose base 5 was lost) was never served; the snapshot 7 and what followed were
-    served = {p["model_version"] for p in predictions(bootstrap, names["pred"])}
+    served = {p["pred_model_version"] for p in predictions(bootstrap, names["pred"])}
     assert lost not in served and 6 not in served and last in served
     assert any((s.get("ids") or {}).get("held", 0) >= 1 for s in statuses)  # counted in the scorer's status
     status = max(statuses, key=lambda s: s["time"])

@@ -1,6 +1,7 @@
 """The stream scorer on the real broker and Prism (issue 29 items 1 and 7): an event field named like a column of
-flowtrain's outputs (`model_version`) carried with --id-column lands in the message's `id`, never in its own
-`model_version`; events with a site training never saw are scored and counted per column in the status."""
+flowtrain's outputs in `flowtrain predict` (`model_version`) carried with --id-column keeps its name in the message,
+flowtrain's own is `pred_model_version` (#45 item 4);
+events with a site training never saw are scored and counted per column in the status."""
 from __future__ import annotations
 
 import pytest
@@ -47,9 +48,9 @@ def test_scorer_id_column_named_model_version_and_unseen_sites_counted(bootstrap
     finally:
         stop_group(proc)
     assert not dead, dead[:3]
-    by_offset = {int(p["source"].rsplit("/", 1)[1]): p for p in preds}
+    by_offset = {int(p["pred_source"].rsplit("/", 1)[1]): p for p in preds}
     assert sorted(by_offset) == list(range(n))
-    assert all(p["id"] == events[o]["model_version"] and p["model_version"] == 1 for o, p in by_offset.items())
+    assert all(p["model_version"] == events[o]["model_version"] and p["pred_model_version"] == 1 for o, p in by_offset.items())
     unseen = {}
     for data in read_status(str(tmp_path / "run" / "score-status.json"), "predictions"):
         for col, k in (data.get("unseen") or {}).items():

@@ -18,6 +18,7 @@ from tests.scoring_helpers import (
     expected,
     make_sensor,
     predictions,
+    probabilities,
     produce,
     publish,
     publisher,
@@ -66,13 +67,13 @@ def test_the_scorer_on_the_local_flink_cluster(bootstrap, flink_cluster, sensor,
         preds, dead = wait_covered(bootstrap, names, n, proc, log, timeout=400)
         say(f"\nscoring on flink: {len(preds)} predictions + {len(dead)} dead letters of {n} events "
             f"{time.monotonic() - t0:.0f} s after the scorer started")
-        assert {p["model_version"] for p in preds} == {1}
+        assert {p["pred_model_version"] for p in preds} == {1}
         # a second version mid-stream: events produced after it serve with it
         arch2, trained2 = arch, random_weights(sensor["data"], arch, 2)
         publish(bootstrap, names, pub, 2, arch2, trained2)
         t_pub2 = time.monotonic()
         deadline = t_pub2 + 120
-        while not any(p["model_version"] == 2 for p in predictions(bootstrap, names["pred"])):
+        while not any(p["pred_model_version"] == 2 for p in predictions(bootstrap, names["pred"])):
             n += produce(bootstrap, names["raw"], evs[n:n + 10])
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline and n < len(evs), "version 2 never served\n" + log.read_text()[-3000:]
@@ -86,10 +87,10 @@ def test_the_scorer_on_the_local_flink_cluster(bootstrap, flink_cluster, sensor,
     assert list(ours.values()) == ["CANCELED"], ours  # the scorer's one Flink job, cancelled by Ctrl-C
     want = expected(bootstrap, names, sensor, {("run-a", 1): (arch, trained), ("run-a", 2): (arch2, trained2)})
     classes = sensor["data"].classes
-    assert {p["source"] for p in preds} == set(want)
-    assert len({p["source"] for p in preds}) + len({d["source"] for d in dead}) == n
-    assert {p["model_version"] for p in preds} == {1, 2}
+    assert {p["pred_source"] for p in preds} == set(want)
+    assert len({p["pred_source"] for p in preds}) + len({d["source"] for d in dead}) == n
+    assert {p["pred_model_version"] for p in preds} == {1, 2}
     for p in preds:
-        probs = want[p["source"]][(p["model_run"], p["model_version"])]
-        assert np.abs(np.asarray(p["probabilities"]) - probs).max() <= 1e-6
-        assert p["predicted_class"] == classes[int(probs.argmax())]
+        probs = want[p["pred_source"]][(p["pred_model_run"], p["pred_model_version"])]
+        assert np.abs(np.asarray(probabilities(p, classes)) - probs).max() <= 1e-6
+        assert p["pred_class"] == classes[int(probs.argmax())]

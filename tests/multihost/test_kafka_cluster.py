@@ -296,7 +296,7 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
     # the scorer, through the same failovers: every raw event predicted or dead-lettered (at least once: a
     # replay of a micro-batch after a failover may repeat predictions, never drop one), never both
     raw_sources = {f"{m.topic}/{m.partition}/{m.offset}" for m in raw}
-    predicted = [r["source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()]
+    predicted = [r["pred_source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()]
     rejected = [dict(m.headers)["source"].decode() for m in _read(boot, names["sdead"])]
     assert set(predicted) | set(rejected) == raw_sources
     assert not set(predicted) & set(rejected)
@@ -310,13 +310,13 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
 
 def _scored_or_dead(boot, names) -> int:
     """Distinct raw events the scorer predicted or dead-lettered so far."""
-    predicted = {r["source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()}
+    predicted = {r["pred_source"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()}
     rejected = {dict(m.headers)["source"].decode() for m in _read(boot, names["sdead"])}
     return len(predicted | rejected)
 
 
 def _served_versions(boot, names) -> list[int]:
-    return sorted({r["model_version"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()})
+    return sorted({r["pred_model_version"] for m in _read(boot, names["pred"]) for r in decode_batch(m.value).to_pylist()})
 
 
 def _caught_up(boot, names) -> bool:

@@ -12,9 +12,8 @@ from apache_beam.ml.inference.base import PredictionResult
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.kafka import KafkaRecord
-from pipelines.serving.codec import PREDICTION_SCHEMA
 from pipelines.serving.featurize import featurize_records
-from pipelines.serving.predictions import predictions_batch, unseen_counts
+from pipelines.serving.predictions import prediction_layout, predictions_batch, unseen_counts
 from pipelines.stream.featurize import StreamFeaturizer
 
 RESERVED = ("class", "probability", "prediction", "model_version", "predicted_class", "label", "id")
@@ -37,13 +36,17 @@ def test_scorer_reserved_names_as_label_and_id_column_never_collide(label, id_co
     batch, letters = featurize_records(_records(label, id_column), featurizer)
     assert not letters and batch.features.num_rows == 3
     result = PredictionResult(batch, (np.asarray([0.9, 0.2, 0.6], dtype=np.float32), 1_700_000_000_500), "run-a:3")
-    preds = predictions_batch(result, "classification", ["no", "yes"], id_column)
-    assert preds.schema == PREDICTION_SCHEMA
+    layout = prediction_layout(spec, ["no", "yes"], id_column)
+    preds = predictions_batch(result, layout)
+    assert preds.schema == layout.schema and len(set(preds.schema.names)) == preds.num_columns
     rows = preds.to_pylist()
-    assert [r["id"] for r in rows] == ["e-0", "e-1", "e-2"]
-    assert [r["source"] for r in rows] == ["raw/0/10", "raw/0/11", "raw/0/12"]
-    assert [r["predicted_class"] for r in rows] == ["yes", "no", "yes"]
-    assert [r["label"] for r in rows] == [1.0, 0.0, None] and [r["model_version"] for r in rows] == [3, 3, 3]
+    # the event's id and label under their own names (#45 item 4), flowtrain's columns pred_*, none colliding
+    assert [r[id_column] for r in rows] == ["e-0", "e-1", "e-2"]
+    assert [r[layout.names.source] for r in rows] == ["raw/0/10", "raw/0/11", "raw/0/12"]
+    assert [r[layout.names.klass] for r in rows] == ["yes", "no", "yes"]
+    assert [r[label] for r in rows] == ["yes", "no", None]
+    assert [r[layout.names.version] for r in rows] == [3, 3, 3]
+    np.testing.assert_allclose([r[layout.names.probabilities[0]] for r in rows], [0.9, 0.2, 0.6], atol=1e-6)
     assert unseen_counts(batch.features, spec.categorical) == {"city": 2}  # springfield, and a missing city
 
 

@@ -129,17 +129,24 @@ def test_item2_an_id_over_max_id_bytes_is_a_dead_letter_before_scoring():
 
 
 def test_item2_a_prediction_too_large_for_a_message_is_left_out_with_the_reason():
-    from connectors.arrow import decode_batch
-    from pipelines.serving.codec import PREDICTION_SCHEMA, encode_predictions
+    import datetime as dt
 
-    text = [f.name for f in PREDICTION_SCHEMA if f.type == pa.string()]
+    from connectors.arrow import decode_batch
+    from connectors.dataset_spec import FeatureSpec
+    from pipelines.serving.codec import encode_predictions
+    from pipelines.serving.predictions import prediction_layout
+
+    schema = prediction_layout(FeatureSpec(label="y", task="classification", numeric=["x"]), ["a", "b", "c"],
+                               "id").schema
+    text = [f.name for f in schema if f.type == pa.string()]
     rows = []
     for i in range(5):
-        row = {f.name: None for f in PREDICTION_SCHEMA}
+        row = {f.name: dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc) if pa.types.is_timestamp(f.type) else
+               None if f.nullable else 0 for f in schema}
         row.update({name: f"r{i}" for name in text})
         rows.append(row)
     rows[2][text[0]] = "x" * 1_050_000  # one row larger than any message may be
-    preds = pa.RecordBatch.from_pylist(rows, schema=PREDICTION_SCHEMA)
+    preds = pa.RecordBatch.from_pylist(rows, schema=schema)
     messages, kept, unwritable = encode_predictions(preds, 1_000_000)
     assert [i for i, _ in unwritable] == [2]
     assert "cannot be written to the predictions topic" in unwritable[0][1] and "1,000,000 bytes" in unwritable[0][1]
