@@ -6,7 +6,8 @@ The input is the demo dataset's events with their reference data joined on (the 
 default dataset preset's ``joined`` hook), at ``--scales`` (1x = the demo's inputs, 10x = its ``scale`` hook's:
 the demo's year repeated); ``--rows N`` cuts it for a quick run. The model is ``--model RUN_OR_BUNDLE`` or a short flowtrain batch run on the 1x table
 (``--train-steps``). Every timed run is a child process (imports excluded from the time); cases are
-interleaved and each cell is the median of the repeats. Goal: predict >= 0.5x the plain script's rows/s at 10x.
+interleaved and each cell is the median of the repeats. Goal (issue 45 item 10): predict >= 0.65x the plain script's
+rows/s at 10x.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, measure_child, median, repeats_note
 
 ENGINES = ("plain", "predict")
+#: flowtrain predict's rows/s at 10x over the plain script's, at least (issue 45 item 10).
+GOAL = 0.65
 NAMES = {"plain": "pyarrow batches + bundle.predict (anchor)", "predict": "flowtrain predict, Beam FnApiRunner"}
 
 
@@ -116,8 +119,8 @@ def run(out_dir: str | None = "bench/results", scales: tuple[int, ...] = (1, 10)
              f"computes the metrics of the labelled rows."]
     if 10 in scales:
         ratio = summary[("predict", 10)] / summary[("plain", 10)]
-        verdict = "met" if ratio >= 0.5 else "NOT met"
-        notes.append(f"Goal predict >= 0.5x the plain script at 10x: {ratio:.2f}x, {verdict}.")
+        verdict = "met" if ratio >= GOAL else "NOT met"
+        notes.append(f"Goal predict >= {GOAL:g}x the plain script at 10x: {ratio:.2f}x, {verdict}.")
     if rows:
         notes.append(f"Cut to the first {rows:,} events of each scale (--rows): a quick run, not the goal's size.")
     return report("predict", ["predictor", "scale", "rows", "seconds", "rows/s", "vs anchor"], table_rows,

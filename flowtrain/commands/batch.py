@@ -354,9 +354,11 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         check_label(data)
         if positive_class_line(data):  # a binary label: which class is positive, and why (once)
             print(positive_class_line(data), flush=True)
+        from flowtrain.train.class_weights import class_weights_of
         from flowtrain.train.evaluation import check_slice_by
 
         check_slice_by(job.slice_by, list(data.spec.categorical))  # before training, not after
+        class_weights_of(job, data)  # --class-weight naming no class of the label: now, not in the workers
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
     config = train_config(job)
@@ -404,7 +406,8 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     # part starts from it, so the model starts where its baseline ends.
     from flowtrain.train.baselines import fit_linear
 
-    linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget)
+    linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget,
+                        class_weights=class_weights_of(config, data))  # --class-weight: the linear start weighed too
     from connectors.atomic import atomic_file, atomic_write
     from connectors.secrets import redact
 

@@ -11,6 +11,7 @@ from connectors.dataset_spec import positive_class_of
 from flowtrain.commands.drift import REFERENCE, write_reference
 from flowtrain.observe.board import write_batch_results
 from flowtrain.train.bundle import write_bundle
+from flowtrain.train.class_weights import class_weights_of
 from flowtrain.train.evaluation import evaluate_run
 from flowtrain.train.figures import plot_confusion, plot_curves, plot_evaluation
 from flowtrain.train.loader import TabularDataset, target_scale
@@ -29,6 +30,7 @@ def report_run(run_dir: Path, data: TabularDataset, *, title: str, dataset_path:
     test = open_split(data, "test", memory_budget=config.memory_budget)
     majority = "majority class" if data.spec.task == "classification" else "training mean"
     scale, classes = target_scale(data), data.classes
+    weights = class_weights_of(config, data)  # --class-weight: the weighted test metrics too
     fitted = dict(fitted)
     summary = {
         "title": title,
@@ -43,9 +45,9 @@ def report_run(run_dir: Path, data: TabularDataset, *, title: str, dataset_path:
         "classes": classes,
         "positive_class": positive_class_of(data.spec, data.stats),  # binary: the class probabilities are of
         "select_by": training.get("select_by"),
-        "test": {"model": evaluate(model, test, data.spec.task, scale, classes),
+        "test": {"model": evaluate(model, test, data.spec.task, scale, classes, weights),
                  "baselines": {majority: baseline_metrics(data, test),
-                               "linear model": evaluate(linear.model, test, data.spec.task, scale, classes)}},
+                               "linear model": evaluate(linear.model, test, data.spec.task, scale, classes, weights)}},
         "valid_best": fitted.pop("best_valid"),
         "training": {**fitted, "workers": workers, "best_step": training.get("best_step"),
                      "plan": training.get("plan"), "memory": training.get("memory")},

@@ -61,7 +61,7 @@ class _Chunks:
 
 @torch.no_grad()
 def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales: list[torch.Tensor], *,
-               grads: bool = True) -> float:
+               grads: bool = True, class_weights: torch.Tensor | None = None) -> float:
     """The penalized mean loss over every chunk; with ``grads`` each parameter's ``.grad`` is set to
     its gradient (summed chunk by chunk, so a streamed split gives the full-batch objective).
 
@@ -70,7 +70,8 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
     makes the curvature of rare and common categories alike, so L-BFGS converges in tens of
     iterations instead of hundreds. The gradient is written out instead of taken by autograd:
     for one-hot categories it is a scatter-add of the residuals (autograd's embedding backward
-    sorts all N indices per call)."""
+    sorts all N indices per call). ``class_weights`` (``--class-weight``): a classifier's loss of each row
+    weighed by its class, as the network's (``flowtrain.train.class_weights``)."""
     n = max(chunks.n, 1)
     weights = [emb.weight * s.unsqueeze(1) for emb, s in zip(model.categories, scales)]
     total = 0.0
@@ -83,13 +84,17 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
             out = out + model.numeric(x_num)
         for j, w in enumerate(weights):
             out = out + w[codes[:, j]]
+        w = class_weights.double()[target.long()].unsqueeze(1) if class_weights is not None and kind != "regression" \
+            else None
         if kind == "binary":
             o = out[:, 0]
-            total += float(nn.functional.binary_cross_entropy_with_logits(o, target, reduction="sum"))
+            per = nn.functional.binary_cross_entropy_with_logits(o, target, reduction="none")
+            total += float(per.sum() if w is None else (per * w[:, 0]).sum())
             residual = ((torch.sigmoid(o) - target) / n).unsqueeze(1)
         elif kind == "multiclass":
             logp = torch.log_softmax(out, dim=1)
-            total += float(nn.functional.nll_loss(logp, target.long(), reduction="sum"))
+            per = nn.functional.nll_loss(logp, target.long(), reduction="none")
+            total += float(per.sum() if w is None else (per * w[:, 0]).sum())
             residual = logp.exp()
             residual[torch.arange(residual.shape[0]), target.long()] -= 1.0
             residual /= n
@@ -97,6 +102,8 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
             o = out[:, 0]
             total += float(((o - target) ** 2).sum())
             residual = (2 * (o - target) / n).unsqueeze(1)
+        if w is not None:
+            residual = residual * w
         if grads:
             g_bias += residual.sum(0)
             if g_num is not None:
@@ -116,8 +123,10 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
 
 
 def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int = 500, tolerance: float = 1e-5,
-               seed: int = 0, memory_budget: int | float | str | None = None) -> LinearFit:
-    """The linear model on the training split, to convergence (see the module docstring).
+               seed: int = 0, memory_budget: int | float | str | None = None,
+               class_weights: torch.Tensor | None = None) -> LinearFit:
+    """The linear model on the training split, to convergence (see the module docstring); with ``class_weights``
+    (``--class-weight``) on the class-weighted loss the network trains on, so its linear start is weighed alike.
 
     A training split over ``memory_budget`` (``flowtrain.train.shards.open_split``) is not loaded:
     every evaluation of the objective streams it from its shards in chunks, which gives the same
@@ -150,6 +159,11 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
         if model.numeric is not None:
             model.numeric.weight.zero_()
             model.numeric.bias.zero_()
+        if class_weights is not None and kind == "binary" and chunks.n:  # the weighted positive rate
+            w = class_weights.double()
+            label_sum = float(w[1] * label_sum / (w[1] * label_sum + w[0] * (chunks.n - label_sum)) * chunks.n)
+        elif class_weights is not None and kind == "multiclass":
+            class_counts = class_counts * class_weights.double()
         if kind == "binary":
             p = label_sum / chunks.n if chunks.n else 0.5
             p = min(max(p, 1e-6), 1 - 1e-6)
@@ -165,7 +179,8 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
                             line_search_fn="strong_wolfe")
 
     def closure():
-        return torch.tensor(_objective(model, chunks, kind, l2, scales), dtype=torch.float64)
+        return torch.tensor(_objective(model, chunks, kind, l2, scales, class_weights=class_weights),
+                            dtype=torch.float64)
 
     threads = torch.get_num_threads()
     if chunks.n * (data.n_numeric + len(data.cardinalities) + 1) * data.outputs <= 1 << 16:
@@ -175,7 +190,7 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
     finally:
         torch.set_num_threads(threads)
     iterations = int(opt.state[opt._params[0]].get("n_iter", 0))
-    objective = _objective(model, chunks, kind, l2, scales)
+    objective = _objective(model, chunks, kind, l2, scales, class_weights=class_weights)
     grad = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters() if p.grad is not None))
     with torch.no_grad():
         for emb, scale in zip(model.categories, scales):  # V back to the weights themselves

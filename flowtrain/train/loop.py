@@ -36,6 +36,7 @@ from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, r
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint, run_marker
 from flowtrain.train.baselines import majority_outputs
+from flowtrain.train.class_weights import class_weights_of, weighted_metrics
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
 from flowtrain.train.metrics import (
     MetricsLog,
@@ -87,8 +88,10 @@ def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
 
 
 def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0),
-             classes=None) -> dict:
-    return metrics_of(predict(model, split, scale=scale), split.y, task, classes)
+             classes=None, class_weights: torch.Tensor | None = None) -> dict:
+    """The task's metrics of ``model`` on ``split`` (with ``class_weights``: the weighted ones too)."""
+    out = predict(model, split, scale=scale)
+    return {**metrics_of(out, split.y, task, classes), **weighted_metrics(out, split.y, class_weights)}
 
 
 def check_label(data: TabularDataset) -> None:
@@ -155,7 +158,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             if hasattr(split, "describe"):
                 print(f"{name}: {split.describe()}", flush=True)
         print(f"{name}: {plan.describe(len(train))}", flush=True)
-    loss_fn = loss_function(data.spec.task, data.outputs)
+    weights = class_weights_of(config, data)  # --class-weight: the loss and the weighted metrics
+    loss_fn = loss_function(data.spec.task, data.outputs, weights)
     shift, scale = target_scale(data)
     classes = data.classes
     ckpt_dir = run_dir / "checkpoints" if run_dir else None
@@ -226,7 +230,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
 
     def validate(step_: int) -> tuple[dict, bool]:
         engine.sync_model()  # pipeline stages: every rank gets the whole current model
-        metrics = evaluate(model, valid, data.spec.task, (shift, scale), classes)
+        metrics = evaluate(model, valid, data.spec.task, (shift, scale), classes, weights)
         if log:
             log.write({"kind": "valid", "model": name, "step": step_, "epoch": step_ // plan.steps_per_epoch,
                        **scalars(metrics)})

@@ -15,6 +15,8 @@ Ranges and choices are checked in one place, ``connectors.fields.check`` / ``bui
 """
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +37,34 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 # --- batch ----------------------------------------------------------------------------------------------
+def class_weight_option(value) -> str | None:
+    """``--class-weight``: ``balanced``, or ``CLASS=W`` pairs with finite weights > 0 (comma-separated)."""
+    if value is None or value == "":
+        return None
+    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value).strip()
+    if text == "balanced":
+        return text
+    for pair in text.split(","):
+        name, sep, weight = pair.rpartition("=")
+        try:
+            ok = bool(sep and name.strip()) and math.isfinite(float(weight)) and float(weight) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected balanced or CLASS=W,... with weights > 0 (e.g. yes=5), got "
+                                             f"{pair!r}")
+    return text
+
+
+class_weight_option.__name__ = "balanced or CLASS=W,..."
+
+
+#: --class-weight (``flowtrain.train.class_weights``), a batch run's and the online trainer's.
+CLASS_WEIGHT_HELP = ("classification: weigh each example's loss by its class: balanced (n / (classes x n_class): "
+                     "every class counts as much) or CLASS=W,... (others 1); validation and test metrics add "
+                     "weighted_log_loss and weighted_accuracy")
+
+
 @dataclass
 class ModelOptions:
     """The options a model family reads (``flowtrain.train.models.build_model``)."""
@@ -82,6 +112,8 @@ class TrainOptions(ModelOptions):
     lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=TRAINING)
     patience: int = option(10, "stop after this many validations without a better --select-by metric",
                            parse=at_least(1), group=TRAINING)
+    class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=TRAINING,
+                                      metavar="balanced|CLASS=W,...")
     threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1), group=TRAINING)
     no_progress: bool = option(False, "no progress bars", group=TRAINING)
     memory_budget: str | None = option(None, "memory for a split's tensors, per machine (e.g. 4GB, 512MB, 25%; "
@@ -141,6 +173,8 @@ class StreamTrainOptions(ParallelOptions):
     dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=STREAM_TRAINER)
     seed: int = option(0, "seed of the initial weights and dropout", group=STREAM_TRAINER)
     lr: float = option(0.001, "Adam learning rate", parse=above(0), group=STREAM_TRAINER)
+    class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=STREAM_TRAINER,
+                                      metavar="balanced|CLASS=W,...")
     # a step is one feature message (up to the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared
     # with the pipeline and the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (threads wait)
     threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "

@@ -53,6 +53,7 @@ from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, r
 from flowtrain.parallel.grid import Grid
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint
+from flowtrain.train.class_weights import class_weights_of
 from flowtrain.train.id_fallbacks import IdFallbacks
 from flowtrain.train.ids.publish import IdPublisher, published_tables
 from flowtrain.train.loader import Batch, TabularDataset, target_scale
@@ -92,7 +93,8 @@ class StreamTrainer:
         self.sample = Batch(torch.zeros(256, self.data.n_numeric),
                             torch.zeros(256, len(spec.categorical) + len(spec.id_columns), dtype=torch.int64),
                             torch.zeros(256))
-        self.loss_fn = loss_function(self.task, self.data.outputs)  # K classes: cross-entropy over K logits
+        # K classes: cross-entropy over K logits; --class-weight: each example weighed by its class
+        self.loss_fn = loss_function(self.task, self.data.outputs, class_weights_of(cfg, self.data))
         self.shift, self.scale = target_scale(self.data)  # regression trains on a standardized target
         # progress: restored from the checkpoint, never from Kafka's group offsets
         self.step = self.version = 0

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
+from flowtrain.train.class_weights import WeightedLoss
 from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch
 from flowtrain.train.memory_plan import id_tables_held, plan_memory
@@ -51,9 +52,13 @@ class ClassCrossEntropy(nn.CrossEntropyLoss):
         return super().forward(logits, target.long())
 
 
-def loss_function(task: str, outputs: int = 1) -> nn.Module:
+def loss_function(task: str, outputs: int = 1, class_weights: torch.Tensor | None = None) -> nn.Module:
+    """Mean squared error, binary or K-class cross-entropy (with ``class_weights``: each example weighed by its class,
+    ``flowtrain.train.class_weights``)."""
     if task == "regression":
         return nn.MSELoss()
+    if class_weights is not None:
+        return WeightedLoss(class_weights, outputs)
     return ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss()
 
 

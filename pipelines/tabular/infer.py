@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from connectors.files import MAX_RECORD_BYTES
-from pipelines.tabular.preflight import file_head
+from pipelines.tabular.preflight import file_head, no_label
 from pipelines.tabular.schema import SchemaError, column_kind
 from pipelines.tabular.times import time_seconds
 
@@ -129,7 +129,8 @@ def infer_columns(files: Sequence[str], label: str, *, exclude: Sequence[str] = 
     table, read = sample(files, max_rows=max_rows, max_record_bytes=max_record_bytes)
     columns = table.schema.names
     where = read[0] if len(read) == 1 else f"{read[0]} (and {len(read) - 1} more)"
-    unknown_columns([label], columns, "--label", where)
+    if label not in columns:  # as the ETL's own pre-flight says it
+        raise SchemaError(no_label(label, where, columns))
     unknown_columns(exclude, columns, "--exclude", where)
     unknown_columns(id_columns, columns, "--id-columns", where)
     unknown_columns([time_column] if time_column else [], columns, "--time-column", where)

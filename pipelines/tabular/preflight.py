@@ -146,7 +146,7 @@ def resolve_task(files: Sequence[str], spec: FeatureSpec) -> tuple[FeatureSpec, 
     for path in files:
         head = file_head(path)
         if head.num_columns and spec.label not in head.schema.names:  # as preflight would say, but first
-            raise SchemaError(_no_label(spec.label, path, head.schema.names))
+            raise SchemaError(no_label(spec.label, path, head.schema.names))
         rows += head.num_rows
         if head.num_rows and head.column(spec.label).null_count < head.num_rows:
             task, why = infer_task(spec.label, head)
@@ -157,7 +157,7 @@ def resolve_task(files: Sequence[str], spec: FeatureSpec) -> tuple[FeatureSpec, 
                         f"{', '.join(files)}; check --label, or give --task if later rows hold values")
 
 
-def _no_label(label: str, path: str, names: Sequence[str]) -> str:
+def no_label(label: str, path: str, names: Sequence[str]) -> str:
     """``--label 'tir' is not a column of t.csv (did you mean 'tip'?); it has ...``."""
     close = difflib.get_close_matches(label, list(names), n=1)
     return (f"--label {label!r} is not a column of {path}{f' (did you mean {close[0]!r}?)' if close else ''}; "

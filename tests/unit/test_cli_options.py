@@ -233,8 +233,8 @@ def test_a_bad_input_is_one_line_on_stderr_without_beams_import_warning(tmp_path
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--input", str(table), "--label", "zz",
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "flowtrain batch: declare at least one feature column (--numeric or --categorical)"], proc.stderr
+    assert proc.stderr.strip().splitlines() == [  # no --numeric/--categorical: the columns are inferred (#45 item 1)
+        f"flowtrain batch: --label 'zz' is not a column of {table}; it has a, b"], proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -52,6 +52,8 @@ def _sample(opt):
         return ["a=0:1"]
     if name == "preset_name":  # --preset: a registered dataset preset (checked with the options)
         return "flights"
+    if name == "balanced or CLASS=W,...":  # --class-weight
+        return "balanced"
     return "text"
 
 
