@@ -117,14 +117,35 @@ def _kinds(tracker: VersionTracker) -> str:
             if tracker.rejected_kinds else "")
 
 
+#: A worker process reads the updates topic to its end before it scores its first micro-batch, waiting at most this
+#: long (a scorer whose job took a while to start serves the version published meanwhile from its first event on).
+FIRST_READ_S = 30.0
+
+
+def _read_all(consumer, timeout_s: float) -> list[UpdateMessage]:
+    """Every record up to the end offsets of now (or what ``timeout_s`` allowed), as ``wait_for_version`` reads."""
+    at_end, out, empty = _read_to_end(consumer), [], 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = read_updates(consumer, poll_ms=200)
+        out += records
+        empty = 0 if records else empty + 1
+        if at_end() or empty >= 3:  # (three empty reads: offsets without records, e.g. transaction markers)
+            break
+    return out
+
+
 class _Watcher:
-    """One per process and scorer: a daemon thread reading the updates topic every ``swap_interval`` seconds into a
-    ``VersionTracker``; ``current`` is the newest valid version read so far, ``announced_at`` when it was found."""
+    """One per process and scorer: a daemon thread reading the updates topic (first to its end, then every
+    ``swap_interval`` seconds) into a ``VersionTracker``; ``current`` is the newest valid version read so far,
+    ``announced_at`` when it was found; ``first_read()`` waits (once) for the first read to end."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.current: ModelVersion | None = None
         self.announced_at = 0.0
+        self._read_once = threading.Event()
+        self._waited = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flowtrain-model-versions", daemon=True)
         self._thread.start()
@@ -133,6 +154,12 @@ class _Watcher:
         self._stop.set()
         self._thread.join(timeout_s)
 
+    def first_read(self) -> None:
+        """Wait for the first read of the topic (to its end), once per process and at most ``FIRST_READ_S``."""
+        if not self._waited:
+            self._read_once.wait(FIRST_READ_S)
+            self._waited = True
+
     def _run(self) -> None:
         consumer, tracker, failing = None, None, None
         while not self._stop.is_set():
@@ -140,7 +167,10 @@ class _Watcher:
                 if consumer is None:
                     consumer = updates_consumer(self.cfg.bootstrap, self.cfg.updates_topic, self.cfg.kafka_config)
                     tracker = tracker or new_tracker(self.cfg, warn_unsigned=False)  # the command warned already
-                self._look(tracker, read_updates(consumer))
+                    self._look(tracker, _read_all(consumer, FIRST_READ_S))  # the topic's end: one offer
+                else:
+                    self._look(tracker, read_updates(consumer))
+                self._read_once.set()
                 if failing is not None:
                     _log.info("reading model updates from %s again", self.cfg.updates_topic)
                 failing = None
@@ -151,6 +181,7 @@ class _Watcher:
                                  "serving, retrying every %g s", self.cfg.updates_topic, reason,
                                  self.cfg.swap_interval)
                 failing = reason
+                self._read_once.set()  # nothing to wait for: the version the process has serves meanwhile
                 if consumer is not None:
                     close_client(consumer)
                     consumer = None
@@ -183,9 +214,10 @@ class NewestVersion:
     scorer's model handler serves (``pipelines.serving.handler``).
 
     Picklable (the config and a token): in each worker process the first call starts one reader thread for the
-    token (``_Watcher``: the topic read from the beginning, then every ``swap_interval`` seconds, each record
-    decided by a ``VersionTracker``); a call is a dict look-up. None until the thread has found a valid version
-    (the handler serves the version the scorer started with, ``ScoreConfig.initial_model``, until then)."""
+    token (``_Watcher``: the topic read from the beginning to its end, then every ``swap_interval`` seconds, each
+    record decided by a ``VersionTracker``); the first call waits for that first read (at most ``FIRST_READ_S``),
+    later calls are a dict look-up. None while the thread has found no valid version (the handler serves the version
+    the scorer started with, ``ScoreConfig.initial_model``)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -201,7 +233,9 @@ class NewestVersion:
         return watcher
 
     def __call__(self) -> ModelVersion | None:
-        return self._watcher().current
+        watcher = self._watcher()
+        watcher.first_read()
+        return watcher.current
 
     def announced_at(self) -> float:
         """When this process found the version ``__call__`` returns (epoch seconds; 0 before)."""

@@ -2,7 +2,8 @@
 (the feature pipeline and the scorer on Prism each, with Beam's LOOPBACK worker pool; two training replicas with
 their rendezvous store; the job's /metrics and status page) listens on 127.0.0.1 only, and so does the local Kafka
 broker it reads.
-docs/security.md lists each of these listeners."""
+docs/security.md lists each of these listeners. The same run, then fed while the trainer publishes: every prediction
+made 5 s after a publication carries that version or a newer one (issue #42, the whole job with --workers 2)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from flowtrain.local.tools import free_port
-from tests.flights_data import make_flights_dataset
 from tests.procs import descendants, is_loopback, kill_tree, listening_sockets
+from tests.scoring_helpers import dead_letters, predictions, read_topic
+from tests.serving_checks import publications, stale_scored
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -48,9 +50,9 @@ def _logs(out: Path) -> str:
     return text
 
 
-def test_item3_a_running_stream_score_job_listens_on_loopback_only(kafka_broker, bootstrap, new_topic, tmp_path):
-    (tmp_path / "ds").mkdir()
-    dataset = make_flights_dataset(tmp_path / "ds", every=80)
+def test_item3_a_running_stream_score_job_listens_on_loopback_only(kafka_broker, bootstrap, new_topic, shared_data,
+                                                                   tmp_path):
+    dataset = shared_data.flights(every=80)
     raw = new_topic(partitions=2, prefix="raw")
     replay = subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", raw, "--limit", "400"],
                             capture_output=True, text=True, timeout=180)
@@ -93,6 +95,28 @@ def test_item3_a_running_stream_score_job_listens_on_loopback_only(kafka_broker,
         assert sum(len(a) for a in sockets.values()) >= 6, f"too few listening sockets found: {found}"
         exposed = {key: [a for a in addrs if not is_loopback(a[0])] for key, addrs in found.items()}
         assert not {key: a for key, a in exposed.items() if a}, f"listening beyond 127.0.0.1: {exposed} (all: {found})"
+
+        # issue #42 in the whole job: while the trainer publishes versions and events keep coming, every prediction
+        # made 5 s after a publication carries that version or a newer one
+        more = subprocess.run(CLI + ["replay", "--bootstrap", bootstrap, "--topic", raw, "--limit", "600",
+                                     "--rate", "40", "--seed", "9"], capture_output=True, text=True, timeout=180)
+        assert more.returncode == 0, more.stderr[-2000:]
+        names = {"raw": raw, "pred": f"{raw}-pred", "updates": f"{raw}-updates"}
+        sources = {f"{m.topic}/{m.partition}/{m.offset}" for m in read_topic(bootstrap, raw)}
+        deadline = time.monotonic() + 240
+        while True:
+            preds = predictions(bootstrap, names["pred"])
+            dead = dead_letters(bootstrap, f"{raw}-sdead")
+            covered = {p["pred_source"] for p in preds} | {d["source"] for d in dead}
+            if covered >= sources:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"{len(covered)} of {len(sources)} events scored:{_logs(out)}"
+            time.sleep(1)
+        published = publications(bootstrap, names["updates"])
+        fresh = stale_scored(preds, published)
+        assert len(published) >= 3 and fresh["checked"] >= 300, (len(published), fresh)
+        assert fresh["share"] <= 0.01, (fresh, _logs(out))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the normal stop
