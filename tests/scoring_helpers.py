@@ -196,12 +196,12 @@ def apply_marks(marks):
 KEY = b"serving-test-key-0123456789abcdef"
 
 
-def make_sensor(base: Path) -> dict:
-    """A batch-trained 3-class sensor run and its dataset, and the update key file (the `sensor` fixtures)."""
+def make_sensor(shared_data, base: Path) -> dict:
+    """The session's batch-trained 3-class sensor run and its dataset (``shared_data``: read only), and an update key
+    file under ``base`` (the `sensor` fixtures)."""
     from flowtrain.train.loader import TabularDataset
-    from tests.sensor_data import make_sensor_run
 
-    dataset, run, _ = make_sensor_run(base, rows=1500, epochs=6)
+    dataset, run, _ = shared_data.sensor_run(rows=1500, epochs=6)
     key_file = base / "update.key"
     key_file.write_bytes(KEY)
     key_file.chmod(0o600)  # a key only its owner may read (a group- or world-readable one is refused)

@@ -34,8 +34,8 @@ UNSHIFTED = {"pressure", "humidity", "machine"}
 
 
 @pytest.fixture(scope="module")
-def drift_sensor(tmp_path_factory) -> dict:
-    return make_sensor(tmp_path_factory.mktemp("driftsensor"))
+def drift_sensor(shared_data, tmp_path_factory) -> dict:
+    return make_sensor(shared_data, tmp_path_factory.mktemp("driftsensor"))
 
 
 def _shifted(rows: list[dict], seed: int) -> list[dict]:

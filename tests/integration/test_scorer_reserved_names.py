@@ -24,10 +24,10 @@ from tests.sensor_data import sensor_rows
 @pytest.mark.kafka
 @pytest.mark.streaming
 @pytest.mark.timeout(400)
-def test_scorer_id_column_named_model_version_and_unseen_sites_counted(bootstrap, tmp_path):
+def test_scorer_id_column_named_model_version_and_unseen_sites_counted(bootstrap, shared_data, tmp_path):
     from connectors.kafka import ensure_topic
 
-    sensor = make_sensor(tmp_path)
+    sensor = make_sensor(shared_data, tmp_path)
     names = topic_names()
     ensure_topic(bootstrap, names["raw"])
     ensure_topic(bootstrap, names["updates"])

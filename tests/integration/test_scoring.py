@@ -44,8 +44,8 @@ BOUND_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def sensor(tmp_path_factory) -> dict:
-    return make_sensor(tmp_path_factory.mktemp("scoresensor"))
+def sensor(shared_data, tmp_path_factory) -> dict:
+    return make_sensor(shared_data, tmp_path_factory.mktemp("scoresensor"))
 
 
 class _Feed:
@@ -333,7 +333,7 @@ def test_scorer_killed_and_restarted_while_the_trainer_publishes_more_versions_t
 
 @_apply(live)
 def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that_have_not_landed(
-        bootstrap, tmp_path, say):
+        bootstrap, shared_data, tmp_path, say):
     """The flights demo is the generic scorer plus its enrichment (the weather and planes join):
     binary probabilities equal the model's forward, the predicted class is named, a flight without
     an arrival delay yet is predicted; without an update key the scorer says loudly that updates are
@@ -349,9 +349,8 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     from pipelines.flights.preset import FLIGHTS
     from pipelines.flights.streaming import FlightReference
     from pipelines.stream.featurize import StreamFeaturizer
-    from tests.flights_data import make_flights_dataset
 
-    dataset = make_flights_dataset(tmp_path, every=60)
+    dataset = shared_data.flights(every=60)
     data = TabularDataset(dataset)
     names = _names()
     ensure_topic(bootstrap, names["raw"], partitions=2)

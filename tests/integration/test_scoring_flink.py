@@ -39,8 +39,8 @@ live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.flink, pytest.mark
 
 
 @pytest.fixture(scope="module")
-def sensor(tmp_path_factory) -> dict:
-    return make_sensor(tmp_path_factory.mktemp("scoreflink"))
+def sensor(shared_data, tmp_path_factory) -> dict:
+    return make_sensor(shared_data, tmp_path_factory.mktemp("scoreflink"))
 
 
 @apply_marks(live)

@@ -36,8 +36,8 @@ BURST = 150
 
 
 @pytest.fixture(scope="module")
-def sensor(tmp_path_factory) -> dict:
-    return make_sensor(tmp_path_factory.mktemp("freshsensor"))
+def sensor(shared_data, tmp_path_factory) -> dict:
+    return make_sensor(shared_data, tmp_path_factory.mktemp("freshsensor"))
 
 
 def _scrape(port: int) -> dict:
