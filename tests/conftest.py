@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (`make test`): the tests of one module run on one worker (its
     module-scoped runs are made once), and the tests of a session service on the worker that starts it. Before
     xdist reads the groups (``tryfirst``)."""
-    if config.getoption("dist", "no") != "loadgroup":
+    # the controller sees --dist loadgroup; a worker sees dist "no" and loadgroup True (xdist/remote.py)
+    if config.getoption("dist", "no") != "loadgroup" and not getattr(config.option, "loadgroup", False):
         return
     group = {}  # module -> its group: the first service one of its tests uses, else the module itself
     for item in items:

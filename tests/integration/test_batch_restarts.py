@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from tests.procs import stop_group
-from tests.synthetic_data import make_regression_run
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -23,8 +22,8 @@ COMMON = ("--no-progress", "--dropout", "0", "--batch-size", "64", "--threads", 
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_regression_run(tmp_path_factory.mktemp("synthetic"), epochs=1, rows=3000)[0]
+def dataset(shared_data) -> str:
+    return shared_data.regression_dataset(rows=3000)
 
 
 def _batch(dataset: str, out: Path, *extra: str, log: Path) -> subprocess.Popen:

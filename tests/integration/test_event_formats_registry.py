@@ -29,11 +29,10 @@ N = 300
 
 
 @pytest.fixture(scope="module")
-def sensor(tmp_path_factory):
+def sensor(shared_data):
     from flowtrain.train.loader import TabularDataset
-    from tests.sensor_data import make_sensor_run
 
-    dataset, run, _ = make_sensor_run(tmp_path_factory.mktemp("formats"), rows=600, epochs=1)
+    dataset, run, _ = shared_data.sensor_run(rows=1500, epochs=6)
     return {"dataset": dataset, "run": run, "data": TabularDataset(dataset)}
 
 

@@ -326,17 +326,15 @@ def _cancel_active_jobs(cluster: LocalFlink) -> None:
 @pytest.mark.kafka
 @pytest.mark.timeout(420)
 def test_stream_pipeline_on_flink_cancelled_mid_stream_and_restarted_loses_nothing(bootstrap, flink_cluster,
-                                                                                   tmp_path, say):
+                                                                                   shared_data, tmp_path, say):
     from connectors.arrow import decode_batch
-    from tests.flights_data import make_flights_dataset
 
     t0 = time.monotonic()
 
     def phase(what: str) -> None:
         say(f"flink stream test: {what} at {time.monotonic() - t0:.0f} s")
 
-    (tmp_path / "data").mkdir()
-    dataset = make_flights_dataset(tmp_path / "data", every=40)
+    dataset = shared_data.flights(every=80)
     phase("batch dataset for the statistics written")
     tag = uuid.uuid4().hex[:6]
     raw, feats, dead, group = f"raw-{tag}", f"feat-{tag}", f"dead-{tag}", f"g-{tag}"

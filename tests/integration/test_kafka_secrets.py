@@ -48,10 +48,8 @@ def sasl_broker(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def flights_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
+def flights_dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 def _properties(path: Path, password: str) -> Path:

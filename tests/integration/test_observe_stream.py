@@ -15,7 +15,6 @@ import pytest
 
 from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
-from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -43,11 +42,11 @@ def publish_features(bootstrap: str, topic: str, dataset: str, rows: int = 40) -
 
 
 @pytest.fixture(scope="module")
-def stream_train_run(bootstrap, tmp_path_factory):
+def stream_train_run(bootstrap, shared_data, tmp_path_factory):
     from kafka.admin import KafkaAdminClient, NewTopic
 
     base = tmp_path_factory.mktemp("observe-stream")
-    dataset, batch = make_regression_run(base, epochs=2, rows=900)
+    dataset, batch = shared_data.regression_run()
     topic = f"obs-{os.getpid()}-{time.monotonic_ns()}"
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
@@ -140,10 +139,8 @@ def _wait(condition, deadline_s: float, what: str, proc=None, out: Path | None =
 
 
 @pytest.fixture(scope="module")
-def flights_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
+def flights_dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 @pytest.mark.streaming

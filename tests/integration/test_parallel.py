@@ -16,7 +16,6 @@ from flowtrain.local.kafka import free_port
 from flowtrain.parallel import shard_bounds
 from flowtrain.parallel.launch import WorkerFailure, spawn
 from tests.dp_jobs import reference
-from tests.flights_data import make_flights_dataset
 from tests.procs import worker_pids as _worker_pids
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -102,8 +101,8 @@ def test_a_worker_that_raises_ends_the_job_naming_its_rank(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_dataset(tmp_path_factory) -> str:
-    return make_flights_dataset(tmp_path_factory.mktemp("dpdata"), every=20)
+def small_dataset(shared_data) -> str:
+    return shared_data.flights(every=40)
 
 
 def _batch_cli(*args):

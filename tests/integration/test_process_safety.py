@@ -15,7 +15,6 @@ import pytest
 
 from flowtrain.local.kafka import LocalKafka, free_port
 from flowtrain.local.processes import identity, same_process
-from tests.flights_data import make_flights_dataset
 from tests.procs import descendants, is_loopback, kill_tree, listening_sockets, still_running
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,8 +70,8 @@ def test_item4_identity_is_start_time_and_command_line():
 
 # -- flowtrain batch --workers 2 -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def small_dataset(tmp_path_factory) -> str:
-    return make_flights_dataset(tmp_path_factory.mktemp("psdata"), every=20)
+def small_dataset(shared_data) -> str:
+    return shared_data.flights(every=40)
 
 
 def _start_batch(dataset: str, run: Path) -> subprocess.Popen:

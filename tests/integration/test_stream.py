@@ -14,7 +14,6 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
-from tests.flights_data import make_flights_dataset
 from tests.kafka_checks import committed as _committed
 from tests.procs import stop_group as _stop
 
@@ -23,8 +22,8 @@ CLI = [sys.executable, "-m", "flowtrain.cli"]
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    return make_flights_dataset(tmp_path_factory.mktemp("streamds"), every=30)
+def dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 def _names():

@@ -19,10 +19,8 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")
-def flights_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
+def flights_dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 def _counters(result) -> dict:

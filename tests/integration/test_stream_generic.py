@@ -19,7 +19,6 @@ from kafka import KafkaConsumer, TopicPartition
 from connectors.arrow import decode_batch
 from tests.kafka_checks import committed as _committed
 from tests.procs import stop_group as _stop
-from tests.sensor_data import make_sensor_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -28,8 +27,8 @@ MAX_EVENT_BYTES = 50_000  # the pipeline's bound, and replay's size of its "too 
 
 
 @pytest.fixture(scope="module")
-def sensor_run(tmp_path_factory):
-    return make_sensor_run(tmp_path_factory.mktemp("sensor"), rows=ROWS)
+def sensor_run(shared_data):
+    return shared_data.sensor_run(rows=ROWS)
 
 
 def _names():

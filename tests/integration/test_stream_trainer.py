@@ -22,7 +22,6 @@ from connectors.arrow import decode_batch, encode_batch
 from connectors.dataset import read_manifest
 from tests.kafka_checks import committed as _committed
 from tests.procs import worker_pids as _worker_pids
-from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -31,9 +30,9 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")
-def batch_run(tmp_path_factory) -> tuple[str, Path]:
+def batch_run(shared_data) -> tuple[str, Path]:
     """A regression run of `flowtrain batch --hidden 32,16 --dropout 0.1`: (dataset, run dir)."""
-    return make_regression_run(tmp_path_factory.mktemp("streamtrain"), hidden="32,16", epochs=3)
+    return shared_data.regression_run(hidden="32,16", epochs=3)
 
 
 def _publish_features(bootstrap: str, topic: str, dataset: str, *, partitions: int, rows: int = 40,
@@ -205,10 +204,8 @@ def test_two_workers_sigkill_restart_and_idle_exit_train_every_row_exactly_once(
 
 # --- `flowtrain stream` with both halves (Prism), --config, --kafka-config; --local-kafka ---------------------------
 @pytest.fixture(scope="module")
-def flights_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("flights"), every=80)
+def flights_dataset(shared_data) -> str:
+    return shared_data.flights(every=80)
 
 
 def _feature_sources(bootstrap: str, topic: str) -> set:

@@ -22,7 +22,6 @@ from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
 from tests.integration.test_stream_trainer import _exactly_once, _status_step
 from tests.procs import worker_pids
-from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,12 +75,12 @@ def _assert_equal_models(mine: dict, reference: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def features(bootstrap, tmp_path_factory) -> dict:
+def features(bootstrap, shared_data, tmp_path_factory) -> dict:
     """A regression dataset's feature messages on a one-partition topic, and a one-process run over them."""
     from kafka.admin import KafkaAdminClient, NewTopic
 
     base = tmp_path_factory.mktemp("grid")
-    dataset, _ = make_regression_run(base, epochs=1, rows=600)
+    dataset = shared_data.regression_dataset(rows=600)
     messages = _messages(dataset)
     topic = f"grid-{os.getpid()}-{time.monotonic_ns()}"
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)

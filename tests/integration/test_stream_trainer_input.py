@@ -22,7 +22,6 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
 from connectors.kafka import dead_letter_from_record
-from tests.synthetic_data import make_regression_run
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -32,9 +31,9 @@ ROWS = 40
 
 
 @pytest.fixture(scope="module")
-def batch_run(tmp_path_factory) -> tuple[str, Path]:
+def batch_run(shared_data) -> tuple[str, Path]:
     """y = 3x + 2[c == a] + noise: numeric x, categorical c (3 values: codes 0..3), a regression."""
-    return make_regression_run(tmp_path_factory.mktemp("input"), hidden="16,8", epochs=1, rows=600)
+    return shared_data.regression_run(hidden="16,8", epochs=1, rows=600)
 
 
 @pytest.fixture(scope="module")

@@ -166,10 +166,8 @@ def test_2d_grids_with_tensor_parallel_2_equal_one_device(tmp_path, stages):
 # -- the command line -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def flights(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("tpdata"), every=40)
+def flights(shared_data) -> str:
+    return shared_data.flights(every=40)
 
 
 def _batch(*args, timeout=280) -> subprocess.CompletedProcess:

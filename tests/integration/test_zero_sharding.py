@@ -91,10 +91,8 @@ def _batch_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def zero_dataset(tmp_path_factory) -> str:
-    from tests.flights_data import make_flights_dataset
-
-    return make_flights_dataset(tmp_path_factory.mktemp("zerodata"), every=20)
+def zero_dataset(shared_data) -> str:
+    return shared_data.flights(every=40)
 
 
 def _run(zero_dataset, out, *extra):
