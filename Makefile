@@ -32,11 +32,15 @@ browser:
 # Each lane prints its 30 slowest tests and keeps a JUnit XML (every test's seconds) under test-results/: what
 # the next change to the suite's time is guided by.
 RESULTS := test-results
+# `make test` on pytest-xdist's workers: a module's tests on one worker, a session service's (Flink, the registry,
+# Azurite) on the worker that starts it (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
 	@mkdir -p $(RESULTS)
-	$(BIN)/python -m pytest -m "not slow and not multihost" -v --durations=30 --junitxml=$(RESULTS)/test.xml
+	$(BIN)/python -m pytest -m "not slow and not multihost" -n $(TEST_WORKERS) --dist loadgroup -v --durations=30 \
+		--junitxml=$(RESULTS)/test.xml
 
 # The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.
 test-fast: $(STAMP)

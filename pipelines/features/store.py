@@ -28,9 +28,6 @@ class StateStore:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE IF NOT EXISTS states (key TEXT PRIMARY KEY, state BLOB NOT NULL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value BLOB)")
-        # the values of events that went on, by offset, until the offsets past them are committed (the scorer's:
-        # its commit comes after the predictions, so a restart may read such events again)
-        self.db.execute("CREATE TABLE IF NOT EXISTS sent (offset INTEGER PRIMARY KEY, row TEXT NOT NULL)")
         self.cache: dict[str, KeyState] = {}
 
     def meta(self) -> dict[str, bytes]:
@@ -52,30 +49,14 @@ class StateStore:
                 out[k] = self.cache[k] = decode_state(blob)
         return out
 
-    def sent(self, offsets: Iterable[int]) -> dict[int, str]:
-        """The kept values of these offsets (those that went on and are kept)."""
-        wanted = list(offsets)
-        out: dict[int, str] = {}
-        for i in range(0, len(wanted), 500):
-            part = wanted[i:i + 500]
-            out.update(self.db.execute(f"SELECT offset, row FROM sent WHERE offset IN ({','.join('?' * len(part))})",
-                                       part).fetchall())
-        return out
-
-    def save(self, states: Mapping[str, KeyState], meta: Mapping[str, bytes], *,
-             sent: Mapping[int, str] | None = None, committed: int | None = None) -> None:
-        """The changed states and the progress, in one transaction; ``sent``: values of events that went on, kept
-        until ``committed`` (the partition's committed offset) passes them."""
+    def save(self, states: Mapping[str, KeyState], meta: Mapping[str, bytes]) -> None:
+        """The changed states and the progress, in one transaction."""
         self.cache.update(states)
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self.db.executemany("INSERT OR REPLACE INTO states (key, state) VALUES (?, ?)",
                                 [(k, encode_state(s)) for k, s in states.items()])
             self.db.executemany("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", list(meta.items()))
-            if sent:
-                self.db.executemany("INSERT OR REPLACE INTO sent (offset, row) VALUES (?, ?)", list(sent.items()))
-            if committed is not None:
-                self.db.execute("DELETE FROM sent WHERE offset < ?", (committed,))
             self.db.execute("COMMIT")
         except BaseException:
             self.db.execute("ROLLBACK")

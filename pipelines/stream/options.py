@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, check_value, option, options_of
-from pipelines.features.options import StreamFeatureOptions
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
 #: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
@@ -71,9 +70,8 @@ DEFAULT_BOUNDS = ParseBounds()
 
 
 @dataclass
-class EventOptions(StreamFeatureOptions, ParseBounds):
-    """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, features over time:
-    ``--aggregate``, ``--join``, ``--allowed-lateness``, then these)."""
+class EventOptions(ParseBounds):
+    """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, then these)."""
 
     SECTION: ClassVar[str] = "events"
     enrichment: str = option(
