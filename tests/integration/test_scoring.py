@@ -36,6 +36,7 @@ from tests.scoring_helpers import send as _send
 from tests.scoring_helpers import topic_names as _names
 from tests.scoring_helpers import wait_covered as _wait_covered
 from tests.sensor_data import CLASSES
+from tests.serving_checks import AFTER_S, served_fresh
 
 #: The tests that run the scorer on the broker and Prism.
 live = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
@@ -203,7 +204,11 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
         _publish(bootstrap, names, pub, 2, arch, weights[("run-a", 2)][1])
         t_seen2 = feed.until(lambda p, _: any(r["pred_model_version"] == 2 for r in p), proc, log, within_s=BOUND_S)
         say(f"\nscoring: version 2 served {t_seen2 - t_pub2:.1f} s after its publication")
+        feed.until(lambda *_: time.time() > t_pub2 + AFTER_S + 3, proc, log, within_s=BOUND_S, then_s=0)
         preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
+        # what users see (#42): every event sent 5 s after a real publication carries it (or a newer one)
+        fresh = served_fresh(bootstrap, names, only={("run-a", 1), ("run-b", 7), ("run-a", 2)})
+        assert fresh["checked"] >= 50 and fresh["share"] <= 0.01, fresh
         n = feed.n
         text = log.read_text()
         assert "unsigned: an update key is set" in text and "bad signature" in text
@@ -321,6 +326,8 @@ def test_scorer_killed_and_restarted_while_the_trainer_publishes_more_versions_t
     finally:
         _stop(proc)
     assert "FAILED" not in log.read_text()
+    fresh = served_fresh(bootstrap, names)  # (#42) across the kill: never an older version than was due
+    assert fresh["checked"] >= 100 and fresh["share"] <= 0.01, fresh
     raw = {f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])}
     sources = [p["pred_source"] for p in preds] + [d["source"] for d in dead]
     assert set(sources) == raw and len(raw) == n  # nothing lost
@@ -350,7 +357,7 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
     from pipelines.flights.streaming import FlightReference
     from pipelines.stream.featurize import StreamFeaturizer
 
-    dataset = shared_data.flights(every=60)
+    dataset = shared_data.flights(every=80)
     data = TabularDataset(dataset)
     names = _names()
     ensure_topic(bootstrap, names["raw"], partitions=2)
@@ -447,9 +454,13 @@ def test_item1_item2_hostile_update_records_and_a_megabyte_id_are_rejections_and
             _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
         _publish(bootstrap, names, pub, 2, arch, _random_weights(sensor["data"], arch, 2))
         feed = _Feed(bootstrap, names, events, start=200)
+        t_pub2 = time.time()
         feed.until(lambda p, _: any(r["pred_model_version"] == 2 for r in p), proc, log, within_s=BOUND_S, then_s=0)
+        feed.until(lambda *_: time.time() > t_pub2 + AFTER_S + 3, proc, log, within_s=BOUND_S, then_s=0)
         preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
         assert proc.poll() is None, log.read_text()[-3000:]
+        fresh = served_fresh(bootstrap, names, only={("run-a", 1), ("run-a", 2)})  # (#42) amid hostile records
+        assert fresh["checked"] >= 30 and fresh["share"] <= 0.01, fresh
     finally:
         _stop(proc)
     text = log.read_text()
