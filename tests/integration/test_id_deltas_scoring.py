@@ -28,6 +28,7 @@ from connectors.id_keys import key_of
 from pipelines.stream.status import read_status
 from tests.procs import stop_group
 from tests.scoring_helpers import KEY, predictions, produce, scorer, topic_names
+from tests.serving_checks import AFTER_S, send_events
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,11 +185,16 @@ def test_id_deltas_scorer_with_a_lost_delta_never_applies_out_of_order_and_ends_
         forward_updates()
         last = max(r["version"] for r in relayed)
         assert last >= 9
-        while not any(p["pred_model_version"] == last for p in predictions(bootstrap, names["pred"])):
+        # what users see (#42): every event sent 5 s after the last ID version's publication is scored with it
+        time.sleep(AFTER_S + 0.5)
+        burst = send_events(bootstrap, names["raw"], _events(100, start=n))
+        n += len(burst)
+        while not burst.keys() <= {p["pred_source"] for p in predictions(bootstrap, names["pred"])}:
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            n += produce(bootstrap, names["raw"], _events(10, start=n))
             time.sleep(0.5)
-        statuses = read_status(str(run / "score-status.json"), "versions")  # one per side-input instance
+        carried = [p["pred_model_version"] for p in predictions(bootstrap, names["pred"]) if p["pred_source"] in burst]
+        assert len(carried) == len(burst) and set(carried) == {last}, sorted(set(carried))
+        statuses = read_status(str(run / "score-status.json"), "versions")  # one per worker process's reader
     finally:
         source.close()
         relay.close()
