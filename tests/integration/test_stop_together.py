@@ -31,7 +31,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("stop_rank", [0, 1])
+@pytest.mark.parametrize("stop_rank", [0, pytest.param(1, marks=pytest.mark.slow)])  # the same path: rank 0's in make test
 def test_item11_a_stop_while_rank0_waits_for_kafka_makes_every_rank_leave_together(tmp_path, stop_rank):
     from flowtrain.parallel.launch import spawn
 
