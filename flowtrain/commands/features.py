@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from connectors.fields import option, store_path
 from flowtrain.errors import FlowtrainError
+from pipelines.features.declare import last_k
 from pipelines.features.options import FeatureOptions
 
 _RUN = "where the Beam pipeline runs"
@@ -59,7 +60,7 @@ def declaration_of(job) -> object:
     return decl
 
 
-def backfill(job, inputs: list[str], out: str, *, quiet: bool = False) -> dict:
+def backfill(job, inputs: list[str], out: str, *, quiet: bool = False, overwrite: bool | None = None) -> dict:
     """The backfill of ``inputs`` into ``out`` with ``job``'s declaration, time column and runner; the counts."""
     from flowtrain.local.runners import RunnerError, pipeline_options
     from pipelines.features.backfill import run_backfill
@@ -69,12 +70,13 @@ def backfill(job, inputs: list[str], out: str, *, quiet: bool = False) -> dict:
     try:
         options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
         counts = run_backfill(inputs, decl, time_column=job.time_column or "", time_format=job.time_format, out=out,
-                              options=options, overwrite=getattr(job, "overwrite", False))
+                              options=options,
+                              overwrite=getattr(job, "overwrite", False) if overwrite is None else overwrite)
     except RunnerError as err:
         raise FlowtrainError(str(err)) from None
     counts["seconds"] = round(time.perf_counter() - t0, 3)
     if not quiet:
-        extra = [f"{n:,} {what}" for what, n in counts.items() if what.startswith("rows without") and n]
+        extra = [f"{n:,} {what}" for what, n in counts.items() if str(what).startswith("rows without") and n]
         print(f"features: {counts.get('rows_in', 0):,} rows -> {out} ({len(decl.aggregate_names())} aggregates, "
               f"{len(decl.joins)} joins, {counts['seconds']:.1f} s)" + (f"; {', '.join(extra)} (their aggregates "
                                                                          f"are empty)" if extra else ""), flush=True)
@@ -91,3 +93,27 @@ def run_features(job: FeaturesJob) -> dict:
         raise FlowtrainError("nothing to compute: give --aggregate KEY:COLUMN:AGGS:WINDOWS and/or --join "
                              "TABLE:KEY[:VALID_FROM]")
     return backfill(job, list(job.input), job.out)
+
+
+def feature_columns(decl, schema, joined) -> dict[str, list[str]]:
+    """The roles of the backfill's columns in a dataset (``flowtrain batch``): ``KEY_seen``, counts, distinct counts
+    and sums ``numeric`` (never missing); means, min, max, std and last/lastK of numbers ``optional_numeric`` (missing
+    in an empty window); last/lastK of text ``categorical``; joined columns by their type."""
+    out: dict[str, list[str]] = {"numeric": [], "optional_numeric": [], "categorical": []}
+
+    def place(name: str, always: bool) -> None:
+        text = str(schema.field(name).type) in ("string", "large_string")
+        out["categorical" if text else "numeric" if always else "optional_numeric"].append(name)
+
+    for key in decl.keys():
+        place(decl.seen_name(key), True)
+    for a in decl.aggregations:
+        for w in a.windows:
+            for agg in a.aggs:
+                base = a.feature(agg, w)
+                k = last_k(agg)
+                for name in ([f"{base}_{i}" for i in range(1, k + 1)] if k else [base]):
+                    place(name, agg in ("count", "distinct", "sum"))
+    for name in joined:
+        place(name, False)
+    return out

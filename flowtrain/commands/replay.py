@@ -36,6 +36,7 @@ from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import ReplayJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import raw_partitions
 from flowtrain.errors import FlowtrainError
+from pipelines.features.transactions import generate_transactions
 from pipelines.ids.clicks import generate_clicks
 from pipelines.presets import default_preset
 from pipelines.stream.events import ParseBounds, event_schema
@@ -61,7 +62,11 @@ def run_replay(job: ReplayJob) -> dict:
     if job.generate:  # a synthetic stream, written as a table and replayed like --input
         if job.input:
             raise FlowtrainError("--generate makes the events: leave out --input")
-        job = dataclasses.replace(job, input=(_generated_clicks(job),), label=job.label or "clicked")
+        if job.generate == "transactions":
+            job = dataclasses.replace(job, input=(_generated_transactions(job),), label=job.label or "fraud",
+                                      key_column=job.key_column or "card")
+        else:
+            job = dataclasses.replace(job, input=(_generated_clicks(job),), label=job.label or "clicked")
     try:
         events, kinds, oldest_ms, label = _table_events(job) if job.input else (*_preset_events(job), None, None)
     except FlowtrainError:
@@ -156,6 +161,25 @@ def _generated_clicks(job: ReplayJob) -> str:
     print(f"replay: generated {table.num_rows:,} click events ({len(set(table.column('user').to_pylist())):,} users) "
           f"into {out / 'clicks.csv'}, true click probabilities in {out / 'truth.csv'}", flush=True)
     return str(out / "clicks.csv")
+
+
+def _generated_transactions(job: ReplayJob) -> str:
+    """--generate transactions: card payments (transactions.csv, keyed by card when replayed) and the merchants'
+    versioned risk tiers (merchants.csv, for --join merchants.csv:merchant:valid_from) in --generate-out or a
+    temporary directory; ``--out-of-order S``: delivered up to S seconds late, in arrival order."""
+    import pyarrow.csv as pacsv
+
+    n = job.limit if job.limit is not None else 100_000
+    out = Path(job.generate_out) if job.generate_out else Path(tempfile.mkdtemp(prefix="flowtrain-transactions-"))
+    out.mkdir(parents=True, exist_ok=True)
+    txns, merchants = generate_transactions(n + job.skip, delay_s=float(getattr(job, "out_of_order", 0.0) or 0.0),
+                                            seed=job.seed)
+    pacsv.write_csv(txns, out / "transactions.csv")
+    pacsv.write_csv(merchants, out / "merchants.csv")
+    frauds = int(np.asarray(txns.column("fraud")).sum())
+    print(f"replay: generated {txns.num_rows:,} card payments ({frauds:,} fraud) into {out / 'transactions.csv'}, "
+          f"the merchants' risk tiers in {out / 'merchants.csv'}", flush=True)
+    return str(out / "transactions.csv")
 
 
 def _table_events(job: ReplayJob):

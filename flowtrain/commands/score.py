@@ -60,8 +60,9 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     dataset = dataset_path(job)
     data = TabularDataset(dataset)
     options = {o.name: getattr(job, o.name) for o in options_of(ScoreConfig)}  # the options, as given
+    options["feature_state"] = options["feature_state"] or str(Path(job.out).resolve() / "feature-state")
     cfg = ScoreConfig(
-        **options, bootstrap=job.bootstrap,
+        **options, bootstrap=job.bootstrap, feature_kinds=(read_manifest(dataset).get("features") or {}).get("kinds"),
         load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes), spec=data.spec,
         stats=read_manifest(dataset)["stats"], enrichment_factory=enrichment, raw_topic=job.raw_topic,
         predictions_topic=job.predictions_topic, dead_letter_topic=job.score_dead_letter_topic,

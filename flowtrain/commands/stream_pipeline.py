@@ -42,7 +42,9 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
         ensure_topic(job.bootstrap, topic, partitions=raw_parts, client_config=cfg,
                      replication_factor=job.replication_factor)
     options = {o.name: getattr(job, o.name) for o in options_of(StreamConfig)}  # the options, as given
+    options["feature_state"] = options["feature_state"] or str(out / "feature-state")  # --aggregate's states
     scfg = StreamConfig(**options, bootstrap=job.bootstrap, raw_topic=job.raw_topic,
+                        feature_kinds=(manifest.get("features") or {}).get("kinds"),
                         features_topic=job.features_topic, dead_letter_topic=job.dead_letter_topic,
                         group_id=job.group_id, spec=manifest["spec"], stats=manifest["stats"],
                         enrichment_factory=enrichment(job, manifest), kafka_config=cfg,

@@ -291,7 +291,8 @@ class BackfillError(DeclarationError):
 def run_backfill(inputs: Sequence[str], decl: Declaration, *, time_column: str, time_format: str | None, out: str,
                  options, overwrite: bool = False, shards: int = 16) -> dict:
     """Run the backfill of the files ``inputs`` match into ``out`` (one Parquet file); returns the counts (rows in
-    and out, rows without a time, rows without each key). The first file's first rows decide whether an aggregated
+    and out, rows without a time, rows without each key), the aggregated columns' ``kinds`` and the ``joined``
+    columns. The first file's first rows decide whether an aggregated
     column is numbers or text, and every file is read with their types. A user's error is a ``BackfillError``."""
     if FileSystems.exists(out) and not overwrite:
         raise BackfillError(f"--out {out} exists: give --overwrite to replace it")
@@ -322,8 +323,12 @@ def _run(files, head, decl, *, time_column, time_format, out, options, shards) -
         result = p.result
     finally:
         remove_spill(work_dir)
-    counts = {}
+    counts: dict = {}
     for c in result.metrics().query(MetricsFilter().with_namespace(METRICS_NAMESPACE))["counters"]:
         counts[c.key.metric.name] = counts.get(c.key.metric.name, 0) + c.committed
+    # what a dataset made of the output records (its manifest's "features"): the columns' kinds, the joined columns
+    counts["kinds"] = dict(kinds)
+    counts["joined"] = [j.column_name(c) for j, t in zip(decl.joins, tables) for c in t.column_names
+                        if c not in j.key and c != j.valid_from]
     return counts
 

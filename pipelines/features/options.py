@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.fields import option
+from connectors.fields import at_least, option
 from pipelines.features.declare import Declaration, DeclarationError, declare, parse_aggregate, parse_join
 
 FEATURES = "features over time (docs/features.md)"
@@ -54,3 +54,24 @@ class FeatureOptions:
     def declaration(self) -> Declaration:
         """The checked declaration (a ``DeclarationError`` for a feature named twice)."""
         return declare(self.aggregations or (), self.joins or ())
+
+
+@dataclass
+class StreamFeatureOptions(FeatureOptions):
+    """What the stream's parts (the feature pipeline, the scorer) add to the declaration: the allowed lateness,
+    where the states live, where each event's feature values are logged."""
+
+    allowed_lateness: float = option(
+        0.0, "seconds an event may come behind the greatest event time its raw partition has delivered and still "
+             "count (later: a dead letter, reason late); an event's aggregates go out once its partition's watermark "
+             "is this far past it (0: at once)", parse=at_least(0, float), group=FEATURES, metavar="SECONDS")
+    feature_state: str | None = option(
+        None, "directory of the aggregations' states, one SQLite file per consumer group and raw partition, written "
+              "with the offsets each flush commits (default: <out>/feature-state)", group=FEATURES, metavar="DIR")
+    log_features: str | None = option(
+        None, "write each event's aggregates and joined columns (with its own fields) as JSON lines under this "
+              "directory, one file per consumer group and raw partition (`flowtrain skew` compares them with the "
+              "backfill)", group=FEATURES, metavar="DIR")
+    log_features_id: str | None = option(
+        None, "with --log-features: an event field that names the event (e.g. a transaction id), logged with its "
+              "values (`flowtrain skew --id`)", group=FEATURES, metavar="COLUMN")

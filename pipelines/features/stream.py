@@ -106,21 +106,28 @@ class StreamFeatures:
         self.memory: dict[str, object] = {}  # states without a store
 
     # -- one micro-batch ------------------------------------------------------------------------------
-    def offer(self, rows: pa.Table, offsets: np.ndarray) -> Offered:
-        """New parsed events of this partition (offsets increasing, each at or past ``read_offset``)."""
+    def offer(self, rows: pa.Table | None, offsets: np.ndarray, *, first: int | None = None,
+              last: int | None = None) -> Offered:
+        """New parsed events of this partition (``offsets`` increasing), from the micro-batch of records
+        ``first..last`` (default: the events' own; the records between that did not parse count as read)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        if len(offsets) and offsets[0] < self.read_offset:
-            raise ValueError(f"offset {offsets[0]} was read before (the store reads on from {self.read_offset})")
-        if len(offsets) and self.started and offsets[0] > self.read_offset:
-            raise ValueError(f"offsets {self.read_offset}..{offsets[0] - 1} were never given to the features' state "
+        first = int(offsets[0]) if first is None and len(offsets) else first
+        last = int(offsets[-1]) if last is None and len(offsets) else last
+        if first is None:
+            return Offered(None, None, np.zeros(0, np.int64))
+        if first < self.read_offset:
+            raise ValueError(f"offset {first} was read before (the store reads on from {self.read_offset})")
+        if self.started and first > self.read_offset:
+            raise ValueError(f"offsets {self.read_offset}..{first - 1} were never given to the features' state "
                              f"(its store {self.store.path if self.store else ''} is behind the offsets committed): "
                              f"their events would be missing from every aggregate")
+        self.read_offset, self.started = last + 1, True
+        if rows is None or not rows.num_rows:
+            return Offered(self._ready(), None, np.zeros(0, np.int64))
         times = time_micros(rows.column(self.plan.time_column), self.plan.time_format)
         before = np.maximum.accumulate(np.concatenate([[self.watermark], times]))[:-1]
         missing = times == MISSING_TIME  # no time: it cannot be placed (a dead letter too)
         late = missing | ((before != MISSING_TIME) & (times < before - self.plan.lateness_us))
-        if len(offsets):
-            self.read_offset, self.started = int(offsets[-1]) + 1, True
         keep = ~late
         fresh = rows.filter(pa.array(keep)).append_column(_ID, pa.array(offsets[keep]))
         if fresh.num_rows:
@@ -205,8 +212,9 @@ class StreamFeatures:
         return out
 
     # -- durability ---------------------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """The changed states and the progress in one transaction (then the caller may commit the offsets)."""
+    def checkpoint(self, *, sent: dict[int, str] | None = None, committed: int | None = None) -> None:
+        """The changed states and the progress in one transaction (then the caller may commit the offsets); see
+        ``StateStore.save`` for ``sent`` and ``committed``."""
         if self.store is None:
             self.changed = {}
             return
@@ -214,7 +222,7 @@ class StreamFeatures:
                 "late": str(self.late_events).encode(),
                 "pending": _ipc(self.pending if self.pending is not None and self.pending.num_rows else None),
                 "done": _ipc(self.done if self.done is not None and self.done.num_rows else None)}
-        self.store.save(self.changed, meta)
+        self.store.save(self.changed, meta, sent=sent, committed=committed)
         self.changed = {}
 
     @property

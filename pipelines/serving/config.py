@@ -59,6 +59,8 @@ class ScoreConfig(ScorerOptions, EventOptions):
     model_cache_dir: str = ""
     # drift monitoring: a pipelines.serving.drift.DriftConfig (reference profile, window, thresholds, topic), or None
     drift: Any = None
+    # features over time: the aggregated columns' kinds the dataset's backfill recorded (its manifest's "features")
+    feature_kinds: dict | None = None
 
     def __post_init__(self):
         validate(self, ScorerOptions)  # the ranges, as the command line checks them (--score-batch-size, ...)

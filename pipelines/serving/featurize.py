@@ -27,7 +27,8 @@ from connectors.deadletter import DeadLetter
 from connectors.id_keys import reason_counts
 from connectors.kafka import KafkaDelivery, KafkaRecord, close_client, dead_letter_record, new_producer
 from pipelines.serving.config import ScoreConfig, ScoringBatch, topic_limits
-from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds
+from pipelines.stream.aggregates import AggregateInputs, Aggregates
+from pipelines.stream.events import DEFAULT_BOUNDS, ParseBounds, event_schema
 from pipelines.stream.featurize import StreamFeaturizer
 from pipelines.stream.status import write_status
 from pipelines.stream.steps import MicroBatcher
@@ -47,26 +48,48 @@ def id_fallback_counts(features: pa.RecordBatch | None, id_columns: list[str]) -
     return out
 
 
-def scoring_featurizer(cfg: ScoreConfig) -> StreamFeaturizer:
-    """The featurizer of ``cfg``'s dataset (with its enrichment, carrying the id column)."""
-    return StreamFeaturizer(cfg.spec, cfg.stats, cfg.enrichment_factory() if cfg.enrichment_factory is not None else None,
+def scoring_aggregates(cfg: ScoreConfig) -> Aggregates | None:
+    """Features over time (``--aggregate``/``--join``) of the scorer: the stream pipeline's code, with the scorer's
+    own states (its consumer group's files under ``--feature-state``); None without any."""
+    if not (cfg.aggregations or cfg.joins):
+        return None
+    if not cfg.feature_state:
+        raise ValueError("--aggregate/--join in the scorer need --feature-state (where the states live)")
+    return Aggregates(cfg, cfg.spec, group_id=cfg.score_group_id, state_dir=cfg.feature_state,
+                      recorded_kinds=cfg.feature_kinds)
+
+
+def scoring_featurizer(cfg: ScoreConfig, aggregates: Aggregates | None = None) -> StreamFeaturizer:
+    """The featurizer of ``cfg``'s dataset (with its enrichment, carrying the id column; with ``aggregates`` the
+    events carry the aggregations' inputs)."""
+    enrichment = AggregateInputs(aggregates.event_fields(event_schema(cfg.spec))) if aggregates is not None else \
+        cfg.enrichment_factory() if cfg.enrichment_factory is not None else None
+    return StreamFeaturizer(cfg.spec, cfg.stats, enrichment,
                             keep=[cfg.id_column] if cfg.id_column else [], event_format=cfg.event_format,
                             schema_registry=cfg.schema_registry, schema_file=cfg.schema_file)
 
 
 def featurize_records(items: list[KafkaRecord], featurizer: StreamFeaturizer,
                       bounds: ParseBounds = DEFAULT_BOUNDS, *,
-                      max_id_bytes: int | None = None) -> tuple[ScoringBatch, list[DeadLetter]]:
+                      max_id_bytes: int | None = None,
+                      aggregates: Aggregates | None = None) -> tuple[ScoringBatch, list[DeadLetter]]:
     """Raw records of one partition (in offset order) -> a ``ScoringBatch`` and its dead letters.
-    ``max_id_bytes``: the bound on each carried column (``featurizer.keep``: the id) of an event."""
-    out = featurizer.featurize_payloads([r.value for r in items], [(r.topic, r.partition, r.offset) for r in items],
-                                        bounds)
+    ``max_id_bytes``: the bound on each carried column (``featurizer.keep``: the id) of an event. ``aggregates``:
+    features over time (the events whose aggregates are final go on, ``Aggregates.score_records``)."""
+    stamps = None
+    if aggregates is not None:
+        out, stamps = aggregates.score_records(items, featurizer, bounds)
+    else:
+        out = featurizer.featurize_payloads([r.value for r in items],
+                                            [(r.topic, r.partition, r.offset) for r in items], bounds)
     features, letters = out.features, list(out.dead_letters)
     if features is not None and features.num_rows and max_id_bytes is not None and featurizer.keep:
         features, over = _bound_carried(features, featurizer.keep, max_id_bytes, items)
         letters += over
     event_ms = np.zeros(0, dtype=np.int64)
-    if features is not None and features.num_rows:
+    if features is not None and features.num_rows and stamps is not None:  # events read in earlier batches too
+        event_ms = np.array([stamps[o] for o in features.column("src_offset").to_pylist()], dtype=np.int64)
+    elif features is not None and features.num_rows:
         offsets = np.array([r.offset for r in items], dtype=np.int64)
         stamps = np.array([r.timestamp for r in items], dtype=np.int64)
         event_ms = stamps[np.searchsorted(offsets, features.column("src_offset").to_numpy())]
@@ -108,13 +131,16 @@ class _FeaturizeForScoringFn(beam.DoFn):
 
     def setup(self):
         cfg = self.cfg
-        self.featurizer = scoring_featurizer(cfg)
+        self.aggregates = scoring_aggregates(cfg)
+        self.featurizer = scoring_featurizer(cfg, self.aggregates)
         self.limits = topic_limits(cfg, [cfg.dead_letter_topic])
         self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"events": 0, "dead_letters": 0}
 
     def teardown(self):
+        if getattr(self, "aggregates", None) is not None:
+            self.aggregates.close()
         if getattr(self, "producer", None) is not None:
             close_client(self.producer)
             self.producer = None
@@ -135,7 +161,7 @@ class _FeaturizeForScoringFn(beam.DoFn):
     def _flush(self, items: list[KafkaRecord]) -> WindowedValue:
         """One partition's micro-batch as a ScoringBatch, stamped with its newest Kafka time."""
         batch, letters = featurize_records(items, self.featurizer, self.cfg.bounds,
-                                           max_id_bytes=self.cfg.max_id_bytes)
+                                           max_id_bytes=self.cfg.max_id_bytes, aggregates=self.aggregates)
         for letter in letters:
             key, value, headers = dead_letter_record(letter, max_bytes=self.limits[self.cfg.dead_letter_topic])
             self.delivery.send(self.cfg.dead_letter_topic, value, key=key, headers=headers)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, check_value, option, options_of
+from pipelines.features.options import StreamFeatureOptions
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
 #: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
@@ -70,8 +71,9 @@ DEFAULT_BOUNDS = ParseBounds()
 
 
 @dataclass
-class EventOptions(ParseBounds):
-    """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, then these)."""
+class EventOptions(StreamFeatureOptions, ParseBounds):
+    """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, features over time:
+    ``--aggregate``, ``--join``, ``--allowed-lateness``, then these)."""
 
     SECTION: ClassVar[str] = "events"
     enrichment: str = option(

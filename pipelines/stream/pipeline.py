@@ -81,7 +81,8 @@ from connectors.kafka import (
     topic_max_message_bytes,
     value_budget,
 )
-from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema
+from pipelines.stream.aggregates import AggregateInputs, Aggregates
+from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, event_schema
 from pipelines.stream.featurize import Enrichment, StreamFeaturizer
 from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions, parse_bounds
 from pipelines.stream.status import write_status
@@ -121,6 +122,8 @@ class StreamConfig(PipelineOptions, EventOptions):
     kafka_config: dict[str, Any] = field(default_factory=dict)  # SASL/SSL etc., for every client
     status_path: str | None = None  # prefix of per-instance JSON counters for `flowtrain stream`'s live line
     retry_s: float = 120.0  # a retriable Kafka failure is retried this long before the job stops
+    # features over time: the aggregated columns' kinds the dataset's backfill recorded (its manifest's "features")
+    feature_kinds: dict | None = None
 
     def __post_init__(self):
         validate(self, PipelineOptions)  # the ranges, as the command line checks them (--batch-size, ...)
@@ -131,14 +134,26 @@ class StreamConfig(PipelineOptions, EventOptions):
         """The limits on one raw event (size, nesting, numbers)."""
         return parse_bounds(self)
 
-    def featurizer(self) -> StreamFeaturizer:
-        """The featurizer of this config's dataset (and enrichment)."""
+    def aggregates(self) -> Aggregates | None:
+        """Features over time (``--aggregate``/``--join``): their inputs, tables and states; None without any."""
+        if not (self.aggregations or self.joins):
+            return None
+        if self.enrichment_factory is not None:
+            raise ValueError("--aggregate/--join with a dataset preset's enrichment: give --enrichment none")
+        if not self.feature_state:
+            raise ValueError("--aggregate/--join in the stream need --feature-state (where the states live)")
+        return Aggregates(self, FeatureSpec.from_dict(self.spec), group_id=self.group_id,
+                          state_dir=self.feature_state, recorded_kinds=self.feature_kinds)
+
+    def featurizer(self, aggregates: Aggregates | None = None) -> StreamFeaturizer:
+        """The featurizer of this config's dataset (and enrichment; with ``aggregates``, events carry their inputs)."""
         if not self.spec:
             raise ValueError("StreamConfig.spec: the batch dataset's spec is needed (its manifest's \"spec\")")
-        return StreamFeaturizer(FeatureSpec.from_dict(self.spec), self.stats,
-                                self.enrichment_factory() if self.enrichment_factory is not None else None,
-                                event_format=self.event_format, schema_registry=self.schema_registry,
-                                schema_file=self.schema_file)
+        spec = FeatureSpec.from_dict(self.spec)
+        enrichment = AggregateInputs(aggregates.event_fields(event_schema(spec))) if aggregates is not None else \
+            self.enrichment_factory() if self.enrichment_factory is not None else None
+        return StreamFeaturizer(spec, self.stats, enrichment, event_format=self.event_format,
+                                schema_registry=self.schema_registry, schema_file=self.schema_file)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,16 +317,20 @@ class _FusedFeaturizeFn(beam.DoFn):
 
     def setup(self):
         cfg = self.cfg
-        self.featurizer = cfg.featurizer()
+        self.aggregates = cfg.aggregates()
+        self.featurizer = cfg.featurizer(self.aggregates)
         self.limits = {topic: _message_limit(cfg, topic) for topic in (cfg.features_topic, cfg.dead_letter_topic)}
         self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
         self.delivery = KafkaDelivery(self.producer, what="", max_message_bytes=self.limits,
                                       retry_s=cfg.retry_s)
         self.committer = new_consumer(cfg.bootstrap, cfg.kafka_config, group_id=cfg.group_id)
-        self.totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "batches": 0, "messages": 0}
+        self.totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "batches": 0, "messages": 0,
+                       **({"late": 0, "waiting": 0} if self.aggregates is not None else {})}
         self.valid_seen: set[tuple[str, int]] = set()  # partitions known to hold this dataset's events
 
     def teardown(self):
+        if getattr(self, "aggregates", None) is not None:
+            self.aggregates.close()
         for client in ("producer", "committer"):
             if getattr(self, client, None) is not None:
                 close_client(getattr(self, client))
@@ -350,10 +369,26 @@ class _FusedFeaturizeFn(beam.DoFn):
 
     def _flush(self, topic: str, partition: int, items: list) -> tuple[int, int, int, int, int]:
         t0 = time.perf_counter()
+        feats = self.aggregates.partition(topic, partition) if self.aggregates is not None else None
+        if feats is not None:  # what the features' store holds already (read before a restart): skipped
+            items = [r for r in items if r.offset >= feats.read_offset]
+            if not items:
+                return partition, 0, 0, 0, 0
         payloads = [r.value for r in items]
         self._check_foreign(topic, partition, payloads)
-        out = self.featurizer.featurize_payloads(payloads, [(r.topic, r.partition, r.offset) for r in items],
-                                                 self.cfg.bounds)
+        sources = [(r.topic, r.partition, r.offset) for r in items]
+        late: list[DeadLetter] = []
+        if feats is None:
+            out = self.featurizer.featurize_payloads(payloads, sources, self.cfg.bounds)
+        else:  # features over time: the events the watermark closed go on, in offset order, with their aggregates
+            table, parse_letters = self.featurizer.format.decode(payloads, sources, self.cfg.bounds)
+            offsets = table.column("src_offset").to_numpy() if table is not None else []
+            offered = feats.offer(table, offsets, first=items[0].offset, last=items[-1].offset)
+            late = self.aggregates.late_letters(offered.late, offered.late_watermark)
+            self.aggregates.log(topic, partition, offered.ready)
+            out = self.featurizer.featurize_table(
+                offered.ready.drop_columns(["_offset"]) if offered.ready is not None else None)
+            out = out._replace(dead_letters=parse_letters + late + out.dead_letters)
         if out.features is not None:
             self.valid_seen.add((topic, partition))
         training, letters = out.training(), out.training_dead_letters
@@ -365,6 +400,10 @@ class _FusedFeaturizeFn(beam.DoFn):
                                      f"{items[-1].offset} not committed)")
             raise
         rows = training.num_rows if training is not None else 0
+        if feats is not None:  # the states and the progress, in one transaction, before the offsets' commit
+            feats.checkpoint()
+            self.totals["late"] += len(late)
+            self.totals["waiting"] = self.aggregates.waiting()
         self._commit(topic, partition, items[-1].offset + 1)
         self.totals["events"] += len(items)
         self.totals["rows"] += rows

@@ -18,7 +18,7 @@ def test_at_least_eight_tables_each_with_a_split_and_a_metric():
     assert sum(t.source.startswith("generated") for t in TABLES.values()) >= 2
 
 
-@pytest.mark.parametrize("name", [n for n in TABLES if n != "flights_sample"])
+@pytest.mark.parametrize("name", [n for n in TABLES if n != "demo_sample"])
 def test_a_table_writes_its_input_offline(name, tmp_path):
     args = TABLES[name].prepare(tmp_path, True)
     path = args[args.index("--input") + 1]

@@ -52,6 +52,10 @@ def _sample(opt):
         return ["a=0:1"]
     if name == "preset_name":  # --preset: a registered dataset preset (checked with the options)
         return "flights"
+    if name == "KEY:COLUMN:AGGS:WINDOWS":  # --aggregate: a declaration (pipelines.features.declare)
+        return ["card:amount:sum,mean:1h,1d"]
+    if name == "TABLE:KEY[:VALID_FROM]":  # --join
+        return ["merchants.parquet:merchant:valid_from"]
     if name == "balanced or CLASS=W,...":  # --class-weight
         return "balanced"
     return "text"
