@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from connectors.fields import build as _build
+from connectors.fields import to_config as _to_config
+from flowtrain.commands.features import FeaturesJob, run_features
 from flowtrain.errors import BundleError, FlowtrainError
 
 __version__ = "0.1.0"
-__all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "predictions", "BatchJob", "PredictJob",
-           "ExportJob", "ReplayJob", "StreamJob", "FlowtrainError", "BundleError", "__version__"]
+__all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "predictions", "features", "BatchJob",
+           "PredictJob", "ExportJob", "ReplayJob", "StreamJob", "FeaturesJob", "FlowtrainError", "BundleError",
+           "__version__"]
 
 if TYPE_CHECKING:
     from flowtrain.commands.batch import BatchJob
@@ -52,6 +56,15 @@ def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
     if job is not None:
         options = {**to_config(job), **options}
     return run_batch_options(options)
+
+
+def features(job: FeaturesJob | None = None, /, **options: Any) -> dict:
+    """``flowtrain features``: every ``aggregations`` (``--aggregate KEY:COLUMN:AGGS:WINDOWS``) and ``joins``
+    (``--join TABLE:KEY[:VALID_FROM]``) of every row of ``input`` over ``[t - w, t)`` in event time, written to
+    ``out`` (one Parquet file, input order; docs/features.md). Returns the counts."""
+    if job is not None:
+        options = {**_to_config(job), **options}
+    return run_features(_build(FeaturesJob, options))
 
 
 def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: A002 - the option's name

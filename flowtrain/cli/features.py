@@ -1,4 +1,4 @@
-"""``flowtrain features``: the flags of ``FeaturesJob`` (``flowtrain.commands.features``), which runs the backfill."""
+"""``flowtrain features`` and ``flowtrain skew``: the flags of ``FeaturesJob`` and ``SkewJob`` (their jobs run them)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,9 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands import features as features_job
+from flowtrain.commands import skew as skew_job
 from flowtrain.commands.features import FeaturesJob, run_features
+from flowtrain.commands.skew import SkewJob, run_skew
 
 
 def register(sub) -> None:
@@ -18,10 +20,14 @@ def register(sub) -> None:
                     "Options flowtrain does not know go to Beam.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=features_job.__doc__)
     add_fields(p, FeaturesJob)
-    p.set_defaults(func=run_command, accepts_beam_args=True, options_parser=p)
+    p.set_defaults(func=_features, accepts_beam_args=True, options_parser=p)
+    s = sub.add_parser("skew", help="the skew gate: logged stream/served feature values vs their backfill",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=skew_job.__doc__)
+    add_fields(s, SkewJob)
+    s.set_defaults(func=_skew, options_parser=s)
 
 
-def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
+def _features(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
     options = dict(args.options)
     options["beam_args"] = [*(options.get("beam_args") or []), *(beam_args or [])]
     job = build(FeaturesJob, options)
@@ -30,3 +36,13 @@ def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) ->
         return 0
     run_features(job)
     return 0
+
+
+def _skew(args: argparse.Namespace) -> int:
+    job = build(SkewJob, args.options)
+    if args.print_config:
+        print_config(job)
+        return 0
+    code, lines = run_skew(job)
+    print("\n".join(lines))
+    return code
