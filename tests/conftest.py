@@ -19,6 +19,24 @@ from tests.shared_data import SharedData
 # leaves an ignored SIGHUP ignored, as nohup asks. The tests' children get the default disposition.
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
+#: The signals flowtrain's commands take as a stop request (flowtrain.local.processes.StopSignals).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _stop_signal_handlers_restored():
+    """A test, or flowtrain code it calls in this process (``flowtrain.stream(...)``, the CLI's ``main``), that leaves
+    a handler of its own for SIGINT, SIGTERM or SIGHUP takes Ctrl-C away from pytest for the rest of the session: the
+    handlers are put back and the test fails, naming what it left (a library function restores what it installs)."""
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    left = {sig: handler for sig in STOP_SIGNALS if (handler := signal.getsignal(sig)) != before[sig]}
+    for sig in left:
+        if before[sig] is not None:
+            signal.signal(sig, before[sig])
+    assert not left, ("left installed in pytest's process: " + ", ".join(
+        f"{signal.Signals(sig).name} -> {handler!r}" for sig, handler in left.items()))
+
 
 #: Session services each test of a group shares on one pytest-xdist worker (one Flink cluster, one registry, one
 #: Azurite for the whole run, not one per worker).

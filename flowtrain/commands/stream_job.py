@@ -105,16 +105,18 @@ def _run_pipeline(job, beam_args: list[str]) -> int:
     """The feature pipeline (``flowtrain.commands.stream_pipeline``); Ctrl-C / SIGTERM cancel it."""
     from flowtrain.commands.stream_pipeline import run_stream_pipeline
 
-    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
-    return run_stream_pipeline(job, beam_args, should_stop=stop.is_set)
+    # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts; the caller's handlers back at
+    # the end: `flowtrain.stream(...)` in a program, or a test in pytest's process, keeps its Ctrl-C)
+    with StopSignals() as stop:
+        return run_stream_pipeline(job, beam_args, should_stop=stop.is_set)
 
 
 def _run_scorer(job, beam_args: list[str]) -> int:
     """The scorer (``flowtrain.commands.score``); Ctrl-C / SIGTERM cancel it."""
     from flowtrain.commands.score import run_score
 
-    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts)
-    return run_score(job, beam_args, should_stop=stop.is_set)
+    with StopSignals() as stop:  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (as _run_pipeline)
+        return run_score(job, beam_args, should_stop=stop.is_set)
 
 
 def _run_trainer(job, given: Collection[str]) -> int:
@@ -124,9 +126,9 @@ def _run_trainer(job, given: Collection[str]) -> int:
     from flowtrain.parallel.launch import WorkerFailure
     from flowtrain.train.jobs import stream_summary_line
 
-    stop = StopSignals().install()  # SIGINT/SIGTERM/SIGHUP: a final checkpoint, then the end
     try:
-        summary = run_stream_train(job, given=given, should_stop=stop.is_set)
+        with StopSignals() as stop:  # SIGINT/SIGTERM/SIGHUP: a final checkpoint, then the end (as _run_pipeline)
+            summary = run_stream_train(job, given=given, should_stop=stop.is_set)
     except ValueError as err:  # a clash with --init-weights, the features topic is missing, no loadable
         # checkpoint, weights do not fit
         print(f"flowtrain stream train: {err}", file=sys.stderr)
