@@ -42,6 +42,11 @@ class StateStore:
     def meta(self) -> dict[str, bytes]:
         return dict(self.db.execute("SELECT name, value FROM meta").fetchall())
 
+    def read_offset(self) -> int:
+        """The next offset to read as the file holds it now (another process may have moved it on)."""
+        row = self.db.execute("SELECT value FROM meta WHERE name = 'read_offset'").fetchone()
+        return int(row[0]) if row else 0
+
     def load(self, keys: Iterable[str]) -> dict[str, KeyState]:
         """The states of these keys that exist (from the cache, else the file)."""
         out, missing = {}, []

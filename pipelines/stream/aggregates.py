@@ -98,10 +98,16 @@ class Aggregates:
     def partition(self, topic: str, partition: int) -> StreamFeatures:
         """The partition's features, its state opened (or made) at ``<state_dir>/<group>-<topic>-<p>.sqlite``."""
         key = (topic, partition)
-        if key not in self.parts:
+        feats = self.parts.get(key)
+        if feats is not None and feats.store.read_offset() != feats.read_offset:
+            # another instance of the step read this partition's last records (a runner may hand a partition's
+            # bundles to other instances): this one's memory is behind its file, so it reads the file again
+            feats.store.close()
+            feats = None
+        if feats is None:
             path = Path(self.state_dir) / f"{_safe(self.group_id)}-{_safe(topic)}-{partition}.sqlite"
-            self.parts[key] = StreamFeatures(self.plan, StateStore(path), self.tables)
-        return self.parts[key]
+            feats = self.parts[key] = StreamFeatures(self.plan, StateStore(path), self.tables)
+        return feats
 
     def late_letters(self, late: pa.Table | None, behind: np.ndarray) -> list[DeadLetter]:
         """Dead letters of the late events (reason ``late``) and of those without a time."""

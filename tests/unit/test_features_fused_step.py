@@ -80,3 +80,35 @@ def test_the_fused_step_logs_the_backfills_values_across_a_restart(tmp_path):
     report = compare(read_logged([str(tmp_path / "log")]), backfill, "txn", features=names)
     assert report.mismatches == 0 and report.extra == 0, "\n".join(report.lines())
     assert report.matched == rows and report.missing == step.aggregates.waiting()
+
+
+def test_two_instances_of_the_step_taking_turns_on_a_partition_read_each_others_states(tmp_path):
+    """A runner may give a partition's bundles to different instances of the step: each reads the file again when
+    another moved it on, so the values stay the backfill's."""
+    txns, _ = generate_transactions(400, cards=8, merchants=6, days=2, seed=2)
+    aggs = ("card:amount:count,sum:1h,life",)
+    names = declare(aggs).aggregate_names()
+    spec = FeatureSpec(label="fraud", task="classification", time_column="time", numeric=["amount", *names])
+    fake = {c: pa.array(np.linspace(0, 1, 20)) for c in spec.numeric}
+    fake.update({"fraud": pa.array([0, 1] * 10), "time": pa.array(range(20))})
+    stats = StatsAccumulator().add(pa.RecordBatch.from_pydict(fake), spec).finalize(spec)
+    cfg = stream_pipeline.StreamConfig(
+        bootstrap="-", raw_topic="raw", features_topic="f", dead_letter_topic="d", group_id="g", connect_timeout=1.0,
+        spec=spec.to_dict(), stats=stats, aggregations=aggs, feature_state=str(tmp_path / "state"),
+        log_features=str(tmp_path / "log"), log_features_id="txn")
+    records = [KafkaRecord("raw", 0, i, 1000 + i, None, json.dumps(r).encode())
+               for i, r in enumerate(txns.to_pylist())]
+    sent, commits = [], []
+    steps = [_step(cfg, sent, commits), _step(cfg, sent, commits)]
+    for k, i in enumerate(range(0, 400, 50)):
+        steps[k % 2]._flush("raw", 0, records[i:i + 50])
+    group = KeyFeatures(declare(aggs).by_key(("card",)))
+    keys = encode_keys(key_text(txns, ("card",)))
+    want = group.advance(keys[0], keys[1], time_micros(txns.column("time")), {"amount": values_of(txns.column("amount"))})
+    backfill = txns.select(["txn"])
+    for n in names:
+        backfill = backfill.append_column(n, pa.array(want[n]))
+    for step in steps:
+        step.aggregates.close()
+    report = compare(read_logged([str(tmp_path / "log")]), backfill, "txn", features=names)
+    assert report.mismatches == 0 and report.matched == 400, "\n".join(report.lines())
