@@ -32,6 +32,8 @@ from pipelines.stream.featurize import EventFeatures, StreamFeaturizer
 _NUMBER = (int, float)
 _ANY_VALUE = (str, int, float, bool)
 _OFFSET = "_offset"
+#: The scorer keeps the values of the events it sent for this many offsets behind its read.
+SENT_KEPT = 200_000
 
 
 def kinds_of(decl: Declaration, spec: FeatureSpec, recorded: dict | None = None) -> tuple[tuple[str, str], ...]:
@@ -66,7 +68,6 @@ class Aggregates:
         self.log_id = getattr(options, "log_features_id", None)
         self.parts: dict[tuple[str, int], StreamFeatures] = {}
         self.logs: dict[tuple[str, int], object] = {}
-        self.resumed: set[tuple[str, int]] = set()
         types = [(n, t) for g in self.plan_groups() for n, _, t in feature_types(g, self.plan.kind)]
         types += [(n, c.type) for t in self.tables for n, c in t.columns.items()]
         self.output_schema = pa.schema(types)
@@ -146,13 +147,9 @@ class Aggregates:
         """A scorer's micro-batch of one partition (offset order) -> (the features of the events that go on, in
         offset order, dead letters included; {offset: Kafka time in ms} of those events). The scorer commits its
         offsets after the predictions, downstream: events its store holds already (read again after a restart) go
-        on again with the values kept for them (``StateStore.sent``), until the committed offset passes them."""
+        on again with the values kept for them (``StateStore.sent``, for the last ``SENT_KEPT`` offsets)."""
         topic, partition = items[0].topic, items[0].partition
         feats = self.partition(topic, partition)
-        committed = None
-        if (topic, partition) not in self.resumed:  # the first record after a (re)start: the committed offset
-            self.resumed.add((topic, partition))
-            committed = items[0].offset
         stamps = {r.offset: r.timestamp for r in items}
         old = [r for r in items if r.offset < feats.read_offset]
         new = [r for r in items if r.offset >= feats.read_offset]
@@ -190,7 +187,9 @@ class Aggregates:
             ready_all = pa.concat_tables([p.select(parts[0].column_names) for p in parts], promote_options="permissive")
             ready_all = ready_all.take(pa.array(np.argsort(ready_all.column("src_offset").to_numpy(), kind="stable")))
         out = featurizer.featurize_table(ready_all)
-        feats.checkpoint(sent=sent, committed=committed)
+        # kept for the last SENT_KEPT offsets: a restart reads again from the scorer's committed offset, which trails
+        # the read by a few micro-batches (the predictions in flight)
+        feats.checkpoint(sent=sent, committed=max(0, feats.read_offset - SENT_KEPT))
         return out._replace(dead_letters=letters + out.dead_letters), stamps
 
     def waiting(self) -> int:
