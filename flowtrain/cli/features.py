@@ -12,13 +12,9 @@ from flowtrain.commands.skew import SkewJob, run_skew
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "features", help="features over time: windowed aggregations per key and as-of joins, one row per input row",
-        description="Computes every --aggregate (per key, over [t - w, t) in event time) and --join (as of each "
-                    "event's time) for every row of the input files with a Beam pipeline, and writes one Parquet "
-                    "file: the input's rows in order with their aggregates and joined columns (docs/features.md). "
-                    "Options flowtrain does not know go to Beam.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=features_job.__doc__)
+    p = sub.add_parser("features", help="features over time: windowed aggregations per key and as-of joins, one row "
+                       "per input row", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=features_job.__doc__ + "\nOptions flowtrain does not know go to Beam.")
     add_fields(p, FeaturesJob)
     p.set_defaults(func=_features, accepts_beam_args=True, options_parser=p)
     s = sub.add_parser("skew", help="the skew gate: logged stream/served feature values vs their backfill",
@@ -41,8 +37,7 @@ def _features(args: argparse.Namespace, beam_args: list[str] | None = None) -> i
 def _skew(args: argparse.Namespace) -> int:
     job = build(SkewJob, args.options)
     if args.print_config:
-        print_config(job)
-        return 0
+        return print_config(job) or 0
     code, lines = run_skew(job)
     print("\n".join(lines))
     return code
