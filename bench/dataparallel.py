@@ -119,8 +119,11 @@ def single_process(model_name: str, steps: int, global_batch: int, threads: int 
     return steps * global_batch / (time.perf_counter() - t0)
 
 
+MODELS = ("demo", "mlp1m")
+
+
 def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: int = 1024,
-        repeats: int = MIN_REPEATS) -> str:
+        repeats: int = MIN_REPEATS, models: tuple[str, ...] = MODELS) -> str:
     check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-dp-"))
     rows = []
@@ -134,7 +137,7 @@ def run(out_dir: str | None = "bench/results", steps: int = 300, global_batch: i
         res = json.loads(out.read_text())
         return res["samples"] / res["seconds"]
 
-    for model_name in ("demo", "mlp1m"):
+    for model_name in models:
         n_params = sum(p.numel() for p in build(model_name)[0].parameters())
         cases = {f"{case}-{engine}": (lambda c=case, e=engine: spawned(model_name, c, e))  # noqa: B023 - run now
                  for case in ("even", "uneven") for engine in ("flowtrain", "ddp")}
@@ -165,8 +168,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--global-batch", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     a = ap.parse_args(argv)
-    run(steps=a.steps, global_batch=a.global_batch, repeats=a.repeats)
+    models = tuple(m for m in a.models.split(",") if m)
+    if not models or set(models) - set(MODELS):
+        raise SystemExit(f"--models {a.models!r}: use {', '.join(MODELS)} (comma-separated)")
+    run(steps=a.steps, global_batch=a.global_batch, repeats=a.repeats, models=models)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,22 @@ NAMES = {"pyarrow": "plain pyarrow script (anchor)", "fnapi": "Beam FnApiRunner"
 
 
 class _Clusters:
-    """A Flink cluster per TaskManager count, started once, stopped at the end."""
+    """A Flink cluster per TaskManager count, started once, stopped at the end; or (``cluster_dir``) the running
+    local cluster recorded there, used as it is and left running."""
 
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, cluster_dir: str | None = None):
         from flowtrain.local.flink import LocalFlink, TaskManagerMemory
+
+        self.start_s: dict[int, float] = {}
+        self.own = cluster_dir is None
+        if not self.own:
+            cluster = LocalFlink(data_dir=Path(cluster_dir))
+            state = cluster.read_state()
+            if not cluster.running() or not state:
+                raise SystemExit(f"bench flink: --cluster-dir {cluster_dir}: no local Flink cluster is running there "
+                                 f"(start one with `flowtrain flink start`)")
+            self.clusters = {int(state["taskmanagers"]): cluster}
+            return
 
         # Sized for 10x: the reference tables are one 23 MB broadcast record (see TaskManagerMemory),
         # and one TaskManager alone buffers the whole join's output from the Python workers
@@ -43,9 +55,10 @@ class _Clusters:
         memory = TaskManagerMemory(task_heap=2048, managed=768, task_off_heap=768)
         self.clusters = {n: LocalFlink(taskmanagers=n, slots=1, rest_port=free_port(), job_port=free_port(),
                                        data_dir=work / f"flink-{n}tm", memory=memory) for n in (1, 2)}
-        self.start_s: dict[int, float] = {}
 
     def __enter__(self):
+        if not self.own:
+            return self
         try:
             for n, cluster in self.clusters.items():
                 self.start_s[n] = cluster.start(timeout_s=300, quiet=True)["start_seconds"]
@@ -56,6 +69,8 @@ class _Clusters:
         return self
 
     def __exit__(self, *exc):
+        if not self.own:
+            return
         for cluster in self.clusters.values():
             cluster.stop(quiet=True)
 
@@ -63,6 +78,11 @@ class _Clusters:
         from apache_beam.options.pipeline_options import PipelineOptions
 
         return PipelineOptions(self.clusters[taskmanagers].beam_args())
+
+
+def _engines(clusters: _Clusters) -> tuple[str, ...]:
+    """The anchor, the FnApiRunner and Beam on each cluster (``flink-Ntm``: the cluster of N TaskManagers)."""
+    return ("pyarrow", "fnapi", *(f"flink-{n}tm" for n in sorted(clusters.clusters)))
 
 
 def _etl(engine: str, tables: dict[str, str], spec, out: Path, clusters: _Clusters) -> float:
@@ -76,7 +96,8 @@ def _etl(engine: str, tables: dict[str, str], spec, out: Path, clusters: _Cluste
         if engine == "pyarrow":
             anchor(tables, out, spec)
         else:  # the preset's own build (not build_dataset, which also rewrites the manifest): the ETL alone
-            options = pipeline_options("batch") if engine == "fnapi" else clusters.options(int(engine[6]))
+            options = pipeline_options("batch") if engine == "fnapi" else \
+                clusters.options(int(engine.removeprefix("flink-").removesuffix("tm")))
             build(tables, dataset_path=str(out), dead_letters_path=str(out) + "-dead.jsonl", options=options,
                   spec=spec)
         return time.perf_counter() - t0
@@ -94,23 +115,28 @@ def _empty_job(clusters: _Clusters, taskmanagers: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results") -> str:
+def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results", cluster_dir: str | None = None,
+        warmup: bool = True) -> str:
+    """``cluster_dir``: run on the local cluster running there (``flowtrain flink start``) instead of starting one
+    of 1 and one of 2 TaskManagers; ``warmup``: one untimed ETL per engine first."""
     preset = demo()
     for name in ("build", "anchor"):  # a missing hook says so before the clusters start
         hook(preset, name, "flink")
     inputs = {s: scaled_inputs(preset, s, "flink") for s in scales}
     rows = {s: event_rows(preset, inputs[s][0], "flink") for s in scales}
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-flink-"))
-    seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in ENGINES}
     ok = False
     try:
-        with _Clusters(work) as clusters:
-            for engine in ENGINES[1:]:  # warm-up: imports, JIT, SDK workers; untimed
+        with _Clusters(work, cluster_dir) as clusters:
+            engines = _engines(clusters)
+            seconds: dict[tuple[str, int], list[float]] = {(e, s): [] for s in scales for e in engines}
+            for engine in engines[1:] if warmup else ():  # warm-up: imports, JIT, SDK workers; untimed
                 _etl(engine, *inputs[scales[0]], work / f"warm-{engine}", clusters)
-            job_s = {n: statistics.median(_empty_job(clusters, n) for _ in range(3)) for n in (1, 2)}
+            job_s = {n: statistics.median(_empty_job(clusters, n) for _ in range(min(3, repeats)))
+                     for n in clusters.clusters}
             for r in range(repeats):
                 for s in scales:
-                    for engine in ENGINES:
+                    for engine in engines:
                         took = _etl(engine, *inputs[s], work / f"{engine}-{s}x-{r}", clusters)
                         seconds[(engine, s)].append(took)
                         print(f"bench flink: repeat {r + 1}/{repeats} {s}x {engine}: {took:.1f} s", flush=True)
@@ -123,11 +149,13 @@ def run(*, scales=SCALES, repeats: int = 3, out_dir: str | None = "bench/results
     table = []
     for s in scales:
         anchor = rows[s] / statistics.median(seconds[("pyarrow", s)])
-        for engine in ENGINES:
+        for engine in engines:
             sec = statistics.median(seconds[(engine, s)])
-            table.append((NAMES[engine], f"{s}x", f"{rows[s]:,}", sec, rows[s] / sec, rows[s] / sec / anchor))
-    for n in (1, 2):
-        table.append((f"Flink cluster start, {n} TaskManager(s)", "-", "-", clusters.start_s[n], "-", "-"))
+            name = NAMES.get(engine) or f"Beam on Flink, {engine.removeprefix('flink-').removesuffix('tm')} TaskManagers"
+            table.append((name, f"{s}x", f"{rows[s]:,}", sec, rows[s] / sec, rows[s] / sec / anchor))
+    for n in sorted(clusters.clusters):
+        table.append((f"Flink cluster start, {n} TaskManager(s)", "-", "-",
+                      clusters.start_s[n] if n in clusters.start_s else "already running", "-", "-"))
         table.append((f"one-element job on Flink, {n} TaskManager(s)", "-", "1", job_s[n], "-", "-"))
     how = f"median of {repeats} interleaved runs" if repeats >= 3 else \
         f"median of only {repeats} run(s) (fewer than 3: indicative)"
@@ -143,10 +171,15 @@ def main(argv=None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per case (default 3)")
     ap.add_argument("--scales", default=",".join(map(str, SCALES)), help="row multiples (default 1,10)")
+    ap.add_argument("--cluster-dir", default=None, help="run on the local cluster running in this directory "
+                    "(`flowtrain flink start`) instead of starting one of 1 and one of 2 TaskManagers")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed ETL per engine first (the first timed run "
+                    "pays the imports and the SDK workers' start)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
-    run(scales=tuple(int(s) for s in args.scales.split(",")), repeats=args.repeats)
+    run(scales=tuple(int(s) for s in args.scales.split(",")), repeats=args.repeats, cluster_dir=args.cluster_dir,
+        warmup=not args.no_warmup)
 
 
 if __name__ == "__main__":

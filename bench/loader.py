@@ -76,7 +76,10 @@ def _drain(iterable) -> tuple[int, float]:
     return rows, time.perf_counter() - t0
 
 
-def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: int = MIN_REPEATS) -> str:
+def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: int = MIN_REPEATS,
+        memory_budget: str = STREAM_BUDGET) -> str:
+    """``memory_budget``: (d)'s ``--memory-budget``, below the training split's size (a smaller table, e.g. a tiny
+    preset's, needs a smaller one to stream)."""
     check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-loader-"))
     try:
@@ -101,8 +104,10 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
 
         def streamed():  # (d): shards through the shuffle buffer (a budget below the split's size)
             t0 = time.perf_counter()
-            split = open_split(TabularDataset(dataset), "train", memory_budget=STREAM_BUDGET)
-            assert isinstance(split, StreamedSplit)
+            split = open_split(TabularDataset(dataset), "train", memory_budget=memory_budget)
+            if not isinstance(split, StreamedSplit):
+                raise SystemExit(f"bench loader: the training split fits in --memory-budget {memory_budget}, so (d) "
+                                 f"would not stream it: pass a smaller --memory-budget")
             n, _ = _drain(iter_batches(split, batch_size=batch_size, seed=0, epoch=0))
             return n, time.perf_counter() - t0
 
@@ -123,7 +128,7 @@ def run(out_dir: str | None = "bench/results", batch_size: int = 2048, repeats: 
     labels = {"a": "(a) DataLoader, map-style rows + collate (anchor)",
               "b": "(b) DataLoader, IterableDataset of Parquet batches",
               "c": "(c) flowtrain columnar loader (shuffled)",
-              "d": f"(d) flowtrain streamed shards, shuffle buffer (--memory-budget {STREAM_BUDGET})"}
+              "d": f"(d) flowtrain streamed shards, shuffle buffer (--memory-budget {memory_budget})"}
     rows = [(labels[k], n[k], sec[k], best(runs[k], key=lambda r: r[1]), n[k] / sec[k], (n[k] / sec[k]) / rate_a)
             for k in "abcd"]
     wait = median(runs["fit"])
@@ -138,8 +143,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
+    ap.add_argument("--memory-budget", default=STREAM_BUDGET,
+                    help=f"(d)'s budget, below the training split's size so that it streams (default {STREAM_BUDGET})")
     a = ap.parse_args(argv)
-    run(batch_size=a.batch_size, repeats=a.repeats)
+    run(batch_size=a.batch_size, repeats=a.repeats, memory_budget=a.memory_budget)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,12 @@ def _run(work: Path, **job) -> dict:
     return json.loads(out.read_text())
 
 
-def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512, repeats: int = MIN_REPEATS) -> str:
+#: The micro-batch counts of the bubble table.
+BUBBLE_MICROBATCHES = (4, 8, 16)
+
+
+def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512, repeats: int = MIN_REPEATS,
+        bubble_microbatches: tuple[int, ...] = BUBBLE_MICROBATCHES) -> str:
     check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-pp-"))
     rows = []
@@ -126,7 +131,7 @@ def run(out_dir: str | None = "bench/results", steps: int = 40, batch: int = 512
                      top[("torch", schedule)], 1.0))
     bubble_cases = {(micro, schedule): (lambda m=micro, s=schedule: _run(
         work, engine="flowtrain", schedule=s, microbatches=m, steps=steps // 2, batch=batch))
-        for micro in (4, 8, 16) for schedule in ("gpipe", "1f1b")}
+        for micro in bubble_microbatches for schedule in ("gpipe", "1f1b")}
     bubble_runs = interleaved(bubble_cases, repeats=repeats)
     bubble_rows = []
     for (micro, schedule), results in bubble_runs.items():
@@ -155,8 +160,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="interleaved runs (>= 3); medians reported")
+    ap.add_argument("--bubble-microbatches", default=",".join(map(str, BUBBLE_MICROBATCHES)),
+                    help="comma-separated micro-batch counts of the bubble table (default 4,8,16)")
     a = ap.parse_args(argv)
-    run(steps=a.steps, batch=a.batch, repeats=a.repeats)
+    micro = tuple(int(m) for m in a.bubble_microbatches.split(",") if m.strip())
+    if not micro or min(micro) < 1:
+        raise SystemExit(f"--bubble-microbatches {a.bubble_microbatches!r}: give counts >= 1, e.g. 4,8,16")
+    run(steps=a.steps, batch=a.batch, repeats=a.repeats, bubble_microbatches=micro)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,14 @@ def _latency_and_freshness(env: ServeEnv, publish_every_s: float = 5.0) -> dict:
             "checked": fresh["checked"]}
 
 
+#: A percentile cell with nothing to take it of (e.g. a run shorter than the first 2 s left out of the latency).
+NO_SAMPLES = "no samples"
+
+
+def _percentile(values: np.ndarray, q: float) -> float | str:
+    return float(np.percentile(values, q)) if len(values) else NO_SAMPLES
+
+
 def _one_round(env: ServeEnv) -> list[tuple]:
     torch.set_num_threads(1)  # as the scorer runs its forward (ScoreConfig.torch_threads)
     spec = TabularDataset(env.dataset).spec
@@ -215,7 +223,7 @@ def _one_round(env: ServeEnv) -> list[tuple]:
     anchor_rows, anchor_s = _forward_loop(batches, model, spec)
     loop_rows, loop_s = _python_loop(chunks, model, spec)
     tp = _pipeline_throughput(env)
-    lf = _latency_and_freshness(env)
+    lf = _latency_and_freshness(env, env.publish_every_s)
     anchor = anchor_rows / anchor_s
     pipe = tp["rows"] / tp["span"]
     return [
@@ -226,13 +234,13 @@ def _one_round(env: ServeEnv) -> list[tuple]:
         ("(c') scoring pipeline, whole run with start-up", tp["rows"], tp["whole"], tp["rows"] / tp["whole"],
          tp["rows"] / tp["whole"] / anchor),
         (f"latency at {env.rate:,.0f} events/s: produce -> prediction (p50)", len(lf["latency"]),
-         float(np.percentile(lf["latency"], 50)), "", ""),
+         _percentile(lf["latency"], 50), "", ""),
         (f"latency at {env.rate:,.0f} events/s: produce -> prediction (p99)", len(lf["latency"]),
-         float(np.percentile(lf["latency"], 99)), "", ""),
+         _percentile(lf["latency"], 99), "", ""),
         (f"freshness: publish -> {FRESH_SHARE:.0%} of predictions carry it (p50 over versions)", lf["versions"],
-         float(np.percentile(lf["fresh"], 50)) if len(lf["fresh"]) else float("nan"), "", ""),
+         _percentile(lf["fresh"], 50), "", ""),
         (f"freshness: publish -> {FRESH_SHARE:.0%} of predictions carry it (p99 over versions)", lf["versions"],
-         float(np.percentile(lf["fresh"], 99)) if len(lf["fresh"]) else float("nan"), "", ""),
+         _percentile(lf["fresh"], 99), "", ""),
         ("versions never reaching it before the next publication", lf["versions"], float(len(lf["never"])), "", ""),
         (f"predictions with a superseded version > {SUPERSEDED_AFTER_S:g} s after its successor (share)",
          lf["checked"], lf["superseded_share"], "", ""),
@@ -240,8 +248,9 @@ def _one_round(env: ServeEnv) -> list[tuple]:
 
 
 def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float = 2000.0, seconds: float = 20.0,
-        repeats: int = MIN_REPEATS, table=None) -> str:
-    env = ServeEnv(events, rate, seconds, table)
+        repeats: int = MIN_REPEATS, table=None, bootstrap: str | None = None, publish_every_s: float = 5.0) -> str:
+    """``bootstrap``: a running broker's (topics named per measurement), else one of its own."""
+    env = ServeEnv(events, rate, seconds, table, bootstrap=bootstrap, publish_every_s=publish_every_s)
     try:
         rounds = interleaved({"round": lambda: _one_round(env)}, repeats=repeats,
                              on_run=lambda _c, r, _res: print(f"bench serve: round {r + 1} done", flush=True))["round"]
@@ -256,7 +265,7 @@ def run(out_dir: str | None = "bench/results", events: int = 30_000, rate: float
                       f"authenticated (--update-key-file). (c): rows / "
                       f"(last - first pred_scoring_time), {events:,} events already in the topic. Latency: each event's "
                       f"produce timestamp to its predictions message's timestamp, events produced at {rate:,.0f}/s "
-                      f"for {seconds:g} s (the first 2 s left out). Freshness: a version published every 5 s "
+                      f"for {seconds:g} s (the first 2 s left out). Freshness: a version published every {publish_every_s:g} s "
                       f"during that run; its record's timestamp until >= 99% of the predictions made from then on "
                       f"(until the next publication) carry it or a newer one; superseded: the predictions made "
                       f"more than 5 s after a newer version's publication that carry an older one. "
@@ -359,6 +368,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="how long events are produced at --rate (default 20)")
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="rounds of every measurement (>= 3); medians")
     ap.add_argument("--out-dir", default="bench/results", help="where the table is written (default bench/results)")
+    ap.add_argument("--publish-every", type=float, default=5.0, help="seconds between the versions published during "
+                    "the latency run (default 5)")
+    ap.add_argument("--bootstrap", default=None, help="a running broker to use (default: one of its own)")
     add_table_options(ap, "score this table's rows (CSV, Parquet, JSON lines)")
     ap.add_argument("--drift-compare", action="store_true", help="only the throughput, with drift monitoring on "
                     "and off (interleaved; goal on >= 0.9x off)")
@@ -372,7 +384,7 @@ def main(argv=None) -> None:
         run_drift_compare(out_dir=a.out_dir, events=a.events, repeats=a.repeats, table=table_from_options(ap, a))
         return
     run(out_dir=a.out_dir, events=a.events, rate=a.rate, seconds=a.seconds, repeats=a.repeats,
-        table=table_from_options(ap, a))
+        table=table_from_options(ap, a), bootstrap=a.bootstrap, publish_every_s=a.publish_every)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,16 @@ ARCH = {"kind": "mlp", "hidden": [128, 64], "dropout": 0.0, "seed": 0}  # the on
 class ServeEnv:
     """One broker, the dataset, the raw events and the update key for all rounds."""
 
-    def __init__(self, events: int, rate: float, seconds: float, table=None, broker: bool = True):
+    def __init__(self, events: int, rate: float, seconds: float, table=None, broker: bool = True,
+                 bootstrap: str | None = None, publish_every_s: float = 5.0):
+        """``bootstrap``: a running broker's, else (with ``broker``) one of its own."""
         from flowtrain.local.kafka import LocalKafka, free_port
 
         self.table = table or Table()
         self.work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-serve-"))
-        self.broker = self.bootstrap = None
-        if broker:  # none for the in-process measurements (--drift-micro)
+        self.publish_every_s = publish_every_s
+        self.broker, self.bootstrap = None, bootstrap
+        if broker and bootstrap is None:  # none for the in-process measurements (--drift-micro)
             self.broker = LocalKafka(port=free_port(), data_dir=self.work / "kafka")
             self.broker.start(quiet=True)
             self.bootstrap = self.broker.bootstrap

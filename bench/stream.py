@@ -148,8 +148,10 @@ def _run_job(bootstrap, names, dataset, run: Path, *, events: int, rate: float, 
 
 def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_seconds: float = LATENCY_SECONDS,
         repeats: int = MIN_REPEATS, table: Table | None = None, metrics_compare: bool = False,
-        compare_with: str | None = None, event_format: str | None = None) -> str:
-    """Every measurement ``repeats`` times (whole rounds, so the cases interleave); cells are medians."""
+        compare_with: str | None = None, event_format: str | None = None, bootstrap: str | None = None,
+        latency_rates: tuple[int, ...] = LATENCY_RATES) -> str:
+    """Every measurement ``repeats`` times (whole rounds, so the cases interleave); cells are medians.
+    ``bootstrap``: a running broker's (its topics named per round), else each round starts one of its own."""
     table = table or Table()
     rows = table.rows()
     if rows is not None and events > rows - 1:  # one event creates the topic, the rest are measured
@@ -158,7 +160,8 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
     if code and not (code / "flowtrain" / "cli").is_dir():
         raise SystemExit(f"bench stream: --compare-with {compare_with}: not a flowtrain checkout (no flowtrain/cli)")
     rounds = interleaved({"round": lambda: _one_round(events, latency_seconds, table, metrics_compare, code,
-                                                      event_format)}, repeats=repeats)["round"]
+                                                      event_format, bootstrap, latency_rates)},
+                         repeats=repeats)["round"]
     what = f"input {' '.join(table.input)}" if table.input else describe()
     headers = ["measure", "events/rows", "seconds", "per second", "vs anchor"]
     if code:
@@ -188,9 +191,10 @@ def run(out_dir: str | None = "bench/results", events: int = 150_000, latency_se
                          "rows + unlabelled + dead letters checked); goal >= 10,000 events/s. Latency: from each "
                          "event's produce "
                          "timestamp to the publish time of the first model version that trained it (checkpoint "
-                         f"and publish every 1 s), {LATENCY_SECONDS:g} s of events at each rate; goal p99 < 5 s at "
+                         f"and publish every 1 s), {latency_seconds:g} s of events at each rate; goal p99 < 5 s at "
                          f"2,000 events/s. Each cell the {repeats_note(repeats)} (a round runs every measurement "
-                         "once, on a broker of its own)."], out_dir=out_dir)
+                         f"once, on {'the broker at ' + bootstrap if bootstrap else 'a broker of its own'})."],
+                  out_dir=out_dir)
 
 
 def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, metrics: bool = False,
@@ -251,12 +255,15 @@ def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, met
 
 def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Table | None = None,
                metrics_compare: bool = False, compare_with: Path | None = None,
-               event_format: str | None = None) -> list[tuple]:
+               event_format: str | None = None, bootstrap: str | None = None,
+               latency_rates: tuple[int, ...] = LATENCY_RATES) -> list[tuple]:
     table = table or Table()
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-stream-"))
-    broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
-    broker.start(quiet=True)
-    bootstrap = broker.bootstrap
+    broker = None
+    if bootstrap is None:  # a broker of the round's own
+        broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
+        broker.start(quiet=True)
+        bootstrap = broker.bootstrap
     rows = []
     try:
         dataset = table.make_dataset(work)
@@ -275,12 +282,13 @@ def _one_round(events: int, latency_seconds: float = LATENCY_SECONDS, table: Tab
             rows.append(("sustained, --metrics-port on both halves, scraped every 1 s", events, on[1],
                          events / on[1], off[1] / on[1]))
         else:
-            rows += _whole_job(bootstrap, dataset, work, events, latency_seconds, table)
+            rows += _whole_job(bootstrap, dataset, work, events, latency_seconds, table, latency_rates)
     finally:
         from connectors.kafka import close_all_clients
 
         close_all_clients()
-        broker.stop(quiet=True)
+        if broker is not None:
+            broker.stop(quiet=True)
     shutil.rmtree(work, ignore_errors=True)  # kept only when the round failed (logs, broker data)
     return rows
 
@@ -303,7 +311,8 @@ def _formats_compare(bootstrap, dataset, work: Path, events: int, table: Table, 
              old[1] / new[1])]
 
 
-def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: float, table: Table) -> list[tuple]:
+def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: float, table: Table,
+               latency_rates: tuple[int, ...] = LATENCY_RATES) -> list[tuple]:
     """Sustained throughput, the trainer's consume rate, latency at fixed rates: the rows of a round."""
     rows = []
     names, took = _sustained(bootstrap, dataset, work / "throughput", events, table)
@@ -333,7 +342,7 @@ def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: flo
                  raw_s / train_s))
 
     # --- 2. latency at fixed rates ---------------------------------------------------------
-    for rate in LATENCY_RATES:
+    for rate in latency_rates:
         names2 = _names()
         run2 = work / f"latency-{rate}"
         n = min(int(rate * latency_seconds), events)
@@ -429,11 +438,17 @@ def main(argv=None) -> None:
     ap.add_argument("--event-format", choices=("avro", "protobuf"), default=None,
                     help="only the sustained measurement, JSON events against the same events in this format with a "
                          "local Schema Registry (Apicurio)")
+    ap.add_argument("--latency-rates", default=",".join(map(str, LATENCY_RATES)),
+                    help="comma-separated events/s of the latency rows (default 2000,8000)")
+    ap.add_argument("--bootstrap", default=None, help="a running broker to use (default: each round starts its own)")
     add_table_options(ap, "replay this table (CSV, Parquet, JSON lines)")
     a = ap.parse_args(argv)
+    rates = tuple(int(r) for r in a.latency_rates.split(",") if r.strip())
+    if not rates or min(rates) < 1:
+        raise SystemExit(f"--latency-rates {a.latency_rates!r}: give events/s >= 1, e.g. 2000,8000")
     run(out_dir=a.out_dir, events=a.events, latency_seconds=a.latency_seconds, repeats=a.repeats,
         table=table_from_options(ap, a), metrics_compare=a.metrics_compare, compare_with=a.compare_with,
-        event_format=a.event_format)
+        event_format=a.event_format, bootstrap=a.bootstrap, latency_rates=rates)
 
 
 if __name__ == "__main__":
