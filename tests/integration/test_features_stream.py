@@ -1,0 +1,181 @@
+"""Features over time on the stream (Prism, a real broker): generated payments replayed keyed by card, delivered
+out of order within the allowed lateness, the stream pipeline computing the aggregates and the as-of join,
+SIGKILLed mid-stream and restarted. The skew gate (`flowtrain skew`) against `flowtrain features`' backfill of the
+same events finds zero mismatches; rows go to the features topic in offset order; a second pipeline with a
+shorter lateness counts and dead-letters the late events (reason `late`)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.csv as pacsv
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from connectors.arrow import decode_batch
+from connectors.dataset_spec import FeatureSpec
+from flowtrain.cli.main import main
+from flowtrain.commands.skew import SkewJob, run_skew
+from flowtrain.local.runners import pipeline_options
+from pipelines.features.columns import shard_of
+from pipelines.features.declare import declare
+from pipelines.features.transactions import generate_transactions
+from pipelines.stream.status import read_status
+from pipelines.tabular.pipeline import run_tabular_etl
+from tests.kafka_checks import committed
+from tests.procs import stop_group
+
+pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(600)]
+CLI = [sys.executable, "-m", "flowtrain.cli"]
+EVENTS, DELAY, PARTITIONS = 2400, 600, 3
+AGGREGATIONS = ["card:amount:count,sum,mean,max,std:10m,1h,1d,life", "card:*:count:10m",
+                "card:merchant:distinct:1d"]
+
+
+def _declaration_args(merchants: str) -> list[str]:
+    args = ["--join", f"{merchants}:merchant:valid_from"]
+    for a in AGGREGATIONS:
+        args += ["--aggregate", a]
+    return args
+
+
+def _read(bootstrap: str, topic: str) -> list:
+    c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=4000)
+    c.assign([TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or ()])
+    c.seek_to_beginning()
+    out = list(c)
+    c.close()
+    return out
+
+
+def _pipeline(bootstrap, names, dataset, out: Path, merchants, lateness: float, log: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["stream", "pipeline", "--bootstrap", bootstrap, "--raw-topic", names["raw"], "--features-topic",
+            names["features"], "--dead-letter-topic", names["dead"], "--group-id", names["group"], "--dataset",
+            dataset, "--out", str(out), "--batch-size", "150", "--max-delay", "0.5", "--allowed-lateness",
+            str(lateness), "--log-features", str(log), "--log-features-id", "txn", *_declaration_args(merchants)]
+    return subprocess.Popen(CLI + args, stdout=open(out / "pipeline.log", "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait(bootstrap, names, proc, out: Path, at_least: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, end = committed(bootstrap, names["raw"], names["group"])
+        if done >= at_least and (at_least < EVENTS or done == end):
+            return
+        assert proc.poll() is None, (out / "pipeline.log").read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"pipeline did not commit {at_least} in {timeout} s: "
+                         f"{(out / 'pipeline.log').read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def streamed(bootstrap, tmp_path_factory):
+    base = tmp_path_factory.mktemp("features-stream")
+    txns, merchants = generate_transactions(EVENTS, cards=60, merchants=30, days=8, delay_s=DELAY, seed=21)
+    pacsv.write_csv(txns, base / "txns.csv")
+    pacsv.write_csv(merchants, base / "merchants.csv")
+    m = str(base / "merchants.csv")
+    # the backfill, and a dataset of it (the model's columns: the aggregates) for the stream's featurizer
+    assert main(["features", "--input", str(base / "txns.csv"), "--time-column", "time", "--out",
+                 str(base / "backfill.parquet"), *_declaration_args(m)]) == 0
+    decl = declare(AGGREGATIONS, [f"{m}:merchant:valid_from"])
+    names_ = decl.aggregate_names()
+    nullable = [n for n in names_ if any(a in n for a in ("_mean_", "_max_", "_std_"))]
+    spec = FeatureSpec(label="fraud", task="classification", time_column="time", categorical=["category"],
+                       numeric=["amount", *(n for n in names_ if n not in nullable)],
+                       optional_numeric=[*nullable, "merchant_risk_tier"])
+    run_tabular_etl([str(base / "backfill.parquet")], spec, dataset_path=str(base / "dataset"),
+                    dead_letters_path=None, options=pipeline_options("batch"))
+    tag = uuid.uuid4().hex[:6]
+    names = {"raw": f"fraw-{tag}", "features": f"ffeat-{tag}", "dead": f"fdead-{tag}", "group": f"fg-{tag}"}
+    # the pipeline first, then the payments at 400/s in arrival order (out of order by up to 10 minutes),
+    # keyed by card; the pipeline is SIGKILLed halfway and started again
+    replay = subprocess.Popen(CLI + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--input",
+                                     str(base / "txns.csv"), "--key-column", "card", "--partitions",
+                                     str(PARTITIONS), "--rate", "400"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    log, out = base / "logged", base / "p"
+    proc = _pipeline(bootstrap, names, str(base / "dataset"), out, m, DELAY, log)
+    try:
+        _wait(bootstrap, names, proc, out, EVENTS // 2)
+        stop_group(proc, signal.SIGKILL)
+        assert replay.wait(timeout=120) == 0, replay.stdout.read().decode()[-2000:]
+        proc = _pipeline(bootstrap, names, str(base / "dataset"), out, m, DELAY, log)
+        _wait(bootstrap, names, proc, out, EVENTS)
+    finally:
+        stop_group(proc)
+        stop_group(replay, signal.SIGKILL)
+    # a second pipeline (its own group) with a shorter lateness: events more than 2 minutes late are dead letters
+    late_names = {**names, "features": f"ffeat2-{tag}", "dead": f"fdead2-{tag}", "group": f"fg2-{tag}"}
+    late_out = base / "late"
+    proc = _pipeline(bootstrap, late_names, str(base / "dataset"), late_out, m, 120, base / "logged-late")
+    try:
+        _wait(bootstrap, late_names, proc, late_out, EVENTS)
+    finally:
+        stop_group(proc)
+    return {"base": base, "txns": txns, "names": names, "late_names": late_names, "log": log,
+            "pipeline_log": (out / "pipeline.log").read_text(), "late_log": (late_out / "pipeline.log").read_text(),
+            "aggregates": [*names_, "merchant_risk_tier"]}
+
+
+def test_the_stream_equals_the_backfill_across_a_kill9(streamed):
+    assert "stream pipeline:" in streamed["pipeline_log"]
+    code, lines = run_skew(SkewJob(logged=(str(streamed["log"]),), backfill=str(streamed["base"] / "backfill.parquet"),
+                                   id="txn", features=tuple(streamed["aggregates"])))
+    report = "\n".join(lines)
+    assert code == 0 and "skew: none" in report, report
+    events = lines[0]
+    matched = int(events.split(" compared")[0].removeprefix("events: ").replace(",", ""))
+    # what is not logged: the events still waiting for the watermark at the end (inside the allowed lateness at
+    # the end of their partition, or behind such an event in offset order), as the pipeline counted them
+    status = read_status(str(streamed["base"] / "p" / "pipeline-status.json"))
+    waiting = sum(s.get("waiting", 0) for s in status)
+    txns = streamed["txns"]
+    times = txns.column("time").to_numpy()
+    part = np.array([shard_of(c, PARTITIONS) for c in txns.column("card").to_pylist()])
+    inside = sum(int((times[part == p] > times[part == p].max() - DELAY).sum()) for p in range(PARTITIONS))
+    assert matched == EVENTS - waiting and inside <= waiting <= 3 * inside + 30, (matched, waiting, inside, report)
+    assert " 0 logged twice with other values" in events, events
+
+
+def test_rows_go_on_in_offset_order_and_no_event_was_late(streamed, bootstrap):
+    names = streamed["names"]
+    for message in _read(bootstrap, names["features"]):
+        offsets = decode_batch(message.value)["src_offset"].to_pylist()
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+    reasons = Counter(dict(m.headers)["reason"].decode().split(":")[0] for m in _read(bootstrap, names["dead"]))
+    assert reasons.get("late", 0) == 0, reasons
+
+
+def test_a_shorter_lateness_counts_and_dead_letters_the_late_events(streamed, bootstrap):
+    names = streamed["late_names"]
+    late = [m for m in _read(bootstrap, names["dead"]) if dict(m.headers)["reason"].decode().startswith("late:")]
+    assert late, streamed["late_log"][-2000:]
+    status = read_status(str(streamed["base"] / "late" / "pipeline-status.json"))
+    assert sum(s.get("late", 0) for s in status) == len({(m.partition, m.offset) for m in late})
+    reason = dict(late[0].headers)["reason"].decode()
+    assert "more than the allowed lateness (120 s) behind its partition's watermark" in reason
+
+
+def test_flowtrain_skew_exits_0_then_3_on_a_value_changed_in_the_log(streamed, tmp_path, capsys):
+    backfill = str(streamed["base"] / "backfill.parquet")
+    args = ["skew", "--backfill", backfill, "--id", "txn", "--features", ",".join(streamed["aggregates"])]
+    assert main([*args, "--logged", str(streamed["log"])]) == 0
+    assert "skew: none" in capsys.readouterr().out
+    rows = [json.loads(line) for f in sorted(streamed["log"].glob("*.jsonl")) for line in f.read_text().splitlines()]
+    once = Counter(r["txn"] for r in rows)
+    row = next(r for r in rows[len(rows) // 2:] if once[r["txn"]] == 1 and r["card_amount_sum_1d"])
+    changed = [dict(r, card_amount_sum_1d=r["card_amount_sum_1d"] * (1 + 1e-8)) if r is row else r for r in rows]
+    (tmp_path / "changed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))  # 1e-8: beyond 1e-9
+    assert main([*args, "--logged", str(tmp_path / "changed.jsonl")]) == 3
+    out = capsys.readouterr().out
+    assert "skew: 1 mismatches beyond 1e-09 relative" in out and f"txn={row['txn']}" in out, out
