@@ -53,7 +53,7 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
 
     command = "flowtrain stream score"
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
-    if job.id_column in SOURCE_COLUMNS:  # the message's own columns are fixed; these name the event's position
+    if job.id_column in SOURCE_COLUMNS:  # the stream's own names for the event's position
         raise FlowtrainError(f"{command} --id-column {job.id_column}: the stream keeps each event's position in "
                              f"{', '.join(SOURCE_COLUMNS)}, so no event field can have that name; give the id "
                              f"another field name")

@@ -6,7 +6,8 @@
          bad events to the dead-letter topic, confirmed before the micro-batch moves on
       -> Reshuffle                       (scoring spread over the workers, not tied to the partition's reader)
       -> RunInference(FlowtrainModelHandler(newest=NewestVersion))
-      -> WritePredictions: record batches on the predictions topic (``PREDICTION_SCHEMA``), acknowledged
+      -> WritePredictions: record batches on the predictions topic (``prediction_layout``: the pred_* columns,
+         the id and the label), acknowledged
       -> CommitScored (keyed by raw partition, Beam state): commits the raw offsets up to which
          every event has its prediction or dead letter acknowledged (at least once).
 
