@@ -162,7 +162,8 @@ def _found_dead(path: Path, marker: dict | None) -> str | None:
     holds the directory's lock, and the marker names this host): the marker recorded ``failed``, and the line
     saying so. None otherwise (no run, one that ended, or one on another host: not provably dead)."""
     if marker is None or marker.get("status") != "running" or not held(path) \
-            or marker.get("host", socket.gethostname()) != socket.gethostname():
+            or marker.get("host", socket.gethostname()) != socket.gethostname() \
+            or marker.get("pid") == os.getpid():  # this very process's run, not ended yet: alive
         return None
     who = f"pid {marker['pid']} on host {marker.get('host')}" if marker.get("pid") else "pid not recorded"
     error = (f"its process ({who}) died without recording the run's end (a native crash such as SIGSEGV, "
