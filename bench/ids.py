@@ -1,10 +1,13 @@
 """ID tables (flowtrain.train.ids) against torch.nn.EmbeddingBag on one process, and the bytes of a
 published version.
 
-* lookups/s: ``IdEmbedding`` at inference (key -> row map, then a gather) vs ``EmbeddingBag`` over
-  the same rows (its indices already rows: the hashing trick's cost, no map).
+* lookups/s: ``IdEmbedding`` at inference (the 64-bit keys' map to rows: one vectorised probe of
+  each key's home slot, then one fused gather) vs ``EmbeddingBag`` over the same rows (its indices
+  already rows: the hashing trick's cost, no map).
 * rows trained/s: a training step's forward, backward and per-row Adam (``IdEmbedding``: observe,
-  gather, sparse lazy Adam) vs ``EmbeddingBag(sparse=True)`` + ``torch.optim.SparseAdam``.
+  one fused gather, the rows' gradients summed per row, sparse lazy Adam by ``index_select`` /
+  ``index_copy_``) vs ``EmbeddingBag(sparse=True)`` + ``torch.optim.SparseAdam``. Goals (issue 49):
+  lookups/s >= 0.5x and rows trained/s >= 0.9x EmbeddingBag's.
 * bytes per version: a snapshot of a table of ``--ids`` rows and a delta with ``--touched`` of them
   updated (``flowtrain.train.ids.publish``).
 * memory (issue 32 item 5): one rank's share of a ``--memory-ids`` table at ``--dim`` with Adam state
@@ -38,12 +41,13 @@ from connectors.id_keys import NO_KEY
 from flowtrain.parallel.zero_units import peak_rss_bytes
 from flowtrain.train.ids import IdEmbedding, IdTable, owner_of
 from flowtrain.train.ids.publish import IdPublisher
-from flowtrain.train.memory_plan import grown_capacity, id_table_bytes
+from flowtrain.train.memory_plan import grown_capacity, id_table_bytes, id_table_transient
 
 
-def _filled(ids: int, dim: int, optimizer: str) -> IdEmbedding:
+def _filled(ids: int, dim: int, optimizer: str, keys: np.ndarray | None = None) -> IdEmbedding:
+    """A table holding ``keys`` (default: 0 .. ids - 1) in rows 0 .. ids - 1."""
     emb = IdEmbedding(dim, optimizer=optimizer, capacity=ids)
-    emb.table.observe(np.arange(ids, dtype=np.int64))
+    emb.table.observe(np.arange(ids, dtype=np.int64) if keys is None else keys)
     return emb
 
 
@@ -52,19 +56,23 @@ def run(ids: int = 1_000_000, dim: int = 16, batch: int = 4096, steps: int = 20,
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
     batches = [np.minimum(rng.zipf(1.2, size=batch), ids) - 1 for _ in range(steps)]
-    emb = _filled(ids, dim, "adam")
+    # the IDs' 64-bit keys as connectors.id_keys makes them (hashes): the table maps them to rows, EmbeddingBag takes
+    # the rows themselves (the hashing trick's cost: no map)
+    keys = _keys(0, ids)
+    emb = _filled(ids, dim, "adam", keys)
     emb.train()
     bag = nn.EmbeddingBag(ids, dim, mode="sum", sparse=True)
     bag_opt = torch.optim.SparseAdam(bag.parameters(), lr=0.01)
     head = torch.ones(dim)
     offsets = torch.arange(batch)
     as_tensors = [torch.as_tensor(b) for b in batches]
+    as_keys = [torch.as_tensor(keys[b]) for b in batches]
 
     def ids_lookup():
         emb.eval()
         with torch.no_grad():
-            for b in as_tensors:
-                emb(b)
+            for k in as_keys:
+                emb(k)
 
     def bag_lookup():
         with torch.no_grad():
@@ -73,8 +81,8 @@ def run(ids: int = 1_000_000, dim: int = 16, batch: int = 4096, steps: int = 20,
 
     def ids_train():
         emb.train()
-        for b in as_tensors:
-            (emb(b) @ head).sum().backward()
+        for k in as_keys:
+            (emb(k) @ head).sum().backward()
             emb.step(batch, 0.01)
 
     def bag_train():
@@ -148,13 +156,15 @@ def build_rank_table(ids: int, dim: int, workers: int, growth: str, chunk: int =
              "max_ids": lambda: IdTable(dim, optimizer="adam", max_ids=ids, shards=workers),
              "unbounded": lambda: IdTable(dim, optimizer="adam")}[growth]()
     planned = id_table_bytes(grown_capacity(share, table.capacity, table.max_ids, table.shards), dim)  # its rows' plan
+    # and its busiest moment beside them: the last growth's old tensor, or a chunk's new keys being admitted
+    transient = id_table_transient(share, dim, table.capacity, table.max_ids, table.shards, -(-chunk // workers))
     t0 = time.perf_counter()
     for lo in range(0, ids, chunk):
         keys = _keys(lo, min(ids, lo + chunk))
         table.observe(keys[owner_of(keys, workers) == 0])
     seconds = time.perf_counter() - t0
     return {"ids": ids, "dim": dim, "workers": workers, "growth": growth, "sized": growth == "sized",
-            "rows": len(table), "planned": planned,
+            "rows": len(table), "planned": planned, "planned_peak": planned + transient,
             "capacity": table.capacity, "state_bytes": table.state_bytes(), "peak_rise": _hwm_bytes() - before,
             "rss_rise": _rss_bytes() - before, "seconds": seconds}
 
@@ -179,15 +189,16 @@ def _memory_table(rows: list[dict]) -> str:
     whole = r0["ids"] * (r0["dim"] * 2 + 1) * 4  # the rows, exp_avg and a row-wise exp_avg_sq
     lines = [f"Memory: rank 0's share of a {r0['ids']:,}-ID table at dimension {r0['dim']} with Adam state (the "
              f"whole table's rows and moments: {whole / 1e9:.2f} GB) over {r0['workers']} ranks, built from empty",
-             "", "| rank 0's table | rows | capacity | planned (GB) | table state (GB) | peak RSS rise (GB) | "
-             "RSS rise after (GB) | seconds |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| rank 0's table | rows | capacity | planned (GB) | table state (GB) | planned peak (GB) | "
+             "peak RSS rise (GB) | peak / planned | RSS rise after (GB) | seconds |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kind = {"sized": "sized to its rows (as a checkpoint reloads it)",
                 "max_ids": f"grown from empty under --max-ids {r['ids']:,} (straight to its share)",
                 "unbounded": "grown from empty without --max-ids (x2 to 1,048,576 rows, then x1.25)"}[r["growth"]]
         lines.append(f"| {kind} | {r['rows']:,} | {r['capacity']:,} | {r['planned'] / 1e9:.3f} | "
-                     f"{r['state_bytes'] / 1e9:.3f} | {r['peak_rise'] / 1e9:.3f} | {r['rss_rise'] / 1e9:.3f} | "
-                     f"{r['seconds']:.1f} |")
+                     f"{r['state_bytes'] / 1e9:.3f} | {r['planned_peak'] / 1e9:.3f} | {r['peak_rise'] / 1e9:.3f} | "
+                     f"{r['peak_rise'] / r['planned_peak']:.2f} | {r['rss_rise'] / 1e9:.3f} | {r['seconds']:.1f} |")
     return "\n".join(lines)
 
 

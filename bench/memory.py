@@ -10,7 +10,12 @@ local shards), the planned bytes (``flowtrain.train.memory_plan``), and seconds 
 table is the median of the repeats (at least 3). Pipeline stages and tensor shards are listed from
 the plan (an even split of the parameters), against one device. Goals (issue 31): ZeRO-3 per-rank
 state <= 1.1x (one device / N) and <= 1.1x FSDP2's; ZeRO-3 step time within 1/0.9 of FSDP2's;
-ZeRO-1 within 1/0.95 of plain DP.
+ZeRO-1 within 1/0.95 of plain DP. Issue 49: also where the memory wall is met (``--size 100m``: ~100M
+parameters) and with deferred construction (``--deferred``: every engine's model built on the meta device;
+ZeRO makes only each rank's shards, FSDP2 ``fully_shard``s the meta model, then ``to_empty`` and the same
+initial values, parameter by parameter), ZeRO-1 >= 0.95x plain DP and ZeRO-3 >= 1x FSDP2.
+
+    flowtrain bench memory --size 100m --deferred --workers 2,4 --steps 3 --batch 64
 """
 from __future__ import annotations
 
@@ -22,26 +27,39 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, median
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
+from flowtrain.parallel.deferred import Materializer, deferred, materialize
 from flowtrain.parallel.launch import heartbeat, spawn
 from flowtrain.parallel.zero import ZeroSharder
 from flowtrain.parallel.zero_units import storage_bytes
 from flowtrain.train.memory_plan import plan_memory
 
 D_MODEL, HIDDEN, BLOCKS = 256, 1024, 2
+#: ``--size``: the MLP's (d_model, hidden, blocks); 100m is where the memory wall is met (the capped demo's size)
+SIZES = {"1m": (256, 1024, 2), "100m": (1024, 4096, 12)}
 BUCKET_MB = 25  # DDP's default bucket: the plain reducer's and ZeRO-1/2's
 ENGINES = ("none", "optimizer", "gradients", "parameters", "fsdp2")
+PREFETCH = "parameters+prefetch"  # --prefetch: ZeRO-3 with the next layer's gather under this one's compute
 
 
-def build(d_model: int = D_MODEL, hidden: int = HIDDEN, blocks: int = BLOCKS) -> nn.Sequential:
-    torch.manual_seed(0)
+def _layers(d_model: int, hidden: int, blocks: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(blocks):
         layers += [nn.Linear(d_model, hidden), nn.ReLU(), nn.Linear(hidden, d_model)]
     return nn.Sequential(*layers)
+
+
+def build(d_model: int = D_MODEL, hidden: int = HIDDEN, blocks: int = BLOCKS, *,
+          on_meta: bool = False) -> nn.Sequential:
+    """The MLP; ``on_meta``: built on the meta device (``flowtrain.parallel.deferred``), its values made later, the
+    same as ``materialize`` gives the whole model."""
+    torch.manual_seed(0)
+    model = deferred(lambda: _layers(d_model, hidden, blocks), seed=0)
+    return model if on_meta else materialize(model)
 
 
 def _local(t):
@@ -51,17 +69,22 @@ def _local(t):
 def _run_engine(ctx: DistContext, engine: str, job: dict, data) -> dict:
     import torch.distributed as dist
 
-    model = build(job["d_model"], job["hidden"], job["blocks"])
+    on_meta = bool(job.get("deferred")) and engine != "none"  # plain DP holds the whole model: made whole
+    model = build(job["d_model"], job["hidden"], job["blocks"], on_meta=on_meta)
     loss_fn = nn.MSELoss()
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (ctx.world_size,))
+        source = Materializer(model) if on_meta else None
+        metas = dict(model.named_parameters()) if on_meta else {}
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if source is not None:  # FSDP2's deferred initialisation: to_empty, then each parameter's values
+            _fsdp2_initialise(model, source, metas)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
         def step(x, y):
@@ -90,8 +113,9 @@ def _run_engine(ctx: DistContext, engine: str, job: dict, data) -> dict:
                     + storage_bytes([v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])
                     + storage_bytes([b.buffer for b in getattr(reducer, "buckets", [])]))
     else:
-        zero = ZeroSharder(model, ctx, stage=engine, make_optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4),
-                           bucket_mb=BUCKET_MB)  # the plain reducer's buckets (ZeRO-3 gathers per layer)
+        stage = "parameters" if engine == PREFETCH else engine  # ZeRO-3 with each layer's gather started ahead
+        zero = ZeroSharder(model, ctx, stage=stage, make_optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4),
+                           bucket_mb=BUCKET_MB, prefetch=engine == PREFETCH)  # the plain reducer's buckets
 
         def step(x, y):
             lo, hi = local_rows(len(y), ctx)
@@ -101,8 +125,8 @@ def _run_engine(ctx: DistContext, engine: str, job: dict, data) -> dict:
 
         def held() -> int:
             return zero.state_bytes()["total"]
-    planned = plan_memory(build(job["d_model"], job["hidden"], job["blocks"]), workers=ctx.world_size,
-                          shard_states=engine if engine != "fsdp2" else "parameters", bucket_mb=BUCKET_MB).state
+    planned = plan_memory(build(job["d_model"], job["hidden"], job["blocks"], on_meta=True), workers=ctx.world_size,
+                          shard_states=engine if engine in ENGINES[:4] else "parameters", bucket_mb=BUCKET_MB).state
     for x, y in data[:2]:  # warm-up
         step(x, y)
     if ctx.distributed:
@@ -118,6 +142,16 @@ def _run_engine(ctx: DistContext, engine: str, job: dict, data) -> dict:
     if engine != "fsdp2" and engine != "none":
         zero.close()
     return out
+
+
+def _fsdp2_initialise(model: nn.Module, source: Materializer, metas: dict) -> None:
+    """A meta-device model ``fully_shard``ed: storage for each rank's shards (``to_empty``), then each parameter's
+    whole initial value, distributed as FSDP2 shards it (the local shard kept): what FSDP2 documents for deferred
+    initialisation, with the values ``materialize`` gives."""
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(distribute_tensor(source.value(metas[name]), p.device_mesh, p.placements))
 
 
 def worker(ctx: DistContext, job: dict) -> None:
@@ -141,17 +175,19 @@ def worker(ctx: DistContext, job: dict) -> None:
 
 
 def run(workers=(1, 2, 4), steps: int = 10, batch: int = 256, repeats: int = MIN_REPEATS, d_model: int = D_MODEL,
-        hidden: int = HIDDEN, blocks: int = BLOCKS, out_dir: str | None = "bench/results") -> str:
+        hidden: int = HIDDEN, blocks: int = BLOCKS, out_dir: str | None = "bench/results",
+        on_meta: bool = False, engines: tuple[str, ...] = ENGINES) -> str:
     check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-memory-"))
-    shape = dict(steps=steps, batch=batch, d_model=d_model, hidden=hidden, blocks=blocks, repeats=repeats)
-    model = build(d_model, hidden, blocks)
+    shape = dict(steps=steps, batch=batch, d_model=d_model, hidden=hidden, blocks=blocks, repeats=repeats,
+                 deferred=on_meta)
+    model = build(d_model, hidden, blocks, on_meta=True)  # its shapes (no memory)
     one_device = plan_memory(model, workers=1).state
     rows, per_n = [], {}
     for n in workers:
         out = work / f"n{n}.json"
-        spawn(n, "bench.memory:worker", {**shape, "engines": list(ENGINES), "out": str(out)}, threads_per_worker=1,
-              workdir=work / f"w{n}")
+        spawn(n, "bench.memory:worker", {**shape, "engines": list(engines), "out": str(out)}, threads_per_worker=1,
+              workdir=work / f"w{n}", failure_timeout_s=600)  # a ~100M-parameter step on a shared 2-core machine
         ranks = json.loads(out.read_text())
         per_n[n] = {}
         for engine in ranks[0]:
@@ -162,9 +198,11 @@ def run(workers=(1, 2, 4), steps: int = 10, batch: int = 256, repeats: int = MIN
             rows.append((n, engine if engine != "none" else "none (plain map/reduce)", worst / 2**20,
                          f"{worst / (one_device / n):.2f}", f"{planned / 2**20:.2f}", step_s * 1000))
     for n in workers:
-        if "fsdp2" in per_n[n] and "parameters" in per_n[n]:
-            z, f = per_n[n]["parameters"], per_n[n]["fsdp2"]
-            rows.append((n, "ZeRO-3 / FSDP2", f"{z[0] / f[0]:.2f}x bytes", "", "", f"{f[1] / z[1]:.2f}x speed"))
+        for zero3 in ("parameters", PREFETCH):
+            if "fsdp2" in per_n[n] and zero3 in per_n[n]:
+                z, f = per_n[n][zero3], per_n[n]["fsdp2"]
+                rows.append((n, "ZeRO-3 / FSDP2" + (" (prefetch)" if zero3 == PREFETCH else ""),
+                             f"{z[0] / f[0]:.2f}x bytes", "", "", f"{f[1] / z[1]:.2f}x speed"))
         if "optimizer" in per_n[n] and "none" in per_n[n]:
             z, d = per_n[n]["optimizer"], per_n[n]["none"]
             rows.append((n, "ZeRO-1 / plain DP", f"{z[0] / d[0]:.2f}x bytes", "", "", f"{d[1] / z[1]:.2f}x speed"))
@@ -178,8 +216,11 @@ def run(workers=(1, 2, 4), steps: int = 10, batch: int = 256, repeats: int = MIN
                              "planned MiB", "ms per step (median)"], rows,
                   notes=[f"MLP of {blocks} blocks {d_model}->{hidden}->{d_model} ({params / 1e6:.2f}M params), global "
                          f"batch {batch}, Adam, gloo on CPU, 1 thread per rank, {steps} timed steps per run, median of "
-                         f"{repeats} interleaved runs. State: distinct tensor storages of parameters, gradients, "
-                         f"optimizer state (and the plain reducer's buckets) held after a step."], out_dir=None)
+                         f"{repeats} interleaved runs"
+                         + (", every engine's model built on the meta device (deferred construction: ZeRO and FSDP2 "
+                            "make only each rank's shards)" if on_meta else "")
+                         + ". State: distinct tensor storages of parameters, gradients, optimizer state (and the plain "
+                           "reducer's buckets) held after a step."], out_dir=None)
     text += "\n\n" + report("memory-layouts", ["layout", "state MiB per rank", "vs one device"], layout_rows,
                             out_dir=None)
     if out_dir:
@@ -197,9 +238,19 @@ def main(argv=None) -> None:
     ap.add_argument("--d-model", type=int, default=D_MODEL)
     ap.add_argument("--hidden", type=int, default=HIDDEN)
     ap.add_argument("--blocks", type=int, default=BLOCKS)
+    ap.add_argument("--size", choices=sorted(SIZES), help="the MLP's d_model, hidden and blocks at once (100m: ~100M "
+                    "parameters, where the memory wall is met); overrides --d-model, --hidden, --blocks")
+    ap.add_argument("--deferred", action="store_true", help="build every engine's model on the meta device (each rank "
+                    "makes only its shards)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}, {PREFETCH}")
     a = ap.parse_args(argv)
+    d_model, hidden, blocks = SIZES[a.size] if a.size else (a.d_model, a.hidden, a.blocks)
+    engines = tuple(a.engines.split(","))
+    unknown = set(engines) - {*ENGINES, PREFETCH}
+    if unknown:
+        raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown; use {', '.join(ENGINES)}, {PREFETCH}")
     run(workers=tuple(int(n) for n in a.workers.split(",")), steps=a.steps, batch=a.batch, repeats=a.repeats,
-        d_model=a.d_model, hidden=a.hidden, blocks=a.blocks)
+        d_model=d_model, hidden=hidden, blocks=blocks, on_meta=a.deferred, engines=engines)
 
 
 if __name__ == "__main__":

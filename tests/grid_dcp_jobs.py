@@ -36,10 +36,14 @@ def run_job(ctx: DistContext, job: dict) -> None:
     the engine shards: replicas and a stage); rank 0 writes the final whole model (what a bundle holds) to
     ``job["out"]``."""
     torch.set_num_threads(1)
-    model = build_model()
-    config = SimpleNamespace(stages=1, tensor_parallel=job["tensor"], microbatches=1, schedule="1f1b", bucket_mb=1.0,
-                             lr=0.01, weight_decay=0.0, shard_states=job["stage"], stage_bounds=None)
-    sample = batches(1)[0][0][:4]
+    dtype = getattr(torch, job.get("dtype", "float32"))  # float64: the check mode (#49 item 5)
+    model = build_model(dtype=dtype)
+    stages = job.get("stages", 1)
+    bounds = [[0, len(model) // 2], [len(model) // 2, len(model)]] if stages == 2 else None  # a fixed cut
+    config = SimpleNamespace(stages=stages, tensor_parallel=job.get("tensor", 1), microbatches=3 if stages > 1 else 1,
+                             schedule="1f1b", bucket_mb=1.0, lr=0.01, weight_decay=0.0, shard_states=job["stage"],
+                             stage_bounds=bounds)
+    sample = batches(1, dtype=dtype)[0][0][:4]
     engine = GridEngine(model, ctx, config, nn.MSELoss(), sample)
     if job.get("load"):
         path, state = checkpoint.require_latest(job["load"])
@@ -51,7 +55,7 @@ def run_job(ctx: DistContext, job: dict) -> None:
         if ctx.is_main and job.get("loaded"):
             torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": loaded},
                        job["loaded"])
-    for x, y in batches(job["stop"])[job["start"]:]:
+    for x, y in batches(job["stop"], dtype=dtype)[job["start"]:]:
         engine.train_step(Rows(x[:, :N_NUMERIC], x[:, N_NUMERIC:].long()), y)
     engine.sync_model()
     if job.get("save"):

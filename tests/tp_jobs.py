@@ -24,13 +24,14 @@ N_NUMERIC, CARDS, HIDDEN = 4, [5, 2, 7], (32, 16, 12, 8)
 GLOBAL_BATCH = 24
 
 
-def build_model(dropout: float = 0.0) -> TabularMLP:
+def build_model(dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> TabularMLP:
     torch.manual_seed(0)
-    return TabularMLP(N_NUMERIC, CARDS, hidden=HIDDEN, dropout=dropout)
+    return TabularMLP(N_NUMERIC, CARDS, hidden=HIDDEN, dropout=dropout).to(dtype)
 
 
-def batches(steps: int, seed: int = 5, last_rows: int | None = None):
-    """``steps`` global batches of ``GLOBAL_BATCH`` rows; ``last_rows``: the last one partial, cut to that many."""
+def batches(steps: int, seed: int = 5, last_rows: int | None = None, dtype: torch.dtype = torch.float32):
+    """``steps`` global batches of ``GLOBAL_BATCH`` rows; ``last_rows``: the last one partial, cut to that many;
+    ``dtype``: of the packed inputs and the targets (float64: the check mode, ``--dtype float64``)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -38,7 +39,7 @@ def batches(steps: int, seed: int = 5, last_rows: int | None = None):
         x_cat = torch.stack([torch.randint(0, c, (GLOBAL_BATCH,), generator=gen) for c in CARDS], 1)
         noise = 0.05 * torch.randn(GLOBAL_BATCH, generator=gen)
         y = x_num[:, 0] - 0.5 * x_num[:, 1] + 0.3 * x_cat[:, 0].float() + noise
-        out.append((pack(x_num, x_cat), y))
+        out.append((pack(x_num, x_cat).to(dtype), y.to(dtype)))
     if last_rows is not None:
         out[-1] = (out[-1][0][:last_rows], out[-1][1][:last_rows])
     return out
@@ -86,10 +87,11 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     groups.close()
 
 
-def reference(steps: int, dropout: float = 0.0, last_rows: int | None = None) -> TabularMLP:
-    model = build_model(dropout)
+def reference(steps: int, dropout: float = 0.0, last_rows: int | None = None,
+              dtype: torch.dtype = torch.float32) -> TabularMLP:
+    model = build_model(dropout, dtype)
     opt = optimizer(model.parameters())
-    for x, y in batches(steps, last_rows=last_rows):
+    for x, y in batches(steps, last_rows=last_rows, dtype=dtype):
         opt.zero_grad(set_to_none=True)
         nn.MSELoss()(model(x), y).backward()
         opt.step()

@@ -34,7 +34,7 @@ def train(ctx: DistContext, *, steps: int, stage: str, optimizer: str = "adam", 
             loss_sum = None
         zero.backward(loss_sum, hi - lo)
         zero.step()
-        memory.append(zero.state_bytes())
+        memory.append({**zero.state_bytes(), "peak_state": zero.peak_state_bytes})
     state = zero.optimizer_state()
     zero.close()
     return model, memory, state
@@ -89,11 +89,12 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     from tests.tp_jobs import CARDS, N_NUMERIC, batches, build_model, optimizer
 
     stages, tensor = job.get("stages", 1), job.get("tensor", 1)
+    dtype = getattr(torch, job.get("dtype", "float32"))  # float64: the check mode (#49 item 5)
     grid = Grid.from_world(ctx.world_size, stages=stages, tensor=tensor)
     groups = build_groups(grid, ctx.rank)
     pos = groups.pos
-    model = build_model()
-    plan = plan_stages(model, stages, batches(1)[0][0][:2], measure=False)
+    model = build_model(dtype=dtype)
+    plan = plan_stages(model, stages, batches(1, dtype=dtype)[0][0][:2], measure=False)
     tplans = [plan_tensor_parallel(stage_module(model, plan, s), tensor) for s in range(stages)]
     module = shard_module(stage_module(model, plan, pos.stage), tplans[pos.stage],
                           TensorGroup(groups.tensor, pos.tensor, tensor))
@@ -102,7 +103,7 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     worker = StageWorker(module, pos, groups.data, SCHEDULES["1f1b"](stages, micro), micro, in_shape, nn.MSELoss(),
                          p2p_groups=(groups.forward, groups.backward))
     zero = shard_stage_worker(worker, ctx, stage=job["stage"], make_optimizer=optimizer)
-    for step, (x, y) in enumerate(batches(job["steps"], last_rows=job.get("last_rows"))):
+    for step, (x, y) in enumerate(batches(job["steps"], last_rows=job.get("last_rows"), dtype=dtype)):
         torch.manual_seed(1000 + step * 31 + pos.replica * stages + pos.stage)
         lo, hi = replica_rows(len(y), pos)
         zero.zero_grad()

@@ -39,10 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_registrars():
     """Commands with their own modules; each adds its sub-parser (and imports its work lazily)."""
-    from flowtrain.cli import batch, bench, compare, drift, features, local, predict, registry, stream
+    from flowtrain.cli import batch, bench, compare, drift, features, local, predict, registry, stream, tune
 
     return [local.register_kafka, batch.register, predict.register, drift.register, bench.register,
-            local.register_flink, stream.register, compare.register, registry.register, features.register]
+            local.register_flink, stream.register, compare.register, registry.register, features.register,
+            tune.register]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:

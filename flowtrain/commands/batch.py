@@ -40,6 +40,7 @@ from connectors.paths import is_url
 from flowtrain.commands.batch_etl import build_dataset, range_of
 from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
 from flowtrain.commands.dead_letter_bound import check_dead_letters, max_dead_letter_fraction_option
+from flowtrain.commands.tracking_options import TrackingOptions, check_tracking
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
@@ -153,7 +154,7 @@ class BatchWorkers:
 
 
 @dataclass
-class BatchJob(ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
+class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
     """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
     what it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism)
     and its own."""
@@ -314,13 +315,21 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     from flowtrain.train.jobs import fit_record, train
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.loop import check_label, positive_class_line
-    from flowtrain.train.models import build_run_model, check_factory_parallelism
+    from flowtrain.train.models import (
+        build_run_model,
+        check_factory_parallelism,
+        choose_ensemble,
+        choose_numeric_embedding,
+        recipe_line,
+        train_rows,
+    )
     from flowtrain.train.shards import memory_budget_bytes
 
     t0 = time.perf_counter()
     from flowtrain.train.bundle import bundle_key as read_bundle_key
 
     bundle_key = read_bundle_key(job.bundle_key_file)  # a bad key file fails now, not after training
+    check_tracking(job)  # --mlflow without MLflow: now, not after training
     from flowtrain.parallel.device import resolve_device
 
     # --device (and a GPU per local worker): an error before the ETL, not after it (checked again below)
@@ -361,6 +370,13 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         class_weights_of(job, data)  # --class-weight naming no class of the label: now, not in the workers
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
+    if not job.model and (job.ensemble is None or job.numeric_embedding is None):  # the recipe chosen from the
+        rows = train_rows(data)  # table, recorded in config.json (docs/models.md)
+        job = dataclasses.replace(job, ensemble=choose_ensemble(rows) if job.ensemble is None else job.ensemble,
+                                  numeric_embedding=choose_numeric_embedding(rows) if job.numeric_embedding is None
+                                  else job.numeric_embedding)
+        print(f"model: {recipe_line(job.ensemble, job.numeric_embedding)} (for {rows:,} training rows; --ensemble "
+              f"and --numeric-embedding set them)", flush=True)
     config = train_config(job)
     from flowtrain.train.metrics import check_select_by
 
@@ -385,18 +401,21 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
 
         # a worker's fixed overhead (interpreter, torch, flowtrain, the dataset): measured before the probe
         # model is built here, or its parameters would be counted twice (once as overhead, once as state)
-        overhead = worker_overhead_bytes()
-        probe = build_run_model(job.model, data, config)
+        overhead = worker_overhead_bytes(data)  # with the splits open, as a worker is when it is capped
+        probe = build_run_model(job.model, data, config, deferred=True)  # its shapes: on the meta device, no memory
         batch_size = plan_training(config, int(data.manifest["rows"]["train"]), data.kind).batch_size
+        dtype = {"float32": torch.float32, "float64": torch.float64}[config.dtype]
         mem = plan_memory(probe, workers=job.workers,
                           shard_states=config.shard_states if job.workers > 1 else "none", stages=config.stages,
                           tensor_parallel=config.tensor_parallel, bucket_mb=config.bucket_mb, batch_size=batch_size,
-                          id_rows=int(data.manifest["rows"]["train"]))  # ID tables without --max-ids: an upper bound
+                          id_rows=int(data.manifest["rows"]["train"]),  # ID tables without --max-ids: an upper bound
+                          dtype=dtype, keeps_best=True)
         if job.print_plan:
             print(mem.describe(), flush=True)
             return {"run_dir": str(run_dir), "memory_plan": mem.as_dict()}
         stop = fits_line(mem, probe, int(job.worker_memory * 2**30), overhead=overhead,
-                         batch_size=batch_size, id_rows=int(data.manifest["rows"]["train"]))
+                         batch_size=batch_size, id_rows=int(data.manifest["rows"]["train"]), dtype=dtype,
+                         bucket_mb=config.bucket_mb, keeps_best=True)
         if stop:
             raise FlowtrainError(stop)
         from flowtrain.parallel.memcap import mechanism
@@ -415,8 +434,11 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         torch.save(linear.model.state_dict(), fh)
     print(f"linear: fitted to convergence by L-BFGS ({linear.iterations} iterations, gradient norm "
           f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)
-    if not job.model:
-        config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"))
+    if not job.model:  # the network starts at its linear start, and its weight decay keeps that one's penalty
+        config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"),
+                                     weight_decay=2 * linear.l2 if job.weight_decay is None else job.weight_decay)
+    elif job.weight_decay is not None:
+        config = dataclasses.replace(config, weight_decay=job.weight_decay)
     atomic_write(run_dir / "config.json", json.dumps(redact(to_config(job)), indent=1) + "\n")  # no secrets
     job_dict = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume, "model": job.model,
                 "config": {k: (list(v) if isinstance(v, tuple) else v)
@@ -462,6 +484,12 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
                          linear=linear, fitted=fitted, training=training, workers=workers, slice_by=job.slice_by,
                          factory=job.model, bundle_key=bundle_key, t0=t0)
     mark_complete(run_dir)  # last: a run.json that says "running" is a run that crashed, failed or goes on
+    if job.mlflow:  # the finished run, its report, bundle and registered model (flowtrain[mlflow])
+        from flowtrain.commands.mlflow_tracking import log_batch_run
+
+        summary["mlflow_run_id"] = log_batch_run(job.mlflow, run_dir, experiment=job.mlflow_experiment,
+                                                 model_name=job.mlflow_model)
+        print(f"mlflow: run {summary['mlflow_run_id']} in {job.mlflow}", flush=True)
     key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "
           + ", ".join(f"{n} {m[key]:.4f}" for n, m in summary["test"]["baselines"].items()))

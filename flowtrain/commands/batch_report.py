@@ -16,7 +16,8 @@ from flowtrain.train.evaluation import evaluate_run
 from flowtrain.train.figures import plot_confusion, plot_curves, plot_evaluation
 from flowtrain.train.loader import TabularDataset, target_scale
 from flowtrain.train.loop import baseline_metrics, evaluate
-from flowtrain.train.metrics import MetricsLog
+from flowtrain.train.metrics import SELECT_BY, MetricsLog, standard_error
+from flowtrain.train.model_choice import model_choice
 from flowtrain.train.report import describe_data, write_report, write_summary
 from flowtrain.train.shards import open_split
 
@@ -55,12 +56,20 @@ def report_run(run_dir: Path, data: TabularDataset, *, title: str, dataset_path:
                    "grad_norm": linear.grad_norm, "l2": linear.l2, "seconds": linear.seconds},
         "wall_seconds": time.perf_counter() - t0,
     }
+    history = MetricsLog(run_dir / "metrics.jsonl").read()
+    metric = summary["select_by"] or "loss"
+    summary["model_choice"] = model_choice(
+        metric=metric, higher=SELECT_BY[metric], standard_error=standard_error, best_step=training.get("best_step"),
+        history=history,
+        valid_rows=int(summary["rows"]["valid"]), test_model=summary["test"]["model"],
+        test_linear=summary["test"]["baselines"]["linear model"],
+        architecture=f"your model {factory}" if factory else model.describe() if hasattr(model, "describe")
+        else type(model).__name__, parameters=sum(p.numel() for p in model.parameters()))
     # the evaluation (intervals, curves, thresholds, importance, slices), TensorBoard's test metrics
     evaluation = evaluate_run(data, {"flowtrain model": model, "linear model": linear.model}, test,
                               open_split(data, "valid", memory_budget=config.memory_budget), majority=majority,
                               select_by=summary["select_by"], scale=scale, slice_by=slice_by, seed=config.seed)
     summary["evaluation"] = evaluation.summary
-    history = MetricsLog(run_dir / "metrics.jsonl").read()
     plot_curves(history, run_dir, task=data.spec.task, metric=summary["select_by"], valid_rows=summary["rows"]["valid"])
     if data.kind == "multiclass":
         plot_confusion(run_dir, summary["test"]["model"]["confusion"], classes)

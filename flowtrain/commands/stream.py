@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, fraction, option, store_path
+from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
 from pipelines.presets import default_preset, preset_for, presets
@@ -239,7 +240,7 @@ class StreamPipelineJob(RunnerOptions, PipelineOptions, EventOptions, StreamComm
 
 
 @dataclass
-class StreamTrainJob(UpdateOptions, TrainerOptions, StreamCommon):
+class StreamTrainJob(TrackingOptions, UpdateOptions, TrainerOptions, StreamCommon):
     """The options of ``flowtrain stream train``: the online trainer on the features topic."""
 
 
@@ -249,8 +250,8 @@ class StreamScoreJob(RunnerOptions, UpdateOptions, ScoreOptions, EventOptions, S
 
 
 @dataclass
-class StreamJob(RunnerOptions, UpdateOptions, ScoreOptions, TrainerOptions, PipelineOptions, EventOptions,
-                StreamCommon):
+class StreamJob(TrackingOptions, RunnerOptions, UpdateOptions, ScoreOptions, TrainerOptions, PipelineOptions,
+                EventOptions, StreamCommon):
     """The options of ``flowtrain stream``: the feature pipeline and the online trainer (and with ``--score`` the
     scorer) as one job; every part's options."""
 

@@ -12,9 +12,10 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 
-from connectors.fields import options_of
+from connectors.fields import options_of, to_config
 from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
+from flowtrain.commands.tracking_options import check_tracking
 
 #: The trainer's engine reads these of the stream job's common options as they are (its own options, the
 #: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).
@@ -54,7 +55,21 @@ def run_stream_train(job: StreamTrainJob, *, given: Collection[str] = (),
     """Run the online trainer of ``job``; returns its summary (one process), or None after the ``job.workers`` x
     ``job.stages`` x ``job.tensor_parallel`` > 1 processes ended. ``ValueError``: a bad option, topic, checkpoint or
     weights (one line naming it); ``flowtrain.parallel.launch.WorkerFailure``: a process died or stalled."""
+    tracked = getattr(job, "mlflow", None)  # stream train's --mlflow (the whole `flowtrain stream` job has none)
+    if tracked:
+        check_tracking(job)  # MLflow missing: an error before training
     cfg = stream_train_config(job, given)
+    summary = _train(job, cfg, should_stop)
+    if tracked:  # the run, its prequential metrics and its newest version as a registered model
+        from flowtrain.commands.mlflow_tracking import log_stream_run
+
+        run_id = log_stream_run(job.mlflow, Path(job.out), config=to_config(job), dataset=cfg.dataset,
+                                experiment=job.mlflow_experiment, model_name=job.mlflow_model)
+        print(f"mlflow: run {run_id} in {job.mlflow}", flush=True)
+    return summary
+
+
+def _train(job: StreamTrainJob, cfg, should_stop: Callable[[], bool] | None) -> dict | None:
     processes = job.workers * job.stages * job.tensor_parallel  # replicas x pipeline stages x tensor shards
     if processes > 1:
         from connectors.secrets import SECRETS_ENV, split_secrets

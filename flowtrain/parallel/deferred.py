@@ -250,6 +250,8 @@ def materialize(module: nn.Module, device=None, dtype: torch.dtype | None = None
     object.__delattr__(module, DEFERRED_ATTR)
     if replaced:
         module._apply(lambda t: t)  # modules that derive state from their parameters (RNNs) take the new ones
+    if source.recording.dtype is not None:  # state a module keeps outside its tensors (ID tables) follows too
+        module.to(source.recording.dtype)
     return module
 
 

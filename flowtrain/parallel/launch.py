@@ -51,6 +51,11 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"worker rank {rank} {cause}" + (f"\n--- rank {rank} log ---\n{log_tail}" if log_tail else ""))
 
 
+def cap_worker(rank: int | str, is_main: bool) -> memcap.MemoryCap | None:
+    """``--worker-memory`` on this worker, once (``memcap.cap_from_env``; the cap recorded beside its heartbeat)."""
+    return memcap.cap_from_env(rank, is_main, os.environ.get(HEARTBEAT_ENV))
+
+
 def heartbeat(every_s: float = 1.0) -> None:
     """Called by workers each step: touches ``<dir>/rank-<r>.beat`` at most once per ``every_s``."""
     global _last_beat

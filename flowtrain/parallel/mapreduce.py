@@ -34,7 +34,9 @@ from torch import nn
 
 from flowtrain.parallel.context import DistContext
 
-__all__ = ["shard_bounds", "sum_loss", "GradientReducer", "LocalReducer", "make_reducer", "local_rows"]
+__all__ = ["shard_bounds", "sum_loss", "GradientReducer", "LocalReducer", "check_one_dtype", "empty_forward",
+           "make_reducer",
+           "local_rows"]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -98,7 +100,7 @@ class _Bucket:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         # ``extra`` trailing slots carry the step's metadata in the last bucket.
-        self.buffer = torch.zeros(self.numel + extra, dtype=torch.float32, device=params[0].device)
+        self.buffer = torch.zeros(self.numel + extra, dtype=params[0].dtype, device=params[0].device)
         self.pending = len(params)
         self.handle = None
 
@@ -115,8 +117,7 @@ class GradientReducer:
         self.group = group
         self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        if any(p.dtype != torch.float32 for p in self.params):
-            raise TypeError("GradientReducer reduces float32 parameters; cast the model with .float()")
+        check_one_dtype(self.params, "GradientReducer")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Buckets in reverse parameter order: the last layers' gradients are ready first.
         groups = size_buckets(list(reversed(self.params)), lambda p: p.numel() * p.element_size(), bucket_mb)
@@ -235,6 +236,27 @@ class GradientReducer:
     def sync_buffers(self, n_local: int) -> None:
         """The buffer rule (``sync_buffers``) over this reducer's group."""
         sync_buffers(self.module, n_local, self.group)
+
+
+def empty_forward(module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+    """``module`` on zero rows, as a rank with no rows runs it to take part in ZeRO-3's gathers: in eval mode, so a
+    BatchNorm neither fails on an empty batch ("expected more than 1 value per channel") nor moves its running
+    statistics (its buffers then count with weight 0 in ``sync_buffers``); its output's gradient is zero."""
+    was = module.training
+    module.eval()
+    try:
+        return module(*inputs)
+    finally:
+        module.train(was)
+
+
+def check_one_dtype(params: list[torch.Tensor], who: str) -> torch.dtype:
+    """The one floating-point type of ``params`` (float32, or float64: ``--dtype``); mixed types are a TypeError."""
+    kinds = {p.dtype for p in params}
+    if len(kinds) > 1 or any(not k.is_floating_point for k in kinds):
+        raise TypeError(f"{who} reduces parameters of one floating-point type, not {sorted(map(str, kinds))}; cast the "
+                        f"model with .float() or .double()")
+    return kinds.pop() if kinds else torch.float32
 
 
 def size_buckets(items: list, nbytes: Callable[[Any], int], bucket_mb: float) -> list[list]:

@@ -30,8 +30,8 @@ import resource
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CAP_ENV", "CAP_EXIT", "HEADROOM", "CapBelowOverhead", "MemoryCap", "apply_cap", "cap_env", "killed_line",
-           "mechanism", "over_cap", "read_cap", "remove_cgroup", "write_cap"]
+__all__ = ["CAP_ENV", "CAP_EXIT", "HEADROOM", "CapBelowOverhead", "MemoryCap", "applied", "apply_cap", "cap_env",
+           "cap_from_env", "killed_line", "mechanism", "over_cap", "read_cap", "remove_cgroup", "write_cap"]
 
 CAP_ENV = "FLOWTRAIN_WORKER_MEMORY"  # bytes each worker may hold
 CAP_EXIT = 3  # a worker that went over its cap (RLIMIT_AS)
@@ -147,13 +147,42 @@ def apply_cap(cap_bytes: int) -> MemoryCap:
     return MemoryCap(cap_bytes, "RLIMIT_AS", limit, allowance=allowance)
 
 
+_APPLIED: list[MemoryCap] = []  # this process's cap, once applied (``cap_from_env``)
+
+
+def cap_from_env(rank: int | str, is_main: bool, record_in: str | None = None) -> MemoryCap | None:
+    """``--worker-memory`` on this worker, once (a later call returns the cap applied): the cap in its environment
+    (``CAP_ENV``) applied now, recorded in ``record_in`` (its heartbeat's directory: the launcher reads it) and said
+    by rank 0. A training worker is capped once its data is open (``flowtrain.train.loop.fit``: the reader's threads
+    and allocator reservations are then part of the calibration, not of what it may still map); others at the start
+    (``worker.main``); both through ``flowtrain.parallel.launch.cap_worker``."""
+    if _APPLIED:
+        return _APPLIED[0]
+    if not os.environ.get(CAP_ENV):
+        return None
+    cap = apply_cap(int(os.environ[CAP_ENV]))
+    _APPLIED.append(cap)
+    if record_in:
+        write_cap(record_in, rank, cap)
+    if is_main:
+        print(f"worker memory: {cap.describe()}", flush=True)
+    return cap
+
+
+def applied() -> MemoryCap | None:
+    """The cap ``cap_from_env`` applied to this process (None: none yet)."""
+    return _APPLIED[0] if _APPLIED else None
+
+
 def over_cap(err: BaseException) -> bool:
-    """The error is an allocation that failed (what RLIMIT_AS makes of going over the cap)."""
+    """The error is an allocation that failed (what RLIMIT_AS makes of going over the cap: memory, or a new thread's
+    stack)."""
     if isinstance(err, MemoryError):
         return True
     text = str(err)
     return isinstance(err, RuntimeError) and any(s in text for s in ("can't allocate memory", "not enough memory",
-                                                                         "std::bad_alloc", "Cannot allocate memory"))
+                                                                         "std::bad_alloc", "Cannot allocate memory",
+                                                                         "can't start new thread"))
 
 
 def write_cap(directory: str | Path, rank: int | str, cap: MemoryCap) -> None:

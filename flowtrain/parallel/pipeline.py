@@ -34,6 +34,7 @@ from torch import nn
 
 from flowtrain.parallel import DistContext, GradientReducer, LocalReducer, shard_bounds, sum_loss
 from flowtrain.parallel.grid import Grid, GridPosition, build_groups
+from flowtrain.parallel.mapreduce import empty_forward
 from flowtrain.parallel.schedules import Schedule, ScheduleError, add_communication, format_schedule, microbatch_sizes
 
 __all__ = ["GridPosition", "grid_position", "StageWorker", "StepStats", "PipelineStepError", "replica_rows"]
@@ -99,6 +100,8 @@ class StageWorker:
             first = next(module.parameters(), None)
             device = first.device if first is not None else "cpu"
         self.device = torch.device(device)
+        first = next((p for p in module.parameters() if p.is_floating_point()), None)
+        self.dtype = first.dtype if first is not None else torch.float32  # activations cross stages in it (--dtype)
         self.reducer = GradientReducer(module, bucket_mb=bucket_mb, group=group) if group is not None \
             else LocalReducer(module)
         self._sends: list = []  # (work, payload) of isends not yet waited for
@@ -134,7 +137,7 @@ class StageWorker:
                     self._empty_microbatch(action.kind, m, inputs, held, losses)
                 elif action.comm == "r":
                     if action.kind == "F":
-                        buf = torch.empty((sizes[m], *self.in_shape), device=self.device)
+                        buf = torch.empty((sizes[m], *self.in_shape), dtype=self.dtype, device=self.device)
                         dist.recv(buf, src=pos.rank_of(pos.stage - 1), tag=_tag("F", m), group=self.forward_group)
                     else:
                         buf = torch.empty_like(held[m][1])
@@ -192,8 +195,9 @@ class StageWorker:
         """Forward or backward of a zero-row micro-batch (ZeRO-3: the replica still takes part in the layers'
         gathers, in the schedule's order); its gradient contribution is zero."""
         if kind == "F":
-            x = inputs[:0] if self.pos.is_first and inputs is not None else torch.zeros((0, *self.in_shape), device=self.device)
-            out = self.module(x)
+            x = inputs[:0] if self.pos.is_first and inputs is not None else \
+                torch.zeros((0, *self.in_shape), dtype=self.dtype, device=self.device)
+            out = empty_forward(self.module, x)  # eval mode: a BatchNorm on zero rows neither fails nor moves
             held[m] = (x, out)
             if self.pos.is_last:
                 losses[m] = out.sum() * 0.0

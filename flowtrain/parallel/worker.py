@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from flowtrain.parallel import init_from_env, memcap
 from flowtrain.parallel.device import local_world_size
-from flowtrain.parallel.launch import HEARTBEAT_ENV, heartbeat, record_failure
+from flowtrain.parallel.launch import cap_worker, heartbeat, record_failure
 from flowtrain.parallel.peers import exchange, lost_peers, use_route_to_master
 
 
@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         job = json.load(fh)
     rank = os.environ.get("RANK", "0")
     heartbeat()  # alive (the imports are done) before the rendezvous
-    cap = None
     try:
         torch.set_num_threads(_threads())
         device = job.get("device") or (job.get("config") or {}).get("device") or "auto"
@@ -77,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         module, name = target.split(":")
         function = getattr(importlib.import_module(module), name)
         heartbeat(every_s=0.0)  # its imports are done
-        if os.environ.get(memcap.CAP_ENV):  # --worker-memory: capped from here on (calibrated on what it holds now)
-            cap = memcap.apply_cap(int(os.environ[memcap.CAP_ENV]))
-            if os.environ.get(HEARTBEAT_ENV):
-                memcap.write_cap(os.environ[HEARTBEAT_ENV], rank, cap)
-            if ctx.is_main:
-                print(f"worker memory: {cap.describe()}", flush=True)
+        if not getattr(function, "caps_after_setup", False):  # --worker-memory: capped from here on (calibrated on
+            cap_worker(rank, ctx.is_main)  # what it holds now); a function that opens data first caps itself then
         function(ctx, job)
         if ctx.distributed:
             dist.barrier()  # nobody tears the group down while a peer still talks to it
@@ -90,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()  # process groups held in reference cycles go now, not during exit
             _exit_cleanly(0)
     except BaseException as err:  # noqa: BLE001 - every failure leaves with its rank named
+        cap = memcap.applied()
         line = cap.exceeded_line() if cap is not None and memcap.over_cap(err) else \
             str(err) if isinstance(err, memcap.CapBelowOverhead) else None
         if line is not None:  # over --worker-memory: one line, no traceback

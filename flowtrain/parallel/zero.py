@@ -54,7 +54,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flowtrain.parallel.context import DistContext
-from flowtrain.parallel.mapreduce import sync_buffers
+from flowtrain.parallel.deferred import Materializer, is_deferred, materialize
+from flowtrain.parallel.mapreduce import check_one_dtype, sync_buffers
+from flowtrain.parallel.zero_state import ZeroCheckpointing
 from flowtrain.parallel.zero_units import (
     RegatherBeforeBackward,
     ShardUnit,
@@ -78,7 +80,7 @@ def check_stage(stage: str) -> str:
 
 
 
-class ZeroSharder:
+class ZeroSharder(ZeroCheckpointing):
     """A module's training state sharded over the data-parallel ranks of ``group`` (module doc).
 
     Per step: ``zero_grad()``, forward, ``backward(loss_sum, n_local)`` (returns the global count and
@@ -88,25 +90,35 @@ class ZeroSharder:
 
     def __init__(self, module: nn.Module, ctx: DistContext, *, stage: str,
                  make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer], group=None,
-                 bucket_mb: float = 1.0):
+                 bucket_mb: float = 1.0, prefetch: bool = False):
         check_stage(stage)
         if stage == "none":
             raise ValueError("ZeroSharder shards state: stage 'none' is the plain map/reduce (GradientReducer)")
         self.module, self.ctx, self.stage, self.group = module, ctx, stage, group
+        # ZeRO-3: start each layer's gather while the layer before it computes (forward) or after it (backward)
+        self.prefetch = bool(prefetch) and stage == "parameters"
         self.world = dist.get_world_size(group) if ctx.distributed else 1
         self.rank = dist.get_rank(group) if ctx.distributed else 0
         self.collectives = choose_collectives(group) if ctx.distributed else ZeroCollectives()
         trainable = [p for p in module.parameters() if p.requires_grad]
-        if any(p.dtype != torch.float32 for p in trainable):
-            raise TypeError("--shard-states shards float32 parameters; cast the model with .float()")
-        device = trainable[0].device if trainable else torch.device("cpu")
-        self._broadcast_state()
+        # deferred construction (flowtrain.parallel.deferred): every rank makes its own parameters' values, the
+        # same as one process's, so nothing is broadcast; with ZeRO-3 only the slices it owns
+        source = Materializer(module) if is_deferred(module) else None
+        if source is None:
+            check_one_dtype(trainable, "--shard-states")
+            self._broadcast_state()
+        device = source.device if source is not None else trainable[0].device if trainable else torch.device("cpu")
         self.bucket_mb = bucket_mb
         groups = shard_units(module, stage, bucket_mb)
         self.units = [ShardUnit(i, ps, self.rank, self.world, device, flat_grad=stage == "optimizer",
                                 reduce_way=self.collectives.reduce_scatter,
-                                gather_way=self.collectives.gather(stage))
+                                gather_way=self.collectives.gather(stage), source=source,
+                                sharded=stage == "parameters")
                       for i, (_, ps) in enumerate(groups)]
+        for u in self.units:
+            u.observe = self._observe
+        if source is not None:
+            materialize(module)  # what is not sharded (buffers, frozen parameters): whole, the same on every rank
         self.params = [p for u in self.units for p in u.params]
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._flag_index = {id(p): k for k, p in enumerate(self.params)}
@@ -118,6 +130,8 @@ class ZeroSharder:
         self._next = 0
         self._n_local, self._loss_local = 0.0, 0.0
         self.peak_state_bytes = 0
+        self._static_bytes: int | None = None  # _held_bytes' fixed part
+        self._static_known = False
         self._closed = False
         if stage == "parameters":
             for ([mod], _), unit in zip(groups, self.units):
@@ -139,13 +153,29 @@ class ZeroSharder:
     # -- ZeRO-3 hooks ---------------------------------------------------------------------------------
     def _pre_forward(self, unit: ShardUnit):
         def hook(_module, _args):
-            if torch.is_grad_enabled() and not unit.gathered:
-                unit.gather_params(self.group)
+            if not unit.gathered or unit.prefetched is not None:
+                unit.gather_params(self.group)  # a prefetch in flight is waited on
+                # an evaluation (no gradients) of a sharded model: each layer gathered for its forward, then freed
+                unit.gathered_for_eval = not torch.is_grad_enabled()
+            if self.prefetch and unit.index + 1 < len(self.units):  # the next layer's gather under this one's compute
+                self.units[unit.index + 1].prefetch(self.group)
         return hook
+
+    def before_backward(self, unit: ShardUnit) -> None:
+        """ZeRO-3: ``unit`` whole for its backward (gathered again, or its prefetch waited on), and the unit before it
+        (the next to run backward) started gathering under this one's compute."""
+        if not unit.gathered or unit.prefetched is not None:
+            unit.gather_params(self.group)
+        if self.prefetch and unit.index > 0:
+            self.units[unit.index - 1].prefetch(self.group)
 
     def _post_forward(self, unit: ShardUnit, is_root: bool):
         def hook(_module, _args, output):
-            if not torch.is_grad_enabled() or is_root:  # the root's own parameters stay until backward
+            if not torch.is_grad_enabled():
+                if unit.gathered_for_eval:  # not a model gathered whole before (``gather``): it stays whole
+                    unit.free_params()
+                return output
+            if is_root:  # the root's own parameters stay until backward
                 return output
             unit.free_params()
             return wrap_output(output, lambda t: RegatherBeforeBackward.apply(self, unit, t))
@@ -184,7 +214,7 @@ class ZeroSharder:
             if unit.flat_grad is not None and all(p.grad is v for p, v in zip(unit.params, unit.grad_views)):
                 buf = unit.flat_grad  # ZeRO-1: the gradients are its views already (padding stays zero)
             else:
-                buf = torch.empty(unit.padded, dtype=torch.float32, device=unit.full.device)
+                buf = torch.empty(unit.padded, dtype=unit.full.dtype, device=unit.full.device)
                 buf[unit.numel:].zero_()  # the padding
                 for p, off, n in zip(unit.params, unit.offsets, unit.sizes):
                     if p.grad is None:
@@ -195,13 +225,14 @@ class ZeroSharder:
             if self.stage != "optimizer":  # ZeRO-1 keeps whole gradients
                 # the step's peak: this unit's gradients and buffer (ZeRO-3: its parameters gathered), the one
                 # before it maybe still in flight (what the memory plan's ``transient`` counts)
-                self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes()["total"])
+                self._observe()
                 for p in unit.params:
                     p.grad = None  # only this rank's shard of the reduced gradient stays
             if self.stage == "parameters" and unit.gathered:
                 unit.free_params()
             if self.world > 1:  # this rank's slice of the sum lands in grad_shard when the handle is waited on
                 unit.handle = unit.reduce_scatter(buf, self.group)
+                self._observe()  # launched: its buffer and receive buffer, the one before it still in flight
                 self._release_done(keep=1)
             else:
                 unit.grad_shard.copy_(buf)
@@ -249,7 +280,7 @@ class ZeroSharder:
             meta = meta.to(self.units[0].full.device) if self.units else meta
             dist.all_reduce(meta, group=self.group)
         meta_list = meta.tolist()
-        self.peak_state_bytes = max(self.peak_state_bytes, self.state_bytes()["total"])
+        self._observe()
         for u in self.units:
             if u.handle is not None:
                 self._complete(u)
@@ -319,158 +350,55 @@ class ZeroSharder:
         if self.world > 1:
             sync_buffers(self.module, n_local, self.group)
 
-    # -- checkpoints ------------------------------------------------------------------------------------
-    def optimizer_state(self) -> dict:
-        """The state dict a plain optimizer over ``module.parameters()`` would have (a collective)."""
-        order = {id(p): k for k, p in enumerate(self.module.parameters())}
-        sd = self.optimizer.state_dict()
-        piece_ids = [(u, i, a, b) for u in self.units for (i, a, b, _) in u.pieces]
-        state: dict[int, dict] = {}
-        keys = sorted({k for s in sd["state"].values() for k, v in s.items()
-                       if torch.is_tensor(v) and v.dim() == 1})
-        for u in self.units:
-            # each per-element state of the unit, as a flat shard, then all-gathered
-            for key in keys:
-                shard = torch.zeros(u.shard_numel, dtype=torch.float32, device=u.full.device)
-                for j, (uu, i, a, b) in enumerate(piece_ids):
-                    if uu is u and j in sd["state"] and key in sd["state"][j]:
-                        lo = u.offsets[i] + a - u.lo
-                        shard[lo:lo + (b - a)] = sd["state"][j][key]
-                whole = torch.zeros(u.padded, dtype=torch.float32, device=u.full.device)
-                if self.world > 1:
-                    dist.all_gather_single(whole, shard, group=self.group)
-                else:
-                    whole.copy_(shard)
-                for p, view, off, n in zip(u.params, u.views, u.offsets, u.sizes):
-                    state.setdefault(order[id(p)], {})[key] = whole[off:off + n].view(view.shape).cpu().clone()
-        # scalar state (Adam's step) and which parameters have state at all: from every rank's pieces
-        scalars: dict[int, dict] = {}
-        for j, (u, i, _, _) in enumerate(piece_ids):
-            for k, v in sd["state"].get(j, {}).items():
-                if not (torch.is_tensor(v) and v.dim() == 1):
-                    scalars.setdefault(order[id(u.params[i])], {})[k] = v
-        if self.world > 1:
-            everyone: list = [None] * self.world
-            dist.all_gather_object(everyone, {k: {n: (v.cpu() if torch.is_tensor(v) else v) for n, v in d.items()}
-                                              for k, d in scalars.items()}, group=self.group)
-            for other in everyone:
-                for k, d in other.items():
-                    scalars.setdefault(k, {}).update(d)
-        out_state = {k: {**scalars[k], **state[k]} for k in sorted(scalars)}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(order)))}
-                  for g in sd["param_groups"]]
-        return {"state": out_state, "param_groups": groups}
-
-    def load_optimizer_state(self, full: dict) -> None:
-        """Cut a plain optimizer's state dict (over ``module.parameters()``) into this rank's pieces."""
-        order = {id(p): k for k, p in enumerate(self.module.parameters())}
-        pieces = [(u, i, a, b) for u in self.units for (i, a, b, _) in u.pieces]
-        state = {}
-        for j, (u, i, a, b) in enumerate(pieces):
-            mine = full["state"].get(order[id(u.params[i])], full["state"].get(str(order[id(u.params[i])])))
-            if mine is None:
-                continue
-            state[j] = {k: (v.reshape(-1)[a:b].clone() if torch.is_tensor(v) and v.dim() > 0 else v)
-                        for k, v in mine.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(pieces)))}
-                  for g in full["param_groups"][:1]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-    # -- sharded checkpoints (flowtrain.train.checkpoint.save_shards / load_shards: DCP) -------------------
-    def _names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.module.named_parameters() if id(p) in self._where}
-
-    def _own_ranges(self):
-        """(parameter name, its elements [a, b) this rank owns, its whole size, the shard's view, the optimizer piece)."""
-        names = self._names()
-        for u in self.units:
-            for i, a, b, piece in u.pieces:
-                lo = u.offsets[i] + a - u.lo
-                yield names[id(u.params[i])], a, b, u.sizes[i], u.shard[lo:lo + (b - a)], piece
-
-    def shard_pieces(self, whole: dict[str, dict] | None = None) -> tuple[dict, dict]:
-        """What this rank writes into a sharded checkpoint: ``model.<name>`` (its shard of each parameter, a
-        flat range), ``optim.<name>.<key>`` (its pieces' optimizer state; a scalar such as Adam's step whole),
-        and for each ``prefix: state dict`` of ``whole`` (state this rank holds whole, e.g. the best weights)
-        ``<prefix>.<name>``: the same ranges of it. Rank 0 adds what is not sharded (buffers, frozen
-        parameters) whole. Returns (tensors, chunks: name -> (offset, whole length))."""
-        tensors, chunks = {}, {}
-        for name, a, b, n, shard, piece in self._own_ranges():
-            tensors[f"model.{name}"], chunks[f"model.{name}"] = shard, (a, n)
-            for key, v in self.optimizer.state.get(piece, {}).items():
-                if torch.is_tensor(v) and v.dim() == 1:
-                    tensors[f"optim.{name}.{key}"], chunks[f"optim.{name}.{key}"] = v, (a, n)
-                else:  # the same on every rank holding a piece of the parameter: one copy is kept
-                    tensors[f"optim.{name}.{key}"] = torch.as_tensor(v)
-            for prefix, state in (whole or {}).items():
-                tensors[f"{prefix}.{name}"], chunks[f"{prefix}.{name}"] = state[name].reshape(-1)[a:b], (a, n)
-        if self.rank == 0:
-            sharded = set(self._names().values())
-            for prefix, state in (("model", self.module.state_dict()), *(whole or {}).items()):
-                tensors.update({f"{prefix}.{k}": v for k, v in state.items() if k not in sharded})
-        return tensors, chunks
-
-    def shard_targets(self, saved: dict[str, tuple]) -> tuple[dict, dict]:
-        """Where a resume reads this rank's pieces of a sharded checkpoint holding ``saved`` (name -> shape), written
-        by any number of ranks: its shard of each parameter (read in place), its pieces' optimizer state, the
-        module's other state whole. Returns (tensors, chunks) for ``load_shards``, then ``take_shards``."""
-        tensors, chunks = {}, {}
-        for name, a, b, n, shard, _ in self._own_ranges():
-            tensors[f"model.{name}"], chunks[f"model.{name}"] = shard, (a, n)
-            for key in saved:
-                if key.startswith(f"optim.{name}.") and "." not in key[len(f"optim.{name}."):]:
-                    if len(saved[key]) == 1:
-                        tensors[key], chunks[key] = torch.zeros(b - a, dtype=torch.float32, device=shard.device), (a, n)
-                    else:
-                        tensors[key] = torch.zeros(saved[key])
-        sharded = set(self._names().values())
-        for k, v in self.module.state_dict().items():
-            if k not in sharded:
-                tensors[f"model.{k}"] = torch.empty_like(v)
-        return tensors, chunks
-
-    def take_shards(self, tensors: dict) -> None:
-        """After ``load_shards`` filled ``shard_targets``' tensors: the optimizer's pieces take their state, the
-        module its other state, and every rank gathers the parameters from the shards read."""
-        state, pieces = {}, [t for u in self.units for (_, _, _, t) in u.pieces]
-        index = {id(t): j for j, t in enumerate(pieces)}
-        for name, _, _, _, _, piece in self._own_ranges():
-            mine = {k[len(f"optim.{name}."):]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.")
-                    and "." not in k[len(f"optim.{name}."):]}
-            if mine:
-                state[index[id(piece)]] = mine
-        groups = [{**g, "params": list(range(len(pieces)))} for g in self.optimizer.state_dict()["param_groups"][:1]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        sharded = set(self._names().values())
-        others = {k: tensors[f"model.{k}"] for k in self.module.state_dict() if k not in sharded}
-        if others:
-            self.module.load_state_dict(others, strict=False)
-        self.gather()  # the parameters whole again, from the shards just read
-
-    def load_parameters(self) -> None:
-        """After the module's parameters were overwritten whole (a resume): take this rank's shards."""
-        with torch.no_grad():
-            for u in self.units:
-                u.shard.copy_(u.full[u.lo:u.lo + u.shard_numel])
-
     # -- memory -----------------------------------------------------------------------------------------
+    def _observe(self, temporary: torch.Tensor | None = None) -> None:
+        """The measured peak (``peak_state_bytes``) at one of a step's busiest moments: what ``state_bytes`` counts
+        (``_held_bytes``), and a collective's ``temporary`` (the all-to-all gather's repeated shard)."""
+        extra = temporary.untyped_storage().nbytes() if temporary is not None else 0
+        self.peak_state_bytes = max(self.peak_state_bytes, self._held_bytes() + extra)
+
+    def _held_bytes(self) -> int:
+        """``state_bytes()["total"]`` without a storage walk per unit (it is asked at every unit's launch): the
+        shards, reduced gradients and optimizer state are known sizes; what changes within a step (units gathered,
+        buffers and receive buffers in flight, the gradients autograd holds) is counted from the units' flags."""
+        if self._static_bytes is None:  # the optimizer's state exists from the first step on: then fixed
+            self._static_bytes = storage_bytes([u.shard for u in self.units]) + storage_bytes(
+                [u.grad_shard for u in self.units]) + storage_bytes(
+                [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
+            self._static_known = bool(self.optimizer.state)
+        held = self._static_bytes
+        for u in self.units:
+            size = u.padded * u.full.element_size()
+            held += (size if u.gathered else 0) + (size if u.grad_buffer is not None else 0) + \
+                (size if u.received is not None else 0)
+        held += storage_bytes([p.grad for p in self.params if p.grad is not None])
+        if not self._static_known:
+            self._static_bytes = None
+        return held
+
     def state_bytes(self) -> dict:
         """Bytes this rank holds now: parameters (gathered units and shards), gradients (whole, buffers,
-        reduced shards), optimizer state."""
+        reduced shards), optimizer state, and the collectives' workspace in flight (the all-to-all reduce-scatters'
+        receive buffers; between steps none)."""
         params = storage_bytes([u.full for u in self.units]) + storage_bytes([u.shard for u in self.units])
         grads = storage_bytes([p.grad for p in self.params]) + storage_bytes(
             [u.grad_buffer for u in self.units]) + storage_bytes([u.grad_shard for u in self.units])
         opt = storage_bytes([v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)])
-        return {"parameters": params, "gradients": grads, "optimizer": opt, "total": params + grads + opt}
+        work = storage_bytes([u.received for u in self.units])
+        return {"parameters": params, "gradients": grads, "optimizer": opt, "workspace": work,
+                "total": params + grads + opt + work}
 
-    def close(self) -> None:
+    def close(self, gather: bool = True) -> None:
+        """Remove the hooks; ``gather``: the module leaves whole (else as it is: ZeRO-3's units freed, their shards
+        still here for ``write_whole``)."""
         if self._closed:
             return
         self._closed = True
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.gather()  # the module leaves whole
+        if gather:
+            self.gather()
 
 
 def shard_stage_worker(worker, ctx: DistContext, *, stage: str,

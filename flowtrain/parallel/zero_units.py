@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flowtrain.parallel.deferred import Materializer, swap_in_placeholder
 from flowtrain.parallel.mapreduce import size_buckets
 
 __all__ = ["GATHER_WAYS", "GLOO_COLLECTIVES", "REDUCE_WAYS", "RegatherBeforeBackward", "ShardUnit", "Works",
@@ -152,7 +153,8 @@ class ShardUnit:
     ``choose_collectives``)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], rank: int, world: int, device,
-                 flat_grad: bool = False, reduce_way: str = "native", gather_way: str = "native"):
+                 flat_grad: bool = False, reduce_way: str = "native", gather_way: str = "native",
+                 source: Materializer | None = None, sharded: bool = False):
         if reduce_way not in REDUCE_WAYS:
             raise ValueError(f"ZeRO reduce-scatter way {reduce_way!r}: use one of {', '.join(REDUCE_WAYS)}")
         if gather_way not in GATHER_WAYS:
@@ -165,21 +167,37 @@ class ShardUnit:
         self.shard_numel = -(-self.numel // world)  # ceil: the last shard is padded
         self.padded = self.shard_numel * world
         self.lo = rank * self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p, off, n in zip(params, self.offsets, self.sizes):
-                self.full[off:off + n].copy_(p.detach().reshape(-1))
-                p.data = self.full[off:off + n].view_as(p)
+        shapes = [p.shape for p in params]
+        dtype = source.dtype_of(params[0]) if source is not None else params[0].dtype
+        # deferred construction (flowtrain.parallel.deferred): the parameters are meta tensors until here; each
+        # becomes a real, empty one (the same object) and takes its values from ``source``, one at a time
+        metas = [swap_in_placeholder(p, device, dtype)[1] for p in params] if source is not None else None
+        if metas is not None and sharded:  # ZeRO-3: only this rank's shard is made, never the whole unit
+            self.full = torch.empty(self.padded, dtype=dtype, device=device)  # untouched, freed below
+            self.shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+            with torch.no_grad():
+                for meta, off, n in zip(metas, self.offsets, self.sizes):
+                    a, b = max(off, self.lo), min(off + n, self.lo + self.shard_numel)
+                    if b > a:  # the parameter whole for a moment (its initial values), its owned range kept
+                        self.shard[a - self.lo:b - self.lo].copy_(source.value(meta).reshape(-1)[a - off:b - off])
+        else:
+            self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+            with torch.no_grad():
+                for i, (p, off, n) in enumerate(zip(params, self.offsets, self.sizes)):
+                    value = source.value(metas[i]) if metas is not None else p.detach()
+                    self.full[off:off + n].copy_(value.reshape(-1))
+            self.shard = self.full[self.lo:self.lo + self.shard_numel].clone()
+        for p, shape, off, n in zip(params, shapes, self.offsets, self.sizes):
+            p.data = self.full[off:off + n].view(shape)
         self.views = [p.data for p in params]
-        self.empty = torch.empty(0, dtype=torch.float32, device=device)
-        self.shard = self.full[self.lo:self.lo + self.shard_numel].clone()
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         self.grad_buffer: torch.Tensor | None = None
         # ZeRO-1 keeps whole gradients: as views of one flat buffer that autograd accumulates into and the
         # reduce-scatter reads directly (no copy, no allocation per step)
-        self.flat_grad = torch.zeros(self.padded, dtype=torch.float32, device=device) if flat_grad else None
-        self.grad_views = [self.flat_grad[off:off + n].view_as(p) for p, off, n in zip(params, self.offsets, self.sizes)] \
-            if flat_grad else []
+        self.flat_grad = torch.zeros(self.padded, dtype=dtype, device=device) if flat_grad else None
+        self.grad_views = [self.flat_grad[off:off + n].view(shape) for shape, off, n in
+                           zip(shapes, self.offsets, self.sizes)] if flat_grad else []
         # pieces: (parameter index in the unit, its elements [a, b) of the parameter, view of the shard)
         self.pieces: list[tuple[int, int, int, torch.Tensor]] = []
         for i, (off, n) in enumerate(zip(self.offsets, self.sizes)):
@@ -188,49 +206,88 @@ class ShardUnit:
                 self.pieces.append((i, a - off, b - off, self.shard[a - self.lo:b - self.lo]))
         self.pending = len(params)
         self.handle = None
+        self.received: torch.Tensor | None = None  # the all-to-all reduce-scatter's receive buffer, in flight
+        self.prefetched: Works | None = None  # a gather started ahead of the unit's use (ZeRO-3's prefetch)
+        self.observe: Callable[[torch.Tensor], None] | None = None  # the sharder's peak of a temporary's moment
         self.gathered = True
+        self.gathered_for_eval = False  # gathered by a forward without gradients (ZeRO-3's evaluation): freed after
+        if metas is not None and sharded:
+            self.free_params()
 
     def reduce_scatter(self, buf: torch.Tensor, group):
         """Async: this rank's slice of the sum over the ranks of ``buf`` (the unit's padded gradients) into
         ``grad_shard``, done when the returned handle is waited on (``reduce_way``; ``all_to_all``: the N
-        received slices are summed then, in rank order, and the padded receive buffer freed: the collective's
-        workspace, as the copy inside gloo's own reduce-scatter is, not counted in ``state_bytes`` or the memory
-        plan)."""
+        received slices are summed then, in rank order, and the padded receive buffer, ``received`` until then, is
+        freed: the collective's workspace, counted by the memory plan and the sharder's measured peak)."""
         n = self.shard_numel
         if self.reduce_way == "all_to_all":
-            received = torch.empty_like(buf)
+            self.received = received = torch.empty_like(buf)
             work = dist.all_to_all_single(received, buf, group=group, async_op=True)
-            return Works([work], then=lambda: torch.sum(received.view(self.world, n), 0, out=self.grad_shard))
+
+            def then() -> None:
+                torch.sum(received.view(self.world, n), 0, out=self.grad_shard)
+                self.received = None
+            return Works([work], then=then)
         return dist.reduce_scatter_single(self.grad_shard, buf, group=group, async_op=True)
 
     # -- parameter storage (ZeRO-3) -----------------------------------------------------------------
     def free_params(self) -> None:
         """Free the unit's storage; its parameters become empty tensors (a use of one between steps is a
         shape error, never a read of freed memory), autograd's saved views keep the (empty) storage."""
+        self.wait_prefetch()  # never free a storage a collective still writes into
         self.full.untyped_storage().resize_(0)
         for p in self.params:
             p.data = self.empty
-        self.gathered = False
+        self.gathered = self.gathered_for_eval = False
 
     def gather_params(self, group) -> None:
+        """The unit whole on every rank (a collective; waits for a prefetch already in flight)."""
+        if self.prefetched is not None:
+            self.wait_prefetch()
+            return
+        self.gather_async(group).wait()
+
+    def gather_async(self, group) -> Works:
+        """Start gathering the unit (a collective, every rank in the same order); its parameters become views of the
+        whole when the returned handle is waited on (``prefetch``: while the layer before it computes)."""
         if not self.gathered:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        works, keep = [], None
         if self.world == 1:  # one rank: the shard is the whole
             with torch.no_grad():
                 self.full.copy_(self.shard)
         elif self.gather_way == "all_to_all":  # this rank's shard to every rank
-            dist.all_to_all_single(self.full, self.shard.repeat(self.world), group=group)
+            keep = self.shard.repeat(self.world)  # a temporary of the padded unit's size (the memory plan's)
+            if self.observe is not None:
+                self.observe(keep)
+            works = [dist.all_to_all_single(self.full, keep, group=group, async_op=True)]
         elif self.gather_way == "per_rank":  # each rank's slice broadcast by its owner, all issued together
             n = self.shard_numel
             with torch.no_grad():
                 self.full[self.lo:self.lo + n].copy_(self.shard)
-            Works([dist.broadcast(self.full[r * n:(r + 1) * n], group=group, group_src=r, async_op=True)
-                   for r in range(self.world)]).wait()
+            works = [dist.broadcast(self.full[r * n:(r + 1) * n], group=group, group_src=r, async_op=True)
+                     for r in range(self.world)]
         else:
-            dist.all_gather_single(self.full, self.shard, group=group)
-        for p, view in zip(self.params, self.views):
-            p.data = view
-        self.gathered = True
+            works = [dist.all_gather_single(self.full, self.shard, group=group, async_op=True)]
+        self.gathered = True  # its storage is allocated; the values are there once waited on
+
+        def done() -> None:
+            del keep_alive[:]  # the all-to-all's temporary goes with the collective
+            for p, view in zip(self.params, self.views):
+                p.data = view
+            self.gathered_for_eval = False
+        keep_alive = [keep]
+        return Works(works, then=done)
+
+    def prefetch(self, group) -> None:
+        """Start gathering the unit now, to be waited on when it is needed (``wait_prefetch``)."""
+        if not self.gathered and self.prefetched is None:
+            self.prefetched = self.gather_async(group)
+
+    def wait_prefetch(self) -> None:
+        if self.prefetched is not None:
+            handle, self.prefetched = self.prefetched, None
+            handle.wait()
 
 
 class RegatherBeforeBackward(torch.autograd.Function):
@@ -243,8 +300,7 @@ class RegatherBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not ctx.unit.gathered:
-            ctx.unit.gather_params(ctx.sharder.group)
+        ctx.sharder.before_backward(ctx.unit)
         return None, None, grad
 
 

@@ -369,11 +369,15 @@ def _mlp(bundle: Bundle, spec, arch: dict):
     from flowtrain.train.models import tabular_mlp
 
     hidden, dropout = arch.get("hidden"), arch.get("dropout", 0.0)
+    ensemble, embedding = arch.get("ensemble", 1), arch.get("numeric_embedding", 0)
     if not _positive_ints(hidden, MAX_DIMENSION) or len(hidden) > 64 or isinstance(dropout, bool) \
             or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise BundleError(f"{bundle.path / 'model.json'}: the mlp's 'hidden' must be at most 64 positive whole "
                           f"numbers of at most {MAX_DIMENSION:,} and 'dropout' a fraction; export the bundle again")
-    return tabular_mlp(spec, hidden, float(dropout))
+    if not _positive_ints([ensemble], 1024) or not (embedding == 0 or _positive_ints([embedding], 4096)):
+        raise BundleError(f"{bundle.path / 'model.json'}: the mlp's 'ensemble' must be a whole number from 1 to 1,024 "
+                          f"and 'numeric_embedding' one from 0 to 4,096; export the bundle again")
+    return tabular_mlp(spec, hidden, float(dropout), ensemble=int(ensemble), numeric_embedding=int(embedding))
 
 
 def _mlp_ids(bundle: Bundle, spec, arch: dict):

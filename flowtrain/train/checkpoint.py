@@ -73,9 +73,10 @@ def _tmp_suffix(run_id: str | None) -> str:
 
 
 def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int = 3, run_id: str | None = None,
-         shards: Path | None = None) -> Path:
+         shards: Path | None = None, keep_steps: tuple[int, ...] = ()) -> Path:
     """Write ``ckpt-<step>.pt`` and its ``.sha256`` (which records ``run_id``) atomically; keep the
-    newest ``keep`` checkpoints *of this run* (another run's are never deleted). ``shards``: the
+    newest ``keep`` checkpoints *of this run* (another run's are never deleted) and those of ``keep_steps`` (the
+    best weights of a ZeRO-3 run live in their own checkpoint). ``shards``: the
     directory ``save_shards`` wrote, moved beside it as ``ckpt-<step>.dcp`` first (named in the state
     as ``shards``, every file's checksum in the ``.sha256``)."""
     directory = Path(directory)
@@ -104,6 +105,8 @@ def save(directory: str | Path, step: int, state: dict[str, Any], *, keep: int =
     if keep:
         mine = [p for p in all_checkpoints(directory) if run_of(p) == run_id]
         for old in mine[:-keep]:
+            if int(_NAME.match(old.name).group(1)) in keep_steps:
+                continue
             old.unlink(missing_ok=True)
             old.with_suffix(".sha256").unlink(missing_ok=True)
             if old.with_suffix(SHARDS_SUFFIX).is_dir():
@@ -221,13 +224,22 @@ def load_sharded(engine, model: torch.nn.Module, path: Path, state: dict) -> dic
     best = ("best",) if any(name.startswith("best.") for name in saved) else ()
     if hasattr(engine, "shard_targets"):
         # a sharder reads flat ranges of flat tensors; a grid with tensor shards saved them in their own shapes
-        tensors, chunks = engine.shard_targets({k: (math.prod(v),) if len(v) > 1 else v for k, v in saved.items()})
+        flat = {k: (math.prod(v),) if len(v) > 1 else v for k, v in saved.items()}
+        pieces = bool(best) and getattr(engine, "holds_shards", False)  # ZeRO-3: its pieces of the best weights too
+        tensors, chunks = engine.shard_targets(flat, pieces_of_best=True) if pieces else engine.shard_targets(flat)
         load_shards(shards, tensors, chunks)
         engine.take_shards(tensors)
+        if pieces:
+            return engine.best_pieces(tensors)
         return read_whole(shards, model, best)["best"] if best else None
     whole = read_whole(shards, model, ("model", "optim", *best), param_groups=state.get("optimizer_groups"))
     engine.load(whole["model"], whole["optimizer"])
     return whole.get("best")
+
+
+def shards_of(directory: str | Path, step: int) -> Path:
+    """The sharded state of checkpoint ``step`` in ``directory`` (``ckpt-<step>.dcp``)."""
+    return Path(directory) / f"ckpt-{step:09d}{SHARDS_SUFFIX}"
 
 
 def _piece_save_planner(chunks: dict):

@@ -26,6 +26,11 @@ def train_worker(ctx, job: dict) -> None:
           resume=bool(job.get("resume")))
 
 
+#: --worker-memory: ``fit`` caps this worker once its data is open (``flowtrain.parallel.launch.cap_worker``): what
+#: reading the splits maps (the reader's threads, its allocator's reservations) is a worker's fixed overhead
+train_worker.caps_after_setup = True
+
+
 def train(ctx, data, config, run_dir: Path, *, model: str | None = None, resume: bool = False):
     """Fit a model (``--model MODULE:FACTORY`` or the default family) on ``data`` and return the
     ``FitResult``: in one process the caller takes it as it is. Rank 0 also writes ``model.pt`` and
@@ -35,13 +40,17 @@ def train(ctx, data, config, run_dir: Path, *, model: str | None = None, resume:
     from flowtrain.train.loop import fit
     from flowtrain.train.models import build_run_model
 
-    result = fit(build_run_model(model, data, config), data, config, run_dir=run_dir,
+    # built on the meta device (flowtrain.parallel.deferred): the engine makes its values, ZeRO-3 only its slices
+    result = fit(build_run_model(model, data, config, deferred=True), data, config, run_dir=run_dir,
                  resume=resume or restarted_with_checkpoint(run_dir), ctx=ctx)
-    if ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
-        from connectors.atomic import atomic_file, atomic_write
+    from connectors.atomic import atomic_file, atomic_write
 
+    if result.write_model is not None:  # ZeRO-3: no rank holds the whole model; rank 0 writes it streamed
+        result.write_model(run_dir / "model.pt", ctx.is_main)
+    elif ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
         with atomic_file(run_dir / "model.pt") as fh:
             torch.save(result.model.state_dict(), fh)
+    if ctx.is_main:
         atomic_write(run_dir / "fit.json", json.dumps(fit_record(result)))
     return result
 

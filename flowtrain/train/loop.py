@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from connectors.atomic import atomic_write
 from connectors.dataset_spec import MAX_CLASSES, positive_class_of  # MAX_CLASSES: the ETL stops at it too
 from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext
+from flowtrain.parallel.deferred import is_deferred, set_target
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
-from flowtrain.parallel.launch import heartbeat
+from flowtrain.parallel.launch import cap_worker, heartbeat
 from flowtrain.train import checkpoint, run_marker
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.class_weights import class_weights_of, weighted_metrics
@@ -67,6 +69,8 @@ class FitResult:
     best_step: int = 0
     plan: TrainPlan | None = None
     memory: dict | None = None  # training.json's "memory": the plan and each rank's measured peak
+    # ZeRO-3 (no rank holds the whole model): write_model(path, writer) writes it, a collective (``model`` is empty)
+    write_model: Callable[[Path, bool], None] | None = None
 
     @property
     def data_wait_fraction(self) -> float:
@@ -88,9 +92,9 @@ def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
 
 
 def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0),
-             classes=None, class_weights: torch.Tensor | None = None) -> dict:
+             classes=None, class_weights: torch.Tensor | None = None, batch_size: int = 65_536) -> dict:
     """The task's metrics of ``model`` on ``split`` (with ``class_weights``: the weighted ones too)."""
-    out = predict(model, split, scale=scale)
+    out = predict(model, split, batch_size=batch_size, scale=scale)
     return {**metrics_of(out, split.y, task, classes), **weighted_metrics(out, split.y, class_weights)}
 
 
@@ -145,11 +149,15 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device, local_rank=ctx.local_rank, local_world=local_world_size())
-    model.to(device)
+    if is_deferred(model):  # built on the meta device: its values are made there, by the engine (ZeRO-3: its shards)
+        set_target(model, device=device)
+    else:
+        model.to(device)
     from flowtrain.train.shards import open_split
 
     train = open_split(data, "train", memory_budget=config.memory_budget)
     valid = open_split(data, "valid", memory_budget=config.memory_budget)
+    cap_worker(ctx.rank, ctx.is_main)  # --worker-memory: from here on, its data open (a no-op without the option)
     plan = plan_training(config, len(train), data.kind)
     if not config.threads and plan.batch_size * max(config.hidden or (1,)) <= SMALL_STEP:
         torch.set_num_threads(1)  # a small step: more threads only wait for each other
@@ -175,9 +183,15 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             config = replace(config, stage_bounds=[list(b) for b in bounds])
     grid = config.stages > 1 or config.tensor_parallel > 1  # the grid measures its layers on a few rows
     sample = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False)) if grid else None
+    mem_plan = memory_plan_of(model, ctx, config, plan.batch_size, id_rows=len(train),  # shapes (a meta model's too)
+                              keeps_best=True)
     trainer = Trainer(model, ctx, config, loss_fn, sample, seed=config.seed, target_scale=(shift, scale))
     engine = trainer.engine
-    mem_plan = memory_plan_of(model, ctx, config, plan.batch_size, id_rows=len(train))
+    # ZeRO-3: the model lives in the engine's shards (no rank holds it whole): evaluated layer by layer, its best
+    # weights kept as this rank's pieces, the fitted model written streamed (``FitResult.write_model``)
+    holds_shards = bool(getattr(engine, "holds_shards", False))
+    # and its best weights stay in their own checkpoint (None: "on disk, at best_step"), not in memory beside it
+    best_on_disk = holds_shards and ckpt_dir is not None
     if ctx.is_main:
         print(f"{name}: {mem_plan.describe()}", flush=True)
     writer = run_dir is not None and ctx.is_main
@@ -192,7 +206,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     step, best_step, bad_evals = 0, 0, 0
     best_valid: dict | None = None
     start_valid: dict | None = None  # the initial model's (its linear part's) validation metrics
-    best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
+    best_state = None if best_on_disk else _current_state(engine, model)
     resumed = False
     if found is not None:
         path, state = found
@@ -201,7 +215,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 best_state = checkpoint.load_sharded(engine, model, path, state)
             else:
                 engine.load(state["model"], state["optimizer"])
-                best_state = state["best_model"]
+                best_state = engine.pieces_of(state["best_model"]) if holds_shards else state["best_model"]
         except (RuntimeError, ValueError, KeyError, IndexError) as err:  # a checkpoint of another model's shapes
             if isinstance(err, checkpoint.CheckpointError):
                 raise
@@ -214,6 +228,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         torch.set_rng_state(state["rng"])
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
         best_step = int(state.get("best_step", 0))
+        if best_state is None and not best_on_disk:  # a ZeRO-3 run's best weights, in their own checkpoint
+            best_state = checkpoint.read_whole(checkpoint.shards_of(ckpt_dir, best_step), model, ("model",))["model"]
         best_valid = dict(state["best_valid"]) or None
         start_valid = dict(state.get("start_valid") or {}) or best_valid
         resumed = True
@@ -229,8 +245,11 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         log.path.unlink(missing_ok=True)
 
     def validate(step_: int) -> tuple[dict, bool]:
-        engine.sync_model()  # pipeline stages: every rank gets the whole current model
-        metrics = evaluate(model, valid, data.spec.task, (shift, scale), classes, weights)
+        if not holds_shards:  # ZeRO-3 evaluates layer by layer: every rank runs every batch, gathering each layer
+            engine.sync_model()  # pipeline stages: every rank gets the whole current model
+        # ZeRO-3: in training batches (a capped worker's activations are planned for them, not for 65,536 rows)
+        metrics = evaluate(model, valid, data.spec.task, (shift, scale), classes, weights,
+                           batch_size=plan.batch_size if holds_shards else 65_536)
         if log:
             log.write({"kind": "valid", "model": name, "step": step_, "epoch": step_ // plan.steps_per_epoch,
                        **scalars(metrics)})
@@ -252,7 +271,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         if ckpt_dir and hasattr(engine, "shard_pieces"):
             # ZeRO: every rank writes its own shard of parameters, optimizer state and best weights (DCP, a
             # collective); the checkpoint file holds the rest and names the shards
-            tensors, chunks = engine.shard_pieces({"best": best_state})
+            tensors, chunks = engine.shard_pieces({"best": best_state} if best_state is not None else None)
             shards = checkpoint.save_shards(ckpt_dir, step_, tensors, chunks, run_id=run_id)
             whole = {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
                                           for g in engine.optimizer.param_groups][:1],
@@ -274,7 +293,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                                   "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
                                   "stages": config.stages},
                 "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-            }), run_id=run_id, shards=shards)
+            }), run_id=run_id, shards=shards, keep_steps=(best_step,) if best_state is None else ())
 
     trainer.schedule(plan.scheduler(engine.optimizer, start=step))  # the learning rate: torch's LambdaLR
     t_start = time.perf_counter()
@@ -282,7 +301,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if not resumed:  # the initial model is a candidate too (its linear part may be a fitted model)
         best_valid, _ = validate(0)
         start_valid = best_valid
-        best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
+        best_state = None if best_on_disk else _current_state(engine, model)
+        if best_on_disk:
+            save_checkpoint(0)  # the initial model is the best so far: on disk, as every later best is
 
     bar = _progress(plan.steps, name, not config.no_progress and ctx.is_main, initial=step)
     running, seen, t_log = 0.0, 0, time.perf_counter()
@@ -325,7 +346,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 metrics, improved = validate(step)
                 if improved:
                     best_valid, best_step, bad_evals = metrics, step, 0
-                    best_state = {k: v.detach().clone() for k, v in _model_state(model).items()}
+                    best_state = None if best_on_disk else _current_state(engine, model)
                 else:
                     bad_evals += 1
                 save_checkpoint(step)
@@ -345,7 +366,13 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         if b is not None:
             b.close()
     model.to("cpu")  # the fitted model comes back on the CPU
-    model.load_state_dict(best_state)
+    if holds_shards and best_state is None:  # the best weights from their checkpoint, into the shards in place
+        best = checkpoint.shards_of(ckpt_dir, best_step)
+        engine.load_model_pieces(lambda tensors, chunks: checkpoint.load_shards(best, tensors, chunks))
+    elif holds_shards:  # the best weights as this rank's pieces: the model is written streamed (write_model)
+        engine.load_pieces(best_state)
+    else:
+        model.load_state_dict(best_state)
     if getattr(model, "sharded", False):  # every rank gets the ID tables whole: the fitted model
         model.unshard_ids()
     torch.set_num_threads(threads_before)
@@ -357,7 +384,14 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     return FitResult(model, step, math.ceil(step / spe), best_step // spe + (1 if best_step % spe else 0),
                      best_valid or {}, stopped_early, time.perf_counter() - t_start, data_wait, step_time,
                      history=log.read() if log else [], best_step=best_step, plan=plan,
-                     memory=memory)
+                     memory=memory, write_model=engine.write_model if holds_shards else None)
+
+
+def _current_state(engine, model: nn.Module) -> dict:
+    """A copy of the current weights: whole, or a ZeRO-3 rank's pieces of them (``holds_shards``)."""
+    if getattr(engine, "holds_shards", False):
+        return engine.state_pieces()
+    return {k: v.detach().clone() for k, v in _model_state(model).items()}
 
 
 def _model_state(model: nn.Module) -> dict:

@@ -34,6 +34,9 @@ SELECT_BY = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "
 SHARD_STATES = ("none", "optimizer", "gradients", "parameters")
 #: --device (``flowtrain.parallel.device``).
 DEVICES = ("auto", "cpu", "cuda")
+#: --dtype: the floating-point type of the parameters, gradients, optimizer state and batches
+#: (``flowtrain.train.precision``); float64 is the check mode in which layouts equal one process to ~1e-12.
+DTYPES = ("float32", "float64")
 
 
 # --- batch ----------------------------------------------------------------------------------------------
@@ -84,6 +87,19 @@ class ModelOptions:
     max_ids: int | None = option(None, "at most this many rows per ID table; past it the least recently seen ID's "
                                  "row is reused (default: no bound)", parse=at_least(1), group=TRAINING)
     id_dim: int = option(16, "the width of an ID column's embedding", parse=at_least(1), group=TRAINING)
+    ensemble: int | None = option(None, "members of the network's ensemble (TabM-style: they share the MLP's "
+                                  "weights, each with its own input adapter and head, trained on its own loss; the "
+                                  "prediction is their mean; each costs a step's work); 1: one network (default: "
+                                  "chosen from the table, 4 up to 8,192 training rows, 2 up to 16,384, then 1; "
+                                  "docs/models.md)", parse=at_least(1), group=TRAINING)
+    numeric_embedding: int | None = option(None, "width of each numeric feature's periodic embedding (trained "
+                                           "frequencies, then a linear map and ReLU per feature); 0: the numerics "
+                                           "enter the MLP as they are (default: chosen from the table, 16 up to "
+                                           "65,536 training rows, then 0; docs/models.md)", parse=at_least(0),
+                                           group=TRAINING)
+    frequency_scale: float = option(1.0, "the periodic embeddings' initial frequencies are drawn from N(0, this) "
+                                    "(in standard deviations of the numeric; larger: sharper shapes, e.g. "
+                                    "thresholds)", parse=above(0), group=TRAINING)
 
 
 @dataclass
@@ -110,6 +126,10 @@ class TrainOptions(ModelOptions):
                                    "(default: auc for binary, accuracy for multi-class, rmse for regression)",
                                    choices=SELECT_BY, group=TRAINING)
     lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=TRAINING)
+    weight_decay: float | None = option(None, "Adam's weight decay (an L2 penalty on the weights; default: chosen "
+                                        "from the table, the linear start's own penalty: 1/n of the training rows "
+                                        "for a classifier, 2/n for a regression, so the fitted linear part stays "
+                                        "where its fit put it)", parse=at_least(0.0, float), group=TRAINING)
     patience: int = option(10, "stop after this many validations without a better --select-by metric",
                            parse=at_least(1), group=TRAINING)
     class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=TRAINING,
@@ -145,6 +165,10 @@ class ParallelOptions:
     device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
                          "worker takes its own GPU and workers talk NCCL, on the CPU gloo", choices=DEVICES,
                          group=PARALLELISM)
+    dtype: str = option("float32", "the floating-point type of training (parameters, gradients, optimizer state, "
+                        "batches): float64 is a check mode, N workers, ZeRO stages, grids and ID tables then equal one "
+                        "process to ~1e-12 (float32 Adam amplifies summation order in near-zero gradients); about 2x "
+                        "the memory and time", choices=DTYPES, group=PARALLELISM)
 
 
 @dataclass

@@ -28,12 +28,17 @@ SMALL_STEP = 1 << 15  # batch x widest layer up to this: one torch thread (unles
 
 
 @dataclass
-class TrainConfig(EngineSettings, ParallelOptions, TrainOptions):
+class TrainConfig(TrainOptions, ParallelOptions, EngineSettings):
     """A batch run's engine config: its options (``TrainOptions``, ``ParallelOptions``: declared once in
     ``flowtrain.train.options``, where ``flowtrain batch`` takes them from) and what the run sets, not the user
-    (``EngineSettings`` and the two below)."""
+    (``EngineSettings`` and the two below). Its ``weight_decay`` is ``--weight-decay`` (an option here): left unset,
+    the batch run sets the table's (``flowtrain.commands.batch``: the linear start's penalty), else 0."""
     log_every: int = 50  # steps between training-loss lines in metrics.jsonl
     init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there (the batch job's)
+
+    def __post_init__(self) -> None:
+        if self.weight_decay is None:  # the engine reads a number
+            self.weight_decay = 0.0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from connectors.atomic import atomic_write
 from flowtrain.train.figures import flat_within_one_row
+from flowtrain.train.model_choice import choice_text
 
 #: Test metrics shown in the report per kind of task: (summary key, column title).
 REPORT_METRICS = {"binary": [("auc", "AUC"), ("accuracy", "accuracy"), ("log_loss", "log loss")],
@@ -157,7 +158,10 @@ def _data_lines(data: dict | None) -> list[str]:
 
 # --- which model is reported, in words -------------------------------------------------------------
 def which_model(summary: dict, history: list[dict] | None = None) -> str:
-    """One sentence: which weights the report is about and why (the selection rule's outcome)."""
+    """Which weights the report is about and why (the selection rule's outcome): the network or its linear start,
+    the architecture, the numbers (``flowtrain.train.model_choice``; a summary written before it: one sentence)."""
+    if summary.get("model_choice"):
+        return choice_text(summary["model_choice"])
     training = summary.get("training") or {}
     metric = summary.get("select_by") or "loss"
     best = training.get("best_step")

@@ -30,11 +30,14 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
+from flowtrain.parallel.deferred import is_deferred, materialize
 from flowtrain.train.class_weights import WeightedLoss
 from flowtrain.train.hybrid import GridEngine
 from flowtrain.train.loader import Batch
 from flowtrain.train.memory_plan import id_tables_held, plan_memory
 from flowtrain.train.models import pack
+from flowtrain.train.models.ensemble import MembersLoss
+from flowtrain.train.precision import cast_batch, torch_dtype, use_dtype
 
 
 @dataclass
@@ -54,12 +57,13 @@ class ClassCrossEntropy(nn.CrossEntropyLoss):
 
 def loss_function(task: str, outputs: int = 1, class_weights: torch.Tensor | None = None) -> nn.Module:
     """Mean squared error, binary or K-class cross-entropy (with ``class_weights``: each example weighed by its class,
-    ``flowtrain.train.class_weights``)."""
+    ``flowtrain.train.class_weights``); over an ensemble's members (a training output with a members dimension) the
+    mean of each member's loss (``flowtrain.train.models.ensemble.MembersLoss``)."""
     if task == "regression":
-        return nn.MSELoss()
+        return MembersLoss(nn.MSELoss(), outputs)
     if class_weights is not None:
-        return WeightedLoss(class_weights, outputs)
-    return ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss()
+        return MembersLoss(WeightedLoss(class_weights, outputs), outputs)
+    return MembersLoss(ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss(), outputs)
 
 
 class Trainer:
@@ -70,6 +74,9 @@ class Trainer:
                  skip_non_finite: bool = False):
         self.model, self.ctx, self.loss_fn, self.seed = model, ctx, loss_fn, int(seed)
         self.shift, self.scale = target_scale
+        self.dtype = torch_dtype(getattr(config, "dtype", "float32"))  # --dtype (flowtrain.train.precision)
+        use_dtype(model, self.dtype)
+        sample = cast_batch(sample, self.dtype) if sample is not None else None
         self.engine = make_engine(model, ctx, config, loss_fn, sample, local_batches=local_batches)
         self.device = getattr(self.engine, "device", None) or next(model.parameters()).device
         self.sample = sample
@@ -97,6 +104,7 @@ class Trainer:
         torch.manual_seed(self.seed * 1_000_003 + step * 1009 + self.engine.rng_rank)
         if self.guard is not None:
             self.guard.skipped = False
+        batch = cast_batch(batch, self.dtype)
         rows, loss = self.engine.train_step(batch, (batch.y - self.shift) / self.scale)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -177,6 +185,9 @@ def make_engine(model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module, 
                                       or config.shard_states != "none"):
         raise ValueError("--id-columns trains with data parallelism (--workers) only so far: leave out --stages, "
                          "--tensor-parallel and --shard-states")
+    zero = config.shard_states != "none" and ctx.world_size > 1 and config.stages == 1 and config.tensor_parallel == 1
+    if is_deferred(model) and not zero:  # a model built on the meta device: whole here (ZeRO makes its own shards)
+        materialize(model)
     if hasattr(model, "shard_ids") and ctx.world_size > 1:  # ID tables row-wise over the ranks (flowtrain.train.ids)
         model.shard_ids(ctx.rank, ctx.world_size)
     if config.stages > 1 or config.tensor_parallel > 1:
@@ -252,13 +263,15 @@ class DataParallelEngine:
         self.reducer.close()
 
 
-def memory_plan_of(model: nn.Module, ctx: DistContext, config, batch_size: int, id_rows: int | None = None):
+def memory_plan_of(model: nn.Module, ctx: DistContext, config, batch_size: int, id_rows: int | None = None,
+                   keeps_best: bool = False):
     """The memory plan of this run's layout (``flowtrain.train.memory_plan``); ``id_rows``: the rows an ID table
-    without ``--max-ids`` is planned for (the training rows)."""
+    without ``--max-ids`` is planned for (the training rows); ``keeps_best``: ``fit``'s copy of the best weights."""
     replicas = max(1, ctx.world_size // (config.stages * config.tensor_parallel))
     return plan_memory(model, workers=replicas, shard_states=config.shard_states if replicas > 1 else "none",
                        stages=config.stages, tensor_parallel=config.tensor_parallel, batch_size=batch_size,
-                       bucket_mb=config.bucket_mb, id_rows=id_rows)
+                       bucket_mb=config.bucket_mb, id_rows=id_rows,
+                       dtype=torch_dtype(getattr(config, "dtype", "float32")), keeps_best=keeps_best)
 
 
 def measured_memory(engine) -> dict:

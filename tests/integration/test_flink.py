@@ -10,6 +10,7 @@ raw events = feature rows + unlabelled + dead letters across a cancel and a rest
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import pytest
 from flowtrain.local.flink import DIR_ENV, LocalFlink
 from tests.dataset_checks import assert_same_dataset, tabular_inputs
 from tests.kafka_checks import committed as _committed
+from tests.procs import descendants, is_loopback, listening_sockets
 from tests.procs import stop_group as _stop
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -106,21 +108,60 @@ def test_flights_etl_on_flink_writes_the_same_dataset_as_the_fnapi_runner(flink_
     assert _dead_letters(tmp_path / "flink-dead.jsonl") == _dead_letters(tmp_path / "fnapi-dead.jsonl")
 
 
+def _batch_job_only_args(inputs: list[str], out: Path, *runner: str) -> list[str]:
+    return CLI + ["batch", "--input", inputs[0], "--input", inputs[1], "--label", "y", "--task", "regression",
+                  "--numeric", "x1,x2", "--categorical", "c", "--job-only", "--no-progress", "--out", str(out), *runner]
+
+
 def _batch_job_only(inputs: list[str], out: Path, *runner: str) -> str:
-    cmd = CLI + ["batch", "--input", inputs[0], "--input", inputs[1], "--label", "y", "--task", "regression",
-                 "--numeric", "x1,x2", "--categorical", "c", "--job-only", "--no-progress", "--out", str(out), *runner]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(_batch_job_only_args(inputs, out, *runner), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-@pytest.mark.timeout(360)
-def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_runner(flink_cluster, tmp_path):
-    inputs = tabular_inputs(tmp_path)
-    _batch_job_only(inputs, tmp_path / "fnapi")
+def _listening(cluster: LocalFlink) -> dict[str, set]:
+    """What each process of the local cluster (and each SDK worker of its pool) listens on now."""
+    state = cluster.read_state()
+    names = {p["pid"]: name for name, p in state["processes"].items()}
+    found = listening_sockets([*names, *descendants(state["processes"]["worker-pool"]["pid"])])
+    return {names.get(pid, f"sdk worker {pid}"): set(addrs) for pid, addrs in found.items()}
+
+
+@pytest.fixture(scope="module")
+def tabular_on_flink(flink_cluster, tmp_path_factory) -> dict:
+    """One run of the tabular ETL (`flowtrain batch --job-only`) on the FnApiRunner and one on the Flink cluster,
+    with every socket the cluster listens on watched before and while the Flink job runs: what the ETL comparison
+    and the loopback check (issue 28 item 3) both read. The job's output goes to files, not a pipe nobody reads
+    while it runs; faulthandler lets a hang show where."""
+    tmp = tmp_path_factory.mktemp("tabular-flink")
+    inputs = tabular_inputs(tmp)
+    _batch_job_only(inputs, tmp / "fnapi")
+    idle = _listening(flink_cluster)
     before = {j["jid"] for j in _jobs(flink_cluster)}
-    printed = _batch_job_only(inputs, tmp_path / "flink", "--runner", "flink")
-    job = _new_finished_job(flink_cluster, before)
+    stdout, stderr = tmp / "flink-job.out", tmp / "flink-job.log"
+    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+        job = subprocess.Popen(_batch_job_only_args(inputs, tmp / "flink", "--runner", "flink"), stdout=out,
+                               stderr=err, start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    seen = {name: set(addrs) for name, addrs in idle.items()}
+    try:
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            for name, addrs in _listening(flink_cluster).items():
+                seen.setdefault(name, set()).update(addrs)
+            time.sleep(0.2)
+        if job.poll() is None:
+            _hang_report(job, flink_cluster)
+        assert job.poll() == 0, f"the job failed or hung: {job.poll()}\n{stdout.read_text(errors='replace')[-2000:]}" \
+                                f"\n{stderr.read_text(errors='replace')[-6000:]}"
+    finally:
+        _stop(job, timeout=30)
+    return {"tmp": tmp, "printed": stdout.read_text(), "job": _new_finished_job(flink_cluster, before), "idle": idle,
+            "seen": seen}
+
+
+@pytest.mark.timeout(420)
+def test_tabular_etl_from_csv_and_parquet_with_runner_flink_matches_the_fnapi_runner(flink_cluster, tabular_on_flink):
+    tmp_path, printed, job = tabular_on_flink["tmp"], tabular_on_flink["printed"], tabular_on_flink["job"]
     assert "PortableRunner" in printed or "etl:" in printed
     manifest = assert_same_dataset(tmp_path / "fnapi" / "dataset", tmp_path / "flink" / "dataset")
     assert manifest["counts"]["in"] == 3000 and manifest["counts"]["dead_letters"] > 0
@@ -154,59 +195,21 @@ def test_flink_command_start_is_idempotent_and_status_reports_the_cluster(flink_
 
 
 # --- issue 28 item 3: what listens where ----------------------------------------------------------
-_TINY_JOB = """
-import sys
-import apache_beam as beam
-from flowtrain.local.runners import pipeline_options
-with beam.Pipeline(options=pipeline_options("batch", runner="flink")) as p:
-    _ = (p | beam.Create(list(range(3000))) | beam.Map(lambda x: (x % 7, x)) | beam.GroupByKey()
-         | beam.MapTuple(lambda k, v: f"{k},{sum(v)}") | beam.io.WriteToText(sys.argv[1], shard_name_template=""))
-"""
-
-
-@pytest.mark.timeout(300)
-def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_cluster, tmp_path):
-    """Every socket the local cluster listens on, idle and while a job runs (the TaskManagers then open Beam's Fn
-    API services for the SDK workers: control, data, state, logging, provisioning, artifacts), is on 127.0.0.1:
-    the JobManager (RPC, REST, blob server, metrics RPC), the TaskManagers (RPC, data port, metrics RPC), Beam's
-    job server (job service, artifact staging, expansion), the worker pool and its SDK workers. Beam 2.62 binds the
-    job server's and the TaskManagers' gRPC servers on every interface; flowtrain's bind patch does not."""
-    from tests.procs import descendants, is_loopback, listening_sockets
-
+def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_cluster, tabular_on_flink):
+    """Every socket the local cluster listens on, idle and while a job runs (the tabular ETL of
+    ``tabular_on_flink``: the TaskManagers then open Beam's Fn API services for the SDK workers: control, data,
+    state, logging, provisioning, artifacts), is on 127.0.0.1: the JobManager (RPC, REST, blob server, metrics RPC),
+    the TaskManagers (RPC, data port, metrics RPC), Beam's job server (job service, artifact staging, expansion), the
+    worker pool and its SDK workers. Beam 2.62 binds the job server's and the TaskManagers' gRPC servers on every
+    interface; flowtrain's bind patch does not."""
     state = flink_cluster.read_state()
-    names = {p["pid"]: name for name, p in state["processes"].items()}
-    pool = state["processes"]["worker-pool"]["pid"]
-
-    def sockets() -> dict[str, set]:
-        found = listening_sockets([*names, *descendants(pool)])
-        return {names.get(pid, f"sdk worker {pid}"): set(addrs) for pid, addrs in found.items()}
-
-    idle = sockets()
+    idle, seen = tabular_on_flink["idle"], tabular_on_flink["seen"]
     assert set(idle) == set(state["processes"]), idle  # every process listens somewhere (and is found)
     ports = {name: {port for _, port in addrs} for name, addrs in idle.items()}
     assert {flink_cluster.rest_port, int(state["jobmanager"].rsplit(":", 1)[1])} <= ports["jobmanager"], idle
     assert flink_cluster.job_port in ports["job-server"] and len(ports["job-server"]) == 3, idle  # + artifacts, exp.
     # RPC, data, metrics RPC; more while an earlier test's job environment is cached (--environment_cache_millis)
     assert len(ports["jobmanager"]) == 4 and all(len(ports[f"taskmanager-{i}"]) >= 3 for i in (1, 2)), idle
-
-    # The job's output goes to a file, not a pipe nobody reads while it runs; faulthandler lets a hang show where.
-    log = tmp_path / "job.log"
-    with open(log, "wb") as out:
-        job = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _TINY_JOB, str(tmp_path / "sums")],
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    seen = {name: set(addrs) for name, addrs in idle.items()}
-    try:
-        deadline = time.monotonic() + 240
-        while job.poll() is None and time.monotonic() < deadline:
-            for name, addrs in sockets().items():
-                seen.setdefault(name, set()).update(addrs)
-            time.sleep(0.2)
-        if job.poll() is None:
-            _hang_report(job, flink_cluster)
-        assert job.poll() == 0, f"the job failed or hung: {job.poll()}\n{log.read_text(errors='replace')[-6000:]}"
-    finally:
-        _stop(job, timeout=30)
-    assert len((tmp_path / "sums").read_text().splitlines()) == 7
     opened = {name: seen[name] - idle.get(name, set()) for name in seen}
     assert all(len(opened[f"taskmanager-{i}"]) >= 4 for i in (1, 2)), opened  # the Fn API services were seen
     exposed = {name: sorted(a for a in addrs if not is_loopback(a[0])) for name, addrs in seen.items()}
@@ -216,8 +219,6 @@ def test_item3_the_local_cluster_and_its_jobs_listen_on_loopback_only(flink_clus
 def _hang_report(job: subprocess.Popen, cluster: LocalFlink) -> None:
     """A job still running at its deadline: SIGABRT makes its faulthandler write every thread's stack to its log,
     and the Flink jobs the REST API knows (none: it never reached the job server) go to the test's output."""
-    import os
-
     try:
         print("flink jobs at the deadline:", [(j["name"], j["state"]) for j in _jobs(cluster)])
     except (OSError, ValueError, KeyError) as err:
@@ -233,7 +234,6 @@ def test_item3_without_the_bind_patch_flink_start_refuses_to_expose_the_job_serv
     """No JDK to build the bind patch (a cache provisioned without one, no `javac` or `mvn` on PATH) on a machine
     with a network interface: `flowtrain flink start` refuses in one line naming --expose-job-server, starts
     nothing."""
-    import os
     import shutil
     import socket
 

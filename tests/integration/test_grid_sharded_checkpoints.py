@@ -86,3 +86,26 @@ def test_grid_sharded_checkpoint_resumes_with_other_replicas_and_tensor_shards(w
         loaded = torch.load(tmp_path / f"{name}-loaded.pt", weights_only=True)
         assert all(torch.equal(loaded["model"][k], v) for k, v in wrote["model"].items()), name
         assert _max_diff(torch.load(tmp_path / f"{name}.pt", weights_only=True), want) <= 1e-5, name
+
+
+@pytest.mark.parametrize(("stage", "grid"), [
+    ("optimizer", {"tensor": 2}), pytest.param("gradients", {"stages": 2}, marks=pytest.mark.slow)])
+def test_zero12_on_the_grid_saves_sharded_and_resumes_on_another_layout(tmp_path, stage, grid):
+    """ZeRO-1 with tensor shards and ZeRO-2 with pipeline stages (#49 item 2): 2 replicas write one shard file per
+    rank, each its own part (no rank gathers the whole state); the checkpoint resumed with one replica (the grid
+    reads it whole) ends where the uninterrupted 2-replica run ends, to 1e-9 in float64."""
+    common = {"stage": stage, "dtype": "float64", **grid}
+    _spawn(4, {**common, "start": 0, "stop": HALF, "save": str(tmp_path / "ckpt"), "out": str(tmp_path / "half.pt")},
+           tmp_path / "a")
+    shards = tmp_path / "ckpt" / f"ckpt-{HALF:09d}.dcp"
+    assert {p.name for p in shards.iterdir()} == {".metadata", *(f"__{r}_0.distcp" for r in range(4))}
+    assert "model" not in torch.load(tmp_path / "ckpt" / f"ckpt-{HALF:09d}.pt", weights_only=True)
+    held = elements_per_file(shards, "model.")
+    total = sum(v.numel() for v in build_model().state_dict().values())
+    assert sum(held.values()) == total and max(held.values()) <= 0.45 * total, held  # each rank its own part
+    _spawn(4, {**common, "start": 0, "stop": STEPS, "out": str(tmp_path / "full.pt")}, tmp_path / "b")
+    _spawn(2, {**common, "start": HALF, "stop": STEPS, "load": str(tmp_path / "ckpt"), "out": str(tmp_path / "one.pt")},
+           tmp_path / "c")
+    want, got = torch.load(tmp_path / "full.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    assert _max_diff(got, want) <= 1e-9
+    assert _max_diff(torch.load(tmp_path / "half.pt", weights_only=True), want) > 1e-4  # the resumed steps moved it

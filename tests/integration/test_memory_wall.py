@@ -1,65 +1,114 @@
-"""The memory wall, shown (#31 item 5): a model whose Adam state does not fit one capped worker trains, under
-the same cap, on four workers with ``--shard-states parameters`` to the parameters of an uncapped one-process run.
+"""The memory wall, whole (#49 item 1): a model whose *parameters alone* are 1.5x what a worker may hold after its
+fixed overhead, trained by ``flowtrain batch`` under ``--worker-memory``.
 
-Size (runs in about two to three minutes here): a wide & deep model (``tests.memory_wall_jobs.WideDeep``) with
-four ID tables of 300,000 x 64, hidden layers of 4,096 and a wide part over the IDs: 96 M parameters, 0.36 GiB
-of parameters, 1.43 GiB of parameters + gradients + Adam state on one device; a worker's fixed overhead (the
-interpreter, torch, gloo) is about 0.5 GiB. The cap, 1.5 GiB per worker, is enforced on each worker
-(``flowtrain.parallel.memcap``: RLIMIT_AS here, cgroup v2 memory.max where delegated):
+The workers build the model on the meta device (``flowtrain.parallel.deferred``): a ZeRO-3 rank makes only the slices
+of each parameter it owns, with the values one process gives them; it evaluates the model layer by layer, keeps its
+best weights as its own pieces, saves its shards (DCP) and writes ``model.pt`` whole without holding it (streamed,
+one gathered layer at a time). The plan refuses one worker in one line naming the smallest layout that fits; that
+layout trains the model to completion under the cap (``flowtrain.parallel.memcap``), and its model equals an uncapped
+one-process run's to 1e-9 (``--dtype float64``: the check mode; float32 differs in the summation order).
 
-- one worker: the plan stops it before training in one line naming the smallest layout that fits; and a worker
-  that trains anyway under the cap ends with one line naming the cap (the wall is real, not only planned);
-- four workers, ZeRO-3: each holds a quarter of the state plus one gathered layer, trains 4 steps of a global
-  batch of 512 under the cap, and each rank's shards assembled equal the one-process run's parameters <= 1e-5.
+Sizes: in ``make test`` 96 hidden layers of 256 (6.3 M parameters, 48 MiB in float64); in the slow lane 96 hidden
+layers of 1,024 (100 M parameters, 0.75 GiB in float64, ``bench memory --size 100m``'s size). Many layers: ZeRO-3
+gathers one layer at a time, so a rank's step holds a few layers beside its shards (with a few wide layers the
+smallest layout would be 16 or 32 workers).
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-
-from flowtrain.parallel.launch import WorkerFailure, spawn
-from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
-from tests.memory_wall_jobs import assemble, build, reference
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {"PYTHONPATH": str(ROOT)}
-SHAPE = {"vocab": 300_000, "dim": 64, "hidden": 4096, "batch": 512, "steps": 4}
-CAP = int(1.5 * 2**30)
+SMALL = {"hidden": (256,) * 96, "steps": 4}  # 6.3 M parameters: 48 MiB in float64
+LARGE = {"hidden": (1024,) * 96, "steps": 4}  # 100 M parameters: 0.75 GiB in float64
+RATIO = 1.5  # the parameters' bytes over (the cap less a worker's fixed overhead)
+GIB = 2**30
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(1500)
 
 
-def test_memory_wall_four_sharded_workers_train_what_one_capped_worker_cannot(tmp_path):
-    overhead = worker_overhead_bytes()  # before any model: what every worker loads first
-    model = build(SHAPE)
-    params = sum(p.numel() for p in model.parameters())
-    assert 90e6 < params < 100e6
-    one = plan_memory(model, workers=1, batch_size=SHAPE["batch"])
-    assert one.parameters + one.gradients + one.optimizer > CAP - overhead  # Adam's state alone does not fit
-    line = fits_line(one, model, CAP, batch_size=SHAPE["batch"], overhead=overhead)
-    assert line is not None and "\n" not in line
-    assert line.startswith("does not fit --worker-memory 1.50 GiB: --workers 1 needs ") and "--shard-states" in line
-    four = plan_memory(model, workers=4, shard_states="parameters", batch_size=SHAPE["batch"])
-    assert fits_line(four, model, CAP, batch_size=SHAPE["batch"], overhead=overhead) is None
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    del model
+@pytest.fixture(scope="module")
+def wall_dataset(shared_data) -> str:
+    return shared_data.flights(every=40)  # the session's (read only: --dataset)
 
-    # one worker that trains anyway: the cap stops it, in one line
-    with pytest.raises(WorkerFailure) as failed:
-        spawn(1, "tests.memory_wall_jobs:train_job", {"shape": SHAPE, "stage": "none", "out": str(tmp_path / "one")},
-              failure_timeout_s=120, workdir=tmp_path / "w1", extra_env=ENV, memory_cap=CAP)
-    assert "\n" not in str(failed.value)
-    assert str(failed.value).startswith("worker rank 0 exceeded its memory cap, --worker-memory 1.50 GiB enforced by")
 
-    # four workers, ZeRO-3, the same cap: they train
-    out = tmp_path / "four"
-    spawn(4, "tests.memory_wall_jobs:train_job", {"shape": SHAPE, "stage": "parameters", "out": str(out)},
-          failure_timeout_s=120, workdir=tmp_path / "w4", extra_env=ENV, threads_per_worker=1, memory_cap=CAP)
-    got = assemble(str(out), 4, shapes)
-    want = reference(SHAPE)  # the uncapped one-process run
-    assert set(got) == set(want)
-    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
-    assert diff <= 1e-5, diff
-    moved = max(float((want[k] - v).abs().max()) for k, v in build(SHAPE).state_dict().items())
-    assert moved > 5e-5  # it trained (4 Adam steps of lr 1e-4)
+def _batch(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _parameter_bytes(dataset: str, hidden: tuple[int, ...]) -> int:
+    """The model's parameters in float64, from its meta-device skeleton (no memory)."""
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.models import build_run_model
+    from flowtrain.train.plan import TrainConfig
+
+    model = build_run_model(None, TabularDataset(dataset), TrainConfig(hidden=hidden), deferred=True)
+    return sum(p.numel() for p in model.parameters()) * 8
+
+
+def _gib(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+) (GiB|MiB)", text).groups()
+    return float(value) * (GIB if unit == "GiB" else 2**20)
+
+
+def _overhead(line: str) -> float:
+    """A worker's fixed overhead as the command measured and named it in its one line."""
+    found = re.search(r"fixed (?:overhead \()?([\d.]+ (?:GiB|MiB))", line)
+    assert found, line
+    return _gib(found.group(1))
+
+
+def _demo(dataset: str, tmp_path: Path, shape: dict) -> None:
+    common = ["--dataset", dataset, "--hidden", ",".join(map(str, shape["hidden"])), "--dtype", "float64",
+              "--dropout", "0", "--batch-size", "32", "--steps", str(shape["steps"]), "--eval-every", "2",
+              "--device", "cpu", "--failure-timeout", "600"]
+    params = _parameter_bytes(dataset, shape["hidden"])
+    # a worker's fixed overhead, as the command measures it (a cap below it is refused before anything starts)
+    below = _batch(*common, "--out", str(tmp_path / "below"), "--worker-memory", "0.01", timeout=300)
+    assert below.returncode != 0
+    overhead = _overhead(below.stderr.strip().splitlines()[-1])
+    cap_gib = round((overhead + params / RATIO) / GIB, 3)
+    # one worker: refused in one line, before training, naming the smallest layout that fits
+    one = _batch(*common, "--out", str(tmp_path / "one"), "--worker-memory", str(cap_gib), timeout=300)
+    assert one.returncode != 0
+    line = one.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"flowtrain batch: does not fit --worker-memory {cap_gib:.2f} GiB: --workers 1 needs"), line
+    assert params >= 0.98 * RATIO * (cap_gib * GIB - _overhead(line)), (params, line)  # the parameters alone: 1.5x
+    layout = re.search(r"`(--workers (\d+) --shard-states (\w+))`", line)
+    assert layout and layout.group(3) == "parameters", line  # ZeRO-3: the parameters themselves sharded
+    assert not (tmp_path / "one" / "checkpoints").exists()
+    # that layout, under the same cap: trains to completion
+    capped = _batch(*common, "--out", str(tmp_path / "capped"), "--worker-memory", str(cap_gib),
+                    *layout.group(1).split())
+    assert capped.returncode == 0, capped.stderr[-3000:]
+    assert f"each worker capped at {cap_gib:g} GiB" in capped.stdout
+    workers = int(layout.group(2))
+    assert len(list((tmp_path / "capped" / "checkpoints").glob("*.dcp/__*_0.distcp"))) >= workers  # its own shards
+    # an uncapped one-process run: the same model, to 1e-9
+    whole = _batch(*common, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    got = torch.load(tmp_path / "capped" / "model.pt", weights_only=True)
+    want = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    assert got.keys() == want.keys() and all(v.dtype == want[k].dtype for k, v in got.items())
+    worst = max(float((got[k].double() - v.double()).abs().max()) for k, v in want.items())
+    assert worst <= 1e-9, worst
+    import json
+
+    memory = json.loads((tmp_path / "capped" / "summary.json").read_text())["training"]["memory"]
+    for rank in memory["measured"]:  # every rank held its share, never the whole model
+        assert rank["peak_state"] <= memory["plan"]["total"] and rank["peak_state"] < params
+
+
+def test_memory_wall_small(wall_dataset, tmp_path):
+    _demo(wall_dataset, tmp_path, SMALL)
+
+
+@pytest.mark.slow
+def test_memory_wall_large(wall_dataset, tmp_path):
+    _demo(wall_dataset, tmp_path, LARGE)

@@ -116,17 +116,16 @@ def test_a_failing_stage_ends_the_job_with_the_schedule_marked(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
+def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(shared_data, tmp_path):
     import subprocess
     import sys
 
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.models import TabularMLP
-    from tests.flights_data import make_flights_dataset
+    from flowtrain.train.models import Architecture
 
-    make_flights_dataset(tmp_path, every=40)
+    dataset = shared_data.flights(every=40)
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "batch", "--no-progress", "--dataset",
-                           str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--stages", "2", "--epochs", "2",
+                           dataset, "--out", str(tmp_path / "run"), "--stages", "2", "--epochs", "2",
                            "--microbatches", "3", "--batch-size", "256", "--device", "cpu"],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -137,11 +136,12 @@ def test_batch_cli_with_stages_writes_a_mergeable_checkpoint(tmp_path):
     assert len(state["stages"]) == 2 and len(state["optimizer"]["stages"]) == 2
     merged = merge_stage_states(state["stages"])
     assert set(merged) == set(state["model"])
-    data = TabularDataset(tmp_path / "ds")
-    model = TabularMLP(data.n_numeric, data.cardinalities, hidden=(128, 64), dropout=0.3)
+    data = TabularDataset(dataset)
+    arch = Architecture.from_dict(state["config"], "the run's checkpoint")  # the default recipe, as the run chose it
+    model = arch.build(data)
     model.load_state_dict(merged)
     model.eval()
-    whole = TabularMLP(data.n_numeric, data.cardinalities, hidden=(128, 64), dropout=0.3)
+    whole = arch.build(data)
     whole.load_state_dict(state["model"])
     whole.eval()
     test = data.split("test")

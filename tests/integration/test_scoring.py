@@ -159,12 +159,24 @@ def _committed(bootstrap, names) -> dict[int, int]:
         c.close()
 
 
-@_apply(live)
-def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authenticated_hot_swap(
-        bootstrap, sensor, tmp_path, say):
+def _send_hostile(bootstrap, names, hostile: list[bytes | None]) -> None:
+    for value in hostile:
+        _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
+
+
+@pytest.fixture(scope="module")
+def served_3_class(bootstrap, sensor, tmp_path_factory, say) -> dict:
+    """One scorer run that the 3-class test and the hostile-records test both read (one heavy job, several
+    assertions). The 3-class sensor table, scored with --metrics-port and an update key. Before it starts: version 1
+    of run a and every kind of hostile record (#28.1: NaN, deep nesting, wrong types, huge, ...) on the updates topic;
+    400 events on the raw topic, every 40th malformed, one (otherwise valid) with a ~1 MB id, just under the 1 MiB
+    event bound (#28.2). While it runs: the hostile records again and forged and bad records (unsigned, mis-signed,
+    signed naming a FIFO), another run's signed version 7, then run a's version 2, while events keep coming."""
     from connectors.kafka import ensure_topic
     from connectors.model_updates import sign_record
+    from tests.unit.test_serving_hostile_inputs import hostile_records
 
+    tmp_path = tmp_path_factory.mktemp("score3")
     names = _names()
     ensure_topic(bootstrap, names["raw"], partitions=2)
     ensure_topic(bootstrap, names["updates"])
@@ -172,7 +184,12 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
     weights = {("run-a", 1): (arch, trained), ("run-a", 2): (arch, _random_weights(sensor["data"], arch, 2))}
     pub = _publisher(sensor, tmp_path / "trainer")
     _publish(bootstrap, names, pub, 1, arch, trained)
+    hostile = hostile_records()
+    _send_hostile(bootstrap, names, hostile)
     events = _events(3000, unseen_every=50)
+    big = next(i for i, e in enumerate(events) if i >= 7 and i % 40 != 3 and e["pressure"] is not None
+               and e.get("state") in CLASSES)  # labelled with a known class, not a malformed slot: otherwise valid
+    events[big] = {**events[big], "reading_id": "x" * 1_000_000}
     n = _produce(bootstrap, names["raw"], events[:400], malformed_every=40)
     port = free_port()
     proc = _scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"],
@@ -180,7 +197,8 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
     log = tmp_path / "run" / "scorer.log"
     try:
         preds, dead = _wait_covered(bootstrap, names, n, proc, log)
-        assert {p["pred_model_version"] for p in preds} == {1}
+        first_versions = {p["pred_model_version"] for p in preds}
+        _send_hostile(bootstrap, names, hostile)  # the same while it runs
 
         # forged and bad records mid-stream: all rejected with their reason, version 1 keeps serving
         real = _publish(bootstrap, names, _publisher(sensor, tmp_path / "other"), 7, arch, trained, run_id="run-b")
@@ -206,19 +224,32 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
         say(f"\nscoring: version 2 served {t_seen2 - t_pub2:.1f} s after its publication")
         feed.until(lambda *_: time.time() > t_pub2 + AFTER_S + 3, proc, log, within_s=BOUND_S, then_s=0)
         preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
+        alive = proc.poll() is None
         # what users see (#42): every event sent 5 s after a real publication carries it (or a newer one)
         fresh = served_fresh(bootstrap, names, only={("run-a", 1), ("run-b", 7), ("run-a", 2)})
-        assert fresh["checked"] >= 50 and fresh["share"] <= 0.01, fresh
-        n = feed.n
-        text = log.read_text()
-        assert "unsigned: an update key is set" in text and "bad signature" in text
-        assert "is not a regular file" in text
         latency = _latency_histogram(port, len(preds))
         beam_counts = _saved_beam_counters(tmp_path / "run" / "score-metrics.json")
     finally:
         _stop(proc)
-    assert proc.returncode == 0, log.read_text()[-3000:]
     weights[("run-b", 7)] = (arch, trained)
+    return {"names": names, "events": events, "n": feed.n, "preds": preds, "dead": dead, "weights": weights,
+            "first_versions": first_versions, "alive": alive, "fresh": fresh, "latency": latency,
+            "beam_counts": beam_counts, "returncode": proc.returncode, "log": log.read_text(), "hostile": hostile}
+
+
+@_apply(live)
+def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authenticated_hot_swap(
+        bootstrap, sensor, served_3_class, tmp_path, say):
+    run = served_3_class
+    names, events, n, preds, dead, weights = (run[k] for k in ("names", "events", "n", "preds", "dead", "weights"))
+    assert run["first_versions"] == {1}
+    fresh = run["fresh"]  # (#42) every event sent 5 s after a real publication carries it (or a newer one)
+    assert fresh["checked"] >= 50 and fresh["share"] <= 0.01, fresh
+    text = run["log"]
+    assert "unsigned: an update key is set" in text and "bad signature" in text
+    assert "is not a regular file" in text
+    latency, beam_counts = run["latency"], run["beam_counts"]
+    assert run["returncode"] == 0, text[-3000:]
     assert {(p["pred_model_run"], p["pred_model_version"]) for p in preds} == set(weights)
 
     # every prediction equals the forward of the version it names; the class is its argmax's name
@@ -243,11 +274,15 @@ def test_a_3_class_table_scored_with_class_names_ids_unlabelled_events_and_authe
     _read_predictions_as_docs_do(bootstrap, names["pred"], preds, tmp_path)
 
     # counts: every raw event is one prediction or one dead letter; unlabelled and unseen-class events predicted
-    raw = [f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])]
+    records = _read(bootstrap, names["raw"])
+    raw = [f"{m.topic}/{m.partition}/{m.offset}" for m in records]
     assert len(raw) == n
     scored, rejected = [p["pred_source"] for p in preds], [d["source"] for d in dead]
     assert sorted(scored + rejected) == sorted(raw) and len(set(scored)) == len(scored)
-    assert set(expected) == set(scored)  # the scorer rejected exactly what the stream featurizer rejects
+    # the scorer rejected exactly what the stream featurizer rejects, and the event whose id is over the scorer's own
+    # --max-id-bytes (test_item1_item2_...)
+    big = {f"{m.topic}/{m.partition}/{m.offset}" for m in records if len(m.value) > 1_000_000}
+    assert len(big) == 1 and set(expected) == set(scored) | big
     ids = {p["reading_id"] for p in preds}  # the event's id and label under their own names
     valid = [e for e in events[:n] if e["pressure"] is not None]  # a missing pressure is a dead letter
     unlabelled = [e["reading_id"] for e in valid if "state" not in e]
@@ -422,59 +457,28 @@ def test_the_flights_stream_scored_without_a_key_warns_and_predicts_flights_that
 
 @_apply(live)
 def test_item1_item2_hostile_update_records_and_a_megabyte_id_are_rejections_and_dead_letters_not_a_crash(
-        bootstrap, sensor, tmp_path, say):
-    """#28.1 and #28.2 on the broker and Prism: the updates topic holds every kind of hostile record
-    (NaN, deep nesting, wrong types, huge, ...) before the scorer starts and more arrive while it
-    runs; an event just under the 1 MiB event bound has a ~1 MB id. The scorer starts, stays up,
-    rejects each record with a reason (logged once per kind), the event is a dead letter naming
-    --max-id-bytes, every other event is predicted, and a real new version still serves."""
-    from connectors.kafka import ensure_topic
-    from tests.unit.test_serving_hostile_inputs import hostile_records
-
-    names = _names()
-    ensure_topic(bootstrap, names["raw"], partitions=2)
-    ensure_topic(bootstrap, names["updates"])
-    arch, trained = _batch_model(sensor)
-    pub = _publisher(sensor, tmp_path / "trainer")
-    _publish(bootstrap, names, pub, 1, arch, trained)
-    hostile = hostile_records()
-    for value in hostile:
-        _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
-    events = _events(600, seed=5)
-    k = next(i for i, e in enumerate(events) if i >= 7 and e["pressure"] is not None)  # otherwise valid
-    big = {**events[k], "reading_id": "x" * 1_000_000}
-    n = _produce(bootstrap, names["raw"], events[:k])
-    _send(bootstrap, names["raw"], json.dumps(big).encode())
-    n += 1 + _produce(bootstrap, names["raw"], events[k + 1:200])
-    proc = _scorer(bootstrap, names, sensor["dataset"], tmp_path / "run", "--update-key-file", sensor["key_file"])
-    log = tmp_path / "run" / "scorer.log"
-    try:
-        preds, dead = _wait_covered(bootstrap, names, n, proc, log)
-        for value in hostile:  # the same while it runs
-            _send(bootstrap, names["updates"], value) if value is not None else _send_tombstone(bootstrap, names)
-        _publish(bootstrap, names, pub, 2, arch, _random_weights(sensor["data"], arch, 2))
-        feed = _Feed(bootstrap, names, events, start=200)
-        t_pub2 = time.time()
-        feed.until(lambda p, _: any(r["pred_model_version"] == 2 for r in p), proc, log, within_s=BOUND_S, then_s=0)
-        feed.until(lambda *_: time.time() > t_pub2 + AFTER_S + 3, proc, log, within_s=BOUND_S, then_s=0)
-        preds, dead = _wait_covered(bootstrap, names, feed.n, proc, log)
-        assert proc.poll() is None, log.read_text()[-3000:]
-        fresh = served_fresh(bootstrap, names, only={("run-a", 1), ("run-a", 2)})  # (#42) amid hostile records
-        assert fresh["checked"] >= 30 and fresh["share"] <= 0.01, fresh
-    finally:
-        _stop(proc)
-    text = log.read_text()
-    assert proc.returncode == 0 and "FAILED" not in text, text[-3000:]
+        bootstrap, served_3_class, say):
+    """#28.1 and #28.2 on the broker and Prism, in ``served_3_class``'s run: the updates topic holds every kind of
+    hostile record (NaN, deep nesting, wrong types, huge, ...) before the scorer starts and more arrive while it
+    runs; an event just under the 1 MiB event bound has a ~1 MB id. The scorer starts, stays up, rejects each record
+    with a reason (logged once per kind), the event is a dead letter naming --max-id-bytes, every other event is
+    predicted, and real new versions still serve."""
+    run = served_3_class
+    names, preds, dead, text = run["names"], run["preds"], run["dead"], run["log"]
+    assert run["alive"], text[-3000:]
+    fresh = run["fresh"]  # (#42) amid hostile records
+    assert fresh["checked"] >= 30 and fresh["share"] <= 0.01, fresh
+    assert run["returncode"] == 0 and "FAILED" not in text, text[-3000:]
     too_long = [d for d in dead if "--max-id-bytes" in d["reason"]]
     assert len(too_long) == 1 and "1,000,000 bytes, over --max-id-bytes 1,024" in too_long[0]["reason"]
     raw = {f"{m.topic}/{m.partition}/{m.offset}" for m in _read(bootstrap, names["raw"])}
-    assert {p["pred_source"] for p in preds} | {d["source"] for d in dead} == raw and len(raw) == feed.n
+    assert {p["pred_source"] for p in preds} | {d["source"] for d in dead} == raw and len(raw) == run["n"]
     assert all(len(p["reading_id"] or "") < 100 for p in preds)
     for kind in ("not JSON", "malformed", "oversized", "tombstone"):  # each kind logged once by the start-up
         # wait and once by the serving side input's tracker (which reads the topic again), not per record
         assert 1 <= text.count(f"further rejections of kind '{kind}'") <= 2, kind
-    say(f"\nscoring: {len(hostile)} hostile update records at start and {len(hostile)} while running rejected; "
-        f"the 1 MB id a dead letter; {len(preds)} predictions")
+    say(f"\nscoring: {len(run['hostile'])} hostile update records at start and {len(run['hostile'])} while running "
+        f"rejected; the 1 MB id a dead letter; {len(preds)} predictions")
 
 
 def _send_tombstone(bootstrap, names) -> None:

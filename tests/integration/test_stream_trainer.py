@@ -111,7 +111,10 @@ def test_starts_from_a_batch_run_with_its_architecture_and_scores_regression_by_
     dataset, run, out = stream_run["dataset"], stream_run["run"], stream_run["out"]
     _exactly_once(out, stream_run["sources"])
     ckpt = torch.load(sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
-    assert ckpt["architecture"] == {"kind": "mlp", "hidden": [32, 16], "dropout": 0.1, "seed": 0}
+    recipe = json.loads((run / "config.json").read_text())  # the default recipe, as the batch run chose it
+    assert recipe["numeric_embedding"] == 16 and recipe["ensemble"] >= 1  # a small table: embeddings on
+    want = {"kind": "mlp", "hidden": [32, 16], "dropout": 0.1, "seed": 0, "numeric_embedding": 16}
+    assert ckpt["architecture"] == {**want, **({"ensemble": recipe["ensemble"]} if recipe["ensemble"] > 1 else {})}
     preq = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if r["kind"] == "prequential" and r.get("rows")]  # a final checkpoint may come with no new rows
     assert preq and not [r for r in preq if not ("rmse" in r and "mae" in r and "auc" not in r)], preq

@@ -177,7 +177,7 @@ def _batch(*args, timeout=280) -> subprocess.CompletedProcess:
 
 def test_batch_tensor_parallel_on_explicit_cpu_writes_sharded_and_merged_checkpoints(flights, tmp_path):
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.models import TabularMLP
+    from flowtrain.train.models import Architecture
 
     run = tmp_path / "run"
     proc = _batch("--dataset", flights, "--out", str(run), "--tensor-parallel", "2", "--device", "cpu",
@@ -191,8 +191,8 @@ def test_batch_tensor_parallel_on_explicit_cpu_writes_sharded_and_merged_checkpo
     assert shard0["1.inner.weight"].shape[0] == 16 and shard1["1.inner.weight"].shape[0] == 16
     data = TabularDataset(flights)
 
-    def plain(state_dict):
-        model = TabularMLP(data.n_numeric, data.cardinalities, hidden=(32, 16), dropout=0.1, outputs=data.outputs)
+    def plain(state_dict):  # the run's architecture (the default recipe, as the run chose it), unsharded
+        model = Architecture.from_dict(state["config"], "the run's checkpoint").build(data)
         model.load_state_dict(state_dict)
         return model.eval()
 

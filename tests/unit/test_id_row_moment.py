@@ -109,7 +109,10 @@ def test_id_shard_grows_straight_to_its_share_of_max_ids():
             caps.add(shard.capacity)
         assert len(shard) == len(mine) and caps == {share}, (rank, sorted(caps))  # doubling: 65,536
         assert shard.capacity == grown_capacity(len(mine), 1024, max_ids, workers)
-    # one process under --max-ids: its first growth sizes it to the bound
+    # one process under --max-ids (#49 item 4): its first growth does not allocate the whole bound (a table that
+    # may never see --max-ids IDs); it grows as an unbounded table does, and never past the bound
     one = IdTable(2, max_ids=5_000, optimizer="sgd")
     one.observe(np.arange(1, 1_500, dtype=np.int64))
-    assert one.capacity == 5_000
+    assert one.capacity == 2_048 == grown_capacity(1_499, 1024, 5_000, 1)
+    one.observe(np.arange(1_500, 6_000, dtype=np.int64))
+    assert one.capacity == 5_000 and len(one) == 5_000

@@ -25,7 +25,11 @@ def test_zero_on_the_grid_shards_each_stage_and_shard_over_its_replicas(grid):
     assert zero3.parameters == zero3.gradients == share // 2 * 4
     assert share * 4 <= zero3.optimizer <= share * 4 + 16 * 4  # and a step per piece (<= 2 a layer)
     assert zero3.state < plans["gradients"].state < plans["optimizer"].state < plain.state
-    assert zero3.transient > 0 and plans["optimizer"].transient == 0  # a gathered layer, its gradients, buffers
+    assert zero3.transient > 0  # a gathered layer, its gradients, buffers
+    # ZeRO-1's gradients are its buckets' buffers (in its state); on gloo its all-to-all reduce-scatter's receive
+    # buffers are a step's transient (#49 item 6), on NCCL (reduce_scatter_single) there is none
+    assert plans["optimizer"].transient > 0
+    assert plan_memory(model, workers=2, shard_states="optimizer", batch_size=32, backend="nccl", **grid).transient == 0
     assert not zero3.exact and (zero3.stages, zero3.tensor_parallel) == (grid.get("stages", 1),
                                                                           grid.get("tensor_parallel", 1))
     text = zero3.describe()

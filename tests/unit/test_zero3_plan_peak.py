@@ -22,16 +22,22 @@ def test_zero3_plan_counts_the_gathered_layer_and_the_buffers_in_flight():
     units = [7 * 33 + 33, 33 * 65 + 65, 65 * 5 + 5]
     plan = plan_memory(_model(), workers=2, shard_states="parameters", batch_size=64)
     padded = [-(-n // 2) * 2 for n in units]
-    # the peak unit: its parameters gathered + its gradients + its buffer + the later unit's buffer in flight
-    want = max(padded[k] + units[k] + padded[k] + (padded[k + 1] if k + 1 < len(units) else 0) for k in range(3))
+    # the peak unit: its parameters gathered + its gradients + its buffer + the later unit's buffer in flight with
+    # (gloo, #49 item 6) its all-to-all receive buffer
+    want = max(padded[k] + units[k] + padded[k] + (2 * padded[k + 1] if k + 1 < len(units) else 0) for k in range(3))
     assert plan.transient == want * FLOAT
+    nccl = plan_memory(_model(), workers=2, shard_states="parameters", batch_size=64, backend="nccl")
+    assert nccl.transient == max(padded[k] + units[k] + padded[k] + (padded[k + 1] if k + 1 < len(units) else 0)
+                                 for k in range(3)) * FLOAT  # reduce_scatter_single: no receive buffer
     assert plan.total == plan.state + plan.transient + plan.activations
     assert "during a step" in plan.describe()
     two = plan_memory(_model(), workers=2, shard_states="gradients", batch_size=64)
     bucket = sum(units)  # ZeRO-2 reduces in buckets (1 MB: the three layers in one), no layer gathered
     assert two.transient == (bucket + -(-bucket // 2) * 2) * FLOAT
     one = plan_memory(_model(), workers=2, shard_states="optimizer", batch_size=64)
-    assert one.transient == 0  # ZeRO-1's gradients are its buckets' buffers, already in its state
+    # ZeRO-1's gradients are its buckets' buffers, already in its state; the bucket's all-to-all receive buffer is not
+    assert one.transient == -(-bucket // 2) * 2 * FLOAT
+    assert plan_memory(_model(), workers=2, shard_states="optimizer", batch_size=64, backend="nccl").transient == 0
 
 
 def test_zero3_plan_total_matches_the_measured_peak():

@@ -80,7 +80,17 @@ class _TableState:
                                       error_msgs)
 
     def _load_table(self, tensors: dict) -> None:
+        dtype = self.table.dtype
         self.table = table_from_tensors(tensors)
+        self.table.to_dtype(dtype)  # the model's type (--dtype), whatever the state was saved in
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.double()``, ``.float()`` convert the table's rows and moments too (it stays on the CPU)."""
+        out = super()._apply(fn, recurse)
+        want = fn(torch.zeros(0, dtype=self.table.dtype)).dtype
+        if want != self.table.dtype and want.is_floating_point:
+            self.table.to_dtype(want)
+        return out
 
 
 class IdEmbedding(_TableState, nn.Module):
@@ -93,31 +103,68 @@ class IdEmbedding(_TableState, nn.Module):
         self._pending: tuple[np.ndarray, torch.Tensor] | None = None
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
+        """One row per key, the fallback vector where there is none: the rows' map (``IdTable.observe`` in
+        training: counts, admits, expires; ``rows_of`` else), then one fused gather (``_IdRows``). In training each
+        occurrence's gradient is kept for ``step``, which sums them per row."""
         keys_np = keys.detach().to("cpu", torch.int64).numpy()
-        if self.training and self.grow and torch.is_grad_enabled():
-            rows = self.table.observe(keys_np, self.fallback)
-            used, inv = np.unique(rows[rows >= 0], return_inverse=True)
-            active = self.table.weight[torch.as_tensor(used)].clone().requires_grad_(True)
-            self._pending = (used, active)
-            index = np.zeros(len(rows), dtype=np.int64)
-            index[rows >= 0] = inv + 1
-            return torch.cat([self.fallback[None, :], active])[torch.as_tensor(index)]
-        rows = self.table.rows_of(keys_np)
-        out = self.fallback[None, :].expand(len(rows), self.dim).clone()
-        known = torch.as_tensor(rows >= 0)
-        if bool(known.any()):
-            out[known] = self.table.weight[torch.as_tensor(rows[rows >= 0])]
-        return out
+        train = self.training and self.grow and torch.is_grad_enabled()
+        if not train:  # a lookup: one gather, the fallback vector copied where there is no row
+            rows = self.table.rows_of(keys_np)
+            out = self.table.weight.index_select(0, torch.from_numpy(np.maximum(rows, 0)))
+            none = np.flatnonzero(rows < 0)
+            if len(none):
+                out.index_copy_(0, torch.from_numpy(none), self.fallback.detach().expand(len(none), -1))
+            return out
+        rows = self.table.observe(keys_np, self.fallback)
+        self._pending = (rows, _Sink())
+        return _IdRows.apply(self.fallback, self.table.weight, rows, self._pending[1])
 
     def step(self, global_n: int, lr: float) -> None:
-        """The table's optimizer step for the rows the last training forward used."""
+        """The table's optimizer step for the rows the last training forward used: each occurrence's gradient
+        summed per row (one sort of the batch's rows, as a sparse gradient's coalesce), then ``apply_gradients``."""
         if self._pending is None:
             return
-        used, active = self._pending
+        rows, sink = self._pending
         self._pending = None
-        if active.grad is not None and global_n:
-            self.table.apply_gradients(used, active.grad / global_n, lr)
+        if sink.grad is None or not global_n:
+            return
+        grad = sink.grad
+        if (rows < 0).any():  # occurrences on the fallback vector: not the table's
+            at = np.flatnonzero(rows >= 0)
+            if not len(at):
+                return
+            rows, grad = rows[at], grad.index_select(0, torch.from_numpy(at))
+        used, inv = torch.unique(torch.from_numpy(rows), return_inverse=True)
+        summed = torch.zeros(len(used), self.dim, dtype=grad.dtype).index_add_(0, inv, grad)
+        self.table.apply_gradients(used.numpy(), summed.div_(global_n), lr)
 
+
+class _Sink:
+    """Where ``_IdRows``' backward leaves each occurrence's gradient (``grad``: ``[n, dim]``)."""
+    grad: torch.Tensor | None = None
+
+
+class _IdRows(torch.autograd.Function):
+    """``weight[rows]``, the fallback vector where a row is -1: one ``index_select`` and, for the few without a
+    row, one ``index_copy_``. Backward: the fallback's gradient (the sum over the occurrences without a row) to
+    autograd, every occurrence's gradient to ``sink`` (the table's rows are not autograd's: ``IdEmbedding.step``
+    applies them), no copy of a gradient per row."""
+
+    @staticmethod
+    def forward(ctx, fallback, weight, rows, sink):
+        out = weight.index_select(0, torch.from_numpy(np.maximum(rows, 0)))
+        none = torch.from_numpy(np.flatnonzero(rows < 0))
+        if len(none):
+            out.index_copy_(0, none, fallback.detach().to(out.dtype).expand(len(none), -1))
+        ctx.none, ctx.sink = none, sink
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.sink is not None:
+            ctx.sink.grad = grad
+        g_fallback = grad.index_select(0, ctx.none).sum(0) if len(ctx.none) else grad.new_zeros(grad.shape[1:])
+        return g_fallback, None, None, None
 
 
 def owner_of(keys: np.ndarray, world: int) -> np.ndarray:
@@ -230,14 +277,14 @@ class ShardedIdEmbedding(_TableState, nn.Module):
             answers_rows = [self.table.rows_of(a[:, 1].numpy()) for a in asked]
         replies = []
         for rows in answers_rows:
-            vec = torch.zeros(len(rows), self.dim + 1)
+            vec = torch.zeros(len(rows), self.dim + 1, dtype=self.table.dtype)
             known = rows >= 0
             if known.any():
                 vec[torch.as_tensor(known), : self.dim] = self.table.weight[torch.as_tensor(rows[known])]
-            vec[:, self.dim] = torch.as_tensor(known, dtype=torch.float32)
+            vec[:, self.dim] = torch.as_tensor(known, dtype=self.table.dtype)
             replies.append(vec)
         got = _exchange(replies, self.group)  # per owner: [m, dim + 1] in the order this rank asked
-        vectors = torch.zeros(n, self.dim)
+        vectors = torch.zeros(n, self.dim, dtype=self.table.dtype)
         found = np.zeros(n, dtype=bool)
         for d, idx in enumerate(sent_idx):
             if len(idx):
@@ -259,11 +306,12 @@ class ShardedIdEmbedding(_TableState, nn.Module):
         grad = vectors.grad if vectors.grad is not None else torch.zeros_like(vectors)
         grads = _exchange([grad[torch.as_tensor(idx)].reshape(-1, self.dim) for idx in sent_idx], self.group)
         rows = np.concatenate([r for r in answers_rows]) if answers_rows else np.zeros(0, np.int64)
-        g = torch.cat(grads) if grads else torch.zeros(0, self.dim)
+        g = torch.cat(grads) if grads else torch.zeros(0, self.dim, dtype=self.table.dtype)
         keep = rows >= 0
         if keep.any() and global_n:
             used, inv = np.unique(rows[keep], return_inverse=True)
-            summed = torch.zeros(len(used), self.dim).index_add_(0, torch.as_tensor(inv), g[torch.as_tensor(keep)])
+            summed = torch.zeros(len(used), self.dim, dtype=g.dtype).index_add_(0, torch.as_tensor(inv),
+                                                                               g[torch.as_tensor(keep)])
             self.table.apply_gradients(used, summed / global_n, lr)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -279,8 +327,10 @@ class ShardedIdEmbedding(_TableState, nn.Module):
             if (rank, world) != (self.rank, self.world):
                 raise ValueError(f"this ID table shard was written by rank {rank} of {world} workers: resume with "
                                  f"--workers {world}")
+            dtype = self.table.dtype
             self.table = table_from_tensors(tensors)
             self.table.shards = self.world
+            self.table.to_dtype(dtype)
             return
         whole = table_from_tensors(tensors)
         state = whole.state_dict()
@@ -293,8 +343,10 @@ class ShardedIdEmbedding(_TableState, nn.Module):
             exp_avg_sq=None if state["exp_avg_sq"] is None else state["exp_avg_sq"][sel],
             pending_keys=state["pending_keys"][psel], pending=state["pending"][psel],
             stats=state["stats"] if self.rank == 0 else {})  # the counters once: gather_full_table sums them
+        dtype = self.table.dtype
         self.table = IdTable.from_state(state)
         self.table.shards = self.world
+        self.table.to_dtype(dtype)
 
     def full_table_tensors(self) -> dict[str, torch.Tensor]:
         """The whole table's flat tensors on every rank (a collective)."""
@@ -323,7 +375,7 @@ def gather_full_table(emb: ShardedIdEmbedding, dst: int | None = 0) -> IdTable |
         torch.zeros(0, 3, dtype=torch.int64)
     pend = torch.cat([state["pending_keys"][:, None], state["pending"]], dim=1) if len(state["pending_keys"]) else \
         torch.zeros(0, 3, dtype=torch.int64)
-    all_dense = [torch.zeros(width, cols) for _ in range(emb.world)]
+    all_dense = [torch.zeros(width, cols, dtype=dense.dtype) for _ in range(emb.world)]
     all_ints = [torch.zeros(width, 3, dtype=torch.int64) for _ in range(emb.world)]
     all_pend = [torch.zeros(pw, 3, dtype=torch.int64) for _ in range(emb.world)]
     dist.all_gather(all_dense, pad(dense.reshape(-1, cols), width), group=emb.group)

@@ -24,23 +24,25 @@ import numpy as np
 
 from connectors.id_keys import NO_KEY
 
-__all__ = ["KeyIndex", "LOAD"]
+__all__ = ["KeyIndex", "LOAD", "REBUILD_CHUNK"]
 
 LOAD = 0.7  # slots per row: 1 / LOAD
 EMPTY, TOMB = -1, -2  # a slot never used; a slot whose entry was removed
-_CHUNK = 1 << 18  # keys placed at a time when the slots are rebuilt
+REBUILD_CHUNK = 1 << 16  # keys placed at a time when the slots are rebuilt (its temporaries: ~240 bytes a key)
 _WINDOW = 8  # slots a probe reads at a time
 _STEPS = np.arange(_WINDOW, dtype=np.int64)
+_FIND_STEPS = np.arange(4 * _WINDOW, dtype=np.int64)
+_PAIR = np.arange(2, dtype=np.int64)  # a lookup's slots a round past its home (one round, mostly)
 _MASK = (1 << 64) - 1
 
 
 def _mix(keys: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer of the keys (as unsigned 64 bits)."""
+    """The keys' hash (as unsigned 64 bits; its high 32 bits place a key): the high half folded into the low, then
+    Fibonacci hashing (one multiply by 2**64 / golden ratio), which spreads sequential keys as well as the 64-bit
+    hashes of ``connectors.id_keys``; three array operations, where splitmix64's finalizer takes eight."""
     x = np.asarray(keys, dtype=np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+        return (x ^ (x >> np.uint64(32))) * np.uint64(0x9E3779B97F4A7C15)
 
 
 def _slots_for(capacity: int) -> int:
@@ -118,45 +120,59 @@ class KeyIndex:
 
     # --- vectorized -----------------------------------------------------------------------------------
     def _home(self, keys: np.ndarray) -> np.ndarray:
-        return (_mix(keys) % np.uint64(len(self._slots))).astype(np.int64)
+        """Each key's first slot: the hash's high 32 bits scaled to the slots (Lemire's multiply-shift, no modulo:
+        a division of 64-bit integers is the slowest step of a lookup)."""
+        return ((_mix(keys) >> np.uint64(32)) * np.uint64(len(self._slots)) >> np.uint64(32)).view(np.int64)
 
-    def _window(self, slot: np.ndarray) -> np.ndarray:
-        """The ``_WINDOW`` slots from each of ``slot`` on, wrapping: ``[len(slot), _WINDOW]``."""
-        win = slot[:, None] + _STEPS[None, :]
-        return np.where(win >= len(self._slots), win - len(self._slots), win)
+    def _window(self, slot: np.ndarray, steps: np.ndarray = _STEPS) -> np.ndarray:
+        """The ``len(steps)`` slots from each of ``slot`` on, wrapping: ``[len(slot), len(steps)]``."""
+        win = slot[:, None] + steps[None, :]
+        n = len(self._slots)
+        return np.where(win >= n, win - n, win) if len(steps) <= n else win % n
 
-    def _find(self, keys: np.ndarray) -> np.ndarray:
-        """The slot holding each key (-1: absent): its probe path, one slot a round for every key still looking,
-        up to the key or the first empty slot (a key sits before any empty slot on its path)."""
+    def _find(self, keys: np.ndarray, slot: np.ndarray | None = None) -> np.ndarray:
+        """The slot holding each key (-1: absent): its probe path (from ``slot``, default its home), ``_WINDOW``
+        slots a round for every key still looking, up to the key or the first empty slot (a key sits before any
+        empty slot on its path)."""
         keys = np.asarray(keys, dtype=np.int64)
         out = np.full(len(keys), -1, dtype=np.int64)
         if not len(keys) or not self._count:
             return out
-        n = len(self._slots)
         todo = np.arange(len(keys))
-        slot = self._home(keys)
+        slot = self._home(keys) if slot is None else slot
         while len(todo):
-            r = self._slots[slot].astype(np.int64)
+            win = self._window(slot, _FIND_STEPS)
+            r = self._slots[win].astype(np.int64)
             match = r >= 0
-            match[match] = self.row_key[r[match]] == keys[todo[match]]
-            out[todo[match]] = slot[match]
-            go_on = (r != EMPTY) & ~match
-            todo, slot = todo[go_on], slot[go_on] + 1
-            slot[slot == n] = 0
+            match[match] = self.row_key[r[match]] == np.broadcast_to(keys[todo][:, None], r.shape)[match]
+            # the first slot of each window that ends its search: the key, or an empty slot (then it is absent)
+            stop = match | (r == EMPTY)
+            first = stop.argmax(axis=1)
+            ended = stop[np.arange(len(todo)), first]
+            found = ended & match[np.arange(len(todo)), first]
+            out[todo[found]] = win[found, first[found]]
+            todo, slot = todo[~ended], win[~ended, -1] + 1
+            slot[slot == len(self._slots)] = 0
         return out
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """The row of each key (-1: none)."""
+        """The row of each key (-1: none). Every key's home slot is read at once and its row's key compared (most
+        keys sit at home: the slots are at most ``LOAD`` full); only the others probe on (``_find``)."""
         keys = np.asarray(keys, dtype=np.int64)
-        if len(keys) > 64:  # each distinct key once (IDs repeat: popular users, items)
-            uniq, inv = np.unique(keys, return_inverse=True)
-            if len(uniq) < 0.8 * len(keys):
-                return self.lookup(uniq)[inv]
-        slot = self._find(keys)
-        rows = np.full(len(slot), -1, dtype=np.int64)
-        hit = slot >= 0
-        rows[hit] = self._slots[slot[hit]]
-        return rows
+        if not len(keys) or not self._count:
+            return np.full(len(keys), -1, dtype=np.int64)
+        slot = self._home(keys)
+        rows = self._slots.take(slot)
+        # a free slot (EMPTY, TOMB: negative) reads some row's key (wrapped), then fails ``rows >= 0``
+        hit = (self.row_key.take(rows, mode="wrap") == keys) & (rows >= 0)
+        out = np.where(hit, rows, -1)
+        on = np.flatnonzero(~hit & (rows != EMPTY))  # a collision or a removed entry on the way: probe further
+        if len(on):
+            nxt = slot[on] + 1
+            nxt[nxt == len(self._slots)] = 0
+            found = self._find(keys[on], nxt)
+            out[on[found >= 0]] = self._slots[found[found >= 0]]
+        return out
 
     def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """Slots for distinct keys that are absent: the first empty or removed slot on each key's probe path."""
@@ -226,8 +242,8 @@ class KeyIndex:
         self._slots = np.full(n_slots, EMPTY, dtype=self._slots.dtype if self.capacity < 2**31 else np.int64)
         self._tombs = 0
         rows = np.nonzero(self.occupied)[0]
-        for i in range(0, len(rows), _CHUNK):  # a chunk at a time: the probing's temporaries stay small
-            self._place(self.row_key[rows[i: i + _CHUNK]], rows[i: i + _CHUNK])
+        for i in range(0, len(rows), REBUILD_CHUNK):  # a chunk at a time: the probing's temporaries stay small
+            self._place(self.row_key[rows[i: i + REBUILD_CHUNK]], rows[i: i + REBUILD_CHUNK])
 
     def grow(self, capacity: int) -> None:
         """``capacity`` rows (more than now): the new ones never used; the slots rebuilt for the size."""

@@ -20,10 +20,12 @@
   or SGD.
 * **Growth**: the capacity doubles up to ``GROW_FINE_FROM`` rows, then grows by ``GROW_FINE``
   (1.25x), never past ``max_ids``, one tensor at a time: a table grown from empty holds at most a
-  quarter more rows than it uses past a million rows, not twice as many. Under ``max_ids`` its first
-  growth goes straight to its share of the bound (``share_capacity``: ``max_ids / shards`` and a
+  quarter more rows than it uses past a million rows, not twice as many. Under ``max_ids`` a shard's
+  first growth goes straight to its share of the bound (``share_capacity``: ``max_ids / shards`` and a
   margin for the hash's imbalance; ``shards``: the ranks the keys are split over), what the memory
-  plan counts: a big table is never copied while it grows to its share.
+  plan counts: a big table is never copied while it grows to its share; one process's table (one shard)
+  grows as an unbounded one does, never past the bound (its first growth does not allocate the whole
+  bound).
 * **Deltas**: the keys added or updated, and those evicted, since the last ``take_delta``.
 
 A new row starts at the fallback vector plus small noise fixed by the key and the seed
@@ -61,7 +63,9 @@ def next_capacity(capacity: int, max_ids: int | None = None, shards: int = 1) ->
     capacity = max(1, int(capacity))
     new = min(capacity * 2, GROW_FINE_FROM) if capacity < GROW_FINE_FROM else int(capacity * GROW_FINE)
     if max_ids is not None:
-        share = share_capacity(max_ids, shards)
+        # a shard (shards > 1) goes straight to its share; one process's table grows as an unbounded one does, to
+        # the bound (its first growth must not allocate a --max-ids of rows it may never see)
+        share = share_capacity(max_ids, shards) if shards > 1 else 0
         new = min(max(new, share) if capacity < share else new, int(max_ids))
     return new
 
@@ -90,6 +94,16 @@ def initial_rows(keys: np.ndarray, dim: int, seed: int, std: float) -> torch.Ten
     return torch.from_numpy((z * std).astype(np.float32))
 
 
+def _first_occurrences(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_index=True, return_inverse=True, return_counts=True)`` by ``torch.unique`` (one sort,
+    4x faster than numpy's on a batch) and a scatter of the positions' minimum."""
+    t = torch.from_numpy(keys)
+    uniq, inv, counts = torch.unique(t, return_inverse=True, return_counts=True)
+    first = torch.full((len(uniq),), len(keys), dtype=torch.int64).scatter_reduce_(
+        0, inv, torch.arange(len(keys)), "amin")
+    return uniq.numpy(), first.numpy(), inv.numpy(), counts.numpy()
+
+
 @dataclass
 class TableStats:
     admitted: int = 0  # rows created
@@ -115,7 +129,8 @@ class Delta:
 class IdTable:
     def __init__(self, dim: int, *, min_count: int = 1, ttl: int | None = None, max_ids: int | None = None,
                  capacity: int = 1024, optimizer: str = "adam", betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, init_std: float = 0.01, seed: int = 0, shards: int = 1):
+                 eps: float = 1e-8, init_std: float = 0.01, seed: int = 0, shards: int = 1,
+                 dtype: torch.dtype = torch.float32):
         if dim < 1:
             raise ValueError(f"an ID table needs a dimension >= 1, not {dim}")
         if min_count < 1:
@@ -130,9 +145,11 @@ class IdTable:
         self.optimizer, self.betas, self.eps, self.init_std, self.seed = optimizer, betas, eps, init_std, seed
         self.shards = max(1, int(shards))  # the ranks this table's keys are split over (growth only, not saved)
         capacity = max(1, min(int(capacity), max_ids or capacity))
-        self.weight = torch.zeros(capacity, dim)
-        self.exp_avg = torch.zeros(capacity, dim) if optimizer == "adam" else None
-        self.exp_avg_sq = torch.zeros(capacity, 1) if optimizer == "adam" else None  # row-wise: one per row
+        # on the CPU always (the key index is numpy), also when its model is built on the meta device; float32, or
+        # float64 under --dtype float64 (``to_dtype``: its module's ``.to(dtype)``)
+        self.weight = torch.zeros(capacity, dim, dtype=dtype, device="cpu")
+        self.exp_avg = torch.zeros(capacity, dim, dtype=dtype, device="cpu") if optimizer == "adam" else None
+        self.exp_avg_sq = torch.zeros(capacity, 1, dtype=dtype, device="cpu") if optimizer == "adam" else None
         self.row_step = np.zeros(capacity, dtype=np.int32)  # each row's Adam step (lazy Adam)
         self.last_seen = np.zeros(capacity, dtype=np.int64)
         self.key_to_row = KeyIndex(capacity)  # key <-> row, the free rows (the lowest first)
@@ -172,6 +189,16 @@ class IdTable:
         return (sum(t.numel() * t.element_size() for t in tensors) + sum(a.nbytes for a in arrays)
                 + self.key_to_row.nbytes)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def to_dtype(self, dtype: torch.dtype) -> None:
+        """The rows and their optimizer state in ``dtype`` (``--dtype``)."""
+        self.weight = self.weight.to(dtype)
+        if self.exp_avg is not None:
+            self.exp_avg, self.exp_avg_sq = self.exp_avg.to(dtype), self.exp_avg_sq.to(dtype)
+
     def _grow(self, need: int) -> None:
         old = self.capacity
         new = max(next_capacity(old, self.max_ids, self.shards), old + need)
@@ -201,7 +228,9 @@ class IdTable:
         """The rows of ``keys`` (-1: none), changing nothing; unknown IDs are counted (inference)."""
         keys = np.asarray(keys, dtype=np.int64)
         rows = self.key_to_row.lookup(keys)
-        self.stats.unknown += int(((rows < 0) & is_key(keys)).sum())
+        none = rows < 0
+        if none.any():
+            self.stats.unknown += int((none & is_key(keys)).sum())
         return rows
 
     def observe(self, keys: np.ndarray, fallback: torch.Tensor | None = None,
@@ -217,31 +246,32 @@ class IdTable:
         start, n = self.clock, len(keys)
         self.clock += n
         valid = is_key(keys)  # a value without a key (its reason's reserved key) uses the fallback vector
-        out = np.full(n, -1, dtype=np.int64)
-        if not valid.any():
+        # every event's row at once (most keys have one): a known key's last sight is its last event of the batch;
+        # only the keys without a row are counted and admitted, in order of first occurrence
+        out = self.key_to_row.lookup(keys)
+        seen = np.flatnonzero(out >= 0)
+        if len(seen):
+            np.maximum.at(self.last_seen, out[seen], seen + start)
+        pos = np.flatnonzero(valid & (out < 0))
+        if not len(pos):
             self._expire(protect_since=start)
             if bound is not None:
                 bound(self, np.zeros(0, dtype=np.int64), start)
         else:
-            pos = np.nonzero(valid)[0]
-            uniq, first, inv, counts = np.unique(keys[valid], return_index=True, return_inverse=True,
-                                                 return_counts=True)
+            uniq, first, inv, counts = _first_occurrences(keys[pos])
             last = np.zeros(len(uniq), dtype=np.int64)
             np.maximum.at(last, inv, pos)
             last += start
-            rows_u = self.key_to_row.lookup(uniq)
-            order = np.argsort(first, kind="stable")  # first occurrence order
-            new = order[rows_u[order] < 0]
+            rows_u = np.full(len(uniq), -1, dtype=np.int64)
+            new = np.argsort(first, kind="stable")  # first occurrence order
             count = counts[new]
             if self.pending:  # counts of IDs seen fewer than min_count times before
                 count = count + np.fromiter((self.pending.get(k, (0,))[0] for k in uniq[new].tolist()),
                                             dtype=np.int64, count=len(new))
             ripe = count >= self.min_count
-            for k, c, seen in zip(uniq[new[~ripe]].tolist(), count[~ripe].tolist(), last[new[~ripe]].tolist()):
-                self.pending[k] = [c, seen]
+            for k, c, seen_at in zip(uniq[new[~ripe]].tolist(), count[~ripe].tolist(), last[new[~ripe]].tolist()):
+                self.pending[k] = [c, seen_at]
             admit = new[ripe].tolist()
-            known = rows_u >= 0
-            self.last_seen[rows_u[known]] = last[known]
             self._expire(protect_since=start)
             if bound is not None:
                 allowed = bound(self, pos[first[admit]] + start, start)
@@ -252,7 +282,8 @@ class IdTable:
                 keys_new = uniq[admit[:len(got)]]
                 if got:
                     rows = np.asarray(got, dtype=np.int64)
-                    centre = torch.zeros(self.dim) if fallback is None else fallback.detach().to("cpu", torch.float32)
+                    centre = torch.zeros(self.dim, dtype=self.dtype) if fallback is None else \
+                        fallback.detach().to("cpu", self.dtype)
                     self.weight[rows] = centre + initial_rows(keys_new, self.dim, self.seed, self.init_std)
                     if self.exp_avg is not None:
                         self.exp_avg[rows] = 0.0
@@ -321,26 +352,29 @@ class IdTable:
         """One optimizer step for ``rows`` (distinct) with their gradients ``grads`` [len(rows), dim]."""
         if len(rows) == 0:
             return
-        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-        g = grads.detach().to(torch.float32)
+        rows = np.asarray(rows, dtype=np.int64)
+        idx = torch.from_numpy(rows)
+        g = grads.detach().to(self.dtype)
         if self.optimizer == "sgd":
             self.weight.index_add_(0, idx, g, alpha=-lr)
         else:
             b1, b2 = self.betas
             self.row_step[rows] += 1
-            step = torch.as_tensor(self.row_step[rows], dtype=torch.float64)
-            m = self.exp_avg[idx].mul_(b1).add_(g, alpha=1 - b1)
+            step = torch.from_numpy(self.row_step[rows].astype(np.float64))
+            # fused gathers and scatters (index_select / index_copy_), the rows distinct
+            m = self.exp_avg.index_select(0, idx).mul_(b1).add_(g, alpha=1 - b1)
             # Row-wise second moment (FBGEMM's partial row-wise Adam, the usual optimizer of large embedding
             # tables): one mean of g**2 per row. Per element, a component whose gradient is rounding noise
             # below eps (sums that cancel) would step by lr * noise / eps, so a re-ordered sum (N workers'
             # all-to-all vs one process) would move the row by ~1e-5 at once; per row it moves by noise / |row|.
             # Stored once per row ([capacity, 1]): the same ops as the dim copies it replaces, the same numbers.
-            v = self.exp_avg_sq[idx].mul_(b2).add_((g * g).mean(dim=1, keepdim=True), alpha=1 - b2)
-            self.exp_avg[idx], self.exp_avg_sq[idx] = m, v
-            bc1 = (1 - b1 ** step).to(torch.float32)[:, None]
-            bc2 = (1 - b2 ** step).to(torch.float32)[:, None]
+            v = self.exp_avg_sq.index_select(0, idx).mul_(b2).add_((g * g).mean(dim=1, keepdim=True), alpha=1 - b2)
+            self.exp_avg.index_copy_(0, idx, m)
+            self.exp_avg_sq.index_copy_(0, idx, v)
+            bc1 = (1 - b1 ** step).to(self.dtype)[:, None]
+            bc2 = (1 - b2 ** step).to(self.dtype)[:, None]
             denom = v.sqrt() / bc2.sqrt() + self.eps
-            self.weight[idx] = self.weight[idx] - (lr / bc1) * m / denom
+            self.weight.index_copy_(0, idx, self.weight.index_select(0, idx) - (lr / bc1) * m / denom)
         self._row_dirty[rows] = True
 
     # --- deltas -------------------------------------------------------------------------------------
@@ -392,7 +426,7 @@ class IdTable:
     def from_state(cls, state: dict) -> IdTable:
         c = dict(state["config"])
         c["betas"] = tuple(c["betas"])
-        table = cls(c.pop("dim"), capacity=int(state["capacity"]), **c)
+        table = cls(c.pop("dim"), capacity=int(state["capacity"]), dtype=state["weight"].dtype, **c)
         table.load_state_dict(state)
         return table
 
@@ -432,10 +466,10 @@ def row_second_moment(exp_avg_sq: torch.Tensor) -> torch.Tensor:
     per-element ``[n, dim]`` (its row mean, taken in float64: ``dim`` equal copies give back their value exactly)."""
     v = exp_avg_sq[:, None] if exp_avg_sq.dim() == 1 else exp_avg_sq.flatten(1)
     if not len(v):
-        return torch.zeros(0, 1)
+        return torch.zeros(0, 1, dtype=v.dtype)
     if v.shape[1] == 1:
-        return v.to(torch.float32)
-    return v.to(torch.float64).mean(dim=1, keepdim=True).to(torch.float32)
+        return v
+    return v.to(torch.float64).mean(dim=1, keepdim=True).to(v.dtype)
 
 
 _CONFIG = ("dim", "min_count", "ttl", "max_ids", "optimizer", "beta1", "beta2", "eps", "init_std", "seed",
@@ -452,7 +486,7 @@ def table_tensors(table: IdTable) -> dict[str, torch.Tensor]:
               c["betas"][1], c["eps"], c["init_std"], c["seed"], s["capacity"], s["clock"], s["next_prune"]]
     out = {"config": torch.tensor(config, dtype=torch.float64),
            "stats": torch.tensor([s["stats"][k] for k in _STATS], dtype=torch.int64)}
-    empty = torch.zeros(0, table.dim)
+    empty = torch.zeros(0, table.dim, dtype=table.dtype)
     for k in ("rows", "keys", "last_seen", "row_step", "weight", "exp_avg", "exp_avg_sq", "free", "pending_keys",
               "pending", "dirty", "evicted"):
         v = s[k]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flowtrain.errors import FlowtrainError
+from flowtrain.train.models.ensemble import wide_and_deep
 from flowtrain.train.models.tabular import TabularMLP, pack
 
 
@@ -86,10 +87,13 @@ def from_factory(path: str, spec: ModelSpec, seed: int = 0) -> nn.Module:
     return model
 
 
-def tabular_mlp(spec: ModelSpec, hidden: Sequence[int], dropout: float, seed: int = 0) -> TabularMLP:
+def tabular_mlp(spec: ModelSpec, hidden: Sequence[int], dropout: float, seed: int = 0, *, ensemble: int = 1,
+                numeric_embedding: int = 0) -> TabularMLP:
+    """flowtrain's wide and deep for ``spec``: plain, or with the default recipe's ensemble of ``ensemble`` members
+    and periodic numeric embeddings ``numeric_embedding`` wide (``flowtrain.train.models.ensemble``)."""
     torch.manual_seed(seed)
-    return TabularMLP(spec.n_numeric, spec.cardinalities, hidden=tuple(hidden), dropout=dropout,
-                      outputs=spec.outputs)
+    return wide_and_deep(spec.n_numeric, spec.cardinalities, hidden=hidden, dropout=dropout, outputs=spec.outputs,
+                         ensemble=ensemble, numeric_embedding=numeric_embedding)
 
 
 def model_spec(data) -> ModelSpec:

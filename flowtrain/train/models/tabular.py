@@ -104,7 +104,9 @@ class Carry(nn.Module):
         self.inner, self.width = inner, width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.inner(x[:, : x.shape[1] - self.width]), x[:, x.shape[1] - self.width:]], dim=1)
+        # split, not slices: a slice's backward zero-fills the whole input first (measured: a fifth of a step)
+        inner, carried = x.split([x.shape[1] - self.width, self.width], dim=1)
+        return torch.cat([self.inner(inner), carried], dim=1)
 
 
 class WideDeepHead(nn.Module):
@@ -118,7 +120,8 @@ class WideDeepHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear(x[:, : x.shape[1] - self.outputs]) + x[:, x.shape[1] - self.outputs:]
+        deep, wide = x.split([x.shape[1] - self.outputs, self.outputs], dim=1)
+        out = self.linear(deep) + wide
         return out.squeeze(1) if self.outputs == 1 else out
 
 
@@ -146,6 +149,13 @@ class TabularMLP(nn.Sequential):
     @property
     def wide(self) -> LinearModel:
         return self[0].wide
+
+    def describe(self) -> str:
+        """The architecture in words (the report's)."""
+        hidden = [m.inner.out_features for m in self if isinstance(m, Carry) and isinstance(m.inner, nn.Linear)]
+        return (f"wide and deep: a linear part beside an MLP (hidden {', '.join(map(str, hidden))}) over the "
+                f"{self[0].deep.n_numeric} numeric(s) as they are and embeddings of {len(self[0].deep.embeddings)} "
+                f"categorical(s)")
 
     def init_wide(self, linear_state: dict) -> None:
         """Start the linear part from a fitted ``LinearModel``'s ``state_dict``."""
