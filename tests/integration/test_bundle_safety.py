@@ -216,9 +216,12 @@ def test_exported_bundles_are_0755_and_0644_under_the_users_umask(run, tmp_path)
 
 def test_a_trusted_factory_bundle_predicts_through_the_workers_and_batch_signs_its_bundle(run, tmp_path):
     """--trust-code reaches the loader on every Beam worker; `batch --bundle-key-file` signs <run>/bundle."""
-    (tmp_path / "mymlp.py").write_text("from flowtrain.train.models import tabular_mlp\n\n\ndef build(spec):\n"
-                                       "    return tabular_mlp(spec, [8], 0.0)\n")
     bundle = _copy(run, tmp_path / "bundle")
+    arch = json.loads((bundle / "model.json").read_text())["architecture"]  # the default recipe's, whatever it chose
+    (tmp_path / "mymlp.py").write_text(
+        "from flowtrain.train.models import tabular_mlp\n\n\ndef build(spec):\n"
+        f"    return tabular_mlp(spec, [8], 0.0, ensemble={arch.get('ensemble', 1)}, "
+        f"numeric_embedding={arch.get('numeric_embedding', 0)})\n")
     _edit_model(bundle, kind="factory", factory="mymlp:build")  # the same weights, now behind a factory
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     args = [sys.executable, "-m", "flowtrain.cli", "predict", "--model", str(bundle), "--input",
