@@ -173,6 +173,9 @@ class StreamedSplit:
 
     def __init__(self, data: TabularDataset, name: str, *, plan: StreamPlan, budget_bytes: int | None = None):
         self.name, self.spec, self.plan, self.budget_bytes = name, data.spec, plan, budget_bytes
+        if self.spec.weight_column:
+            raise ValueError(f"--weight-column: the {name} split does not fit the memory budget and a streamed split "
+                             f"carries no sample weights yet; raise --memory-budget (or leave out --weight-column)")
         self.files = shard_paths(data.path, name)
         self.columns = feature_columns(self.spec)
         self.units: list[_Unit] = []

@@ -1,0 +1,104 @@
+"""Issue 45 item 7 (sample weights): --weight-column COL weighs each row's loss by its own weight (a weighted mean:
+the loader divides the weights by their training mean), alone, with --class-weight and over an ensemble's members;
+the map/reduce sum stays a sum over rows (N workers equal one); the ETL's checks make a bad weight a dead letter;
+the weighted metrics are what they say."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torch import nn
+
+from connectors.dataset_spec import WEIGHT, FeatureSpec
+from flowtrain.train.class_weights import weighted_metrics
+from flowtrain.train.loader import table_to_split, weight_mean
+from flowtrain.train.trainer import loss_function
+from pipelines.tabular.checks import split_valid
+from pipelines.tabular.stats import StatsAccumulator
+
+
+def _per_row(task, outputs, out, y):
+    if task == "regression":
+        return (out - y) ** 2
+    if outputs > 1:
+        return nn.functional.cross_entropy(out, y.long(), reduction="none")
+    return nn.functional.binary_cross_entropy_with_logits(out, y, reduction="none")
+
+
+@pytest.mark.parametrize("task, outputs", [("regression", 1), ("classification", 1), ("classification", 3)])
+def test_the_sample_weighted_loss_is_the_sum_of_each_rows_loss_times_its_weight(task, outputs):
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    out = torch.randn(n, generator=g) if outputs == 1 else torch.randn(n, outputs, generator=g)
+    y = torch.randn(n, generator=g) if task == "regression" else \
+        torch.randint(0, max(outputs, 2), (n,), generator=g).float()
+    w = torch.rand(n, generator=g) * 3
+    w[:10] = 0.0
+    fn = loss_function(task, outputs, sample_weights=True)
+    per = _per_row(task, outputs, out, y)
+    assert fn.reduction == "sum"
+    target = torch.stack([y, w], dim=1)  # what Trainer.step gives the engine: (label, weight) per row
+    torch.testing.assert_close(fn(out, target), (per * w).sum())
+    # a weight-0 row has no say: the loss (and its gradient) equal the loss of the other rows alone
+    torch.testing.assert_close(fn(out, target), fn(out[10:], target[10:]))
+    # shards sum to the whole (the map/reduce engines reduce sums and row counts)
+    torch.testing.assert_close(fn(out[:20], target[:20]) + fn(out[20:], target[20:]), fn(out, target))
+    # all weights 1: the unweighted loss, summed
+    torch.testing.assert_close(fn(out, torch.stack([y, torch.ones(n)], dim=1)), per.sum())
+    if task == "classification":  # with --class-weight: the product of both weights
+        cw = torch.tensor([0.5, 4.0] if outputs == 1 else [0.5, 4.0, 1.5])
+        both = loss_function(task, outputs, cw, sample_weights=True)
+        torch.testing.assert_close(both(out, target), (per * w * cw[y.long()]).sum())
+
+
+def test_an_ensembles_members_share_each_rows_weight():
+    g = torch.Generator().manual_seed(1)
+    n, members = 16, 4
+    out = torch.randn(n, members, generator=g)  # [N, M]: one output per member, as an ensemble trains
+    y = torch.randint(0, 2, (n,), generator=g).float()
+    w = torch.rand(n, generator=g)
+    fn = loss_function("classification", 1, sample_weights=True)
+    per = torch.stack([_per_row("classification", 1, out[:, m], y) for m in range(members)], dim=1)
+    torch.testing.assert_close(fn(out, torch.stack([y, w], dim=1)), (per * w[:, None]).sum() / members)
+
+
+def test_weights_are_divided_by_their_training_mean_and_carried_by_a_split():
+    spec = FeatureSpec(label="y", numeric=["x"], weight_column="w")
+    table = pa.table({"num__x": pa.array([0.0, 1.0, 2.0], pa.float32()), "label": pa.array([0.0, 1.0, 0.0], pa.float32()),
+                      WEIGHT: pa.array([0.0, 2.0, 4.0], pa.float32())})
+    stats = {"weight_mean": 2.0}
+    split = table_to_split(table, spec, weight_mean(spec, stats))
+    torch.testing.assert_close(split.w, torch.tensor([0.0, 1.0, 2.0]))
+    assert split.take(torch.tensor([2, 0])).w.tolist() == [2.0, 0.0]
+    with pytest.raises(ValueError, match="--weight-column 'w': the training split weighs nothing"):
+        weight_mean(spec, {"weight_mean": 0.0})
+    assert weight_mean(FeatureSpec(label="y", numeric=["x"]), {}) is None
+
+
+def test_a_bad_weight_is_a_dead_letter_and_the_statistics_sum_the_good_ones():
+    spec = FeatureSpec(label="y", numeric=["x"], weight_column="w")
+    assert "w" in spec.input_columns and "w" not in spec.all_numeric
+    batch = pa.RecordBatch.from_pydict({
+        "x": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "y": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        "w": [1.0, 0.0, -1.0, float("nan"), None, float("inf")],
+        "_source_file": ["t.csv"] * 6, "_source_row": list(range(6))})
+    good, letters = split_valid(batch, spec)
+    assert good.column("w").to_pylist() == [1.0, 0.0]
+    assert len(letters) == 4 and all(letter.reason.startswith("weight column 'w' is missing, not a finite number "
+                                                              "or negative") for letter in letters)
+    stats = StatsAccumulator().add(good, spec).finalize(spec)
+    assert stats["weight_sum"] == 1.0 and stats["weight_mean"] == 0.5
+    with pytest.raises(ValueError, match="declared twice"):
+        FeatureSpec(label="y", numeric=["x", "w"], weight_column="w")
+
+
+def test_weighted_metrics_of_a_regression_and_of_a_weighted_classifier():
+    out, y = torch.tensor([1.0, 2.0, 10.0]), torch.tensor([1.0, 1.0, 0.0])
+    w = torch.tensor([1.0, 1.0, 0.0])  # the outlier weighs nothing
+    m = weighted_metrics(out, y, None, w, regression=True)
+    assert m["weighted_rmse"] == pytest.approx(np.sqrt(0.5)) and m["weighted_mae"] == pytest.approx(0.5)
+    logits = torch.tensor([3.0, -3.0, 3.0])
+    m = weighted_metrics(logits, y, None, w)
+    assert m["weighted_accuracy"] == pytest.approx(0.5)  # the wrong third row weighs 0
+    assert weighted_metrics(out, y, None, None, regression=True) == {}
