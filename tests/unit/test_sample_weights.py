@@ -102,3 +102,57 @@ def test_weighted_metrics_of_a_regression_and_of_a_weighted_classifier():
     m = weighted_metrics(logits, y, None, w)
     assert m["weighted_accuracy"] == pytest.approx(0.5)  # the wrong third row weighs 0
     assert weighted_metrics(out, y, None, None, regression=True) == {}
+
+
+@pytest.fixture(scope="module")
+def weighted_dataset(tmp_path_factory):
+    """A small dataset made by the real batch ETL with --weight-column w (weights 1 and 3: mean 2)."""
+    import pyarrow.csv as pacsv
+
+    from flowtrain.local.runners import pipeline_options
+    from pipelines.tabular.pipeline import run_tabular_etl
+
+    base = tmp_path_factory.mktemp("weighted")
+    n = 200
+    x = np.linspace(-3, 3, n)
+    pacsv.write_csv(pa.table({"x": x, "y": (x > 0).astype(np.int64), "w": np.where(np.arange(n) % 2, 3.0, 1.0)}),
+                    base / "t.csv")
+    spec = FeatureSpec(label="y", task="classification", numeric=["x"], weight_column="w")
+    manifest = run_tabular_etl([str(base / "t.csv")], spec, dataset_path=str(base / "ds"), dead_letters_path=None,
+                               options=pipeline_options("batch"))
+    return str(base / "ds"), manifest
+
+
+def test_events_carry_their_weight_to_the_online_trainer(weighted_dataset):
+    """The stream: a labelled event's weight is checked as the batch ETL checks it (its dead letter's reason), an
+    unlabelled event needs none; the features messages carry the weight and the online trainer's message check
+    turns it into the rows' weights, divided by the training split's mean weight."""
+    import json
+
+    from connectors.arrow import encode_batch
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.stream_input import BadFeatureMessage, FeatureMessageCheck
+    from pipelines.stream.featurize import StreamFeaturizer
+
+    ds, manifest = weighted_dataset
+    assert manifest["stats"]["weight_mean"] == pytest.approx(manifest["stats"]["weight_sum"]
+                                                             / manifest["stats"]["train_rows"])
+    events = [{"x": 1.0, "y": 1, "w": 2.5}, {"x": -1.0, "y": 0}, {"x": 0.5, "y": 1, "w": -1}, {"x": 0.2},
+              {"x": -0.3, "y": 0, "w": 0}]
+    payloads = [json.dumps(e).encode() for e in events]
+    out = StreamFeaturizer.from_manifest(manifest).featurize_payloads(payloads, [("raw", 0, i) for i in range(5)])
+    assert [d.source for d in out.dead_letters] == ["raw/0/1", "raw/0/2"]
+    assert all(d.reason.startswith("weight column 'w' is missing, not a finite number or negative")
+               for d in out.dead_letters)
+    assert out.unlabelled == 1 and int(out.trainable.sum()) == 2  # events 3 (no label, no weight) and 0, 4
+    training = out.training()
+    assert training.column(WEIGHT).to_pylist() == [2.5, 0.0]
+    data = TabularDataset(ds)
+    rows = FeatureMessageCheck(data)(encode_batch(pa.Table.from_batches([training])))
+    torch.testing.assert_close(rows.split.w, torch.tensor([2.5, 0.0]) / data.weight_mean)
+    with pytest.raises(BadFeatureMessage, match="missing column\\(s\\) 'weight'"):
+        FeatureMessageCheck(data)(encode_batch(pa.Table.from_batches([training]).drop_columns([WEIGHT])))
+    negative = pa.Table.from_batches([training]).set_column(training.schema.get_field_index(WEIGHT), WEIGHT,
+                                                            pa.array([1.0, -2.0], pa.float32()))
+    with pytest.raises(BadFeatureMessage, match="not a sample weight"):
+        FeatureMessageCheck(data)(encode_batch(negative))
