@@ -156,3 +156,22 @@ def test_events_carry_their_weight_to_the_online_trainer(weighted_dataset):
                                                             pa.array([1.0, -2.0], pa.float32()))
     with pytest.raises(BadFeatureMessage, match="not a sample weight"):
         FeatureMessageCheck(data)(encode_batch(negative))
+
+
+def test_a_streamed_split_carries_each_rows_weight_with_the_row(weighted_dataset):
+    """A split over --memory-budget (streamed from its shards through the shuffle buffer) hands out each row with its
+    own weight, as the split held in memory does."""
+    from flowtrain.train.loader import TabularDataset
+    from flowtrain.train.shards import StreamedSplit, StreamPlan
+
+    ds, _ = weighted_dataset
+    data = TabularDataset(ds)
+    whole = data.split("train")
+    pairs = sorted(zip(whole.x_num[:, 0].tolist(), whole.w.tolist()))
+    assert sorted({w for _, w in pairs}) == pytest.approx([1 / data.weight_mean, 3 / data.weight_mean])
+    streamed = StreamedSplit(data, "train", plan=StreamPlan(buffer_rows=40, chunk_rows=16))
+    torch.testing.assert_close(streamed.w, whole.w)  # the evaluation's weights, in shard order
+    for shuffle in (True, False):
+        batches = list(streamed.batches(batch_size=7, seed=3, epoch=1, shuffle=shuffle))
+        got = sorted((x, w) for b in batches for x, w in zip(b.x_num[:, 0].tolist(), b.w.tolist()))
+        assert got == pairs
