@@ -77,6 +77,9 @@ def test_rows_of_weight_zero_have_no_say_the_fit_equals_the_fit_without_them(tab
     manifest = json.loads((runs["weighted"]["dir"] / "dataset" / "_manifest.json").read_text())
     assert manifest["spec"]["weight_column"] == "w" and manifest["spec"]["numeric"] == ["x", "z"]
     assert json.loads((runs["weighted"]["dir"] / "config.json").read_text())["weight_column"] == "w"
+    report = (runs["weighted"]["dir"] / "report.md").read_text()
+    unused = [line for line in report.splitlines() if "not used" in line]
+    assert "sample weights: column `w` (not a feature" in report and len(unused) == 1 and "`w`" not in unused[0]
 
 
 def test_bad_weights_are_dead_letters_and_the_counts_reconcile(tables, runs):
