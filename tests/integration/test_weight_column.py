@@ -99,3 +99,77 @@ def test_a_weight_column_the_file_lacks_is_a_one_line_error_naming_it(tables, tm
                         weight_column="weight", out=str(tmp_path / "run"), **FAST_API)
     message = str(err.value)
     assert "weight" in message and "x, z, y" in message and "\n" not in message.strip(), message
+
+
+@pytest.mark.kafka
+@pytest.mark.streaming
+def test_the_stream_carries_each_events_weight_to_the_online_trainer(tables, runs, bootstrap, tmp_path):
+    """The weighted table replayed as events (`flowtrain replay --input`, the dataset's spec: its weight column
+    among the fields), the generic stream pipeline on Prism and the online trainer: the features messages carry each
+    event's weight, the bad weights are dead letters with the batch ETL's reason, every raw event is a training row
+    or a dead letter, and the online trainer trains on every weighted row (its message check takes them)."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from kafka import KafkaConsumer, TopicPartition
+
+    from connectors.arrow import decode_batch
+    from tests.kafka_checks import committed
+    from tests.procs import stop_group
+
+    cli = [sys.executable, "-m", "flowtrain.cli"]
+    dataset = str(runs["weighted"]["dir"] / "dataset")
+    tag = uuid.uuid4().hex[:6]
+    names = {"raw": f"wraw-{tag}", "features": f"wfeat-{tag}", "dead": f"wdead-{tag}", "updates": f"wupd-{tag}",
+             "group": f"wg-{tag}"}
+    args = ["--bootstrap", bootstrap, "--raw-topic", names["raw"], "--features-topic", names["features"],
+            "--dead-letter-topic", names["dead"], "--updates-topic", names["updates"], "--group-id", names["group"],
+            "--dataset", dataset]
+    rp = subprocess.run(cli + ["replay", "--bootstrap", bootstrap, "--topic", names["raw"], "--input",
+                               str(tables["base"] / "weighted.csv"), "--dataset", dataset, "--partitions", "1"],
+                        capture_output=True, text=True, timeout=180)
+    assert rp.returncode == 0, rp.stderr[-2000:]
+
+    def read(topic):
+        c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=4000)
+        c.assign([TopicPartition(topic, p) for p in c.partitions_for_topic(topic)])
+        c.seek_to_beginning()
+        out = list(c)
+        c.close()
+        return out
+
+    log = tmp_path / "pipeline.log"
+    proc = subprocess.Popen(cli + ["stream", "pipeline", *args, "--out", str(tmp_path / "p"), "--batch-size", "200"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            done, end = committed(bootstrap, names["raw"], names["group"])
+            if end and done == end:
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        else:
+            raise AssertionError(f"the pipeline did not catch up: {log.read_text()[-2000:]}")
+    finally:
+        stop_group(proc)
+    n = tables["table"].num_rows
+    weights = tables["table"].column("w").to_pylist()
+    features = [decode_batch(m.value) for m in read(names["features"])]
+    carried = {o: w for b in features for o, w in zip(b["src_offset"].to_pylist(), b["weight"].to_pylist())}
+    dead = {int(dict(m.headers)["source"].decode().rsplit("/", 1)[1]): dict(m.headers)["reason"].decode()
+            for m in read(names["dead"])}
+    assert sorted(dead) == sorted(tables["bad"]) and len(carried) + len(dead) == n
+    assert {r for r in dead.values()} == {"weight column 'w' is missing, not a finite number or negative (a sample "
+                                          "weight is a number >= 0)"}
+    assert all(carried[o] == pytest.approx(weights[o]) for o in carried)  # event i is offset i (one partition)
+
+    run = tmp_path / "t"
+    trainer = subprocess.run(cli + ["stream", "train", *args, "--out", str(run), "--ledger", "--idle-exit", "4"],
+                             capture_output=True, text=True, timeout=300)
+    assert trainer.returncode == 0, (trainer.stdout + trainer.stderr)[-3000:]
+    ledger = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    assert sorted(r["offset"] for r in ledger) == sorted(carried)  # every weighted row trained, once
+    assert json.loads((run / "trainer-status.json").read_text())["rows"] == len(carried)
