@@ -173,3 +173,16 @@ def test_the_stream_carries_each_events_weight_to_the_online_trainer(tables, run
     ledger = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
     assert sorted(r["offset"] for r in ledger) == sorted(carried)  # every weighted row trained, once
     assert json.loads((run / "trainer-status.json").read_text())["rows"] == len(carried)
+
+
+def test_two_workers_train_the_weighted_loss_as_one_does(tables, runs, tmp_path):
+    """Data parallelism with sample weights: each row's weight travels with its row into each replica's shard of a
+    global batch (the target's second column), and the reduce of sums and row counts gives the one-worker step."""
+    dataset = str(runs["weighted"]["dir"] / "dataset")
+    grid = np.linspace(-2.5, 2.5, 41)
+    fitted = {}
+    for workers in (1, 2):
+        flowtrain.batch(dataset=dataset, workers=workers, out=str(tmp_path / f"w{workers}"), **FAST_API)
+        fitted[workers] = _p_yes(tmp_path / f"w{workers}", grid)
+    np.testing.assert_allclose(fitted[2], fitted[1], atol=1e-4)
+    np.testing.assert_allclose(fitted[1], _p_yes(runs["weighted"]["dir"], grid), atol=1e-4)  # the ETL'd run's own
