@@ -175,3 +175,24 @@ def test_a_streamed_split_carries_each_rows_weight_with_the_row(weighted_dataset
         batches = list(streamed.batches(batch_size=7, seed=3, epoch=1, shuffle=shuffle))
         got = sorted((x, w) for b in batches for x, w in zip(b.x_num[:, 0].tolist(), b.w.tolist()))
         assert got == pairs
+
+
+def test_inferred_feature_types_leave_the_weight_column_out(tmp_path):
+    """Without --numeric/--categorical the features are inferred: the weight column is never one of them, and a
+    weight column the file lacks is refused naming it and listing the file's columns."""
+    import pyarrow.csv as pacsv
+
+    from flowtrain.commands.batch import BatchJob
+    from flowtrain.commands.batch_etl import spec_from
+    from pipelines.tabular.infer import infer_columns
+    from pipelines.tabular.schema import SchemaError
+
+    n = 100
+    pacsv.write_csv(pa.table({"x": np.linspace(0, 1, n), "w": np.linspace(1, 2, n), "y": np.arange(n) % 2}),
+                    tmp_path / "t.csv")
+    inferred = infer_columns([str(tmp_path / "t.csv")], "y", weight_column="w")
+    assert inferred.numeric == ["x"] and "w" not in inferred.left_out
+    _, spec = spec_from(BatchJob(input=(str(tmp_path / "t.csv"),), label="y", weight_column="w"), inferred)
+    assert spec.weight_column == "w" and spec.numeric == ["x"]
+    with pytest.raises(SchemaError, match="--weight-column weight: no such column in .*; it has x, w, y"):
+        infer_columns([str(tmp_path / "t.csv")], "y", weight_column="weight")
