@@ -35,7 +35,7 @@ from connectors.paths import origin_of
 from connectors.spill import SPILL_SUFFIX, ReadFromSpill, WriteToSpill, remove_spill, spill_directory
 from pipelines.tabular.checks import split_valid
 from pipelines.tabular.features import featurize_rows
-from pipelines.tabular.preflight import check_splits, check_weights, expand_inputs, preflight, resolve_task
+from pipelines.tabular.preflight import check_splits, expand_inputs, preflight, resolve_task
 from pipelines.tabular.schema import read_types
 from pipelines.tabular.splits import assign_splits, source_names
 from pipelines.tabular.stats import StatsAccumulator
@@ -456,5 +456,4 @@ def run_tabular_etl(inputs: Sequence[str], spec: FeatureSpec, *, dataset_path: s
                   file_names=source_names(files))  # a random split by names relative to the inputs' root
     manifest = read_manifest(dataset_path)
     check_splits(manifest)
-    check_weights(manifest)
     return manifest

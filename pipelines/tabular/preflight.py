@@ -204,10 +204,12 @@ class SplitError(ValueError):
 
 
 def check_splits(manifest: dict) -> None:
-    """Raise ``SplitError`` when the train, valid or test split of a dataset has no rows."""
+    """Raise ``SplitError`` when the train, valid or test split of a dataset has no rows, or when its training split
+    weighs nothing (``check_weights``)."""
     rows = manifest.get("rows", {})
     empty = [s for s in SPLITS if not rows.get(s)]
     if not empty:
+        check_weights(manifest)
         return
     counts = ", ".join(f"{s} {rows.get(s, 0):,}" for s in SPLITS)
     tally = manifest.get("counts") or {}
