@@ -196,3 +196,14 @@ def test_inferred_feature_types_leave_the_weight_column_out(tmp_path):
     assert spec.weight_column == "w" and spec.numeric == ["x"]
     with pytest.raises(SchemaError, match="--weight-column weight: no such column in .*; it has x, w, y"):
         infer_columns([str(tmp_path / "t.csv")], "y", weight_column="weight")
+
+
+def test_a_training_split_that_weighs_nothing_stops_the_run_naming_the_column():
+    from pipelines.tabular.preflight import SplitError, check_splits
+
+    manifest = {"rows": {"train": 80, "valid": 10, "test": 10}, "spec": {"weight_column": "w"},
+                "stats": {"train_rows": 80, "weight_sum": 0.0, "weight_mean": 0.0}}
+    with pytest.raises(SplitError, match="--weight-column 'w': every training row weighs 0 \\(80 rows\\)"):
+        check_splits(manifest)
+    check_splits({**manifest, "stats": {"train_rows": 80, "weight_sum": 0.5, "weight_mean": 0.5 / 80}})
+    check_splits({**manifest, "spec": {}})  # no weight column: nothing to weigh
