@@ -20,6 +20,8 @@ CAT_PREFIX = "cat__"
 ID_PREFIX = "id__"  # an ID column's 64-bit keys (connectors.id_keys): ID tables, not vocabularies
 LABEL = "label"
 SOURCE = "source"
+#: A dataset's per-row sample weight (``--weight-column``: the column's value as given, float32), never a feature.
+WEIGHT = "weight"
 SPLITS = ("train", "valid", "test")
 #: The most classes a classification label may have (in the training split): more is almost surely a
 #: numeric target or an id. The ETL stops as soon as it sees one more, naming the label and the fix.
@@ -77,16 +79,23 @@ class FeatureSpec:
     #: ``--required-ids``: ID columns whose value must have a key: a row with one missing, empty, too long or of a
     #: wrong type is a dead letter with its reason (in the ETL, the stream and predict alike), not the fallback.
     required_ids: list[str] = field(default_factory=list)
+    #: ``--weight-column``: a numeric column of per-row sample weights (finite, >= 0; a row of weight w counts w
+    #: times in the training loss and the weighted metrics). Never a feature; a bad value is a dead letter; only
+    #: rows that are trained on need it (rows to predict or score may lack it).
+    weight_column: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in ("classification", "regression", None):
             raise ValueError(f"task must be 'classification' or 'regression', not {self.task!r}")
         if not self.numeric and not self.categorical and not self.optional_numeric and not self.id_columns:
             raise ValueError("declare at least one feature column (--numeric or --categorical)")
-        cols = [self.label, *self.numeric, *self.optional_numeric, *self.categorical, *self.id_columns]
+        cols = [self.label, *self.numeric, *self.optional_numeric, *self.categorical, *self.id_columns,
+                *([self.weight_column] if self.weight_column else [])]
         dup = {c for c in cols if cols.count(c) > 1}
         if dup:
-            raise ValueError(f"columns declared twice (label/numeric/categorical): {sorted(dup)}")
+            raise ValueError(f"columns declared twice (label/numeric/categorical/weight): {sorted(dup)}")
+        if self.weight_column is not None and self.weight_column == self.time_column:
+            raise ValueError(f"--weight-column {self.weight_column!r} is the time column; name a column of weights")
         if self.positive_class is not None:
             if self.positive_above is not None:
                 raise ValueError("give --positive-class (a class of the label) or --positive-above (a threshold "
@@ -114,6 +123,8 @@ class FeatureSpec:
         cols = [self.label, *self.all_numeric, *self.categorical, *self.id_columns]
         if self.time_column and self.time_column not in cols:
             cols.append(self.time_column)
+        if self.weight_column:
+            cols.append(self.weight_column)
         return cols
 
     def to_dict(self) -> dict:
@@ -121,7 +132,7 @@ class FeatureSpec:
         if data["positive_class"] is None:  # unset: a manifest as before (readable by earlier versions)
             del data["positive_class"]
         for name, unset in (("numeric_range", {}), ("clip_numeric", False), ("id_columns", []),
-                            ("max_id_bytes", 256), ("required_ids", [])):  # likewise
+                            ("max_id_bytes", 256), ("required_ids", []), ("weight_column", None)):  # likewise
             if data[name] == unset:
                 del data[name]
         return data

@@ -123,6 +123,9 @@ class BatchInputs:
     required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
                                            "one missing, empty or over --max-id-bytes is a dead letter with its "
                                            "reason (else it uses the fallback vector, counted)", group=_DATA)
+    weight_column: str | None = option(None, "a numeric column of per-row sample weights (>= 0, not a feature): a "
+                                       "row of weight w counts w times in the loss and the weighted metrics; a bad "
+                                       "weight is a dead letter (docs/batch.md)", group=_DATA, metavar="COL")
     max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows the ETL reads", group=_DATA)
     max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
                                    "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
@@ -392,7 +395,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     device = resolve_device(config.device, local_world=1 if job.job_only else workers)
     from pipelines.tabular.preflight import check_splits
 
-    check_splits(data.manifest)  # an empty split: the column, its range and the cutoffs
+    check_splits(data.manifest)  # an empty split (the column, its range and the cutoffs), or one that weighs nothing
     if job.model:
         check_factory_parallelism(job.model, data, config)  # a bad factory or --stages with a non-Sequential: now
     if job.print_plan or job.worker_memory:  # the memory plan per rank: printed, or a stop before training

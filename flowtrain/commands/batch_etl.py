@@ -47,8 +47,9 @@ def spec_from(job: BatchJob, inferred: Inferred | None = None):
     if job.preset and job.input:
         raise FlowtrainError("--preset builds a preset's own dataset: leave out --input (or --preset)")
     if not job.input:
-        if job.label or job.numeric or job.categorical:
-            raise FlowtrainError("--label/--numeric/--categorical describe your files: give them with --input")
+        if job.label or job.numeric or job.categorical or job.weight_column:
+            raise FlowtrainError("--label/--numeric/--categorical/--weight-column describe your files: give them with "
+                                 "--input")
         spec = batch_preset(job).spec
         if job.id_columns:  # the demo with ID columns (e.g. tailnum,route): docs/ids.md
             return None, dataclasses.replace(spec, id_columns=list(job.id_columns), max_id_bytes=job.max_id_bytes,
@@ -72,7 +73,7 @@ def spec_from(job: BatchJob, inferred: Inferred | None = None):
             time_format=job.time_format, seed=job.seed, min_count=job.min_count,
             numeric_range={col: bounds for col, bounds in map(range_of, job.numeric_range)},
             clip_numeric=job.clip_outliers, id_columns=list(job.id_columns), max_id_bytes=job.max_id_bytes,
-            required_ids=list(job.required_ids))
+            required_ids=list(job.required_ids), weight_column=job.weight_column)
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
     return list(job.input), spec
@@ -84,7 +85,8 @@ def _infer(job: BatchJob, inputs: list[str]) -> Inferred:
     from pipelines.tabular.preflight import expand_inputs
 
     inferred = infer_columns(expand_inputs(inputs), job.label, exclude=job.exclude, id_columns=job.id_columns,
-                             time_column=job.time_column, max_record_bytes=job.max_record_bytes)
+                             time_column=job.time_column, max_record_bytes=job.max_record_bytes,
+                             weight_column=job.weight_column)
     print(inferred.describe(), flush=True)
     return inferred
 

@@ -46,10 +46,10 @@ class _Chunks:
         self.streamed = not isinstance(split, TabularSplit)
         self._held = None if self.streamed else self._convert(split)
 
-    def _convert(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(numerics, codes, the fitted target, the raw label) of one chunk."""
+    def _convert(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(numerics, codes, the fitted target, the raw label, the sample weights or None) of one chunk."""
         return (batch.x_num.double(), batch.x_cat.long(), (batch.y.double() - self.shift) / self.scale,
-                batch.y.double())
+                batch.y.double(), None if getattr(batch, "w", None) is None else batch.w.double())
 
     def __iter__(self):
         if not self.streamed:
@@ -71,14 +71,15 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
     iterations instead of hundreds. The gradient is written out instead of taken by autograd:
     for one-hot categories it is a scatter-add of the residuals (autograd's embedding backward
     sorts all N indices per call). ``class_weights`` (``--class-weight``): a classifier's loss of each row
-    weighed by its class, as the network's (``flowtrain.train.class_weights``)."""
+    weighed by its class, as the network's (``flowtrain.train.class_weights``); a chunk's sample weights
+    (``--weight-column``, averaging 1 over the split) weigh each row's loss too."""
     n = max(chunks.n, 1)
     weights = [emb.weight * s.unsqueeze(1) for emb, s in zip(model.categories, scales)]
     total = 0.0
     g_bias = torch.zeros_like(model.bias)
     g_num = torch.zeros_like(model.numeric.weight) if model.numeric is not None else None
     g_cat = [torch.zeros_like(w) for w in weights]
-    for x_num, codes, target, _ in chunks:
+    for x_num, codes, target, _, sample in chunks:
         out = model.bias.expand(target.shape[0], model.outputs)
         if model.numeric is not None:
             out = out + model.numeric(x_num)
@@ -86,6 +87,8 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
             out = out + w[codes[:, j]]
         w = class_weights.double()[target.long()].unsqueeze(1) if class_weights is not None and kind != "regression" \
             else None
+        if sample is not None:
+            w = sample.unsqueeze(1) if w is None else w * sample.unsqueeze(1)
         if kind == "binary":
             o = out[:, 0]
             per = nn.functional.binary_cross_entropy_with_logits(o, target, reduction="none")
@@ -100,7 +103,8 @@ def _objective(model: LinearModel, chunks: _Chunks, kind: str, l2: float, scales
             residual /= n
         else:
             o = out[:, 0]
-            total += float(((o - target) ** 2).sum())
+            per = (o - target) ** 2
+            total += float(per.sum() if w is None else (per * w[:, 0]).sum())
             residual = (2 * (o - target) / n).unsqueeze(1)
         if w is not None:
             residual = residual * w
@@ -146,7 +150,7 @@ def fit_linear(data: TabularDataset, *, l2: float | None = None, max_iter: int =
     counts_cat = [torch.zeros(c, dtype=torch.float64) for c in data.cardinalities]
     label_sum, target_sum = 0.0, 0.0
     class_counts = torch.zeros(max(data.outputs, 1), dtype=torch.float64)
-    for _, codes, target, y in chunks:
+    for _, codes, target, y, _ in chunks:
         for j, c in enumerate(data.cardinalities):
             counts_cat[j] += torch.bincount(codes[:, j], minlength=c).double()
         label_sum += float(y.sum())

@@ -54,34 +54,59 @@ def class_weights_of(config, data) -> torch.Tensor | None:
 
 
 class WeightedLoss(nn.Module):
-    """The summed loss of a batch with each example weighed by its class: binary cross-entropy over one logit
-    (``weights``: [negative, positive]) or cross-entropy over K logits; the target is the class index (a float,
-    as datasets store labels)."""
+    """The summed loss of a batch with each example weighed by its class (``weights``; None: 1) and by its own
+    sample weight (``--weight-column``: then the target is ``[N, 2]``, the label and the row's weight): binary
+    cross-entropy over one logit (``weights``: [negative, positive]), cross-entropy over K logits (the target is
+    the class index, a float as datasets store labels), or with ``regression`` the squared error."""
 
     reduction = "sum"
 
-    def __init__(self, weights: torch.Tensor, outputs: int):
+    def __init__(self, weights: torch.Tensor | None, outputs: int, *, regression: bool = False):
         super().__init__()
-        self.register_buffer("weights", torch.as_tensor(weights, dtype=torch.float32))
-        self.outputs = int(outputs)
+        if weights is not None and regression:
+            raise ValueError("class weights weigh the classes of a classification label, not a regression target")
+        self.register_buffer("weights", None if weights is None else torch.as_tensor(weights, dtype=torch.float32))
+        self.outputs, self.regression = int(outputs), bool(regression)
 
     def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        index = target.long()
-        w = self.weights.to(output.device, output.dtype)[index]
-        if self.outputs > 1:
-            per = nn.functional.cross_entropy(output, index, reduction="none")
+        sample = None
+        if target.dim() == 2:  # (label, sample weight) per row
+            target, sample = target[:, 0], target[:, 1].to(output.dtype)
+        if self.regression:
+            per = (output - target.to(output.dtype)) ** 2
+        elif self.outputs > 1:
+            per = nn.functional.cross_entropy(output, target.long(), reduction="none")
         else:
             per = nn.functional.binary_cross_entropy_with_logits(output, target.to(output.dtype), reduction="none")
-        return (per * w).sum()
+        if self.weights is not None:
+            per = per * self.weights.to(output.device, output.dtype)[target.long()]
+        if sample is not None:
+            per = per * sample
+        return per.sum()
 
 
-def weighted_metrics(out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None) -> dict:
+def weighted_metrics(out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None,
+                     sample_weights: torch.Tensor | None = None, *, regression: bool = False) -> dict:
     """``weighted_log_loss`` and ``weighted_accuracy`` of classifier outputs (one logit, or K) against class indices
-    ``y``; empty without weights."""
-    if weights is None or len(y) == 0:
+    ``y``, each row weighed by its class (``weights``) and its sample weight (``sample_weights``, ``--weight-column``);
+    of a regression's outputs (``regression``; ``out`` and ``y`` in the label's units) ``weighted_rmse`` and
+    ``weighted_mae``. Empty without weights (or rows, or a nonzero weight)."""
+    if (weights is None and sample_weights is None) or len(y) == 0:
         return {}
+    sample = None if sample_weights is None else sample_weights.double()
+    if regression:  # weighed by the sample weights only
+        if sample is None or not float(sample.sum()) > 0:
+            return {}
+        err = out.double() - y.double()
+        total = float(sample.sum())
+        return {"weighted_rmse": (float((err ** 2 * sample).sum()) / total) ** 0.5,
+                "weighted_mae": float((err.abs() * sample).sum()) / total}
     index = y.long()
-    w = weights.double()[index]
+    w = weights.double()[index] if weights is not None else torch.ones(len(y), dtype=torch.float64)
+    if sample is not None:
+        w = w * sample
+    if not float(w.sum()) > 0:
+        return {}
     if out.dim() == 2:
         per = nn.functional.cross_entropy(out.double(), index, reduction="none")
         right = out.argmax(dim=1) == index
@@ -91,3 +116,4 @@ def weighted_metrics(out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor |
     total = float(w.sum())
     return {"weighted_log_loss": float((per * w).sum()) / total, "weighted_accuracy": float((right.double() * w).sum())
             / total}
+

@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 
 from connectors.dataset import is_local_path, read_manifest, read_shard, shard_paths
-from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, FeatureSpec
+from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, WEIGHT, FeatureSpec
 
 
 @dataclass
@@ -25,13 +25,15 @@ class Batch:
     x_num: torch.Tensor
     x_cat: torch.Tensor
     y: torch.Tensor
+    #: ``--weight-column``: each row's sample weight, divided by the training split's mean weight (None: unweighted)
+    w: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def take(self, index: torch.Tensor) -> Batch:
         return Batch(self.x_num.index_select(0, index), self.x_cat.index_select(0, index),
-                     self.y.index_select(0, index))
+                     self.y.index_select(0, index), None if self.w is None else self.w.index_select(0, index))
 
 
 @dataclass
@@ -39,7 +41,7 @@ class TabularSplit(Batch):
     """One split of a dataset held as tensors."""
 
     def all(self) -> Batch:
-        return Batch(self.x_num, self.x_cat, self.y)
+        return Batch(self.x_num, self.x_cat, self.y, self.w)
 
 
 def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -71,7 +73,29 @@ def feature_columns(spec: FeatureSpec) -> list[str]:
         [ID_PREFIX + c for c in spec.id_columns] + [LABEL]
 
 
-def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
+def weight_mean(spec: FeatureSpec, stats: dict) -> float | None:
+    """The training split's mean sample weight (``--weight-column``; None without one): each row's weight is divided
+    by it, so the weights average 1 over the training rows and the loss keeps its scale (a weighted mean)."""
+    if not spec.weight_column:
+        return None
+    mean = float(stats.get("weight_mean") or 0.0)
+    if not mean > 0:
+        raise ValueError(f"--weight-column {spec.weight_column!r}: the training split weighs nothing (every weight "
+                         f"is 0, or the dataset's statistics have no weight_mean: run its ETL again)")
+    return mean
+
+
+def weights_of(table: pa.Table | pa.RecordBatch, spec: FeatureSpec, mean: float | None) -> torch.Tensor | None:
+    """The rows' sample weights (the dataset's ``weight`` column) divided by ``mean``; None without a weight column
+    (or when the rows do not carry one: rows to score)."""
+    if mean is None or WEIGHT not in table.schema.names:
+        return None
+    w = np.asarray(table.column(WEIGHT).to_numpy(zero_copy_only=False), dtype=np.float32) / np.float32(mean)
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def table_to_split(table: pa.Table, spec: FeatureSpec, weight_mean: float | None = None) -> TabularSplit:
+    """A table of dataset columns as tensors; with ``weight_mean`` (``weight_mean``) the sample weights too."""
     n = table.num_rows
 
     def stack(names, dtype):
@@ -87,7 +111,7 @@ def table_to_split(table: pa.Table, spec: FeatureSpec) -> TabularSplit:
         a = np.ascontiguousarray(a)
         return torch.from_numpy(a if a.flags.writeable else a.copy())
 
-    return TabularSplit(tensor(x_num), tensor(x_cat), tensor(y))
+    return TabularSplit(tensor(x_num), tensor(x_cat), tensor(y), weights_of(table, spec, weight_mean))
 
 
 class TabularDataset:
@@ -104,6 +128,11 @@ class TabularDataset:
     def cardinalities(self) -> list[int]:
         """Embedding sizes: vocabulary + 1 for the out-of-vocabulary code 0."""
         return [len(self.stats["vocab"][c]) + 1 for c in self.spec.categorical]
+
+    @property
+    def weight_mean(self) -> float | None:
+        """The training split's mean sample weight (``--weight-column``), None without one."""
+        return weight_mean(self.spec, self.stats)
 
     @property
     def n_numeric(self) -> int:
@@ -135,11 +164,11 @@ class TabularDataset:
 
     def split(self, name: str) -> TabularSplit:
         if name not in self._splits:
-            columns = feature_columns(self.spec)
+            columns = feature_columns(self.spec) + ([WEIGHT] if self.spec.weight_column else [])
             files = shard_paths(self.path, name)
             tables = [read_shard(f, columns=columns) for f in files]
-            table = pa.concat_tables(tables) if tables else pa.table({c: [] for c in columns})
-            self._splits[name] = table_to_split(table, self.spec)
+            table = pa.concat_tables(tables) if tables else pa.table({c: pa.array([], pa.float32()) for c in columns})
+            self._splits[name] = table_to_split(table, self.spec, self.weight_mean)
         return self._splits[name]
 
 

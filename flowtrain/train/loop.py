@@ -93,9 +93,11 @@ def predict(model: nn.Module, split: TabularSplit, batch_size: int = 65_536,
 
 def evaluate(model: nn.Module, split: TabularSplit, task: str, scale: tuple[float, float] = (0.0, 1.0),
              classes=None, class_weights: torch.Tensor | None = None, batch_size: int = 65_536) -> dict:
-    """The task's metrics of ``model`` on ``split`` (with ``class_weights``: the weighted ones too)."""
+    """The task's metrics of ``model`` on ``split`` (with ``class_weights`` or the split's sample weights,
+    ``--weight-column``: the weighted ones too, ``flowtrain.train.class_weights.weighted_metrics``)."""
     out = predict(model, split, batch_size=batch_size, scale=scale)
-    return {**metrics_of(out, split.y, task, classes), **weighted_metrics(out, split.y, class_weights)}
+    return {**metrics_of(out, split.y, task, classes),
+            **weighted_metrics(out, split.y, class_weights, getattr(split, "w", None), regression=task == "regression")}
 
 
 def check_label(data: TabularDataset) -> None:
@@ -167,7 +169,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 print(f"{name}: {split.describe()}", flush=True)
         print(f"{name}: {plan.describe(len(train))}", flush=True)
     weights = class_weights_of(config, data)  # --class-weight: the loss and the weighted metrics
-    loss_fn = loss_function(data.spec.task, data.outputs, weights)
+    loss_fn = loss_function(data.spec.task, data.outputs, weights, sample_weights=bool(data.spec.weight_column))
     shift, scale = target_scale(data)
     classes = data.classes
     ckpt_dir = run_dir / "checkpoints" if run_dir else None

@@ -67,6 +67,6 @@ def use_dtype(model: nn.Module, dtype: torch.dtype | str | None) -> nn.Module:
 
 def cast_batch(batch: Batch, dtype: torch.dtype) -> Batch:
     """``batch`` with its numerics and labels in ``dtype`` (codes and keys stay int64)."""
-    if batch.x_num.dtype == dtype and batch.y.dtype == dtype:
+    if batch.x_num.dtype == dtype and batch.y.dtype == dtype and (batch.w is None or batch.w.dtype == dtype):
         return batch
-    return Batch(batch.x_num.to(dtype), batch.x_cat, batch.y.to(dtype))
+    return Batch(batch.x_num.to(dtype), batch.x_cat, batch.y.to(dtype), None if batch.w is None else batch.w.to(dtype))

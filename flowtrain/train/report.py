@@ -89,8 +89,13 @@ def describe_data(manifest: dict) -> dict:
     spec = manifest.get("spec") or {}
     features = {"numeric": list(spec.get("numeric") or []), "optional_numeric": list(spec.get("optional_numeric") or []),
                 "categorical": list(spec.get("categorical") or []), "id": list(spec.get("id_columns") or [])}
-    used = {spec.get("label"), spec.get("time_column"), *(c for cols in features.values() for c in cols)}
+    used = {spec.get("label"), spec.get("time_column"), spec.get("weight_column"),
+            *(c for cols in features.values() for c in cols)}
     out: dict = {"label": spec.get("label"), "features": features}
+    if spec.get("weight_column"):  # --weight-column: the sample weights (never a feature)
+        stats = manifest.get("stats") or {}
+        out["weight_column"] = {"column": spec["weight_column"], "mean": stats.get("weight_mean"),
+                                "sum": stats.get("weight_sum")}
     if manifest.get("inferred"):  # no feature column declared: the ETL's choice (pipelines.tabular.infer)
         out["inferred"] = manifest["inferred"]
     inputs = manifest.get("inputs") or []
@@ -131,6 +136,12 @@ def _data_lines(data: dict | None) -> list[str]:
              (f.get("categorical"), "categorical"), (f.get("id"), "ID (an embedding row per ID)")]
     lines = [f"label: `{data.get('label')}`; features used: " + "; ".join(
         f"{kind} {', '.join(f'`{c}`' for c in cols)}" for cols, kind in kinds if cols)]
+    weights = data.get("weight_column")
+    if weights:
+        mean = weights.get("mean")
+        lines.append(f"sample weights: column `{weights['column']}` (not a feature"
+                     + (f"; training mean {mean:.4g}" if isinstance(mean, (int, float)) else "")
+                     + "): they weigh the training loss and the weighted_* metrics; the others count rows")
     inferred = data.get("inferred")
     if inferred:
         left = "; ".join(f"`{c}` ({why})" for c, why in (inferred.get("left_out") or {}).items())

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from connectors.dataset import is_local_path, read_shard, shard_paths
-from connectors.dataset_spec import LABEL, FeatureSpec
+from connectors.dataset_spec import LABEL, WEIGHT, FeatureSpec
 from flowtrain.parallel.device import local_world_size
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, feature_columns, table_to_split
 
@@ -120,8 +120,9 @@ def format_bytes(n: float) -> str:
 
 
 def row_bytes(spec: FeatureSpec) -> int:
-    """Bytes one row takes as tensors: float32 numerics, int64 category codes, a float32 label."""
-    return 4 * len(spec.all_numeric) + 8 * len(spec.categorical) + 4
+    """Bytes one row takes as tensors: float32 numerics, int64 category codes, a float32 label (and a float32 sample
+    weight with ``--weight-column``)."""
+    return 4 * len(spec.all_numeric) + 8 * len(spec.categorical) + 4 + (4 if spec.weight_column else 0)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,9 @@ class StreamedSplit:
 
     def __init__(self, data: TabularDataset, name: str, *, plan: StreamPlan, budget_bytes: int | None = None):
         self.name, self.spec, self.plan, self.budget_bytes = name, data.spec, plan, budget_bytes
+        self.weight_mean = data.weight_mean  # --weight-column: each row's weight over the training mean (else None)
         self.files = shard_paths(data.path, name)
-        self.columns = feature_columns(self.spec)
+        self.columns = feature_columns(self.spec) + ([WEIGHT] if self.weight_mean is not None else [])
         self.units: list[_Unit] = []
         for path in self.files:
             with _parquet_file(path) as pf:
@@ -182,6 +184,7 @@ class StreamedSplit:
             self.units += [_Unit(path, i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]
         self._rows = sum(u.rows for u in self.units)
         self._y: torch.Tensor | None = None
+        self._w: torch.Tensor | None = None
         self.peak_buffer_rows = 0
 
     def __len__(self) -> int:
@@ -193,6 +196,18 @@ class StreamedSplit:
             parts = [read_shard(f, columns=[LABEL]).column(LABEL).to_numpy().astype(np.float32) for f in self.files]
             self._y = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32))
         return self._y
+
+    @property
+    def w(self) -> torch.Tensor | None:
+        """The split's sample weights in shard order (``--weight-column``, over the training mean), read once; None
+        without a weight column."""
+        if self.weight_mean is None:
+            return None
+        if self._w is None:
+            parts = [read_shard(f, columns=[WEIGHT]).column(WEIGHT).to_numpy().astype(np.float32) for f in self.files]
+            self._w = torch.from_numpy(np.concatenate(parts) / np.float32(self.weight_mean) if parts
+                                       else np.zeros(0, dtype=np.float32))
+        return self._w
 
     def describe(self) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes else "the budget"
@@ -209,7 +224,7 @@ class StreamedSplit:
             with _parquet_file(unit.path) as pf:
                 for rb in pf.iter_batches(batch_size=self.plan.chunk_rows, row_groups=[unit.row_group],
                                           columns=self.columns):
-                    yield table_to_split(pa.Table.from_batches([rb]), self.spec)
+                    yield table_to_split(pa.Table.from_batches([rb]), self.spec, self.weight_mean)
 
     def _shuffled(self, chunks: Iterator[Batch], gen: torch.Generator) -> Iterator[Batch]:
         """Rows out of a shuffle buffer of ``buffer_rows``: each incoming row takes the place of a
@@ -223,7 +238,8 @@ class StreamedSplit:
         for chunk in chunks:
             if buf is None:
                 buf = Batch(chunk.x_num.new_empty((size, *chunk.x_num.shape[1:])),
-                            chunk.x_cat.new_empty((size, *chunk.x_cat.shape[1:])), chunk.y.new_empty((size,)))
+                            chunk.x_cat.new_empty((size, *chunk.x_cat.shape[1:])), chunk.y.new_empty((size,)),
+                            None if chunk.w is None else chunk.w.new_empty((size,)))
             lo, n = 0, len(chunk)
             while lo < n:
                 rest, room = n - lo, size - fill
@@ -232,13 +248,13 @@ class StreamedSplit:
                 if swap:
                     slots = torch.randperm(fill, generator=gen)[:swap]
                     yield buf.take(slots)
-                    buf.x_num[slots], buf.x_cat[slots], buf.y[slots] = \
-                        chunk.x_num[lo:lo + swap], chunk.x_cat[lo:lo + swap], chunk.y[lo:lo + swap]
+                    for mine, theirs in zip(_tensors(buf), _tensors(chunk)):
+                        mine[slots] = theirs[lo:lo + swap]
                     lo += swap
                 add = min(n - lo, room)
                 if add:
-                    buf.x_num[fill:fill + add], buf.x_cat[fill:fill + add], buf.y[fill:fill + add] = \
-                        chunk.x_num[lo:lo + add], chunk.x_cat[lo:lo + add], chunk.y[lo:lo + add]
+                    for mine, theirs in zip(_tensors(buf), _tensors(chunk)):
+                        mine[fill:fill + add] = theirs[lo:lo + add]
                     fill, lo = fill + add, lo + add
                     self.peak_buffer_rows = max(self.peak_buffer_rows, fill)
         if fill:
@@ -343,14 +359,18 @@ def _parquet_file(path: str) -> Iterator[pq.ParquetFile]:
         yield pq.ParquetFile(fh)
 
 
+def _tensors(b: Batch) -> list[torch.Tensor]:
+    """A batch's tensors, row-aligned: numerics, codes, labels and (with ``--weight-column``) sample weights."""
+    return [b.x_num, b.x_cat, b.y] + ([b.w] if b.w is not None else [])
+
+
 def _cat(parts: list[Batch]) -> Batch:
-    return Batch(torch.cat([p.x_num for p in parts]), torch.cat([p.x_cat for p in parts]),
-                 torch.cat([p.y for p in parts]))
+    return Batch(*(torch.cat(ts) for ts in zip(*(_tensors(p) for p in parts))))
 
 
 def _slice(b: Batch, lo: int, hi: int) -> Batch:
-    return Batch(b.x_num[lo:hi], b.x_cat[lo:hi], b.y[lo:hi])
+    return Batch(*(t[lo:hi] for t in _tensors(b)))
 
 
 def _clone(b: Batch) -> Batch:
-    return Batch(b.x_num.clone(), b.x_cat.clone(), b.y.clone())
+    return Batch(*(t.clone() for t in _tensors(b)))

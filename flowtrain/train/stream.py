@@ -92,9 +92,11 @@ class StreamTrainer:
         spec = self.data.spec  # no rows: the shapes of a batch (the grid measures its layers on 256 of them)
         self.sample = Batch(torch.zeros(256, self.data.n_numeric),
                             torch.zeros(256, len(spec.categorical) + len(spec.id_columns), dtype=torch.int64),
-                            torch.zeros(256))
-        # K classes: cross-entropy over K logits; --class-weight: each example weighed by its class
-        self.loss_fn = loss_function(self.task, self.data.outputs, class_weights_of(cfg, self.data))
+                            torch.zeros(256), torch.zeros(256) if spec.weight_column else None)
+        # K classes: cross-entropy over K logits; --class-weight: each example weighed by its class; the dataset's
+        # --weight-column: by the weight its events carry (the feature messages' ``weight`` column)
+        self.loss_fn = loss_function(self.task, self.data.outputs, class_weights_of(cfg, self.data),
+                                     sample_weights=bool(spec.weight_column))
         self.shift, self.scale = target_scale(self.data)  # regression trains on a standardized target
         # progress: restored from the checkpoint, never from Kafka's group offsets
         self.step = self.version = 0

@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from connectors.arrow_ipc import IpcTooLarge, NotArrowIpc, decode_bounded
-from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX
+from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, WEIGHT
 from flowtrain.train.loader import TabularDataset, TabularSplit
 from flowtrain.train.options import StreamTrainOptions
 
@@ -118,7 +118,10 @@ class FeatureMessageCheck:
                       **{c: ("an integer", pa.types.is_integer) for c in self.categorical},
                       **{c: ("an integer", pa.types.is_integer) for c in self.ids},
                       LABEL: ("a number", _floating_or_integer),
+                      **({WEIGHT: ("a number", _floating_or_integer)} if spec.weight_column else {}),
                       **{c: ("an integer", pa.types.is_integer) for c in SOURCE_COLUMNS}}
+        #: --weight-column: the training split's mean weight (each row's weight is divided by it, as in batch)
+        self.weight_mean = data.weight_mean if spec.weight_column else None
 
     def __call__(self, payload) -> FeatureInput:
         """The message's rows, or ``BadFeatureMessage`` saying why not."""
@@ -197,7 +200,16 @@ class FeatureMessageCheck:
             i, j = (int(k[0]) for k in np.nonzero(sources < 0))
             raise BadFeatureMessage("values", f"column {SOURCE_COLUMNS[j]!r} has {int(sources[i, j])} at row {i}; "
                                     f"a source partition or offset is >= 0")
-        split = TabularSplit(torch.from_numpy(x_num), torch.from_numpy(x_cat), torch.from_numpy(y.copy()))
+        w = None
+        if self.weight_mean is not None:  # sample weights: finite and >= 0, as the pipeline's checks left them
+            w = self._stack(columns, [WEIGHT], np.float32)[:, 0]
+            bad = ~(np.isfinite(w) & (w >= 0))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise BadFeatureMessage("values", f"column {WEIGHT!r} has {float(w[i])!r} at row {i}, not a sample "
+                                        f"weight (a finite number >= 0)")
+            w = torch.from_numpy(w / np.float32(self.weight_mean))
+        split = TabularSplit(torch.from_numpy(x_num), torch.from_numpy(x_cat), torch.from_numpy(y.copy()), w)
         return FeatureInput(split, sources[:, 0].copy(), sources[:, 1].copy())
 
     @staticmethod

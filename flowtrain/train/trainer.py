@@ -55,14 +55,16 @@ class ClassCrossEntropy(nn.CrossEntropyLoss):
         return super().forward(logits, target.long())
 
 
-def loss_function(task: str, outputs: int = 1, class_weights: torch.Tensor | None = None) -> nn.Module:
-    """Mean squared error, binary or K-class cross-entropy (with ``class_weights``: each example weighed by its class,
-    ``flowtrain.train.class_weights``); over an ensemble's members (a training output with a members dimension) the
-    mean of each member's loss (``flowtrain.train.models.ensemble.MembersLoss``)."""
+def loss_function(task: str, outputs: int = 1, class_weights: torch.Tensor | None = None, *,
+                  sample_weights: bool = False) -> nn.Module:
+    """Mean squared error, binary or K-class cross-entropy (with ``class_weights``: each example weighed by its class;
+    with ``sample_weights`` (``--weight-column``) by its own weight, which the target carries as a second column:
+    ``flowtrain.train.class_weights.WeightedLoss``); over an ensemble's members (a training output with a members
+    dimension) the mean of each member's loss (``flowtrain.train.models.ensemble.MembersLoss``)."""
+    if class_weights is not None or sample_weights:
+        return MembersLoss(WeightedLoss(class_weights, outputs, regression=task == "regression"), outputs)
     if task == "regression":
         return MembersLoss(nn.MSELoss(), outputs)
-    if class_weights is not None:
-        return MembersLoss(WeightedLoss(class_weights, outputs), outputs)
     return MembersLoss(ClassCrossEntropy() if outputs > 1 else nn.BCEWithLogitsLoss(), outputs)
 
 
@@ -105,7 +107,10 @@ class Trainer:
         if self.guard is not None:
             self.guard.skipped = False
         batch = cast_batch(batch, self.dtype)
-        rows, loss = self.engine.train_step(batch, (batch.y - self.shift) / self.scale)
+        target = (batch.y - self.shift) / self.scale
+        if batch.w is not None:  # --weight-column: each row's weight travels with its target (engines slice rows)
+            target = torch.stack([target, batch.w.to(target.device, target.dtype)], dim=1)
+        rows, loss = self.engine.train_step(batch, target)
         if self.scheduler is not None:
             self.scheduler.step()
         skipped = bool(self.guard is not None and self.guard.skipped)
@@ -127,20 +132,25 @@ class Trainer:
         for rank, count in enumerate(int(c.item()) for c in counts):
             if not count:
                 continue
+            weighted = like.w is not None  # --weight-column: the sample weights travel with the rows
             if rank == self.ctx.rank:
                 tensors = [local.x_num.to(device, like.x_num.dtype).contiguous(),
                            local.x_cat.to(device, like.x_cat.dtype).contiguous(),
                            local.y.to(device, like.y.dtype).contiguous()]
+                if weighted:
+                    tensors.append(local.w.to(device, like.y.dtype).contiguous())
             else:
                 tensors = [torch.empty((count, *like.x_num.shape[1:]), dtype=like.x_num.dtype, device=device),
                            torch.empty((count, *like.x_cat.shape[1:]), dtype=like.x_cat.dtype, device=device),
                            torch.empty((count,), dtype=like.y.dtype, device=device)]
+                if weighted:
+                    tensors.append(torch.empty((count,), dtype=like.y.dtype, device=device))
             for t in tensors:
                 dist.broadcast(t, src=rank)
             parts.append(tensors)
         if not parts:
             return None
-        return Batch(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+        return Batch(*(torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))))
 
     def close(self) -> None:
         self.engine.close()

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from connectors.deadletter import DeadLetter
-from pipelines.flights.features import HOUR_TYPE, RAW_COLUMNS
+from pipelines.flights.features import HOUR_TYPE, IMPOSSIBLE_DISTANCE, RAW_COLUMNS
 from pipelines.stream import events as E
 from pipelines.stream import parse as stream_parse
 from pipelines.stream.events import DEFAULT_BOUNDS, ISO_Z, EventField, EventSchema, ParseBounds
@@ -45,7 +45,11 @@ FLIGHT_EVENTS = EventSchema(tuple(_field(name, FIELDS[name]) for name in RAW_COL
 EVENT_SCHEMA = FLIGHT_EVENTS.table_schema()
 assert EVENT_SCHEMA.field("time_hour").type == HOUR_TYPE
 
-MALFORMED_KINDS = ("broken JSON", "missing field", "wrong type", "NaN", "impossible value")
+#: The kinds of bad events ``malform`` makes (``flowtrain replay --malformed`` on the demo): each is the kind its dead
+#: letter is counted under (``connectors.deadletter.reason_kind``), as the generic replay's kinds are
+#: (``pipelines.stream.replay.MALFORMED_KINDS``), so a replay's count of a kind and the dead letters of it are one name.
+MALFORMED_KINDS = ("broken JSON", "missing field(s)", "wrong type", "NaN", "infinite", "not UTF-8",
+                   IMPOSSIBLE_DISTANCE)
 
 
 def events_from_table(flights: pa.Table) -> Iterator[dict]:
@@ -63,14 +67,18 @@ def malform(event: dict, kind: str, rng: random.Random) -> bytes:
     if kind == "broken JSON":
         return json.dumps(event)[: rng.randint(5, 40)].encode()
     bad = dict(event)
-    if kind == "missing field":
+    if kind == "missing field(s)":
         bad.pop(rng.choice(["carrier", "origin", "distance", "sched_dep_time"]))
     elif kind == "wrong type":
         bad["distance"] = "far"
-    elif kind == "NaN":
-        bad["distance"] = float("nan")
-    elif kind == "impossible value":
+    elif kind in ("NaN", "infinite"):
+        bad["distance"] = float("nan") if kind == "NaN" else float("inf")
+    elif kind == "not UTF-8":
+        return b'{"_bytes": "\xff\xfe", ' + json.dumps(bad, allow_nan=True).encode()[1:]
+    elif kind == IMPOSSIBLE_DISTANCE:
         bad["distance"] = -abs(bad.get("distance") or 100.0)
+    else:
+        raise ValueError(f"no malformed kind {kind!r}: the kinds are {', '.join(MALFORMED_KINDS)}")
     return json.dumps(bad, allow_nan=True).encode()
 
 

@@ -144,6 +144,11 @@ def _mod(values: pa.Array, m: float) -> pa.Array:
     return pc.subtract(values, pc.multiply(pc.floor(pc.divide(values, m)), m))
 
 
+#: The reason (and dead-letter kind) of a flight whose distance is impossible (``flowtrain replay --malformed``
+#: makes such events under this very name).
+IMPOSSIBLE_DISTANCE = "impossible distance (not in 1..6000 miles)"
+
+
 def impossible_values(batch: pa.RecordBatch | pa.Table) -> list[tuple[str, np.ndarray]]:
     """Flight-specific dead-letter checks, applied before the generic ones' reasons."""
 
@@ -157,7 +162,7 @@ def impossible_values(batch: pa.RecordBatch | pa.Table) -> list[tuple[str, np.nd
     return [
         ("cancelled or diverted: no arrival delay", np.isnan(delay)),
         ("impossible arr_delay (outside -120..1800 minutes)", (delay < -120) | (delay > 1800)),
-        ("impossible distance (not in 1..6000 miles)", ~((distance >= 1) & (distance <= 6000))),
+        (IMPOSSIBLE_DISTANCE, ~((distance >= 1) & (distance <= 6000))),
         ("impossible sched_dep_time (not an HHMM time)",
          ~((sched >= 0) & (sched <= 2359) & (np.mod(sched, 100) < 60))),
         ("impossible month (not 1..12)", ~((month >= 1) & (month <= 12))),

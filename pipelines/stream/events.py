@@ -119,6 +119,10 @@ def event_schema(spec: FeatureSpec) -> EventSchema:
     fields += [EventField(c, _ANY_VALUE, None, required=False, nullable=True) for c in spec.categorical]
     # ID columns: text or a number, may be absent or null (the ID table's fallback vector)
     fields += [EventField(c, _ANY_VALUE, None, required=False, nullable=True) for c in spec.id_columns]
+    # --weight-column: a number; may be absent or null in an unlabelled event (scored only), a labelled event
+    # without a valid weight is a dead letter (the batch ETL's check)
+    if spec.weight_column:
+        fields.append(EventField(spec.weight_column, _NUMBER, pa.float64(), required=False, nullable=True))
     if spec.time_column and spec.time_column not in {f.name for f in fields}:
         epoch = spec.time_format in EPOCH_FORMATS  # numbers: inferred by the reader, then text
         fields.append(EventField(spec.time_column, (str, int, float), None, required=True, nullable=True,

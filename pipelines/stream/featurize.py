@@ -115,9 +115,16 @@ def _placeholder(spec: FeatureSpec, stats: dict, col_type: pa.DataType):
 
 
 def _with_label(batch: pa.RecordBatch, spec: FeatureSpec, keep: np.ndarray, fill) -> pa.RecordBatch:
+    """The rows not in ``keep`` with the placeholder label ``fill`` (and weight 1 with ``--weight-column``: an
+    unlabelled event needs no weight, it is scored only)."""
     i = batch.schema.get_field_index(spec.label)
     col = pc.if_else(pa.array(keep), batch.column(i), fill)
-    return batch.set_column(i, spec.label, col)
+    batch = batch.set_column(i, spec.label, col)
+    if spec.weight_column and spec.weight_column in batch.schema.names:
+        j = batch.schema.get_field_index(spec.weight_column)
+        weights = pc.cast(batch.column(j), pa.float64())
+        batch = batch.set_column(j, spec.weight_column, pc.if_else(pa.array(keep), weights, pa.scalar(1.0)))
+    return batch
 
 
 class StreamFeaturizer:

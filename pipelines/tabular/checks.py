@@ -26,11 +26,21 @@ def row_checks(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None = No
         vals = floats(label)
         checks.append((f"label {spec.label!r} is not a finite number", ~np.isfinite(vals) & ~missing))
     checks += feature_checks(batch, spec, stats)
+    if spec.weight_column:
+        checks.append(weight_check(batch, spec))
     if spec.time_column:
         t = time_seconds(batch.column(spec.time_column), spec.time_format)
         checks.append((f"time column {spec.time_column!r} is missing or not a time "
                        f"({describe_time_format(spec.time_format)})", ~np.isfinite(t)))
     return checks
+
+
+def weight_check(batch: pa.RecordBatch, spec: FeatureSpec) -> tuple[str, np.ndarray]:
+    """(reason, rows that fail) for ``--weight-column``: a weight is a finite number >= 0."""
+    w = floats(batch.column(spec.weight_column))
+    with np.errstate(invalid="ignore"):
+        return (f"weight column {spec.weight_column!r} is missing, not a finite number or negative (a sample weight "
+                f"is a number >= 0)", ~(np.isfinite(w) & (w >= 0)))
 
 
 def feature_checks(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict | None = None

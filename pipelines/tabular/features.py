@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, SOURCE, FeatureSpec
+from connectors.dataset_spec import CAT_PREFIX, ID_PREFIX, LABEL, NUM_PREFIX, SOURCE, WEIGHT, FeatureSpec
 from connectors.id_keys import keys_of
 from connectors.rows import DeadLetter
 from pipelines.tabular.checks import dead_letters
@@ -52,6 +52,9 @@ def featurize_rows(batch: pa.RecordBatch, spec: FeatureSpec, stats: dict
     arrays, names = feature_arrays(batch, spec, stats)
     arrays.append(pa.array(targets, type=pa.float32()))
     names.append(LABEL)
+    if spec.weight_column:  # the sample weight as given (validated: finite, >= 0); never a feature
+        arrays.append(pa.array(floats(batch.column(spec.weight_column)).astype(np.float32), type=pa.float32()))
+        names.append(WEIGHT)
     arrays.append(source_strings(batch).cast(pa.string()))
     names.append(SOURCE)
     return pa.RecordBatch.from_arrays(arrays, names=names), letters

@@ -122,8 +122,9 @@ def sample(files: Sequence[str], *, max_rows: int = SAMPLE_ROWS,
 
 def infer_columns(files: Sequence[str], label: str, *, exclude: Sequence[str] = (), id_columns: Sequence[str] = (),
                   time_column: str | None = None, max_rows: int = SAMPLE_ROWS,
-                  max_record_bytes: int = MAX_RECORD_BYTES) -> Inferred:
-    """The feature columns of ``files`` (``label`` and the declared ``id_columns`` / ``time_column`` aside,
+                  max_record_bytes: int = MAX_RECORD_BYTES, weight_column: str | None = None) -> Inferred:
+    """The feature columns of ``files`` (``label`` and the declared ``id_columns`` / ``time_column`` /
+    ``weight_column`` (sample weights, never a feature) aside,
     ``exclude`` dropped), from their first rows. A name in ``exclude``, ``id_columns`` or ``time_column`` that
     is no column is a ``SchemaError`` listing the file's columns."""
     table, read = sample(files, max_rows=max_rows, max_record_bytes=max_record_bytes)
@@ -134,8 +135,10 @@ def infer_columns(files: Sequence[str], label: str, *, exclude: Sequence[str] = 
     unknown_columns(exclude, columns, "--exclude", where)
     unknown_columns(id_columns, columns, "--id-columns", where)
     unknown_columns([time_column] if time_column else [], columns, "--time-column", where)
+    unknown_columns([weight_column] if weight_column else [], columns, "--weight-column", where)
     out = Inferred(rows=table.num_rows, files=list(read), time_column=time_column)
-    skip = {label, *exclude, *id_columns, *([time_column] if time_column else [])}
+    skip = {label, *exclude, *id_columns, *([time_column] if time_column else []),
+            *([weight_column] if weight_column else [])}
     for name in columns:
         if name in skip or name.startswith("_"):  # the reader's own (``_source_file``...) never are features
             continue

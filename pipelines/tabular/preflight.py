@@ -204,10 +204,12 @@ class SplitError(ValueError):
 
 
 def check_splits(manifest: dict) -> None:
-    """Raise ``SplitError`` when the train, valid or test split of a dataset has no rows."""
+    """Raise ``SplitError`` when the train, valid or test split of a dataset has no rows, or when its training split
+    weighs nothing (``check_weights``)."""
     rows = manifest.get("rows", {})
     empty = [s for s in SPLITS if not rows.get(s)]
     if not empty:
+        check_weights(manifest)
         return
     counts = ", ".join(f"{s} {rows.get(s, 0):,}" for s in SPLITS)
     tally = manifest.get("counts") or {}
@@ -235,3 +237,13 @@ def check_splits(manifest: dict) -> None:
     raise SplitError(f"the {' and '.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty ({counts} rows; "
                      f"random split {spec.get('fractions')} by --seed): the table is too small to split; "
                      f"give more rows")
+
+
+def check_weights(manifest: dict) -> None:
+    """Raise ``SplitError`` when the training split's sample weights (``--weight-column``) are all zero: nothing
+    would be trained on."""
+    column = (manifest.get("spec") or {}).get("weight_column")
+    stats = manifest.get("stats") or {}
+    if column and not stats.get("weight_sum", 0.0) > 0:
+        raise SplitError(f"--weight-column {column!r}: every training row weighs 0 ({stats.get('train_rows', 0):,} "
+                         f"rows), so nothing would be trained on; give some rows a weight > 0")

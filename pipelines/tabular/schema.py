@@ -43,6 +43,8 @@ def check_schema(schema: pa.Schema, spec: FeatureSpec, where: str) -> None:
         else ("number", "boolean", "string")
     if spec.time_column:
         wanted[spec.time_column] = ("time", "number", "string")
+    if spec.weight_column:
+        wanted[spec.weight_column] = ("number",)
     for col, kinds in wanted.items():
         found = column_kind(schema.field(col).type)
         if found == "binary":
@@ -62,4 +64,6 @@ def read_types(spec: FeatureSpec) -> dict[str, pa.DataType | None]:
     types[spec.label] = pa.float64() if numeric_label else None  # class labels keep their type
     if spec.time_column and spec.time_column not in types:
         types[spec.time_column] = None
+    if spec.weight_column:
+        types[spec.weight_column] = pa.float64()
     return types

@@ -43,6 +43,7 @@ class StatsAccumulator:
     capacity: int = 0  # values a categorical counter keeps (VOCAB_SKETCH_FACTOR * max_vocab); 0: not yet known
     pruned: dict[str, int] = field(default_factory=dict)  # column -> the largest undercount of its counter
     label_name: str = ""
+    weight_sum: float = 0.0  # --weight-column: the training rows' weights summed
 
     def _bound(self) -> None:
         """Shrink any counter past twice its capacity (Misra-Gries), and stop at too many classes."""
@@ -60,6 +61,8 @@ class StatsAccumulator:
 
     def add(self, batch: pa.RecordBatch, spec: FeatureSpec) -> StatsAccumulator:
         self.rows += batch.num_rows
+        if spec.weight_column:
+            self.weight_sum += float(np.nansum(floats(batch.column(spec.weight_column))))
         self.capacity = max(self.capacity, VOCAB_SKETCH_FACTOR * spec.max_vocab)
         self.label_name = spec.label
         for col in spec.all_numeric:
@@ -102,6 +105,7 @@ class StatsAccumulator:
 
     def merge(self, other: StatsAccumulator) -> StatsAccumulator:
         self.rows += other.rows
+        self.weight_sum += other.weight_sum
         self.capacity = max(self.capacity, other.capacity)
         self.label_name = self.label_name or other.label_name
         for col, n in other.pruned.items():
@@ -138,6 +142,8 @@ class StatsAccumulator:
         out = {"numeric": numeric, "vocab": vocab, "train_rows": self.rows,
                # per column, the largest undercount of a value's training count (0: exact counts)
                "vocab_count_error": {col: int(self.pruned.get(col, 0)) for col in spec.categorical}}
+        if spec.weight_column:  # the loader divides each weight by their training mean (they average 1 in training)
+            out.update({"weight_sum": self.weight_sum, "weight_mean": self.weight_sum / self.rows if self.rows else 0.0})
         if is_classes(spec):
             classes = order_classes(self.label_counts, spec)  # with two, the positive class second
             counts = [self.label_counts[c] for c in classes]

@@ -28,15 +28,23 @@ def test_parse_event_accepts_a_good_event_and_builds_a_table():
 
 
 def test_each_malformed_kind_gets_its_reason():
+    """The demo's malformed kinds are the names of their dead letters' reasons (issue 45 item 5): a reason is its
+    kind or starts with "kind: " (``reason_kind``), as for the generic replay's kinds."""
+    from pipelines.flights.features import impossible_values
+
     rng = random.Random(0)
-    expected = {"broken JSON": "broken JSON", "missing field": "missing field(s)", "wrong type": "wrong type",
-                "NaN": "NaN"}
+    assert {"missing field(s)", "infinite", "not UTF-8"} <= set(MALFORMED_KINDS)
     for kind in MALFORMED_KINDS:
         out = parse_event(malform(EVENT, kind, rng), "raw/1/2")
-        if kind == "impossible value":  # well-formed: the feature code's impossible-value check rejects it
-            assert out["distance"] < 0
+        if not isinstance(out, DeadLetter):  # well-formed: the feature code's impossible-value check rejects it
+            table = events_table([out], [("raw", 1, 2)])
+            reasons = [reason for reason, fails in impossible_values(table) if fails.any()]
+            assert reasons == [kind], (kind, reasons)
         else:
-            assert isinstance(out, DeadLetter) and out.reason.startswith(expected[kind]) and out.source == "raw/1/2"
+            assert (out.reason == kind or out.reason.startswith(kind + ": ")) and out.source == "raw/1/2", \
+                (kind, out.reason)
+    with pytest.raises(ValueError, match="no malformed kind 'impossible value'"):
+        malform(EVENT, "impossible value", rng)
 
 
 def test_unseen_filters_by_highest_offset_per_raw_partition():

@@ -243,7 +243,7 @@ class MembersLoss(nn.Module):
             return self.base(output, target)
         members = output.shape[1]
         flat = output.transpose(0, 1).reshape(members * output.shape[0], *output.shape[2:])
-        loss = self.base(flat, target.repeat(members))
+        loss = self.base(flat, target.repeat(members, *([1] * (target.dim() - 1))))  # a weighted target: [N, 2]
         return loss / members if self.reduction == "sum" else loss
 
 
