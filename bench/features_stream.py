@@ -7,7 +7,7 @@ new consumer group of the same raw topic; events/s from the pipeline's first com
 payments' own columns; with them, the aggregates too (the batch ETL on the backfill), and the pipeline computes them
 (``--aggregate card:amount:count,sum,mean,max,std:10m,1h,1d,30d``, lateness 0).
 
-Freshness: with the aggregations, payments replayed at ``--freshness-rate`` events/s for ``--freshness-seconds``
+Freshness: without and with the aggregations, payments replayed at ``--freshness-rate`` events/s for ``--freshness-seconds``
 into a running pipeline; per event, the features topic's record time of its row minus the raw record's produce
 time (Kafka timestamps, one clock); p50 and p99.
 """
@@ -123,12 +123,13 @@ def throughput(bootstrap: str, work: Path, raw: str, dataset: str, events: int, 
     return (events - c0) / max(t1 - t0, 1e-9)
 
 
-def freshness(bootstrap: str, work: Path, table: Path, dataset: str, rate: float, seconds: float) -> np.ndarray:
+def freshness(bootstrap: str, work: Path, table: Path, dataset: str, rate: float, seconds: float,
+              aggregated: bool = True) -> np.ndarray:
     """Seconds from each raw event's produce time to its feature row's record time, the pipeline already running."""
     raw = f"bfraw-fresh-{uuid.uuid4().hex[:6]}"
     replay(bootstrap, raw, table, limit=1)  # the topic, and a first event that tells when the pipeline is up
-    out = work / "fresh"
-    proc, group, features = _pipeline(bootstrap, raw, dataset, out, True)
+    out = work / f"fresh-{'agg' if aggregated else 'plain'}"
+    proc, group, features = _pipeline(bootstrap, raw, dataset, out, aggregated)
     try:
         _wait_all(bootstrap, raw, group, proc, out / "pipeline.log")
         replay(bootstrap, raw, table, rate=rate, skip=1, limit=int(rate * seconds))
