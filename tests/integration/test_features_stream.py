@@ -15,6 +15,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow.csv as pacsv
 import pytest
 from kafka import KafkaConsumer, TopicPartition
@@ -251,3 +252,20 @@ def test_flowtrain_skew_exits_0_then_3_on_a_value_changed_in_the_log(streamed, t
     assert main([*args, "--logged", str(tmp_path / "changed.jsonl")]) == 3
     out = capsys.readouterr().out
     assert "skew: 1 mismatches beyond 1e-09 relative" in out and f"txn={row['txn']}" in out, out
+
+
+def test_replay_generate_transactions_writes_the_tables_and_replays_keyed_by_card(bootstrap, tmp_path, capsys):
+    topic = f"fgen-{uuid.uuid4().hex[:6]}"
+    assert main(["replay", "--bootstrap", bootstrap, "--topic", topic, "--generate", "transactions", "--limit", "300",
+                 "--out-of-order", "600", "--generate-out", str(tmp_path), "--partitions", "2"]) == 0
+    assert "300 card payments" in capsys.readouterr().out
+    txns, merchants = pacsv.read_csv(tmp_path / "transactions.csv"), pacsv.read_csv(tmp_path / "merchants.csv")
+    assert txns.num_rows == 300 and {"merchant", "valid_from", "risk_tier"} <= set(merchants.column_names)
+    times = txns.column("time").to_numpy()
+    assert (np.diff(times) < 0).any()  # delivered out of event-time order
+    records = _read(bootstrap, topic)
+    assert len(records) == 300
+    part_of = {}
+    for m in records:  # keyed by card: a card's payments in one partition
+        card = json.loads(m.value)["card"]
+        assert m.key == str(card).encode() and part_of.setdefault(card, m.partition) == m.partition
