@@ -111,7 +111,7 @@ def test_bad_declarations_and_inputs_are_one_line(backfill, capsys):
     assert "exists: give --overwrite" in capsys.readouterr().err
 
 
-def test_batch_trains_on_the_backfill_and_the_stream_takes_the_dataset_declaration(backfill, tmp_path):
+def test_batch_trains_on_the_backfill_and_the_stream_takes_the_dataset_declaration(backfill, tmp_path, monkeypatch):
     """`flowtrain batch --aggregate/--join` runs `flowtrain features`' backfill before its ETL (the same rows, bit
     for bit), trains on the aggregates and joined columns and records the declaration in the dataset's manifest,
     which the stream's parts then take when given none (declared once)."""
@@ -119,7 +119,8 @@ def test_batch_trains_on_the_backfill_and_the_stream_takes_the_dataset_declarati
     from flowtrain.commands.stream_inputs import over_time
 
     base, run = backfill["base"], tmp_path / "run"
-    args = _args(str(base / "txns.csv"), "", str(base / "merchants.csv"))
+    monkeypatch.chdir(base)  # the joined table given relative to here: the dataset records it absolute
+    args = _args(str(base / "txns.csv"), "", "merchants.csv")
     declared = args[args.index("--join"):]
     assert main(["batch", "--input", str(base / "txns.csv"), "--label", "fraud", "--time-column", "time",
                  "--numeric", "amount", "--categorical", "category", *declared, "--job-only", "--out", str(run)]) == 0
