@@ -42,6 +42,8 @@ import flowtrain
 from bench import features_stream
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+from connectors.kafka import close_all_clients
+from flowtrain.local.kafka import LocalKafka, free_port
 from flowtrain.local.runners import pipeline_options
 from pipelines.features.backfill import run_backfill
 from pipelines.features.columns import encode_keys
@@ -201,8 +203,6 @@ def auc(work: Path, events: int) -> dict:
 def stream(work: Path, events: int, repeats: int, bootstrap: str | None, rate: float, seconds: float,
            out_dir: str | None) -> str:
     """The stream pipeline with and without the aggregations (interleaved), and its freshness at ``rate``."""
-    from flowtrain.local.kafka import LocalKafka, free_port
-
     broker = None
     if bootstrap is None:
         broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
@@ -226,8 +226,6 @@ def stream(work: Path, events: int, repeats: int, bootstrap: str | None, rate: f
             rows.append((f"freshness at {rate:,.0f} events/s for {seconds:g} s, {name} aggregations: p50 / p99 s",
                          len(fresh), f"{np.percentile(fresh, 50):.3f} / {np.percentile(fresh, 99):.3f}", ""))
     finally:
-        from connectors.kafka import close_all_clients
-
         close_all_clients()
         if broker is not None:
             broker.stop(quiet=True)
