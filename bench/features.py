@@ -220,7 +220,7 @@ def stream(work: Path, events: int, repeats: int, bootstrap: str | None, rate: f
         runs = interleaved(cases, repeats=repeats, on_run=lambda c, r, v: print(
             f"  stream {c}, run {r + 1}: {v:,.0f} events/s", file=sys.stderr, flush=True))
         base = median(runs["without aggregations"])
-        rows = [(name, events, median(v), median(v) / base) for name, v in runs.items()]
+        rows = [(name, events, median(v), median(v) / base if base else float("nan")) for name, v in runs.items()]
         for name, dataset, aggregated in (("without", plain, False), ("with", agg, True)):
             fresh = features_stream.freshness(bootstrap, work, table, dataset, rate, seconds, aggregated)
             rows.append((f"freshness at {rate:,.0f} events/s for {seconds:g} s, {name} aggregations: p50 / p99 s",
