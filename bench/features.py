@@ -16,6 +16,10 @@ bytes, and the process's RSS growth holding them as Python objects.
 
 AUC: ``flowtrain batch`` on the generated payments (``--auc-events``) with ``amount`` and ``category`` as features,
 without and with the aggregates and the join (the same run otherwise), the test split's AUC of the fraud label.
+
+Stream: the stream pipeline's events/s with the 4 x 5 aggregations against without, and the freshness of its
+feature rows at ``--freshness-rate`` events/s (``bench.features_stream``; on ``--bootstrap``'s broker, else one it
+starts).
 """
 from __future__ import annotations
 
@@ -35,8 +39,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import flowtrain
+from bench import features_stream
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
+from connectors.kafka import close_all_clients
+from flowtrain.local.kafka import LocalKafka, free_port
 from flowtrain.local.runners import pipeline_options
 from pipelines.features.backfill import run_backfill
 from pipelines.features.columns import encode_keys
@@ -193,8 +200,45 @@ def auc(work: Path, events: int) -> dict:
 
 
 # --- main ----------------------------------------------------------------------------------------------
+def stream(work: Path, events: int, repeats: int, bootstrap: str | None, rate: float, seconds: float,
+           out_dir: str | None) -> str:
+    """The stream pipeline with and without the aggregations (interleaved), and its freshness at ``rate``."""
+    broker = None
+    if bootstrap is None:
+        broker = LocalKafka(port=free_port(), data_dir=work / "kafka")
+        broker.start(quiet=True)
+        bootstrap = broker.bootstrap
+    try:
+        table, plain, agg = features_stream.datasets(work, events)
+        raw = f"bfraw-{os.getpid()}-{int(time.time())}"
+        features_stream.replay(bootstrap, raw, table)
+        counter = iter(range(1 << 30))
+        cases = {"without aggregations": lambda: features_stream.throughput(bootstrap, work, raw, plain, events, False,
+                                                                             next(counter)),
+                 f"with {len(WINDOWS)} windows x {len(AGGS)} aggregations": lambda: features_stream.throughput(
+                     bootstrap, work, raw, agg, events, True, next(counter))}
+        runs = interleaved(cases, repeats=repeats, on_run=lambda c, r, v: print(
+            f"  stream {c}, run {r + 1}: {v:,.0f} events/s", file=sys.stderr, flush=True))
+        base = median(runs["without aggregations"])
+        rows = [(name, events, median(v), median(v) / base if base else float("nan")) for name, v in runs.items()]
+        for name, dataset, aggregated in (("without", plain, False), ("with", agg, True)):
+            fresh = features_stream.freshness(bootstrap, work, table, dataset, rate, seconds, aggregated)
+            rows.append((f"freshness at {rate:,.0f} events/s for {seconds:g} s, {name} aggregations: p50 / p99 s",
+                         len(fresh), f"{np.percentile(fresh, 50):.3f} / {np.percentile(fresh, 99):.3f}", ""))
+    finally:
+        close_all_clients()
+        if broker is not None:
+            broker.stop(quiet=True)
+    return report("features-stream", ["stream pipeline (Prism)", "events", "events/s", "/ without"], rows, [
+        f"{events:,} generated payments replayed first (keyed by card, 3 partitions); each run a new consumer group; "
+        f"events/s from the first commit to the commit of the last event (Prism's start-up not counted); "
+        f"`--aggregate {features_stream.AGGREGATE}`, lateness 0; {repeats_note(repeats)}. Freshness: the features "
+        f"topic's record time of each event's row minus the raw record's produce time (the pipeline's defaults: a micro-batch closes at 2,000 events or 1 s)."], out_dir)
+
+
 def run(events: int = 1_000_000, repeats: int = MIN_REPEATS, keys: int = 1_000_000, auc_events: int = 200_000,
-        out_dir: str | None = "bench/results", skip: tuple[str, ...] = ()) -> str:
+        out_dir: str | None = "bench/results", skip: tuple[str, ...] = (), stream_events: int = 100_000,
+        bootstrap: str | None = None, freshness_rate: float = 2000.0, freshness_seconds: float = 10.0) -> str:
     check_repeats(repeats)
     work = Path(tempfile.mkdtemp(prefix="bench-features-"))
     try:
@@ -239,6 +283,8 @@ def run(events: int = 1_000_000, repeats: int = MIN_REPEATS, keys: int = 1_000_0
                 ("amount, category", a["without"]), ("+ aggregates and the merchant's tier as of each payment",
                                                      a["with"])],
                 [f"`flowtrain batch` on {auc_events:,} generated payments (fraud bursts), time split."], out_dir))
+        if "stream" not in skip:
+            tables.append(stream(work, stream_events, repeats, bootstrap, freshness_rate, freshness_seconds, out_dir))
         return "\n\n".join(tables)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -251,10 +297,15 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=MIN_REPEATS)
     p.add_argument("--keys", type=int, default=1_000_000, help="keys for the memory measurement")
     p.add_argument("--auc-events", type=int, default=200_000)
-    p.add_argument("--skip", default="", help="comma-separated: state, auc")
+    p.add_argument("--skip", default="", help="comma-separated: state, auc, stream")
+    p.add_argument("--stream-events", type=int, default=100_000, help="payments of the stream's throughput runs")
+    p.add_argument("--freshness-rate", type=float, default=2000.0, help="events/s of the freshness run")
+    p.add_argument("--freshness-seconds", type=float, default=10.0, help="how long the freshness run replays")
+    p.add_argument("--bootstrap", default=None, help="a running broker for the stream's part (default: its own)")
     p.add_argument("--out-dir", default="bench/results")
     a = p.parse_args(argv)
-    run(a.events, a.repeats, a.keys, a.auc_events, a.out_dir, tuple(s for s in a.skip.split(",") if s))
+    run(a.events, a.repeats, a.keys, a.auc_events, a.out_dir, tuple(s for s in a.skip.split(",") if s),
+        a.stream_events, a.bootstrap, a.freshness_rate, a.freshness_seconds)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,32 @@ def _brute(a, agg, w, name, raw, numbers, micros, ok, k, by_key) -> dict:
     if kk:
         return {f"{name}_{s + 1}": cols[s] for s in range(kk)}
     return {name: cols[0]}
+
+
+def waiting_at_end(records, lateness_s: float) -> set[str]:
+    """The ids (``txn``, as text) of the events a stream part still holds at the end, from the raw topic's
+    ``records`` (each with ``partition``, ``offset`` and its JSON ``value`` holding ``txn`` and ``time``): in each
+    partition, in offset order, every event from the first one more than ``lateness_s`` after the partition's
+    greatest time on (they wait for the watermark; rows go on in offset order)."""
+    import json
+
+    by_part: dict[int, list] = {}
+    for m in records:
+        event = json.loads(m.value)
+        by_part.setdefault(m.partition, []).append((m.offset, float(event["time"]), str(event["txn"])))
+    out: set[str] = set()
+    for events in by_part.values():
+        events.sort()
+        top = max(t for _, t, _ in events)
+        first = next((i for i, (_, t, _) in enumerate(events) if t > top - lateness_s), len(events))
+        out |= {txn for _, _, txn in events[first:]}
+    return out
+
+
+def logged_ids(log_dir) -> set[str]:
+    """The ids (``txn``, as text) of the events a --log-features directory holds."""
+    import json
+    from pathlib import Path
+
+    return {str(json.loads(line)["txn"]) for f in Path(log_dir).glob("*.jsonl") for line in f.read_text().splitlines()
+            if line.strip()}

@@ -44,6 +44,7 @@ from flowtrain.commands.tracking_options import TrackingOptions, check_tracking
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
+from pipelines.features.options import FeatureOptions
 from pipelines.presets import preset_name
 
 _DATA = "your own data (instead of the demo)"
@@ -157,10 +158,11 @@ class BatchWorkers:
 
 
 @dataclass
-class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
+class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, FeatureOptions, BatchInputs):
     """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
-    what it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism)
-    and its own."""
+    what it trains on, features over time computed from it (``--aggregate``/``--join``: the backfill runs before
+    the ETL, docs/features.md), the engine's options (``flowtrain.train.options``: the model, training and
+    parallelism) and its own."""
 
     worker_memory: float | None = option(None, "GiB each worker may hold (enforced on each worker: cgroup v2 "
                                          "memory.max where delegated, else RLIMIT_AS; over it, one line): a layout "

@@ -101,9 +101,22 @@ def _features_over_time(job: BatchJob, inputs: list[str], run_dir: Path) -> tupl
     table = str(run_dir / "features.parquet")
     counts = backfill(job, inputs, table, overwrite=True)
     columns = feature_columns(decl, pq.read_schema(table), counts["joined"])
-    manifest = {"aggregations": list(job.aggregations), "joins": list(job.joins), "time_column": job.time_column,
+    manifest = {"aggregations": list(job.aggregations), "joins": [_joined_from_anywhere(j) for j in job.joins],
+                "time_column": job.time_column,
                 "time_format": job.time_format, "kinds": counts["kinds"], "columns": columns}
     return [table], {"columns": columns, "manifest": manifest}
+
+
+def _joined_from_anywhere(join) -> str:
+    """A ``--join`` as the dataset records it for the stream: a local table's path made absolute (the stream may run
+    from another directory)."""
+    import os
+
+    from pipelines.features.declare import parse_join
+
+    j = parse_join(join)
+    table = j.table if is_url(j.table) else os.path.abspath(j.table)
+    return ":".join([table, "+".join(j.key), *([j.valid_from] if j.valid_from else [])])
 
 
 def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, str]:

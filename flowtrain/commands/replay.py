@@ -172,7 +172,7 @@ def _generated_transactions(job: ReplayJob) -> str:
     n = job.limit if job.limit is not None else 100_000
     out = Path(job.generate_out) if job.generate_out else Path(tempfile.mkdtemp(prefix="flowtrain-transactions-"))
     out.mkdir(parents=True, exist_ok=True)
-    txns, merchants = generate_transactions(n + job.skip, delay_s=float(getattr(job, "out_of_order", 0.0) or 0.0),
+    txns, merchants = generate_transactions(n + job.skip, delay_s=float(job.out_of_order),
                                             seed=job.seed)
     pacsv.write_csv(txns, out / "transactions.csv")
     pacsv.write_csv(merchants, out / "merchants.csv")

@@ -17,7 +17,7 @@ from connectors.atomic import atomic_write
 from connectors.fields import options_of
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
-from flowtrain.commands.stream_inputs import dataset_path, enrichment, raw_partitions, stream_manifest
+from flowtrain.commands.stream_inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
 from flowtrain.errors import FlowtrainError
 
 
@@ -61,6 +61,7 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     data = TabularDataset(dataset)
     options = {o.name: getattr(job, o.name) for o in options_of(ScoreConfig)}  # the options, as given
     options["feature_state"] = options["feature_state"] or str(Path(job.out).resolve() / "feature-state")
+    options = over_time(options, read_manifest(dataset), dataset)  # else the dataset's own declaration
     cfg = ScoreConfig(
         **options, bootstrap=job.bootstrap, feature_kinds=(read_manifest(dataset).get("features") or {}).get("kinds"),
         load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes), spec=data.spec,

@@ -203,11 +203,16 @@ class ReplayJob(KafkaOptions):
                                parse=at_least(0))
     generate: str | None = option(
         None, "instead of --input, a synthetic stream: clicks (users and items with Zipf popularity and latent tastes, "
-              "new users arriving all the time, tastes drifting; the true click probability kept aside; docs/ids.md)",
-        choices=("clicks",))
-    generate_out: str | None = option(None, "with --generate: keep the events (clicks.csv) and their true click "
-                                            "probabilities (truth.csv) in this directory (default: not kept)",
+              "new users arriving all the time, tastes drifting; the true click probability kept aside; docs/ids.md) "
+              "or transactions (card payments keyed by card, merchants' risk tiers that change over time, fraud in "
+              "bursts; docs/features.md)", choices=("clicks", "transactions"))
+    generate_out: str | None = option(None, "with --generate: keep the events (clicks.csv and their true click "
+                                            "probabilities truth.csv; transactions.csv and merchants.csv, the table "
+                                            "to --join) in this directory (default: a temporary one)",
                                       metavar="DIR")
+    out_of_order: float = option(0.0, "with --generate transactions: deliver payments up to this many seconds after "
+                                      "their event time, out of event-time order (0: in order)",
+                                 parse=at_least(0, float), metavar="SECONDS")
     skip: int = option(0, "start after this many events", parse=at_least(0))
     malformed: float = option(
         0.0, "fraction of events replaced by bad ones, for demos and tests: the demo: its preset's kinds (broken "

@@ -76,3 +76,31 @@ def raw_partitions(bootstrap: str, topic: str, cfg: dict) -> int:
         raise SystemExit(f"flowtrain stream: raw topic {topic!r} does not exist on {bootstrap}; "
                          f"produce events first (flowtrain replay --topic {topic})")
     return len(parts)
+
+
+def over_time(options: dict, manifest: dict, dataset: str) -> dict:
+    """The stream part's ``--aggregate``/``--join`` (in ``options``): as given, else those the dataset was made
+    with (its manifest's ``features``, recorded by ``flowtrain batch --aggregate``): declared once, in training.
+    Given ones must make the columns the model was trained on (the same aggregates; joins on the same keys, their
+    tables may be newer files); otherwise a one-line exit."""
+    from pipelines.features.declare import DeclarationError, declare
+
+    recorded = manifest.get("features") or {}
+    given = bool(options.get("aggregations") or options.get("joins"))
+    if not given:
+        return {**options, "aggregations": tuple(recorded.get("aggregations") or ()),
+                "joins": tuple(recorded.get("joins") or ())}
+    if not recorded:
+        return options
+    try:
+        mine = declare(options.get("aggregations") or (), options.get("joins") or ())
+        theirs = declare(recorded.get("aggregations") or (), recorded.get("joins") or ())
+    except DeclarationError as err:
+        raise SystemExit(f"flowtrain stream: {err}") from None
+    if mine.aggregate_names() != theirs.aggregate_names() or \
+            [(j.key, j.valid_from) for j in mine.joins] != [(j.key, j.valid_from) for j in theirs.joins]:
+        shown = " ".join([*(f"--aggregate {a}" for a in recorded.get("aggregations") or ()),
+                          *(f"--join {j}" for j in recorded.get("joins") or ())])
+        raise SystemExit(f"flowtrain stream: --aggregate/--join differ from those dataset {dataset} was made with "
+                         f"({shown}): the model takes those columns; leave the options out to use the dataset's")
+    return options

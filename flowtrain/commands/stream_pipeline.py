@@ -16,7 +16,7 @@ from connectors.atomic import atomic_write
 from connectors.fields import options_of
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamPipelineJob, with_dataset_topics
-from flowtrain.commands.stream_inputs import enrichment, raw_partitions, stream_manifest
+from flowtrain.commands.stream_inputs import enrichment, over_time, raw_partitions, stream_manifest
 
 
 def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[str] = (), *,
@@ -43,6 +43,7 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
                      replication_factor=job.replication_factor)
     options = {o.name: getattr(job, o.name) for o in options_of(StreamConfig)}  # the options, as given
     options["feature_state"] = options["feature_state"] or str(out / "feature-state")  # --aggregate's states
+    options = over_time(options, manifest, str(job.dataset))  # else the dataset's own declaration
     scfg = StreamConfig(**options, bootstrap=job.bootstrap, raw_topic=job.raw_topic,
                         feature_kinds=(manifest.get("features") or {}).get("kinds"),
                         features_topic=job.features_topic, dead_letter_topic=job.dead_letter_topic,

@@ -135,12 +135,11 @@ class Aggregates:
         key = (topic, partition)
         if key not in self.logs:
             Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            self.logs[key] = open(Path(self.log_dir) / f"{_safe(self.group_id)}-{_safe(topic)}-{partition}.jsonl",
-                                  "a", encoding="utf-8")
+            self.logs[key] = open_log(Path(self.log_dir) / f"{_safe(self.group_id)}-{_safe(topic)}-{partition}.jsonl")
         fh = self.logs[key]
-        for row in ready.drop_columns([c for c in (_OFFSET, "src_partition", "src_offset")
-                                       if c in ready.column_names]).to_pylist():
-            fh.write(json.dumps({k: _plain(v) for k, v in row.items()}, allow_nan=False) + "\n")
+        rows = ready.drop_columns([c for c in (_OFFSET, "src_partition", "src_offset")
+                                   if c in ready.column_names]).to_pylist()
+        fh.write("".join(json.dumps({k: _plain(v) for k, v in row.items()}, allow_nan=False) + "\n" for row in rows))
         fh.flush()
 
     def score_records(self, items: list, featurizer: StreamFeaturizer, bounds) -> tuple[EventFeatures, dict]:
@@ -202,6 +201,24 @@ class Aggregates:
             if p.store is not None:
                 p.store.close()
         self.logs, self.parts = {}, {}
+
+
+def open_log(path: Path):
+    """``path`` opened to append JSON lines. A last line without its newline was cut by a kill (its micro-batch was
+    logged before its state was checkpointed, so it is done and logged again): it is dropped, never glued to the
+    next line."""
+    if path.exists():
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, 2)
+            if size:
+                fh.seek(max(0, size - (1 << 20)))
+                tail = fh.read()
+                if not tail.endswith(b"\n"):
+                    cut = tail.rfind(b"\n")
+                    if cut < 0 and size > len(tail):
+                        raise ValueError(f"{path}: its last line is longer than 1 MiB and has no end")
+                    fh.truncate(size - len(tail) + cut + 1)
+    return open(path, "a", encoding="utf-8")
 
 
 def _plain(v):

@@ -46,10 +46,11 @@ TINY = {
             "--memory-ids", "2000", "--memory-workers", "2"],
     "ids-publish": ["--ids", "2000", "--dim", "4", "--touched", "0.1", "--repeats", "1"],
     "ids-auc": ["--events", "3000"],
-    "features": ["--events", "3000", "--repeats", "1", "--keys", "2000", "--auc-events", "3000"],
+    "features": ["--events", "3000", "--repeats", "1", "--keys", "2000", "--auc-events", "3000", "--stream-events",
+                 "600", "--freshness-rate", "300", "--freshness-seconds", "1"],
 }
 #: The benches that take the session's broker instead of starting one.
-ON_THE_SESSION_BROKER = ("kafka", "stream", "serve")
+ON_THE_SESSION_BROKER = ("kafka", "stream", "serve", "features")
 #: A Markdown table: a header, its rule, a row.
 TABLE = re.compile(r"^\|.*\|[ \t]*\n\|[-:| ]+\|[ \t]*\n\|.*\|[ \t]*$", re.M)
 #: The benches of the one process (every one but flink's).

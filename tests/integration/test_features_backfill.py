@@ -109,3 +109,36 @@ def test_bad_declarations_and_inputs_are_one_line(backfill, capsys):
         assert message in err and err.strip().count("\n") == 0, (extra, err)
     assert main(_args(txns, str(base / "all.parquet"), str(base / "merchants.csv"))) == 2
     assert "exists: give --overwrite" in capsys.readouterr().err
+
+
+def test_batch_trains_on_the_backfill_and_the_stream_takes_the_dataset_declaration(backfill, tmp_path, monkeypatch):
+    """`flowtrain batch --aggregate/--join` runs `flowtrain features`' backfill before its ETL (the same rows, bit
+    for bit), trains on the aggregates and joined columns and records the declaration in the dataset's manifest,
+    which the stream's parts then take when given none (declared once)."""
+    from connectors.dataset import read_manifest
+    from flowtrain.commands.stream_inputs import over_time
+
+    base, run = backfill["base"], tmp_path / "run"
+    monkeypatch.chdir(base)  # the joined table given relative to here: the dataset records it absolute
+    args = _args(str(base / "txns.csv"), "", "merchants.csv")
+    declared = args[args.index("--join"):]
+    assert main(["batch", "--input", str(base / "txns.csv"), "--label", "fraud", "--time-column", "time",
+                 "--numeric", "amount", "--categorical", "category", *declared, "--job-only", "--out", str(run)]) == 0
+    mine = pq.read_table(run / "features.parquet")
+    assert mine.equals(pq.read_table(base / "all.parquet"))  # flowtrain features' code path, the same values
+    manifest = read_manifest(str(run / "dataset"))
+    recorded = manifest["features"]
+    assert recorded["aggregations"] == AGGREGATIONS and recorded["joins"] == [f"{base / 'merchants.csv'}:merchant:valid_from"]
+    spec = manifest["spec"]
+    decl = declare(AGGREGATIONS, recorded["joins"])
+    features = {*spec["numeric"], *spec["optional_numeric"], *spec["categorical"]}
+    assert {*decl.aggregate_names(), "merchant_risk_tier"} <= features  # the model's columns
+    assert {"card_amount_count_1d", "card_seen", "card_merchant_distinct_life"} <= set(spec["numeric"])
+    assert "card_amount_mean_1h" in spec["optional_numeric"]
+    # the stream: no --aggregate/--join given -> the dataset's; the same given -> kept; others -> one line
+    taken = over_time({"aggregations": (), "joins": ()}, manifest, "DS")
+    assert list(taken["aggregations"]) == AGGREGATIONS and list(taken["joins"]) == recorded["joins"]
+    newer = {"aggregations": tuple(AGGREGATIONS), "joins": (f"{base / 'newer.csv'}:merchant:valid_from",)}
+    assert over_time(newer, manifest, "DS") == newer  # a newer file of the same table
+    with pytest.raises(SystemExit, match="differ from those dataset DS was made with"):
+        over_time({"aggregations": ("card:amount:sum:1h",), "joins": ()}, manifest, "DS")

@@ -112,3 +112,20 @@ def test_two_instances_of_the_step_taking_turns_on_a_partition_read_each_others_
         step.aggregates.close()
     report = compare(read_logged([str(tmp_path / "log")]), backfill, "txn", features=names)
     assert report.mismatches == 0 and report.matched == 400, "\n".join(report.lines())
+
+
+def test_a_feature_log_cut_by_a_kill_loses_its_torn_last_line_not_the_next(tmp_path):
+    from pipelines.stream.aggregates import open_log
+
+    path = tmp_path / "g-raw-0.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')  # killed while writing its third line
+    with open_log(path) as fh:
+        fh.write('{"a": 3, "b": 4}\n')
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n{"a": 3, "b": 4}\n'
+    path.write_text('{"a": 1')  # nothing whole
+    with open_log(path) as fh:
+        fh.write('{"a": 1}\n')
+    assert path.read_text() == '{"a": 1}\n'
+    with open_log(tmp_path / "new.jsonl") as fh:
+        fh.write("x\n")
+    assert (tmp_path / "new.jsonl").read_text() == "x\n"
