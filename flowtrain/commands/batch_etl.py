@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
+from flowtrain.commands.batch_options import BatchJob, range_of
 from flowtrain.commands.features import backfill, declaration_of, feature_columns
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.paths import cache_root
@@ -17,15 +18,7 @@ from flowtrain.train.staging import fetch_dir, fetch_inputs
 from pipelines.presets import default_preset, load_preset
 
 if TYPE_CHECKING:
-    from flowtrain.commands.batch import BatchJob
     from pipelines.tabular.infer import Inferred
-
-
-def range_of(text: str) -> tuple[str, list[float]]:
-    """``COL=LO:HI`` (``--numeric-range``) as (column, [lo, hi]); a ValueError when LO or HI is no number."""
-    col, _, rest = text.partition("=")
-    lo, _, hi = rest.rpartition(":")
-    return col.strip(), [float(lo), float(hi)]
 
 
 def batch_preset(job: BatchJob):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.fields import at_least, check, option, store_path
+from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
 
 #: The reference profile's file name, in a run directory and in its bundle.
@@ -171,8 +172,6 @@ def measure_files(files: list[str], bundle, profile: dict, *, module=None, score
 def run_drift(job: DriftJob) -> dict:
     """Compare ``job.input`` with ``job.model``'s reference; write ``<out>/drift.json`` and ``drift.html``; return
     the report (``report["alarms"]``: the features over a threshold; the command exits 3 when any)."""
-    from flowtrain.commands.batch import user_error, user_errors
-
     job = check(job)
     try:
         return _run_drift(job)

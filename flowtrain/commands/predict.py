@@ -18,6 +18,7 @@ from typing import Any
 from connectors.fields import at_least, build, check, option, store_path, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
+from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
 
 _IO = "input and output"
@@ -104,8 +105,6 @@ def run_predict_options(model: Any, inputs: list, out: Any, options: dict[str, A
 def run_predict(job: PredictJob) -> dict:
     """Predict files with a Beam pipeline; returns the summary (counts, metrics when labelled) also written to
     ``<out>.metrics.json``. A bad bundle, missing column or path is a ``FlowtrainError`` naming it."""
-    from flowtrain.commands.batch import user_error, user_errors
-
     job = check(job)
     from connectors.paths import is_url
 
@@ -363,7 +362,7 @@ def run_export(job: ExportJob) -> str:
     import torch
 
     from connectors.fields import build
-    from flowtrain.commands.batch import BatchJob, train_config
+    from flowtrain.commands.batch_options import BatchJob, train_config
     from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model
