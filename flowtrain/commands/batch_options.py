@@ -12,7 +12,7 @@ from typing import ClassVar
 from connectors.fields import above, at_least, option, options_of, store_path
 from flowtrain.commands.dead_letter_bound import max_dead_letter_fraction_option
 from flowtrain.commands.tracking_options import TrackingOptions
-from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
+from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions, WorkerOptions
 from pipelines.presets import preset_name
 
 _DATA = "your own data (instead of the demo)"
@@ -108,14 +108,10 @@ class BatchInputs:
 
 
 @dataclass
-class BatchWorkers:
-    """How many local workers, and how a failed one ends (or restarts) the job."""
+class BatchWorkers(WorkerOptions):
+    """How many local workers (``WorkerOptions``), and how a failed one ends (or restarts) the job."""
 
     SECTION: ClassVar[str] = "parallel"  # --config's section: with the engine's ParallelOptions
-    workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
-                          "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
-    failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
-                                    parse=above(0), group=_PAR)
     max_restarts: int = option(0, "with --workers (or --stages/--tensor-parallel) > 1: when a worker dies, fails "
                                "or stalls, restart the whole group from the run's last checkpoint, up to this "
                                "many times (torchrun's --max-restarts on one machine); then the job stops naming "

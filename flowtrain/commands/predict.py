@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import at_least, build, check, option, store_path, to_config
+from connectors.fields import build, check, option, store_path, tailor, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
+from flowtrain.train.options import ThreadOptions
 
 _IO = "input and output"
 _RUN = "where the Beam pipeline runs"
@@ -35,7 +36,8 @@ _drift_thresholds.__name__ = "thresholds"
 
 
 @dataclass
-class PredictJob:
+@tailor(threads={"help": "torch threads of each worker (default: torch's choice)"})
+class PredictJob(ThreadOptions):
     """The options of ``flowtrain predict``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
@@ -60,7 +62,6 @@ class PredictJob:
                                   "data), MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` "
                                   "(default: its defaults)",
                                   parse=_drift_thresholds, metavar="MEASURE=VALUE,...", group=_IO)
-    threads: int | None = option(None, "torch threads of each worker (default: torch's choice)", parse=at_least(1))
     device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
     trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
                               "import and run that module (only for a bundle you trust; without, such a bundle is "

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.fields import above, at_least, fraction, option, store_path
+from connectors.fields import above, at_least, fraction, option, store_path, tailor
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
-from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
+from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions, WorkerOptions
 from pipelines.presets import default_preset, preset_for, presets
 from pipelines.serving.options import SCORING, ScorerOptions
 from pipelines.stream.options import CLIENTS, EVENT_FORMATS, EventOptions, PipelineOptions
@@ -97,15 +97,13 @@ class StreamCommon(KafkaOptions):
 
 
 @dataclass
-class TrainerWorkers:
-    """The online trainer's processes."""
+@tailor(workers={"help": "data-parallel trainer replicas (feature partitions split across them)"},
+        failure_timeout={"help": "with --workers N: seconds within which the job ends when a replica dies or stalls"})
+class TrainerWorkers(WorkerOptions):
+    """The online trainer's processes (``WorkerOptions``, the batch run's too)."""
 
     SECTION: ClassVar[str] = "trainer"
-    workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
-                          parse=at_least(1), group=TRAINER)
-    failure_timeout: float = option(
-        60.0, "with --workers N: seconds within which the job ends when a replica dies or stalls", parse=above(0),
-        group=TRAINER)
+    GROUP: ClassVar[str] = TRAINER
 
 
 @dataclass
