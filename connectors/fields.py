@@ -255,28 +255,29 @@ def _place(cls: type, declarer: type, group: str) -> tuple[str | None, str]:
 
 def tailor(**changes: dict[str, Any]) -> Callable[[type], type]:
     """A class decorator, under ``@dataclass``: options that ``cls`` takes from a shared section, with another
-    default and/or help in this option set only::
+    default, help, ``--help`` group or metavar in this option set only::
 
         @dataclass
         @tailor(timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register"})
         class FlinkStartJob(ServiceTimeout): ...
 
     The option stays declared once (its name, flag, type, parser, choices, group and ``--config`` section are its
-    declaration's; ``options_of`` and the declared-once test see one). Say next to it why this command needs its
-    own default: a default users already have is the interface."""
+    declaration's; ``options_of`` and the declared-once test see one): what the option means and how it is checked
+    stay one. Say next to it why this command needs its own default: a default users already have is the interface."""
     def apply(cls: type) -> type:
         if "__annotations__" not in vars(cls):
             cls.__annotations__ = {}
         for name, change in changes.items():
-            unknown = sorted(set(change) - {"default", "help"})
+            unknown = sorted(set(change) - {"default", "help", "group", "metavar"})
             if unknown:
-                raise TypeError(f"tailor({name}=...): only default and help change, not {', '.join(unknown)}")
+                raise TypeError(f"tailor({name}=...): only default, help, group and metavar change, not "
+                                f"{', '.join(unknown)}")
             base = next((c for c in cls.__mro__[1:] if name in vars(c).get("__dataclass_fields__", {})), None)
             if base is None or "flowtrain" not in base.__dataclass_fields__[name].metadata:
                 raise TypeError(f"{cls.__name__}: tailor({name}=...) names no option of its bases")
             field = base.__dataclass_fields__[name]
             meta = field.metadata["flowtrain"]
-            copy = {**meta, "help": change.get("help", meta["help"]), "origin": _origin(field)}
+            copy = {**meta, **{k: v for k, v in change.items() if k != "default"}, "origin": _origin(field)}
             cls.__annotations__[name] = next(vars(c)["__annotations__"][name] for c in base.__mro__
                                              if name in vars(c).get("__annotations__", {}))
             setattr(cls, name, dataclasses.field(default=change.get("default", field.default),

@@ -9,8 +9,17 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import above, at_least, option, options_of, store_path
+from connectors.fields import above, at_least, option, options_of, store_path, tailor
 from flowtrain.commands.dead_letter_bound import max_dead_letter_fraction_option
+from flowtrain.commands.shared_options import (
+    BeamArgs,
+    BundleKey,
+    LabelColumn,
+    Overwrite,
+    RunnerOptions,
+    TimeColumn,
+    TimeFormat,
+)
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions, WorkerOptions
 from pipelines.presets import preset_name
@@ -39,7 +48,12 @@ numeric_ranges.__name__ = "column ranges"
 
 
 @dataclass
-class BatchInputs:
+@tailor(time_format={"group": "your own data (instead of the demo)"},
+        time_column={"help": "split by this time column (else at random by --seed)", "group": "your own data (instead of the demo)"},
+        label={"group": "your own data (instead of the demo)"},
+        overwrite={"help": "--out holds an earlier flowtrain run with other options: replace it (only the files "
+                           "flowtrain wrote are deleted; docs/runs.md)"})
+class BatchInputs(TimeFormat, TimeColumn, LabelColumn, Overwrite):
     """What ``flowtrain batch`` trains on and where its run goes."""
 
     out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
@@ -48,14 +62,11 @@ class BatchInputs:
                                  parse=store_path("--dataset"))
     resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
                           "the budget (--epochs/--steps/--patience) and where it runs may change")
-    overwrite: bool = option(False, "--out holds an earlier flowtrain run with other options: replace it (only the "
-                             "files flowtrain wrote are deleted; docs/runs.md)")
     input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)",
                                     group=_DATA, repeat=True, parse=store_path("--input", many=True))
     preset: str | None = option(None, "without --input: the dataset preset whose dataset the ETL builds, NAME or "
                                       "MODULE:NAME (default: the demo's; docs/presets.md)", group=_DATA,
                                 parse=preset_name)  # a preset that is not there: an error before --out is touched
-    label: str | None = option(None, "label column", group=_DATA)
     task: str | None = option(None, "what the label is (default: from its type: text or booleans are classes, "
                               "integers with few values too, other numbers a regression target; the choice is "
                               "printed)", choices=_TASKS, group=_DATA)
@@ -74,14 +85,9 @@ class BatchInputs:
     positive_class: str | None = option(None, "a two-class label: the class that is positive (whose probability "
                                         "is predicted; default: the later of the two in sorted order, e.g. yes of "
                                         "no/yes; printed)", group=_DATA, metavar="VALUE")
-    time_column: str | None = option(None, "split by this time column (else at random by --seed)", group=_DATA)
     valid_from: str | None = option(None, "with --time-column: first time of the validation split (read like the "
                                     "column: ISO date/time, YYYY/MM/DD, a number, or --time-format)", group=_DATA)
     test_from: str | None = option(None, "with --time-column: first time of the test split", group=_DATA)
-    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format "
-                                     "(e.g. '%d.%m.%Y %H:%M'), or epoch / epoch_ms / epoch_us / epoch_ns for "
-                                     "numbers (default: ISO dates and timestamps, YYYY/MM/DD, epoch seconds)",
-                                     group=_DATA)
     min_count: int = option(1, "categories seen fewer times in training map to out-of-vocabulary",
                             parse=at_least(1), group=_DATA)
     id_columns: tuple[str, ...] = option((), "high-cardinality ID columns (users, items), comma-separated: each gets a "
@@ -119,7 +125,7 @@ class BatchWorkers(WorkerOptions):
 
 
 @dataclass
-class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
+class BatchJob(BundleKey, BeamArgs, RunnerOptions, TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
     """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
     what it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism)
     and its own."""
@@ -133,19 +139,6 @@ class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, Bat
                               "optimizer state, activations) and stop before training", group=_PAR)
     job_only: bool = option(False, "run the ETL, write <out>/job.json for torchrun across machines, print the "
                             "torchrun command and stop", group=_PAR)
-    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start` (its directory "
-                                "from $FLOWTRAIN_FLINK_DIR), or --flink-master's; any other value is Beam's "
-                                "--runner (FnApiRunner, PrismRunner, DataflowRunner, ...). Default: Beam's "
-                                "FnApiRunner", group=_RUN)
-    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink "
-                                      "1.19 cluster; give the SDK workers' environment too "
-                                      "(--environment_type=EXTERNAL --environment_config=HOST:PORT or PROCESS)",
-                                      group=_RUN, metavar="HOST:PORT")
-    bundle_key_file: str | None = option(None, "sign the run's bundle/ with this key (HMAC-SHA256; a file only you "
-                                         "may read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed); "
-                                         "`flowtrain predict --bundle-key-file` verifies it", metavar="FILE")
-    beam_args: tuple[str, ...] = option((), "Beam pipeline options, e.g. --beam-args=--direct_num_workers=2 (on the "
-                                        "command line, give Beam's options as they are)", group=_RUN, repeat=True)
 
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import at_least, check, option, store_path
+from connectors.fields import at_least, check, option, store_path, tailor
+from flowtrain.commands.shared_options import BundleKey, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
 
@@ -46,7 +47,11 @@ THRESHOLD_HELP = ("measure thresholds, MEASURE=VALUE comma-separated (psi, js, l
 
 
 @dataclass
-class DriftJob:
+@tailor(trust_code={"help": "the bundle's model is your own code (--model MODULE:FACTORY at training): import and "
+                            "run it for the score distribution (only for a bundle you trust)"},
+        bundle_key_file={"help": "verify the bundle's signature with this key (else $FLOWTRAIN_BUNDLE_KEY; "
+                                 "default: not verified)"})
+class DriftJob(TrustCode, BundleKey):
     """The options of ``flowtrain drift``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its "
@@ -59,10 +64,6 @@ class DriftJob:
     drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
     min_rows: int = option(100, "fewer rows than this are measured but never an alarm", parse=at_least(1))
     no_model: bool = option(False, "leave out the model's score distribution (no forward pass)")
-    trust_code: bool = option(False, "the bundle's model is your own code (--model MODULE:FACTORY at training): "
-                              "import and run it for the score distribution (only for a bundle you trust)")
-    bundle_key_file: str | None = option(None, "verify the bundle's signature with this key (else "
-                                         "$FLOWTRAIN_BUNDLE_KEY; default: not verified)", metavar="FILE")
 
 
 # --- the reference a batch run writes --------------------------------------------------------------------

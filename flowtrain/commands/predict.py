@@ -18,6 +18,7 @@ from typing import Any
 from connectors.fields import build, check, option, store_path, tailor, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
+from flowtrain.commands.shared_options import BeamArgs, BundleKey, Overwrite, RunnerOptions, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import ThreadOptions
@@ -36,8 +37,13 @@ _drift_thresholds.__name__ = "thresholds"
 
 
 @dataclass
-@tailor(threads={"help": "torch threads of each worker (default: torch's choice)"})
-class PredictJob(ThreadOptions):
+@tailor(overwrite={"help": "replace an existing --out (and its dead letters and metrics files), once the new ones "
+                           "are complete", "group": "input and output"},
+        bundle_key_file={"help": "verify the bundle's signature with this key (HMAC-SHA256, as `flowtrain export "
+                                 "--bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; default: none, not "
+                                 "verified)"},
+        threads={"help": "torch threads of each worker (default: torch's choice)"})
+class PredictJob(TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions, ThreadOptions):
     """The options of ``flowtrain predict``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
@@ -53,8 +59,6 @@ class PredictJob(ThreadOptions):
     dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
                                       "default <out>.dead_letters.jsonl)", group=_IO,
                                       parse=store_path("--dead-letters"))
-    overwrite: bool = option(False, "replace an existing --out (and its dead letters and metrics files), once the "
-                             "new ones are complete", group=_IO)
     max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows", group=_IO)
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
@@ -63,33 +67,19 @@ class PredictJob(ThreadOptions):
                                   "(default: its defaults)",
                                   parse=_drift_thresholds, metavar="MEASURE=VALUE,...", group=_IO)
     device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
-    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
-                              "import and run that module (only for a bundle you trust; without, such a bundle is "
-                              "refused and loading runs no code)")
-    bundle_key_file: str | None = option(None, "verify the bundle's signature with this key (HMAC-SHA256, as "
-                                         "`flowtrain export --bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; "
-                                         "default: none, not verified)", metavar="FILE")
-    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start`, or "
-                                "--flink-master's; any other value is Beam's --runner. Default: Beam's FnApiRunner",
-                                group=_RUN)
-    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink "
-                                      "1.19 cluster", group=_RUN, metavar="HOST:PORT")
-    beam_args: tuple[str, ...] = option((), "Beam pipeline options (on the command line, give Beam's options as "
-                                        "they are)", group=_RUN, repeat=True)
 
 
 @dataclass
-class ExportJob:
+@tailor(overwrite={"help": "replace an existing --out bundle"},
+        bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
+                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"})
+class ExportJob(Overwrite, BundleKey):
     """The options of ``flowtrain export``."""
 
     run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
     out: str | None = option(None, "the bundle directory to write", parse=store_path("--out"))
-    overwrite: bool = option(False, "replace an existing --out bundle")
     torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
                                 "flowtrain (its inputs: see docs/predict.md)")
-    bundle_key_file: str | None = option(None, "sign the bundle with this key (HMAC-SHA256; a file only you may "
-                                         "read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed)",
-                                         metavar="FILE")
 
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connectors.fields import at_least, option, store_path
+from connectors.fields import at_least, option, store_path, tailor
+from flowtrain.commands.shared_options import Overwrite
 from flowtrain.commands.stream import KafkaOptions
 from pipelines.serving.options import PREDICTIONS_FORMATS
 
@@ -20,14 +21,14 @@ _READ = "what to read"
 
 
 @dataclass
-class PredictionsJob(KafkaOptions):
+@tailor(overwrite={"help": "replace an existing --out", "group": "what to read"})
+class PredictionsJob(Overwrite, KafkaOptions):
     """The options of ``flowtrain predictions``."""
 
     topic: str | None = option(None, "the predictions topic (the scorer's --predictions-topic; default with "
                                "--dataset: the dataset's, as the scorer names it)", group=_READ)
     out: str | None = option(None, "write the predictions to this file: Parquet, or CSV when it ends in .csv "
                              "(default: CSV on stdout)", parse=store_path("--out", remote=False), group=_READ)
-    overwrite: bool = option(False, "replace an existing --out", group=_READ)
     follow: bool = option(False, "after the topic's end, keep reading new predictions as they come (each written "
                           "as it arrives) until Ctrl-C or SIGTERM", group=_READ)
     limit: int | None = option(None, "stop after this many predictions", parse=at_least(1), group=_READ)

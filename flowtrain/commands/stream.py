@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from connectors.fields import above, at_least, fraction, option, store_path, tailor
+from flowtrain.commands.shared_options import LabelColumn, RunnerOptions, TimeColumn
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions, WorkerOptions
@@ -153,24 +154,12 @@ class ScoreOptions(ScorerOptions):
                                            "every few seconds and when its alarms change (default: none)", group=SCORING)
 
 
-@dataclass
-class RunnerOptions:
-    """Where a Beam pipeline of the job runs (``flowtrain.local.runners.pick_runner``)."""
-
-    runner: str | None = option(
-        None, "flink: the local Flink cluster of `flowtrain flink start` (its directory from $FLOWTRAIN_FLINK_DIR), "
-              "or --flink-master's; any other value is Beam's --runner (FnApiRunner, PrismRunner, DataflowRunner, "
-              "...). Default: Beam's FnApiRunner for batch ETL, Prism for streaming", group=RUNNER)
-    flink_master: str | None = option(
-        None, "with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam starts its Flink "
-              "job server from flowtrain's jars. Give the SDK workers' environment too: --environment_type=EXTERNAL "
-              "--environment_config=HOST:PORT (a worker pool on every TaskManager host: python -m "
-              "flowtrain.local.flink.worker_pool) or PROCESS (default: none)", metavar="HOST:PORT", group=RUNNER)
-
-
 # --- the commands -----------------------------------------------------------------------------------------
 @dataclass
-class ReplayJob(KafkaOptions):
+@tailor(time_column={"help": "with --input: order events by this column (event time) and set it as each Kafka "
+                             "record's timestamp (default: file order, stamped with the time of sending)"},
+        label={"help": "with --input: the label column --unlabelled removes (default: the dataset's label)"})
+class ReplayJob(TimeColumn, LabelColumn, KafkaOptions):
     """The options of ``flowtrain replay``."""
 
     input: tuple[str, ...] = option(
@@ -180,13 +169,8 @@ class ReplayJob(KafkaOptions):
     dataset: str | None = option(
         None, "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default --label "
               "and the fields --malformed breaks (default: none)", parse=store_path("--dataset", remote=False))
-    time_column: str | None = option(
-        None, "with --input: order events by this column (event time) and set it as each Kafka record's timestamp "
-              "(default: file order, stamped with the time of sending)")
     key_column: str | None = option(None, "with --input: key each record by this column's value (default: no key, "
                                           "round robin)")
-    label: str | None = option(None, "with --input: the label column --unlabelled removes (default: the dataset's "
-                                     "label)")
     unlabelled: float = option(
         0.0, "fraction of (valid) events sent without their label, as events a scorer sees before the outcome is "
              "known", parse=fraction(inclusive_high=True))

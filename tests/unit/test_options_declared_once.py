@@ -22,9 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Names still declared in more than one class (issue 48, item 1: fold them into shared sections).
 NOT_YET_ONE = {
     "batch_size", "data_dir", "dataset", "device", "drift_threshold", "event_format", "id_column", "input", "json",
-    "label", "limit", "max_dead_letter_fraction", "max_event_bytes", "max_id_bytes", "model", "out", "overwrite",
-    "port", "predictions_format", "schema_file", "schema_registry", "seed", "time_column", "time_format", "timeout",
-    "topic", "trust_code", "beam_args", "bundle_key_file", "flink_master", "runner",
+    "limit", "max_dead_letter_fraction", "max_event_bytes", "max_id_bytes", "model", "out", "port",
+    "predictions_format", "schema_file", "schema_registry", "seed", "timeout", "topic",
 }
 
 
@@ -100,7 +99,7 @@ def test_tailor_refuses_what_is_no_inherited_option_or_more_than_default_and_hel
 
     with pytest.raises(TypeError, match="names no option"):
         tailor(depth={"default": 2})(type("Other", (Shared,), {}))
-    with pytest.raises(TypeError, match="only default and help"):
+    with pytest.raises(TypeError, match="only default, help, group and metavar"):
         tailor(level={"parse": int})(type("Other", (Shared,), {}))
 
 
