@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from connectors.fields import above, at_least, option, options_of, store_path, tailor
-from flowtrain.commands.dead_letter_bound import max_dead_letter_fraction_option
+from flowtrain.commands.dead_letter_bound import DeadLetterBound
 from flowtrain.commands.shared_options import (
     BeamArgs,
     BundleKey,
@@ -48,12 +48,16 @@ numeric_ranges.__name__ = "column ranges"
 
 
 @dataclass
-@tailor(time_format={"group": "your own data (instead of the demo)"},
-        time_column={"help": "split by this time column (else at random by --seed)", "group": "your own data (instead of the demo)"},
-        label={"group": "your own data (instead of the demo)"},
+@tailor(max_dead_letter_fraction={"help": "stop with exit status 3 when more than this fraction of the rows the "
+                                          "ETL reads are dead letters (their reasons in the dead-letter file); "
+                                          "default: no bound, but rows the ETL reads that are all dead letters are "
+                                          "an error where something had to be used", "group": _DATA},
+        time_format={"group": _DATA},
+        time_column={"help": "split by this time column (else at random by --seed)", "group": _DATA},
+        label={"group": _DATA},
         overwrite={"help": "--out holds an earlier flowtrain run with other options: replace it (only the files "
                            "flowtrain wrote are deleted; docs/runs.md)"})
-class BatchInputs(TimeFormat, TimeColumn, LabelColumn, Overwrite):
+class BatchInputs(DeadLetterBound, TimeFormat, TimeColumn, LabelColumn, Overwrite):
     """What ``flowtrain batch`` trains on and where its run goes."""
 
     out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
@@ -98,7 +102,6 @@ class BatchInputs(TimeFormat, TimeColumn, LabelColumn, Overwrite):
     required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
                                            "one missing, empty or over --max-id-bytes is a dead letter with its "
                                            "reason (else it uses the fallback vector, counted)", group=_DATA)
-    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows the ETL reads", group=_DATA)
     max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
                                    "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
     numeric_range: tuple[str, ...] = option(
@@ -125,7 +128,8 @@ class BatchWorkers(WorkerOptions):
 
 
 @dataclass
-class BatchJob(BundleKey, BeamArgs, RunnerOptions, TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, BatchInputs):
+class BatchJob(BundleKey, BeamArgs, RunnerOptions, TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions,
+               BatchInputs):
     """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
     what it trains on, the engine's options (``flowtrain.train.options``: the model, training and parallelism)
     and its own."""

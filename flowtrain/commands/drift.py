@@ -15,9 +15,9 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from connectors.fields import at_least, check, option, store_path, tailor
+from connectors.fields import COMPOSED, at_least, check, option, store_path, tailor
 from flowtrain.commands.shared_options import BundleKey, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
@@ -47,11 +47,20 @@ THRESHOLD_HELP = ("measure thresholds, MEASURE=VALUE comma-separated (psi, js, l
 
 
 @dataclass
+class DriftThreshold:
+    """``--drift-threshold``: ``flowtrain drift``'s, ``flowtrain predict``'s drift section's and the scorer's (section
+    score) alarms, one parser and one set of defaults (``pipelines.drift.measures``)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
+
+
+@dataclass
 @tailor(trust_code={"help": "the bundle's model is your own code (--model MODULE:FACTORY at training): import and "
                             "run it for the score distribution (only for a bundle you trust)"},
         bundle_key_file={"help": "verify the bundle's signature with this key (else $FLOWTRAIN_BUNDLE_KEY; "
                                  "default: not verified)"})
-class DriftJob(TrustCode, BundleKey):
+class DriftJob(DriftThreshold, TrustCode, BundleKey):
     """The options of ``flowtrain drift``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its "
@@ -61,7 +70,6 @@ class DriftJob(TrustCode, BundleKey):
                                     "comma-separate); the label column is optional", group=_IO, repeat=True)
     out: str = option("drift-report", "directory of the report: drift.json and drift.html (replaced)", group=_IO,
                       parse=store_path("--out", remote=False))
-    drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
     min_rows: int = option(100, "fewer rows than this are measured but never an alarm", parse=at_least(1))
     no_model: bool = option(False, "leave out the model's score distribution (no forward pass)")
 

@@ -40,7 +40,6 @@ class FeaturesJob(BeamArgs, RunnerOptions, FeatureOptions, FeatureInputs):
     """The options of ``flowtrain features``."""
 
 
-
 def declaration_of(job) -> object:
     """The job's checked declaration (``FeatureOptions``); a ``--aggregate`` without ``--time-column`` is an error."""
     try:

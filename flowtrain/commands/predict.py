@@ -17,33 +17,32 @@ from typing import Any
 
 from connectors.fields import build, check, option, store_path, tailor, to_config
 from connectors.paths import origin_of
-from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
+from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
+from flowtrain.commands.drift import DriftThreshold
 from flowtrain.commands.shared_options import BeamArgs, BundleKey, Overwrite, RunnerOptions, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import ThreadOptions
+from pipelines.serving.options import IdColumn
 
 _IO = "input and output"
 _RUN = "where the Beam pipeline runs"
 
 
-def _drift_thresholds(value) -> str:
-    from flowtrain.commands.drift import drift_thresholds
-
-    return drift_thresholds(value)
-
-
-_drift_thresholds.__name__ = "thresholds"
-
-
 @dataclass
-@tailor(overwrite={"help": "replace an existing --out (and its dead letters and metrics files), once the new ones "
-                           "are complete", "group": "input and output"},
+@tailor(id_column={"help": "copy this column (a row id) to every prediction", "group": _IO, "metavar": None},
+        max_dead_letter_fraction={"group": _IO},
+        drift_threshold={"help": "thresholds of the summary's drift section (the rows against the training data), "
+                                 "MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` (default: "
+                                 "its defaults)", "group": _IO},
+        overwrite={"help": "replace an existing --out (and its dead letters and metrics files), once the new ones "
+                           "are complete", "group": _IO},
         bundle_key_file={"help": "verify the bundle's signature with this key (HMAC-SHA256, as `flowtrain export "
                                  "--bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; default: none, not "
                                  "verified)"},
         threads={"help": "torch threads of each worker (default: torch's choice)"})
-class PredictJob(TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions, ThreadOptions):
+class PredictJob(IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions,
+                 ThreadOptions):
     """The options of ``flowtrain predict``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
@@ -54,18 +53,12 @@ class PredictJob(TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions, Threa
                                     parse=store_path("--input", many=True))
     out: str | None = option(None, "predictions file: Parquet, or CSV when it ends in .csv", group=_IO,
                              parse=store_path("--out"))
-    id_column: str | None = option(None, "copy this column (a row id) to every prediction", group=_IO)
     keep_columns: tuple[str, ...] = option((), "copy these columns too, comma-separated", group=_IO)
     dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
                                       "default <out>.dead_letters.jsonl)", group=_IO,
                                       parse=store_path("--dead-letters"))
-    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows", group=_IO)
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
-    drift_threshold: str = option("", "thresholds of the summary's drift section (the rows against the training "
-                                  "data), MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` "
-                                  "(default: its defaults)",
-                                  parse=_drift_thresholds, metavar="MEASURE=VALUE,...", group=_IO)
     device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
 
 

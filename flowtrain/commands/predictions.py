@@ -4,10 +4,10 @@ columns), so no one writes a Kafka consumer to see results. This module holds th
 the reading is ``predictions_read``'s (Kafka, pyarrow and the codecs are imported when a command runs, not for
 ``flowtrain --help``):
 
-``predictions_read.run_predictions(job)`` reads the topic from its beginning to its end (``--follow``: then on, until Ctrl-C or
-SIGTERM) and writes the rows to ``--out`` (Parquet, or CSV for ``.csv``) or as CSV to stdout; ``read_predictions``
-(``flowtrain.predictions``) returns them as a pyarrow Table. The columns are the scorer's (``pred_*`` and the
-event's id and label: ``pipelines.serving.predictions``)."""
+``predictions_read.run_predictions(job)`` reads the topic from its beginning to its end (``--follow``: then on,
+until Ctrl-C or SIGTERM) and writes the rows to ``--out`` (Parquet, or CSV for ``.csv``) or as CSV to stdout;
+``read_predictions`` (``flowtrain.predictions``) returns them as a pyarrow Table. The columns are the scorer's
+(``pred_*`` and the event's id and label: ``pipelines.serving.predictions``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,14 +15,18 @@ from dataclasses import dataclass
 from connectors.fields import at_least, option, store_path, tailor
 from flowtrain.commands.shared_options import Overwrite
 from flowtrain.commands.stream import KafkaOptions
-from pipelines.serving.options import PREDICTIONS_FORMATS
+from pipelines.serving.options import PREDICTIONS_FORMATS, IdColumn
+from pipelines.stream.options import SchemaRegistryOption
 
 _READ = "what to read"
 
 
 @dataclass
-@tailor(overwrite={"help": "replace an existing --out", "group": "what to read"})
-class PredictionsJob(Overwrite, KafkaOptions):
+@tailor(id_column={"help": "with --dataset: the scorer's --id-column", "group": _READ, "metavar": None},
+        schema_registry={"help": "the Schema Registry the scorer registered its Avro/Protobuf predictions' schema "
+                                 "with", "group": _READ},
+        overwrite={"help": "replace an existing --out", "group": _READ})
+class PredictionsJob(IdColumn, SchemaRegistryOption, Overwrite, KafkaOptions):
     """The options of ``flowtrain predictions``."""
 
     topic: str | None = option(None, "the predictions topic (the scorer's --predictions-topic; default with "
@@ -35,9 +39,6 @@ class PredictionsJob(Overwrite, KafkaOptions):
     predictions_format: str = option("auto", "the scorer's --predictions-format: auto reads Arrow and JSON "
                                      "messages; avro and protobuf need --schema-registry (the scorer's) or "
                                      "--dataset", choices=("auto", *PREDICTIONS_FORMATS), group=_READ)
-    schema_registry: str | None = option(None, "the Schema Registry the scorer registered its Avro/Protobuf "
-                                         "predictions' schema with", metavar="URL", group=_READ)
     dataset: str | None = option(None, "the dataset the scorer served: names the default --topic and, for bare "
                                  "Avro/Protobuf predictions (no registry), the columns (its classes and label)",
                                  group=_READ, parse=store_path("--dataset", remote=False))
-    id_column: str | None = option(None, "with --dataset: the scorer's --id-column", group=_READ)

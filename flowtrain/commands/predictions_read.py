@@ -1,5 +1,5 @@
-"""Reading a predictions topic (``flowtrain predictions``, its options in ``flowtrain.commands.predictions``): each message decoded in
-its format (``pipelines.serving.codec``), the rows as tables, written as they come."""
+"""Reading a predictions topic (``flowtrain predictions``, its options in ``flowtrain.commands.predictions``): each
+message decoded in its format (``pipelines.serving.codec``), the rows as tables, written as they come."""
 from __future__ import annotations
 
 import dataclasses

@@ -59,9 +59,9 @@ class Overwrite:
 class TrustCode:
     """``--trust-code``: a bundle whose model is a user's own code (``--model MODULE:FACTORY``) is imported and run."""
 
-    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): import and "
-                              "run that module (only for a bundle you trust; without, such a bundle is refused and "
-                              "loading runs no code)")
+    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
+                              "import and run that module (only for a bundle you trust; without, such a bundle is "
+                              "refused and loading runs no code)")
 
 
 @dataclass

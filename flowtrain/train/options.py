@@ -70,14 +70,21 @@ CLASS_WEIGHT_HELP = ("classification: weigh each example's loss by its class: ba
 
 # --- shared sections: declared once, taken by the batch run (section train) and the online trainer (trainer) ------
 @dataclass
-class NetworkOptions:
+class SeedOptions:
+    """The seed of a run's randomness (``flowtrain replay``'s too: which events --malformed replaces)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    seed: int = option(0, "seed for splits, shuffling and initialization", group=TRAINING)
+
+
+@dataclass
+class NetworkOptions(SeedOptions):
     """The network's shape and its seed, a batch run's (``ModelOptions``) and the online trainer's
     (``StreamTrainOptions``, which tailors their help and its dropout)."""
 
     SECTION: ClassVar[str] = COMPOSED  # train: {hidden: ...} in a batch run, trainer: {hidden: ...} in a stream
     hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=TRAINING)
     dropout: float = option(0.1, "dropout", parse=fraction(), group=TRAINING)
-    seed: int = option(0, "seed for splits, shuffling and initialization", group=TRAINING)
 
 
 @dataclass
