@@ -8,8 +8,11 @@ the training statistics; the stream scorer's model handler for the forward; the 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +20,9 @@ from typing import Any
 
 from connectors.fields import build, check, option, store_path, tailor, to_config
 from connectors.paths import origin_of
+from flowtrain.commands.batch_options import BatchJob, train_config
 from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
-from flowtrain.commands.drift import DriftThreshold
+from flowtrain.commands.drift import REFERENCE, DriftThreshold, bundle_reference, drift_lines, predict_drift_section
 from flowtrain.commands.shared_options import BeamArgs, BundleKey, Overwrite, RunnerOptions, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
@@ -157,8 +161,6 @@ def _run_predict(job: PredictJob) -> dict:
     fields = [pa.field(names.source, pa.string())] + [first.schema.field(c) for c in carry]
     schema = output_schema(fields, kind, classes, names, job.flag_unseen)
 
-    import functools
-
     # each worker checks the bundle again (with the key from the same file or environment) and runs no code
     # unless --trust-code
     loader = functools.partial(load_module, trust_code=job.trust_code, key_file=job.bundle_key_file)
@@ -166,7 +168,6 @@ def _run_predict(job: PredictJob) -> dict:
                              target_scale=bundle.model["target_scale"], n_classes=len(classes or []),
                              device=job.device, torch_threads=job.threads)
     options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
-    import tempfile
 
     import apache_beam as beam
 
@@ -176,7 +177,6 @@ def _run_predict(job: PredictJob) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix=".predict-", dir=out.parent) as tmp:
             counts_path = str(Path(tmp) / "counts.json")
-            from flowtrain.commands.drift import bundle_reference
 
             reference = bundle_reference(bundle)  # None for a bundle written before drift references
             drift_path = str(Path(tmp) / "drift.json")
@@ -222,7 +222,6 @@ def _run_predict(job: PredictJob) -> dict:
                 shown = {k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))}
                 print("predict: metrics on the labelled rows: " + ", ".join(
                     f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
-        from flowtrain.commands.drift import drift_lines, predict_drift_section
 
         # the rows against the model's training data (its bundle's drift reference; none in an older bundle)
         summary["drift"] = None if reference is None else predict_drift_section(
@@ -248,8 +247,6 @@ def _run_predict(job: PredictJob) -> dict:
 def _predict_to_stores(job: PredictJob) -> dict:
     """``flowtrain predict`` with ``--out`` (or ``--dead-letters``) on an object store: written locally, then
     uploaded, ``<out>.metrics.json`` last (it says the outputs are complete)."""
-    import dataclasses
-
     from connectors.atomic import atomic_write
     from flowtrain.train.staging import staged_outputs
 
@@ -346,7 +343,6 @@ def run_export(job: ExportJob) -> str:
     import torch
 
     from connectors.fields import build
-    from flowtrain.commands.batch_options import BatchJob, train_config
     from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model
@@ -357,7 +353,6 @@ def run_export(job: ExportJob) -> str:
     from connectors.paths import is_url
 
     if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
-        import dataclasses
 
         from flowtrain.train.staging import fetch_dir, staged_dir
 
@@ -392,7 +387,6 @@ def run_export(job: ExportJob) -> str:
     config = train_config(batch_job)
     model = build_run_model(batch_job.model, data, config)
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-    from flowtrain.commands.drift import REFERENCE
 
     reference = run / REFERENCE  # the run's drift reference travels with its bundle
     extra = {REFERENCE: json.loads(reference.read_text())} if reference.is_file() else None

@@ -26,6 +26,7 @@ from connectors.fields import GENERAL, above, at_least, fraction, option, store_
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
 from flowtrain.commands.drift import DriftThreshold
 from flowtrain.commands.shared_options import LabelColumn, RunnerOptions, TimeColumn
+from flowtrain.commands.stream_inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, SeedOptions, StreamTrainOptions, UpdateOptions, WorkerOptions
@@ -257,8 +258,6 @@ def dataset_name(dataset: str | None) -> str:
     without ``--dataset`` and no demo dataset made yet: the default preset's); else the manifest's ``name``, else
     the dataset directory's name, or its run directory's for a run's ``dataset/`` (``runs/sensors/dataset``:
     ``sensors``), in the characters a Kafka topic takes."""
-    from flowtrain.commands.stream_inputs import DEMO_DATASET
-
     try:
         presets()  # the registry's sources: a module that cannot be loaded is one line, not a traceback
     except ValueError as err:
