@@ -58,7 +58,7 @@ class StatusJson:
                                        "on PORT+2i); the controller uses PORT+1 (default 9092)"},
         data_dir={"help": "where Kafka keeps its log segments, config and broker.log (default "
                           "~/.cache/flowtrain/kafka-data, with --brokers N ~/.cache/flowtrain/kafka-cluster)"})
-class KafkaJob(ServicePort, ServiceDir):
+class KafkaJob(ServiceDir, ServicePort):
     """The options of ``flowtrain kafka stop`` (and of every Kafka action): which broker or cluster."""
 
     brokers: int = option(1, "N > 1: a replicated cluster of N KRaft nodes; topics flowtrain creates get "
@@ -128,13 +128,8 @@ def _cluster_status(status: dict, quiet: bool) -> int:
 
 # --- Flink ------------------------------------------------------------------------------------------------
 @dataclass
-@tailor(
-        # every TaskManager must register: longer than a broker's start
-        timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register (default 180)"},
-        data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
-                          "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
-class FlinkStartJob(ServiceTimeout, ServiceDir):
-    """The options of ``flowtrain flink start``."""
+class FlinkCluster:
+    """The session cluster ``flowtrain flink start`` starts: its processes, ports, hosts and memory."""
 
     taskmanagers: int = option(2, "TaskManager processes (default 2; 0 with --bind: only the JobManager and the job "
                                   "server, TaskManagers join from other hosts)")
@@ -166,6 +161,17 @@ class FlinkStartJob(ServiceTimeout, ServiceDir):
                                     group=_MEMORY)
     task_off_heap_mb: int | None = option(None, "direct memory for tasks (Beam's gRPC data plane to the Python "
                                                 "workers)", group=_MEMORY)
+
+
+@dataclass
+@tailor(
+        # every TaskManager must register: longer than a broker's start (ServiceTimeout's 90 s)
+        timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register (default 180)"},
+        data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
+                          "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
+class FlinkStartJob(ServiceTimeout, ServiceDir, FlinkCluster):
+    """The options of ``flowtrain flink start``: the cluster, where it keeps its files, how long it may take."""
+
 
 
 @dataclass
@@ -245,7 +251,7 @@ def _flink_status(status: dict) -> int:
         port={"help": "HTTP port on 127.0.0.1 (default: the port the data dir's registry.json records, the one "
                       "started there; else 8081)"},
         data_dir={"help": "its state file and log (default ~/.cache/flowtrain/registry-data)"})
-class RegistryJob(StatusJson, ServicePort, ServiceDir):
+class RegistryJob(StatusJson, ServiceDir, ServicePort):
     """The options of ``flowtrain registry stop`` and ``status`` (and of every registry action)."""
 
 
