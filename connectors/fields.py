@@ -14,6 +14,11 @@ The options a class declares itself are in its section (:attr:`Option.section`; 
 a base's: a command's class adding its own options declares none, and they stay at the top level).
 ``connectors.sections`` nests and un-nests a command's options by them (``train: {lr: 0.01}`` is ``lr: 0.01``).
 
+Each option name is declared once in the whole tree (``tests/unit/test_options_declared_once.py``). Options several
+commands take are shared sections, small dataclasses a command lists among its bases; one whose options belong to
+the section of whoever composes it says ``SECTION = COMPOSED`` (with the composer's ``GROUP`` in ``--help``), and a
+command shows a shared option with its own help or default through :func:`tailor`, not a second declaration.
+
 Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast. In the bottom layer, so that
 every layer declares its options next to its code (``pipelines.stream.options``, ``flowtrain.train.options``).
 """
@@ -261,7 +266,7 @@ def tailor(**changes: dict[str, Any]) -> Callable[[type], type]:
         @tailor(timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register"})
         class FlinkStartJob(ServiceTimeout): ...
 
-    The option stays declared once (its name, flag, type, parser, choices, group and ``--config`` section are its
+    The option stays declared once (its name, flag, type, parser, choices and ``--config`` section are its
     declaration's; ``options_of`` and the declared-once test see one): what the option means and how it is checked
     stay one. Say next to it why this command needs its own default: a default users already have is the interface."""
     def apply(cls: type) -> type:
@@ -285,14 +290,6 @@ def tailor(**changes: dict[str, Any]) -> Callable[[type], type]:
         return cls
 
     return apply
-
-
-def declarations(cls: type) -> dict[str, type]:
-    """``{option name: the class that declares it}`` for the options ``cls`` declares itself (``tailor``-ed ones are
-    its bases')."""
-    return {f.name: cls for f in vars(cls).get("__dataclass_fields__", {}).values()
-            if "flowtrain" in f.metadata and "origin" not in f.metadata["flowtrain"] and f.name in
-            vars(cls).get("__annotations__", {})}
 
 
 def _parser_for(tp: Any) -> Callable[[Any], Any] | None:

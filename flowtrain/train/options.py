@@ -1,6 +1,11 @@
 """The trainers' options, declared once next to the engine that reads them (``connectors.fields``: each field is
 a flag, a ``--config`` key and a ``config.json`` key, with its default, range and help).
 
+- Shared sections, declared once and composed by the batch run and the online trainer (``SECTION = COMPOSED``:
+  their options sit in ``train`` in one and ``trainer`` in the other): ``SeedOptions``, ``NetworkOptions`` (hidden
+  sizes, dropout), ``OptimizerOptions`` (learning rate, class weights), ``ThreadOptions`` (``flowtrain predict``'s
+  too), ``WorkerOptions`` (local workers and how soon a dead one ends the job). The online trainer tailors its own
+  defaults (``connectors.fields.tailor``: no dropout, one thread).
 - ``ModelOptions``: what a model family reads (``flowtrain.train.models``).
 - ``TrainOptions``: a batch run's model and training options; ``ParallelOptions``: how its engine splits the
   work (replicas' buckets, ZeRO, pipeline stages, tensor shards, the device). ``flowtrain batch``'s
