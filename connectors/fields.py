@@ -14,6 +14,11 @@ The options a class declares itself are in its section (:attr:`Option.section`; 
 a base's: a command's class adding its own options declares none, and they stay at the top level).
 ``connectors.sections`` nests and un-nests a command's options by them (``train: {lr: 0.01}`` is ``lr: 0.01``).
 
+Each option name is declared once in the whole tree (``tests/unit/test_options_declared_once.py``). Options several
+commands take are shared sections, small dataclasses a command lists among its bases; one whose options belong to
+the section of whoever composes it says ``SECTION = COMPOSED`` (with the composer's ``GROUP`` in ``--help``), and a
+command shows a shared option with its own help or default through :func:`tailor`, not a second declaration.
+
 Stdlib only: defining a config imports nothing heavy, so ``--help`` stays fast. In the bottom layer, so that
 every layer declares its options next to its code (``pipelines.stream.options``, ``flowtrain.train.options``).
 """
@@ -200,15 +205,91 @@ class Option(NamedTuple):
         return f"{self.section}.{self.key}" if self.section else self.name
 
 
+#: ``SECTION = COMPOSED``: a shared section (one declaration of options that several option sets take, such as the
+#: network's sizes that the batch run and the online trainer both read) whose options go to the ``--config`` section of
+#: the option set that composes it (``train`` in ``TrainOptions``, ``trainer`` in ``StreamTrainOptions``).
+COMPOSED = "<the section of the option set that composes it>"
+
+
 def section_of(cls: type) -> str | None:
     """The ``--config`` section of the options ``cls`` declares itself: its own ``SECTION`` (not a base's)."""
     return vars(cls).get("SECTION")
 
 
+def _origin(field: dataclasses.Field) -> dict:
+    """The declaration of an option field: its ``option()`` metadata (a :func:`tailor`-ed copy points back to it)."""
+    meta = field.metadata["flowtrain"]
+    return meta.get("origin", meta)
+
+
 def _declared_by(cls: type, field: dataclasses.Field) -> type:
     """The class in ``cls``'s bases (or ``cls``) that declares ``field``: the most basic one holding it (a dataclass
-    passes its bases' fields on as they are; a field declared again is a new one)."""
-    return next(c for c in reversed(cls.__mro__) if vars(c).get("__dataclass_fields__", {}).get(field.name) is field)
+    passes its bases' fields on as they are, :func:`tailor` changes only a default or a help; a field declared
+    again is a new one)."""
+    origin = _origin(field)
+    for c in reversed(cls.__mro__):
+        own = vars(c).get("__dataclass_fields__", {}).get(field.name)
+        if own is not None and "flowtrain" in own.metadata and _origin(own) is origin:
+            return c
+    return cls
+
+
+def _composer(cls: type, declarer: type) -> type | None:
+    """For a shared section (``SECTION = COMPOSED``): the nearest option set in ``cls``'s bases that composes
+    ``declarer`` and names a section of its own (None: none does; its options are then at the top level)."""
+    mro = cls.__mro__
+    for c in reversed(mro[:mro.index(declarer)]):
+        if issubclass(c, declarer) and section_of(c) not in (None, COMPOSED):
+            return c
+    return None
+
+
+def _place(cls: type, declarer: type, group: str) -> tuple[str | None, str]:
+    """(``--config`` section, ``--help`` group) of an option of ``cls`` that ``declarer`` declares: ``declarer``'s own
+    ``SECTION`` and the option's group; for a shared section (``SECTION = COMPOSED``) the section of the option set
+    composing it (:func:`_composer`), and that set's ``GROUP`` when it names one (the online trainer's options stay
+    together in ``--help``)."""
+    section = section_of(declarer)
+    if section != COMPOSED:
+        return section, group
+    composer = _composer(cls, declarer)
+    if composer is None:
+        return None, group
+    return section_of(composer), vars(composer).get("GROUP", group)
+
+
+def tailor(**changes: dict[str, Any]) -> Callable[[type], type]:
+    """A class decorator, under ``@dataclass``: options that ``cls`` takes from a shared section, with another
+    default, help, ``--help`` group or metavar in this option set only::
+
+        @dataclass
+        @tailor(timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register"})
+        class FlinkStartJob(ServiceTimeout): ...
+
+    The option stays declared once (its name, flag, type, parser, choices and ``--config`` section are its
+    declaration's; ``options_of`` and the declared-once test see one): what the option means and how it is checked
+    stay one. Say next to it why this command needs its own default: a default users already have is the interface."""
+    def apply(cls: type) -> type:
+        if "__annotations__" not in vars(cls):
+            cls.__annotations__ = {}
+        for name, change in changes.items():
+            unknown = sorted(set(change) - {"default", "help", "group", "metavar"})
+            if unknown:
+                raise TypeError(f"tailor({name}=...): only default, help, group and metavar change, not "
+                                f"{', '.join(unknown)}")
+            base = next((c for c in cls.__mro__[1:] if name in vars(c).get("__dataclass_fields__", {})), None)
+            if base is None or "flowtrain" not in base.__dataclass_fields__[name].metadata:
+                raise TypeError(f"{cls.__name__}: tailor({name}=...) names no option of its bases")
+            field = base.__dataclass_fields__[name]
+            meta = field.metadata["flowtrain"]
+            copy = {**meta, **{k: v for k, v in change.items() if k != "default"}, "origin": _origin(field)}
+            cls.__annotations__[name] = next(vars(c)["__annotations__"][name] for c in base.__mro__
+                                             if name in vars(c).get("__annotations__", {}))
+            setattr(cls, name, dataclasses.field(default=change.get("default", field.default),
+                                                 metadata={"flowtrain": copy}))
+        return cls
+
+    return apply
 
 
 def _parser_for(tp: Any) -> Callable[[Any], Any] | None:
@@ -236,9 +317,9 @@ def options_of(cls: type) -> list[Option]:
         if meta is None:
             continue
         parse = meta["parse"] or _parser_for(hints[f.name])
+        section, group = _place(cls, _declared_by(cls, f), meta["group"])
         out.append(Option(f.name, meta["flag"] or "--" + f.name.replace("_", "-"), f.default, meta["help"],
-                          parse, meta["choices"], meta["group"], meta["metavar"], meta["repeat"],
-                          section_of(_declared_by(cls, f))))
+                          parse, meta["choices"], group, meta["metavar"], meta["repeat"], section))
     return out
 
 

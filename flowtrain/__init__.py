@@ -28,8 +28,8 @@ from connectors.fields import build as _build
 from connectors.fields import to_config as _to_config
 from flowtrain.commands.features import FeaturesJob, run_features
 from flowtrain.errors import BundleError, FlowtrainError
+from flowtrain.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "predictions", "features", "BatchJob",
            "PredictJob", "ExportJob", "ReplayJob", "StreamJob", "FeaturesJob", "FlowtrainError", "BundleError",
            "__version__"]
@@ -133,7 +133,7 @@ def predictions(topic: str | None = None, **options: Any) -> Any:
     ``pred_*`` columns of ``flowtrain predict``, the event's id and label); ``options`` are ``PredictionsJob``'s
     (``bootstrap``, ``predictions_format``, ``schema_registry``, ``dataset`` (its scorer's topic by default),
     ``limit``...)."""
-    from flowtrain.commands.predictions import read_predictions
+    from flowtrain.commands.predictions_read import read_predictions
 
     return read_predictions(topic, **options)
 

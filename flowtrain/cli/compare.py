@@ -1,5 +1,5 @@
 """``flowtrain compare RUN RUN...``: options, test metrics with intervals and validation curves of batch runs
-side by side (``flowtrain.observe.compare``)."""
+side by side (``flowtrain.commands.compare``)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flowtrain.observe.compare import compare
+    from flowtrain.commands.compare import compare
 
     result = compare(args.runs, args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     print(result["markdown"])

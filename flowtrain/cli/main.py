@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flowtrain",
         description="Train PyTorch models straight from Apache Beam dataflows.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    from flowtrain import __version__
+    from flowtrain.version import __version__
 
     parser.add_argument("--version", action="version", version=f"flowtrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

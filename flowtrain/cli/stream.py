@@ -12,7 +12,7 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.kafka_options import kafka_pair
-from flowtrain.commands.predictions import PredictionsJob, run_predictions
+from flowtrain.commands.predictions import PredictionsJob
 from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob, with_dataset_topics
 
 __all__ = ["CLIENTS", "register"]
@@ -103,6 +103,8 @@ def _predictions(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(job)
         return 0
+    from flowtrain.commands.predictions_read import run_predictions  # Kafka and pyarrow: only when it runs
+
     run_predictions(job)
     return 0
 

@@ -6,7 +6,7 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands import tune as tune_job
-from flowtrain.commands.tune import TuneJob, run_tune
+from flowtrain.commands.tune import TuneJob
 
 
 def register(sub) -> None:
@@ -28,5 +28,7 @@ def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) ->
     if args.print_config:
         print_config(job)
         return 0
+    from flowtrain.commands.tune_run import run_tune  # Optuna and the engine: only when a study runs
+
     run_tune(job)
     return 0

@@ -23,186 +23,25 @@ Run directory::
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from connectors.fields import above, at_least, build, check, option, options_of, store_path, to_config
+from connectors.fields import build, check, to_config
 from connectors.paths import is_url
-from flowtrain.commands.batch_etl import build_dataset, range_of
+from flowtrain.commands.batch_etl import build_dataset
 from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
-from flowtrain.commands.dead_letter_bound import check_dead_letters, max_dead_letter_fraction_option
-from flowtrain.commands.tracking_options import TrackingOptions, check_tracking
+from flowtrain.commands.batch_options import BatchJob, train_config, training_flags
+from flowtrain.commands.dead_letter_bound import check_dead_letters
+from flowtrain.commands.tracking_options import check_tracking
+from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
-from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions
 from flowtrain.train.rundir_lock import release
-from pipelines.features.options import FeatureOptions
-from pipelines.presets import preset_name
-
-_DATA = "your own data (instead of the demo)"
-_PAR = PARALLELISM
-_RUN = "where the Beam pipeline runs"
-_TASKS = ("regression", "classification")
-
-
-def numeric_ranges(value) -> tuple[str, ...]:
-    """``--numeric-range`` values (a list, or one text): each ``COL=LO:HI`` with two numbers."""
-    pairs = tuple(str(v).strip() for v in (value if isinstance(value, (list, tuple)) else [value]))
-    for pair in pairs:
-        try:
-            col, (lo, hi) = range_of(pair)
-        except ValueError:
-            col, lo, hi = "", 0.0, 0.0
-        if not col or not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
-            raise argparse.ArgumentTypeError(f"expected COL=LO:HI with finite numbers LO <= HI, e.g. "
-                                             f"dep_delay=-120:1800, got {pair!r}")
-    return pairs
-
-
-numeric_ranges.__name__ = "column ranges"
-
-
-@dataclass
-class BatchInputs:
-    """What ``flowtrain batch`` trains on and where its run goes."""
-
-    out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
-                             "docs/object-stores.md; default runs/batch-<time>)", parse=store_path("--out"))
-    dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory",
-                                 parse=store_path("--dataset"))
-    resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
-                          "the budget (--epochs/--steps/--patience) and where it runs may change")
-    overwrite: bool = option(False, "--out holds an earlier flowtrain run with other options: replace it (only the "
-                             "files flowtrain wrote are deleted; docs/runs.md)")
-    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)",
-                                    group=_DATA, repeat=True, parse=store_path("--input", many=True))
-    preset: str | None = option(None, "without --input: the dataset preset whose dataset the ETL builds, NAME or "
-                                      "MODULE:NAME (default: the demo's; docs/presets.md)", group=_DATA,
-                                parse=preset_name)  # a preset that is not there: an error before --out is touched
-    label: str | None = option(None, "label column", group=_DATA)
-    task: str | None = option(None, "what the label is (default: from its type: text or booleans are classes, "
-                              "integers with few values too, other numbers a regression target; the choice is "
-                              "printed)", choices=_TASKS, group=_DATA)
-    numeric: tuple[str, ...] = option((), "numeric feature columns, comma-separated (a missing value is a dead "
-                                      "letter; without --numeric/--categorical they are inferred, see --exclude)",
-                                      group=_DATA)
-    optional_numeric: tuple[str, ...] = option((), "numeric columns where a missing value becomes the mean",
-                                               group=_DATA)
-    categorical: tuple[str, ...] = option((), "categorical feature columns, comma-separated", group=_DATA)
-    exclude: tuple[str, ...] = option((), "without --numeric/--categorical the feature columns are inferred from the "
-                                      "files' first rows (numbers, text with few values, the time column; printed "
-                                      "once): leave these columns out, comma-separated", group=_DATA)
-    positive_above: float | None = option(None, "classification: label > this is the positive class (else the "
-                                          "classes are the label's values in the training split: text, booleans "
-                                          "or integers)", group=_DATA)
-    positive_class: str | None = option(None, "a two-class label: the class that is positive (whose probability "
-                                        "is predicted; default: the later of the two in sorted order, e.g. yes of "
-                                        "no/yes; printed)", group=_DATA, metavar="VALUE")
-    time_column: str | None = option(None, "split by this time column (else at random by --seed)", group=_DATA)
-    valid_from: str | None = option(None, "with --time-column: first time of the validation split (read like the "
-                                    "column: ISO date/time, YYYY/MM/DD, a number, or --time-format)", group=_DATA)
-    test_from: str | None = option(None, "with --time-column: first time of the test split", group=_DATA)
-    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format "
-                                     "(e.g. '%d.%m.%Y %H:%M'), or epoch / epoch_ms / epoch_us / epoch_ns for "
-                                     "numbers (default: ISO dates and timestamps, YYYY/MM/DD, epoch seconds)",
-                                     group=_DATA)
-    min_count: int = option(1, "categories seen fewer times in training map to out-of-vocabulary",
-                            parse=at_least(1), group=_DATA)
-    id_columns: tuple[str, ...] = option((), "high-cardinality ID columns (users, items), comma-separated: each gets a "
-                                         "dynamic embedding table that grows with new IDs, no vocabulary (docs/ids.md)",
-                                         group=_DATA)
-    max_id_bytes: int = option(256, "an ID value longer than this uses the fallback vector", parse=at_least(1),
-                               group=_DATA)
-    required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
-                                           "one missing, empty or over --max-id-bytes is a dead letter with its "
-                                           "reason (else it uses the fallback vector, counted)", group=_DATA)
-    weight_column: str | None = option(None, "a numeric column of per-row sample weights (>= 0, not a feature): a "
-                                       "row of weight w counts w times in the loss and the weighted metrics; a bad "
-                                       "weight is a dead letter (docs/batch.md)", group=_DATA, metavar="COL")
-    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows the ETL reads", group=_DATA)
-    max_record_bytes: int = option(8 << 20, "the longest CSV record or JSON line read; a longer one is a dead "
-                                   "letter (docs/limits.md)", parse=at_least(1), group=_DATA)
-    numeric_range: tuple[str, ...] = option(
-        (), "a numeric column's range, COL=LO:HI (repeat): a value outside it is a dead letter, in training, the "
-            "stream and predict (default: from the training split, magnitudes below about a million times the "
-            "column's 99th percentile; docs/limits.md)", parse=numeric_ranges, repeat=True,
-        group=_DATA, metavar="COL=LO:HI")
-    clip_outliers: bool = option(False, "clip a numeric value outside its column's range (declared or from the "
-                                 "training split) to that range instead of making its row a dead letter",
-                                 group=_DATA)
-    slice_by: str | None = option(None, "report: test metrics per value of this categorical feature column",
-                                  group=_DATA, metavar="COLUMN")
-
-
-@dataclass
-class BatchWorkers:
-    """How many local workers, and how a failed one ends (or restarts) the job."""
-
-    SECTION: ClassVar[str] = "parallel"  # --config's section: with the engine's ParallelOptions
-    workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
-                          "gradients are reduced as sums and counts", parse=at_least(1), group=_PAR)
-    failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
-                                    parse=above(0), group=_PAR)
-    max_restarts: int = option(0, "with --workers (or --stages/--tensor-parallel) > 1: when a worker dies, fails "
-                               "or stalls, restart the whole group from the run's last checkpoint, up to this "
-                               "many times (torchrun's --max-restarts on one machine); then the job stops naming "
-                               "each failure", parse=at_least(0), group=_PAR)
-
-
-@dataclass
-class BatchJob(TrackingOptions, ParallelOptions, BatchWorkers, TrainOptions, FeatureOptions, BatchInputs):
-    """The options of ``flowtrain batch`` (each field is a flag, a ``--config`` key and a ``config.json`` key):
-    what it trains on, features over time computed from it (``--aggregate``/``--join``: the backfill runs before
-    the ETL, docs/features.md), the engine's options (``flowtrain.train.options``: the model, training and
-    parallelism) and its own."""
-
-    worker_memory: float | None = option(None, "GiB each worker may hold (enforced on each worker: cgroup v2 "
-                                         "memory.max where delegated, else RLIMIT_AS; over it, one line): a layout "
-                                         "whose memory plan (plus a "
-                                         "worker's fixed overhead) does not fit stops before training, naming the "
-                                         "smallest layout that fits", parse=above(0), group=_PAR)
-    print_plan: bool = option(False, "print the memory plan per rank of this layout (parameters, gradients, "
-                              "optimizer state, activations) and stop before training", group=_PAR)
-    job_only: bool = option(False, "run the ETL, write <out>/job.json for torchrun across machines, print the "
-                            "torchrun command and stop", group=_PAR)
-    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start` (its directory "
-                                "from $FLOWTRAIN_FLINK_DIR), or --flink-master's; any other value is Beam's "
-                                "--runner (FnApiRunner, PrismRunner, DataflowRunner, ...). Default: Beam's "
-                                "FnApiRunner", group=_RUN)
-    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink "
-                                      "1.19 cluster; give the SDK workers' environment too "
-                                      "(--environment_type=EXTERNAL --environment_config=HOST:PORT or PROCESS)",
-                                      group=_RUN, metavar="HOST:PORT")
-    bundle_key_file: str | None = option(None, "sign the run's bundle/ with this key (HMAC-SHA256; a file only you "
-                                         "may read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed); "
-                                         "`flowtrain predict --bundle-key-file` verifies it", metavar="FILE")
-    beam_args: tuple[str, ...] = option((), "Beam pipeline options, e.g. --beam-args=--direct_num_workers=2 (on the "
-                                        "command line, give Beam's options as they are)", group=_RUN, repeat=True)
-
-
-def user_errors():
-    """The error classes of the layers below that are a user's to fix (turned into ``FlowtrainError``)."""
-    from connectors.dataset import DatasetError
-    from connectors.files import FileReadError
-    from flowtrain.local.runners import RunnerError
-    from flowtrain.parallel.device import DeviceError
-    from flowtrain.parallel.grid import GridError
-    from flowtrain.parallel.launch import WorkerFailure
-    from flowtrain.parallel.schedules import ScheduleError
-    from flowtrain.train.checkpoint import CheckpointError
-    from pipelines.tabular.preflight import SplitError
-    from pipelines.tabular.schema import SchemaError
-
-    return (SchemaError, SplitError, DatasetError, FileReadError, CheckpointError, DeviceError, GridError,
-            ScheduleError, RunnerError, WorkerFailure, FileNotFoundError)
 
 
 def train_with_restarts(run_group, max_restarts: int) -> None:
@@ -230,10 +69,6 @@ def train_with_restarts(run_group, max_restarts: int) -> None:
     raise WorkerFailure(last.rank, f"{last.cause}; the job failed {len(failures)} times, more than --max-restarts "
                                    f"{max_restarts} allows: {history}",
                         last.log_tail)
-
-
-def user_error(err: BaseException) -> FlowtrainError:
-    return err if isinstance(err, FlowtrainError) else FlowtrainError(str(err))
 
 
 def run_batch(job: BatchJob) -> dict:
@@ -286,25 +121,6 @@ def _check_resumable(run_dir: Path) -> None:
         require_latest(run_dir / "checkpoints")
     except CheckpointError as err:
         raise FlowtrainError(f"--resume: {err}; check --out, or leave out --resume to start the run over") from None
-
-
-def training_flags(job: BatchJob) -> str:
-    """The training options this run was given, as flags (the report step must repeat them)."""
-    defaults = BatchJob()
-    flags = ""
-    for opt in (*options_of(TrainOptions), *options_of(ParallelOptions)):
-        value = getattr(job, opt.name)
-        if value is not None and value != getattr(defaults, opt.name):
-            value = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
-            flags += f" {opt.flag}" if opt.parse is None else f" {opt.flag} {value}"
-    return flags
-
-
-def train_config(job: BatchJob):
-    """The engine's ``TrainConfig`` of this job: its training and parallelism options, as they are."""
-    from flowtrain.train.plan import TrainConfig
-
-    return TrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(TrainConfig)})
 
 
 def run_directory(job: BatchJob) -> Path:

@@ -4,28 +4,23 @@ inputs (``--preset``, default the demo's; ``pipelines.presets``)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
+from flowtrain.commands.batch_options import BatchJob, range_of
 from flowtrain.commands.features import backfill, declaration_of, feature_columns
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.paths import cache_root
 from flowtrain.train.staging import fetch_dir, fetch_inputs
+from pipelines.features.declare import parse_join
 from pipelines.presets import default_preset, load_preset
 
 if TYPE_CHECKING:
-    from flowtrain.commands.batch import BatchJob
     from pipelines.tabular.infer import Inferred
-
-
-def range_of(text: str) -> tuple[str, list[float]]:
-    """``COL=LO:HI`` (``--numeric-range``) as (column, [lo, hi]); a ValueError when LO or HI is no number."""
-    col, _, rest = text.partition("=")
-    lo, _, hi = rest.rpartition(":")
-    return col.strip(), [float(lo), float(hi)]
 
 
 def batch_preset(job: BatchJob):
@@ -110,10 +105,6 @@ def _features_over_time(job: BatchJob, inputs: list[str], run_dir: Path) -> tupl
 def _joined_from_anywhere(join) -> str:
     """A ``--join`` as the dataset records it for the stream: a local table's path made absolute (the stream may run
     from another directory)."""
-    import os
-
-    from pipelines.features.declare import parse_join
-
     j = parse_join(join)
     table = j.table if is_url(j.table) else os.path.abspath(j.table)
     return ":".join([table, "+".join(j.key), *([j.valid_from] if j.valid_from else [])])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.deadletter import reason_kind
@@ -16,13 +17,15 @@ from flowtrain.errors import DeadLettersError
 _REASON_LINES = 10_000
 
 
-def max_dead_letter_fraction_option(what: str, **kwargs):
-    """The ``--max-dead-letter-fraction`` field of a command whose input rows are ``what`` (``kwargs``: ``option``'s,
-    e.g. its group)."""
-    return option(None, f"stop with exit status 3 when more than this fraction of the {what} are dead letters (their "
-                        f"reasons in the dead-letter file); default: no bound, but {what} that are all dead letters "
-                        f"are an error where something had to be used", parse=fraction(inclusive_high=True),
-                  metavar="F", **kwargs)
+@dataclass
+class DeadLetterBound:
+    """``--max-dead-letter-fraction``: how many of a command's input rows may be dead letters before it exits with
+    status 3 (``batch``: the rows its ETL reads; ``predict``: the rows; ``replay``: the events it would send)."""
+
+    max_dead_letter_fraction: float | None = option(
+        None, "stop with exit status 3 when more than this fraction of the rows are dead letters (their reasons in the "
+              "dead-letter file); default: no bound, but rows that are all dead letters are an error where something "
+              "had to be used", parse=fraction(inclusive_high=True), metavar="F")
 
 
 def common_reasons(path: str | Path | None, limit: int = 3) -> str:

@@ -15,9 +15,11 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from connectors.fields import at_least, check, option, store_path
+from connectors.fields import COMPOSED, at_least, check, option, store_path, tailor
+from flowtrain.commands.shared_options import BundleKey, TrustCode
+from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
 
 #: The reference profile's file name, in a run directory and in its bundle.
@@ -45,7 +47,20 @@ THRESHOLD_HELP = ("measure thresholds, MEASURE=VALUE comma-separated (psi, js, l
 
 
 @dataclass
-class DriftJob:
+class DriftThreshold:
+    """``--drift-threshold``: ``flowtrain drift``'s, ``flowtrain predict``'s drift section's and the scorer's (section
+    score) alarms, one parser and one set of defaults (``pipelines.drift.measures``)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
+
+
+@dataclass
+@tailor(trust_code={"help": "the bundle's model is your own code (--model MODULE:FACTORY at training): import and "
+                            "run it for the score distribution (only for a bundle you trust)"},
+        bundle_key_file={"help": "verify the bundle's signature with this key (else $FLOWTRAIN_BUNDLE_KEY; "
+                                 "default: not verified)"})
+class DriftJob(DriftThreshold, TrustCode, BundleKey):
     """The options of ``flowtrain drift``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its "
@@ -55,13 +70,8 @@ class DriftJob:
                                     "comma-separate); the label column is optional", group=_IO, repeat=True)
     out: str = option("drift-report", "directory of the report: drift.json and drift.html (replaced)", group=_IO,
                       parse=store_path("--out", remote=False))
-    drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
     min_rows: int = option(100, "fewer rows than this are measured but never an alarm", parse=at_least(1))
     no_model: bool = option(False, "leave out the model's score distribution (no forward pass)")
-    trust_code: bool = option(False, "the bundle's model is your own code (--model MODULE:FACTORY at training): "
-                              "import and run it for the score distribution (only for a bundle you trust)")
-    bundle_key_file: str | None = option(None, "verify the bundle's signature with this key (else "
-                                         "$FLOWTRAIN_BUNDLE_KEY; default: not verified)", metavar="FILE")
 
 
 # --- the reference a batch run writes --------------------------------------------------------------------
@@ -171,8 +181,6 @@ def measure_files(files: list[str], bundle, profile: dict, *, module=None, score
 def run_drift(job: DriftJob) -> dict:
     """Compare ``job.input`` with ``job.model``'s reference; write ``<out>/drift.json`` and ``drift.html``; return
     the report (``report["alarms"]``: the features over a threshold; the command exits 3 when any)."""
-    from flowtrain.commands.batch import user_error, user_errors
-
     job = check(job)
     try:
         return _run_drift(job)

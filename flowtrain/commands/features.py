@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from connectors.fields import option, store_path
+from connectors.fields import option, store_path, tailor
+from flowtrain.commands.shared_options import BeamArgs, Overwrite, RunnerOptions, TimeColumn, TimeFormat
 from flowtrain.errors import FlowtrainError
 from pipelines.features.declare import last_k
 from pipelines.features.options import FeatureOptions
@@ -21,30 +22,22 @@ _RUN = "where the Beam pipeline runs"
 
 
 @dataclass
-class FeatureInputs:
+@tailor(time_format={"help": "how the time column is written when it is text: a strptime format, or epoch / "
+                             "epoch_ms / epoch_us / epoch_ns for numbers"},
+        time_column={"help": "each event's time (ISO date/time, YYYY/MM/DD, epoch seconds, a timestamp or "
+                             "--time-format); needed by --aggregate"})
+class FeatureInputs(TimeFormat, TimeColumn, Overwrite):
     """The events and where their features go."""
 
     input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs of events (repeat or "
                                         "comma-separate)", repeat=True, parse=store_path("--input", many=True))
-    time_column: str | None = option(None, "each event's time (ISO date/time, YYYY/MM/DD, epoch seconds, a timestamp "
-                                           "or --time-format); needed by --aggregate")
-    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format, or "
-                                           "epoch / epoch_ms / epoch_us / epoch_ns for numbers")
     out: str | None = option(None, "the Parquet file to write (one row per input row, in input order)",
                              parse=store_path("--out"))
-    overwrite: bool = option(False, "replace --out when it exists")
 
 
 @dataclass
-class FeaturesJob(FeatureOptions, FeatureInputs):
+class FeaturesJob(BeamArgs, RunnerOptions, FeatureOptions, FeatureInputs):
     """The options of ``flowtrain features``."""
-
-    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start`, or --flink-master's; "
-                                      "any other value is Beam's --runner. Default: Beam's FnApiRunner", group=_RUN)
-    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink 1.19 "
-                                            "cluster", group=_RUN, metavar="HOST:PORT")
-    beam_args: tuple[str, ...] = option((), "Beam pipeline options (on the command line, give Beam's options as they "
-                                            "are)", group=_RUN, repeat=True)
 
 
 def declaration_of(job) -> object:

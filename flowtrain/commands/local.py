@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from connectors.fields import option
+from connectors.fields import option, tailor
 
 _HOSTS = "across hosts (docs/cluster-rehearsal.md, \"Flink across hosts\")"
 _MEMORY = "TaskManager memory (MiB; defaults in flowtrain.local.flink.TaskManagerMemory)"
@@ -21,31 +21,59 @@ _FLINK_DIR = ("config, logs, state and scratch files (default $FLOWTRAIN_FLINK_D
               "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)")
 
 
+# --- the sections every local service's actions share (each service tailors its own help and defaults) ------
+@dataclass
+class ServiceDir:
+    """Where a local service keeps its state."""
+
+    data_dir: str | None = option(None, "where the service keeps its config, state and logs")
+
+
+@dataclass
+class ServicePort:
+    """The port a local service listens on (127.0.0.1)."""
+
+    port: int | None = option(None, "its port on 127.0.0.1")
+
+
+@dataclass
+class ServiceTimeout:
+    """How long an action waits on a local service: each service its own default (what it waits for differs)."""
+
+    timeout: float = option(90.0, "seconds to wait for the service (default 90)")
+
+
+@dataclass
+class StatusJson:
+    """``status --json``."""
+
+    json: bool = option(False, "status as one JSON object")
+
+
 # --- Kafka ------------------------------------------------------------------------------------------------
 @dataclass
-class KafkaJob:
+@tailor(
+        # each service has its own port: Kafka's client port
+        port={"default": 9092, "help": "client port on 127.0.0.1 (with --brokers N: the first node's; node i listens "
+                                       "on PORT+2i); the controller uses PORT+1 (default 9092)"},
+        data_dir={"help": "where Kafka keeps its log segments, config and broker.log (default "
+                          "~/.cache/flowtrain/kafka-data, with --brokers N ~/.cache/flowtrain/kafka-cluster)"})
+class KafkaJob(ServiceDir, ServicePort):
     """The options of ``flowtrain kafka stop`` (and of every Kafka action): which broker or cluster."""
 
-    port: int = option(9092, "client port on 127.0.0.1 (with --brokers N: the first node's; node i listens on "
-                             "PORT+2i); the controller uses PORT+1 (default 9092)")
-    data_dir: str | None = option(None, "where Kafka keeps its log segments, config and broker.log (default "
-                                        "~/.cache/flowtrain/kafka-data, with --brokers N ~/.cache/flowtrain/kafka-cluster)")
     brokers: int = option(1, "N > 1: a replicated cluster of N KRaft nodes; topics flowtrain creates get "
                              "replication min(3, N) and min.insync.replicas 2 (default 1: one broker)")
 
 
 @dataclass
-class KafkaStartJob(KafkaJob):
+@tailor(timeout={"help": "seconds to wait for Kafka to answer a metadata request (default 90)"})
+class KafkaStartJob(ServiceTimeout, KafkaJob):
     """The options of ``flowtrain kafka start``."""
-
-    timeout: float = option(90.0, "seconds to wait for Kafka to answer a metadata request (default 90)")
 
 
 @dataclass
-class KafkaStatusJob(KafkaJob):
+class KafkaStatusJob(StatusJson, KafkaJob):
     """The options of ``flowtrain kafka status``."""
-
-    json: bool = option(False, "status as one JSON object")
 
 
 def run_kafka(action: str, job: KafkaJob) -> int:
@@ -100,8 +128,8 @@ def _cluster_status(status: dict, quiet: bool) -> int:
 
 # --- Flink ------------------------------------------------------------------------------------------------
 @dataclass
-class FlinkStartJob:
-    """The options of ``flowtrain flink start``."""
+class FlinkCluster:
+    """The session cluster ``flowtrain flink start`` starts: its processes, ports, hosts and memory."""
 
     taskmanagers: int = option(2, "TaskManager processes (default 2; 0 with --bind: only the JobManager and the job "
                                   "server, TaskManagers join from other hosts)")
@@ -133,24 +161,34 @@ class FlinkStartJob:
                                     group=_MEMORY)
     task_off_heap_mb: int | None = option(None, "direct memory for tasks (Beam's gRPC data plane to the Python "
                                                 "workers)", group=_MEMORY)
-    data_dir: str | None = option(None, _FLINK_DIR)
-    timeout: float = option(180.0, "seconds to wait for every TaskManager to register (default 180)")
 
 
 @dataclass
-class FlinkStopJob:
+@tailor(
+        # every TaskManager must register: longer than a broker's start (ServiceTimeout's 90 s)
+        timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register (default 180)"},
+        data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
+                          "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
+class FlinkStartJob(ServiceTimeout, ServiceDir, FlinkCluster):
+    """The options of ``flowtrain flink start``: the cluster, where it keeps its files, how long it may take."""
+
+
+
+@dataclass
+@tailor(
+        # per process, after SIGTERM
+        timeout={"default": 30.0, "help": "seconds each process has to end after SIGTERM before SIGKILL (default 30)"},
+        data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
+                          "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
+class FlinkStopJob(ServiceTimeout, ServiceDir):
     """The options of ``flowtrain flink stop``."""
 
-    data_dir: str | None = option(None, _FLINK_DIR)
-    timeout: float = option(30.0, "seconds each process has to end after SIGTERM before SIGKILL (default 30)")
-
 
 @dataclass
-class FlinkStatusJob:
+@tailor(data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
+                          "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
+class FlinkStatusJob(StatusJson, ServiceDir):
     """The options of ``flowtrain flink status``."""
-
-    data_dir: str | None = option(None, _FLINK_DIR)
-    json: bool = option(False, "status as one JSON object")
 
 
 def run_flink(action: str, job: FlinkStartJob | FlinkStopJob | FlinkStatusJob) -> int:
@@ -209,21 +247,22 @@ def _flink_status(status: dict) -> int:
 
 # --- Schema Registry (Apicurio) ---------------------------------------------------------------------------
 @dataclass
-class RegistryJob:
+@tailor(json={"help": "print the status as JSON"},
+        port={"help": "HTTP port on 127.0.0.1 (default: the port the data dir's registry.json records, the one "
+                      "started there; else 8081)"},
+        data_dir={"help": "its state file and log (default ~/.cache/flowtrain/registry-data)"})
+class RegistryJob(StatusJson, ServiceDir, ServicePort):
     """The options of ``flowtrain registry stop`` and ``status`` (and of every registry action)."""
-
-    port: int | None = option(None, "HTTP port on 127.0.0.1 (default: the port the data dir's registry.json "
-                                     "records, the one started there; else 8081)")
-    data_dir: str | None = option(None, "its state file and log (default ~/.cache/flowtrain/registry-data)")
-    json: bool = option(False, "print the status as JSON")
 
 
 @dataclass
-class RegistryStartJob(RegistryJob):
+@tailor(
+        # the registry started listens on 8081 unless told (stop and status find it in its data dir's registry.json)
+        port={"default": 8081, "help": "HTTP port on 127.0.0.1 (default 8081)"},
+        # a JVM registry's start (Apicurio: ~4 s here, slower on a busy host)
+        timeout={"default": 120.0, "help": "seconds to wait for it to answer (default 120)"})
+class RegistryStartJob(ServiceTimeout, RegistryJob):
     """The options of ``flowtrain registry start``."""
-
-    port: int | None = option(8081, "HTTP port on 127.0.0.1 (default 8081)")
-    timeout: float = option(120.0, "seconds to wait for it to answer (default 120)")
 
 
 def run_registry(action: str, job: RegistryJob) -> int:

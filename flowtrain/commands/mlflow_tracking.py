@@ -28,12 +28,12 @@ from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
-from flowtrain import __version__
 from flowtrain.commands.predictor import load
 from flowtrain.train.bundle import write_bundle
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog
 from flowtrain.train.published import LoadPublishedVersion
+from flowtrain.version import __version__
 
 #: The study's MLflow run id, in a trial's environment: the trial's run is its child.
 PARENT_ENV = "FLOWTRAIN_MLFLOW_PARENT"

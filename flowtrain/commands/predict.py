@@ -8,33 +8,45 @@ the training statistics; the stream scorer's model handler for the forward; the 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import at_least, build, check, option, store_path, to_config
+from connectors.fields import build, check, option, store_path, tailor, to_config
 from connectors.paths import origin_of
-from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons, max_dead_letter_fraction_option
+from flowtrain.commands.batch_options import BatchJob, train_config
+from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
+from flowtrain.commands.drift import REFERENCE, DriftThreshold, bundle_reference, drift_lines, predict_drift_section
+from flowtrain.commands.shared_options import BeamArgs, BundleKey, Overwrite, RunnerOptions, TrustCode
+from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
+from flowtrain.train.options import ThreadOptions
+from pipelines.serving.options import IdColumn
 
 _IO = "input and output"
 _RUN = "where the Beam pipeline runs"
 
 
-def _drift_thresholds(value) -> str:
-    from flowtrain.commands.drift import drift_thresholds
-
-    return drift_thresholds(value)
-
-
-_drift_thresholds.__name__ = "thresholds"
-
-
 @dataclass
-class PredictJob:
+@tailor(id_column={"help": "copy this column (a row id) to every prediction", "group": _IO, "metavar": None},
+        max_dead_letter_fraction={"group": _IO},
+        drift_threshold={"help": "thresholds of the summary's drift section (the rows against the training data), "
+                                 "MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` (default: "
+                                 "its defaults)", "group": _IO},
+        overwrite={"help": "replace an existing --out (and its dead letters and metrics files), once the new ones "
+                           "are complete", "group": _IO},
+        bundle_key_file={"help": "verify the bundle's signature with this key (HMAC-SHA256, as `flowtrain export "
+                                 "--bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; default: none, not "
+                                 "verified)"},
+        threads={"help": "torch threads of each worker (default: torch's choice)"})
+class PredictJob(IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions,
+                 ThreadOptions):
     """The options of ``flowtrain predict``."""
 
     model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
@@ -45,49 +57,26 @@ class PredictJob:
                                     parse=store_path("--input", many=True))
     out: str | None = option(None, "predictions file: Parquet, or CSV when it ends in .csv", group=_IO,
                              parse=store_path("--out"))
-    id_column: str | None = option(None, "copy this column (a row id) to every prediction", group=_IO)
     keep_columns: tuple[str, ...] = option((), "copy these columns too, comma-separated", group=_IO)
     dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
                                       "default <out>.dead_letters.jsonl)", group=_IO,
                                       parse=store_path("--dead-letters"))
-    overwrite: bool = option(False, "replace an existing --out (and its dead letters and metrics files), once the "
-                             "new ones are complete", group=_IO)
-    max_dead_letter_fraction: float | None = max_dead_letter_fraction_option("rows", group=_IO)
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
-    drift_threshold: str = option("", "thresholds of the summary's drift section (the rows against the training "
-                                  "data), MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` "
-                                  "(default: its defaults)",
-                                  parse=_drift_thresholds, metavar="MEASURE=VALUE,...", group=_IO)
-    threads: int | None = option(None, "torch threads of each worker (default: torch's choice)", parse=at_least(1))
     device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
-    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
-                              "import and run that module (only for a bundle you trust; without, such a bundle is "
-                              "refused and loading runs no code)")
-    bundle_key_file: str | None = option(None, "verify the bundle's signature with this key (HMAC-SHA256, as "
-                                         "`flowtrain export --bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; "
-                                         "default: none, not verified)", metavar="FILE")
-    runner: str | None = option(None, "flink: the local Flink cluster of `flowtrain flink start`, or "
-                                "--flink-master's; any other value is Beam's --runner. Default: Beam's FnApiRunner",
-                                group=_RUN)
-    flink_master: str | None = option(None, "with --runner flink: the JobManager REST address of another Flink "
-                                      "1.19 cluster", group=_RUN, metavar="HOST:PORT")
-    beam_args: tuple[str, ...] = option((), "Beam pipeline options (on the command line, give Beam's options as "
-                                        "they are)", group=_RUN, repeat=True)
 
 
 @dataclass
-class ExportJob:
+@tailor(overwrite={"help": "replace an existing --out bundle"},
+        bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
+                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"})
+class ExportJob(Overwrite, BundleKey):
     """The options of ``flowtrain export``."""
 
     run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
     out: str | None = option(None, "the bundle directory to write", parse=store_path("--out"))
-    overwrite: bool = option(False, "replace an existing --out bundle")
     torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
                                 "flowtrain (its inputs: see docs/predict.md)")
-    bundle_key_file: str | None = option(None, "sign the bundle with this key (HMAC-SHA256; a file only you may "
-                                         "read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed)",
-                                         metavar="FILE")
 
 
 
@@ -104,8 +93,6 @@ def run_predict_options(model: Any, inputs: list, out: Any, options: dict[str, A
 def run_predict(job: PredictJob) -> dict:
     """Predict files with a Beam pipeline; returns the summary (counts, metrics when labelled) also written to
     ``<out>.metrics.json``. A bad bundle, missing column or path is a ``FlowtrainError`` naming it."""
-    from flowtrain.commands.batch import user_error, user_errors
-
     job = check(job)
     from connectors.paths import is_url
 
@@ -174,8 +161,6 @@ def _run_predict(job: PredictJob) -> dict:
     fields = [pa.field(names.source, pa.string())] + [first.schema.field(c) for c in carry]
     schema = output_schema(fields, kind, classes, names, job.flag_unseen)
 
-    import functools
-
     # each worker checks the bundle again (with the key from the same file or environment) and runs no code
     # unless --trust-code
     loader = functools.partial(load_module, trust_code=job.trust_code, key_file=job.bundle_key_file)
@@ -183,7 +168,6 @@ def _run_predict(job: PredictJob) -> dict:
                              target_scale=bundle.model["target_scale"], n_classes=len(classes or []),
                              device=job.device, torch_threads=job.threads)
     options = pipeline_options("batch", list(job.beam_args), runner=job.runner, flink_master=job.flink_master)
-    import tempfile
 
     import apache_beam as beam
 
@@ -193,7 +177,6 @@ def _run_predict(job: PredictJob) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix=".predict-", dir=out.parent) as tmp:
             counts_path = str(Path(tmp) / "counts.json")
-            from flowtrain.commands.drift import bundle_reference
 
             reference = bundle_reference(bundle)  # None for a bundle written before drift references
             drift_path = str(Path(tmp) / "drift.json")
@@ -239,7 +222,6 @@ def _run_predict(job: PredictJob) -> dict:
                 shown = {k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))}
                 print("predict: metrics on the labelled rows: " + ", ".join(
                     f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:.4f}" for k, v in shown.items()), flush=True)
-        from flowtrain.commands.drift import drift_lines, predict_drift_section
 
         # the rows against the model's training data (its bundle's drift reference; none in an older bundle)
         summary["drift"] = None if reference is None else predict_drift_section(
@@ -265,8 +247,6 @@ def _run_predict(job: PredictJob) -> dict:
 def _predict_to_stores(job: PredictJob) -> dict:
     """``flowtrain predict`` with ``--out`` (or ``--dead-letters``) on an object store: written locally, then
     uploaded, ``<out>.metrics.json`` last (it says the outputs are complete)."""
-    import dataclasses
-
     from connectors.atomic import atomic_write
     from flowtrain.train.staging import staged_outputs
 
@@ -363,7 +343,6 @@ def run_export(job: ExportJob) -> str:
     import torch
 
     from connectors.fields import build
-    from flowtrain.commands.batch import BatchJob, train_config
     from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model
@@ -374,7 +353,6 @@ def run_export(job: ExportJob) -> str:
     from connectors.paths import is_url
 
     if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
-        import dataclasses
 
         from flowtrain.train.staging import fetch_dir, staged_dir
 
@@ -409,7 +387,6 @@ def run_export(job: ExportJob) -> str:
     config = train_config(batch_job)
     model = build_run_model(batch_job.model, data, config)
     model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-    from flowtrain.commands.drift import REFERENCE
 
     reference = run / REFERENCE  # the run's drift reference travels with its bundle
     extra = {REFERENCE: json.loads(reference.read_text())} if reference.is_file() else None

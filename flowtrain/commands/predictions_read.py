@@ -1,9 +1,13 @@
-"""Reading a predictions topic (``flowtrain predictions``, ``flowtrain.commands.predictions``): each message decoded in
-its format (``pipelines.serving.codec``), the rows as tables, written as they come."""
+"""Reading a predictions topic (``flowtrain predictions``, its options in ``flowtrain.commands.predictions``): each
+message decoded in its format (``pipelines.serving.codec``), the rows as tables, written as they come."""
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -13,6 +17,7 @@ from kafka import TopicPartition
 from connectors.arrow import decode_batch
 from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
+from connectors.fields import build, check
 from connectors.kafka import (
     KafkaUnavailable,
     check_brokers,
@@ -23,13 +28,14 @@ from connectors.kafka import (
 )
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.predictions import PredictionsJob
+from flowtrain.commands.stream import dataset_topics
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.processes import StopSignals
 from pipelines.serving.codec import PredictionsCodec, detect_format
 from pipelines.serving.predictions import prediction_layout
 from pipelines.stream.formats.registry import SchemaRegistry
 
-__all__ = ["read_table", "write_topic"]
+__all__ = ["read_predictions", "read_table", "run_predictions", "write_topic"]
 
 #: Records taken per poll, and how long a poll waits when the topic is at its end.
 _POLL_RECORDS, _POLL_MS = 5000, 500
@@ -183,3 +189,36 @@ def write_topic(job: PredictionsJob) -> int:
         finally:
             writer.close()
     return writer.rows
+
+
+def _with_topic(job: PredictionsJob) -> PredictionsJob:
+    """``job`` with its topic: given, or the one the scorer names after ``--dataset``."""
+    if job.topic:
+        return job
+    if not job.dataset:
+        raise FlowtrainError("predictions needs --topic TOPIC (the scorer's --predictions-topic) or --dataset DIR")
+    return dataclasses.replace(job, topic=dataset_topics(job.dataset)["predictions_topic"])
+
+
+def read_predictions(topic: str | None = None, **options: Any):
+    """``flowtrain.predictions(topic, bootstrap=..., ...)``: every prediction on the topic now (from its beginning
+    to its end), as one pyarrow Table; options are ``PredictionsJob``'s (not ``out`` nor ``follow``)."""
+    job = _with_topic(check(build(PredictionsJob, {**options, "topic": topic})))
+    if job.out or job.follow:
+        raise FlowtrainError("flowtrain.predictions returns the table: leave out out= and follow= (the command "
+                             "line's --out and --follow write a file)")
+    return read_table(job)
+
+
+def run_predictions(job: PredictionsJob) -> dict:
+    """Read the topic and write its predictions (``--out``, or CSV on stdout); returns ``{"rows", "seconds"}``."""
+    job = _with_topic(check(job))
+    if job.out and Path(job.out).exists() and not job.overwrite:
+        raise FlowtrainError(f"--out {job.out} exists; give a new path, or --overwrite to replace it")
+    t0 = time.monotonic()
+    rows = write_topic(job)
+    took = time.monotonic() - t0
+    if job.out:
+        print(f"predictions: {rows:,} predictions from {job.topic} -> {job.out} ({took:.1f} s)", file=sys.stderr,
+              flush=True)
+    return {"rows": rows, "seconds": took}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from connectors.atomic import atomic_write
 from connectors.fields import options_of
+from flowtrain.commands.drift import load_reference
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
@@ -102,7 +103,6 @@ def drift_config(job, data, dataset: str, status_path: str | None):
     from pipelines.serving.drift import DriftConfig
 
     if job.drift_reference:
-        from flowtrain.commands.drift import load_reference
         from flowtrain.train.bundle import read_bundle
 
         try:

@@ -22,13 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.fields import above, at_least, fraction, option, store_path
+from connectors.fields import GENERAL, above, at_least, fraction, option, store_path, tailor
+from flowtrain.commands.dead_letter_bound import DeadLetterBound
+from flowtrain.commands.drift import DriftThreshold
+from flowtrain.commands.shared_options import LabelColumn, RunnerOptions, TimeColumn
+from flowtrain.commands.stream_inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
-from flowtrain.train.options import STREAM_TRAINER, StreamTrainOptions, UpdateOptions
+from flowtrain.train.options import STREAM_TRAINER, SeedOptions, StreamTrainOptions, UpdateOptions, WorkerOptions
 from pipelines.presets import default_preset, preset_for, presets
 from pipelines.serving.options import SCORING, ScorerOptions
-from pipelines.stream.options import CLIENTS, EVENT_FORMATS, EventOptions, PipelineOptions
+from pipelines.stream.options import (
+    CLIENTS,
+    EventFormat,
+    EventOptions,
+    PipelineOptions,
+    SchemaFile,
+    SchemaRegistryOption,
+)
 
 TRAINER = STREAM_TRAINER
 RUNNER = "where the Beam pipeline runs"
@@ -97,15 +108,13 @@ class StreamCommon(KafkaOptions):
 
 
 @dataclass
-class TrainerWorkers:
-    """The online trainer's processes."""
+@tailor(workers={"help": "data-parallel trainer replicas (feature partitions split across them)"},
+        failure_timeout={"help": "with --workers N: seconds within which the job ends when a replica dies or stalls"})
+class TrainerWorkers(WorkerOptions):
+    """The online trainer's processes (``WorkerOptions``, the batch run's too)."""
 
     SECTION: ClassVar[str] = "trainer"
-    workers: int = option(1, "data-parallel trainer replicas (feature partitions split across them)",
-                          parse=at_least(1), group=TRAINER)
-    failure_timeout: float = option(
-        60.0, "with --workers N: seconds within which the job ends when a replica dies or stalls", parse=above(0),
-        group=TRAINER)
+    GROUP: ClassVar[str] = TRAINER
 
 
 @dataclass
@@ -114,19 +123,13 @@ class TrainerOptions(StreamTrainOptions, TrainerWorkers):
     model, optimizer, checkpoints, published versions)."""
 
 
-def _drift_thresholds(value):
-    from flowtrain.commands.drift import drift_thresholds
-
-    return drift_thresholds(value)
-
-
-_drift_thresholds.__name__ = "thresholds"
 _DRIFT_THRESHOLD_HELP = ("drift measure thresholds, MEASURE=VALUE comma-separated (psi, js, linf, unseen, missing, "
                          "out_of_range, prediction, adwin; default: as `flowtrain drift`, docs/observability.md)")
 
 
 @dataclass
-class ScoreOptions(ScorerOptions):
+@tailor(drift_threshold={"help": _DRIFT_THRESHOLD_HELP, "group": SCORING})
+class ScoreOptions(DriftThreshold, ScorerOptions):
     """The scoring pipeline: RunInference with the newest published version; the engine's options
     (``pipelines.serving.options.ScorerOptions``), and what only the command reads: topics, the wait for a first
     model, drift monitoring."""
@@ -145,8 +148,6 @@ class ScoreOptions(ScorerOptions):
     drift_window_seconds: float = option(
         0.0, "with this > 0, the drift window also drops micro-batches scored more than this many seconds ago "
              "(a window of events or of time, whichever is smaller)", parse=at_least(0.0, float), group=SCORING)
-    drift_threshold: str = option("", _DRIFT_THRESHOLD_HELP, parse=_drift_thresholds, metavar="MEASURE=VALUE,...",
-                                  group=SCORING)
     drift_reference: str | None = option(
         None, "a `flowtrain batch` run or bundle whose drift reference (with its model's score distribution) the "
               "scorer compares with (default: the dataset's training split; the scores against the first window)",
@@ -155,24 +156,24 @@ class ScoreOptions(ScorerOptions):
                                            "every few seconds and when its alarms change (default: none)", group=SCORING)
 
 
-@dataclass
-class RunnerOptions:
-    """Where a Beam pipeline of the job runs (``flowtrain.local.runners.pick_runner``)."""
-
-    runner: str | None = option(
-        None, "flink: the local Flink cluster of `flowtrain flink start` (its directory from $FLOWTRAIN_FLINK_DIR), "
-              "or --flink-master's; any other value is Beam's --runner (FnApiRunner, PrismRunner, DataflowRunner, "
-              "...). Default: Beam's FnApiRunner for batch ETL, Prism for streaming", group=RUNNER)
-    flink_master: str | None = option(
-        None, "with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam starts its Flink "
-              "job server from flowtrain's jars. Give the SDK workers' environment too: --environment_type=EXTERNAL "
-              "--environment_config=HOST:PORT (a worker pool on every TaskManager host: python -m "
-              "flowtrain.local.flink.worker_pool) or PROCESS (default: none)", metavar="HOST:PORT", group=RUNNER)
-
-
 # --- the commands -----------------------------------------------------------------------------------------
 @dataclass
-class ReplayJob(KafkaOptions):
+@tailor(schema_file={"help": "the schema to write with, an .avsc or .proto file (default: the dataset's: "
+                             "`flowtrain schema`)", "group": GENERAL},
+        schema_registry={"help": "a Confluent-compatible Schema Registry URL (default: none)", "group": GENERAL},
+        event_format={"help": "write events as json, avro or protobuf (the --dataset's schema, or "
+                              "--schema-file's); with --schema-registry in its wire format, the schema registered "
+                              "under TOPIC-value", "group": GENERAL},
+        seed={"help": "seed of which events --malformed replaces", "group": GENERAL},
+        max_dead_letter_fraction={"help": "with --input and --dataset: before sending, stop with exit status 3 "
+                                          "when more than this fraction of the rows make events the stream would "
+                                          "make dead letters (its own checks: fields, types, the feature checks); "
+                                          "default: no check"},
+        time_column={"help": "with --input: order events by this column (event time) and set it as each Kafka "
+                             "record's timestamp (default: file order, stamped with the time of sending)"},
+        label={"help": "with --input: the label column --unlabelled removes (default: the dataset's label)"})
+class ReplayJob(SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn, LabelColumn,
+                KafkaOptions):
     """The options of ``flowtrain replay``."""
 
     input: tuple[str, ...] = option(
@@ -182,13 +183,8 @@ class ReplayJob(KafkaOptions):
     dataset: str | None = option(
         None, "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default --label "
               "and the fields --malformed breaks (default: none)", parse=store_path("--dataset", remote=False))
-    time_column: str | None = option(
-        None, "with --input: order events by this column (event time) and set it as each Kafka record's timestamp "
-              "(default: file order, stamped with the time of sending)")
     key_column: str | None = option(None, "with --input: key each record by this column's value (default: no key, "
                                           "round robin)")
-    label: str | None = option(None, "with --input: the label column --unlabelled removes (default: the dataset's "
-                                     "label)")
     unlabelled: float = option(
         0.0, "fraction of (valid) events sent without their label, as events a scorer sees before the outcome is "
              "known", parse=fraction(inclusive_high=True))
@@ -219,19 +215,6 @@ class ReplayJob(KafkaOptions):
              "JSON, missing field, wrong type, NaN, impossible value); --input: broken JSON, missing field(s), wrong "
              "type, NaN, infinite, too deeply nested JSON, not UTF-8 (and event too large with --max-event-bytes): "
              "the names of their dead letters' reasons", parse=fraction(inclusive_high=True))
-    seed: int = option(0, "seed of which events --malformed replaces")
-    max_dead_letter_fraction: float | None = option(
-        None, "with --input and --dataset: before sending, stop with exit status 3 when more than this fraction of the "
-              "rows make events the stream would make dead letters (its own checks: fields, types, the feature "
-              "checks); default: no check", parse=fraction(inclusive_high=True), metavar="F")
-    event_format: str = option(
-        "json", "write events as json, avro or protobuf (the --dataset's schema, or --schema-file's); with "
-                "--schema-registry in its wire format, the schema registered under TOPIC-value",
-        choices=EVENT_FORMATS)
-    schema_registry: str | None = option(None, "a Confluent-compatible Schema Registry URL (default: none)",
-                                         metavar="URL")
-    schema_file: str | None = option(None, "the schema to write with, an .avsc or .proto file (default: the "
-                                           "dataset's: `flowtrain schema`)", metavar="FILE")
     client: str = option(
         "kafka-python", "producer client: kafka-python (~10k events/s on one core here) or confluent (confluent-kafka "
                         "on librdkafka, the extra flowtrain[kafka-confluent]; several times faster: what `bench "
@@ -280,8 +263,6 @@ def dataset_name(dataset: str | None) -> str:
     without ``--dataset`` and no demo dataset made yet: the default preset's); else the manifest's ``name``, else
     the dataset directory's name, or its run directory's for a run's ``dataset/`` (``runs/sensors/dataset``:
     ``sensors``), in the characters a Kafka topic takes."""
-    from flowtrain.commands.stream_inputs import DEMO_DATASET
-
     try:
         presets()  # the registry's sources: a module that cannot be loaded is one line, not a traceback
     except ValueError as err:

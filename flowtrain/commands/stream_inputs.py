@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowtrain.local.paths import cache_root
+from pipelines.features.declare import DeclarationError, declare
 from pipelines.presets import get_preset, preset_for
 
 #: The dataset the stream reads when ``--dataset`` is not given: the default preset's (``make demo`` makes it).
@@ -83,8 +84,6 @@ def over_time(options: dict, manifest: dict, dataset: str) -> dict:
     with (its manifest's ``features``, recorded by ``flowtrain batch --aggregate``): declared once, in training.
     Given ones must make the columns the model was trained on (the same aggregates; joins on the same keys, their
     tables may be newer files); otherwise a one-line exit."""
-    from pipelines.features.declare import DeclarationError, declare
-
     recorded = manifest.get("features") or {}
     given = bool(options.get("aggregations") or options.get("joins"))
     if not given:

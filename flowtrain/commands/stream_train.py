@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from connectors.fields import options_of, to_config
+from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
 from flowtrain.commands.tracking_options import check_tracking
@@ -26,7 +27,6 @@ def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     """The engine's ``StreamTrainConfig`` of ``job``: its trainer options as they are, and the rest resolved. With
     ``init_weights`` the architecture is the batch run's: a ``hidden``/``dropout``/``seed`` named in ``given`` (the
     options the user set) must agree with it, else a ``ValueError`` naming them."""
-    from flowtrain.commands.kafka_options import kafka_config
     from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
 
     job = with_dataset_topics(job)  # topics left unset: named after the dataset

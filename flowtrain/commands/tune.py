@@ -1,6 +1,7 @@
 """``flowtrain tune``: an Optuna study over ``flowtrain batch`` runs that share one ETL'd dataset.
 
-``run_tune(TuneJob(...))`` is what ``flowtrain tune`` and ``flowtrain.tune(...)`` run:
+This module holds the options (``TuneJob``); ``tune_run.run_tune(TuneJob(...))`` is what ``flowtrain tune`` runs
+(Optuna and the engine load only then):
 
 1. the dataset once: ``--dataset``, or the batch ETL of the same data options into ``<out>/dataset``;
 2. the study (Optuna; ``--storage``, by default SQLite in ``<out>/study.db``; any SQLAlchemy URL): each trial
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from connectors.fields import above, at_least, option, store_path
-from flowtrain.commands.batch import BatchJob
+from flowtrain.commands.batch_options import BatchJob
 
 _TUNE = "the study (`flowtrain tune`)"
 
@@ -68,12 +69,4 @@ class TuneJob(TuneOptions, BatchJob):
                              "best, tune_report.md", parse=store_path("--out", remote=False))
 
 
-def run_tune(job: TuneJob) -> dict:
-    """The whole study (``flowtrain.commands.tune_run``: Optuna and the engine load only now); returns its summary
-    (also in ``<out>/best.json``). A user's error is a one-line ``FlowtrainError``."""
-    from flowtrain.commands.tune_run import run_study
-
-    return run_study(job)
-
-
-__all__ = ["TuneJob", "TuneOptions", "run_tune"]
+__all__ = ["TuneJob", "TuneOptions"]

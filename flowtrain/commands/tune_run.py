@@ -13,8 +13,8 @@ from optuna.storages import RDBStorage, RetryFailedTrialCallback, fail_stale_tri
 from optuna.trial import TrialState
 
 from connectors.fields import OptionError, check, options_of, to_config
-from flowtrain.commands.batch import BatchJob, BatchWorkers
 from flowtrain.commands.batch_etl import build_dataset
+from flowtrain.commands.batch_options import BatchJob, BatchWorkers
 from flowtrain.commands.tracking_options import check_tracking
 from flowtrain.commands.tune import TuneJob
 from flowtrain.commands.tune_report import write_tune_report
@@ -57,6 +57,12 @@ def _dataset(job: TuneJob, out: Path) -> Path:
 
 def _direction(metric: str) -> str:
     return "maximize" if SELECT_BY[metric] else "minimize"
+
+
+def run_tune(job: TuneJob) -> dict:
+    """The whole study; returns its summary (also in ``<out>/best.json``). A user's error is a one-line
+    ``FlowtrainError``."""
+    return run_study(job)
 
 
 def run_study(job: TuneJob) -> dict:

@@ -43,9 +43,9 @@ from typing import Any
 from connectors.atomic import file_sha256
 from connectors.model_updates import MIN_KEY_BYTES, sign_record
 from connectors.secrets import read_secret_file
-from flowtrain import __version__
 from flowtrain.errors import BundleError, FlowtrainError
 from flowtrain.train.bundle_tables import check_id_tables, check_table_options
+from flowtrain.version import __version__
 
 FORMAT = 1
 FILES = ("weights.safetensors", "model.json", "features.json")

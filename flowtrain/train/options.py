@@ -1,6 +1,11 @@
 """The trainers' options, declared once next to the engine that reads them (``connectors.fields``: each field is
 a flag, a ``--config`` key and a ``config.json`` key, with its default, range and help).
 
+- Shared sections, declared once and composed by the batch run and the online trainer (``SECTION = COMPOSED``:
+  their options sit in ``train`` in one and ``trainer`` in the other): ``SeedOptions``, ``NetworkOptions`` (hidden
+  sizes, dropout), ``OptimizerOptions`` (learning rate, class weights), ``ThreadOptions`` (``flowtrain predict``'s
+  too), ``WorkerOptions`` (local workers and how soon a dead one ends the job). The online trainer tailors its own
+  defaults (``connectors.fields.tailor``: no dropout, one thread).
 - ``ModelOptions``: what a model family reads (``flowtrain.train.models``).
 - ``TrainOptions``: a batch run's model and training options; ``ParallelOptions``: how its engine splits the
   work (replicas' buckets, ZeRO, pipeline stages, tensor shards, the device). ``flowtrain batch``'s
@@ -20,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import above, at_least, fraction, option, sizes, store_path
+from connectors.fields import COMPOSED, above, at_least, fraction, option, sizes, store_path, tailor
 
 #: --help sections (``option(..., group=...)``).
 TRAINING = "training"
@@ -68,18 +73,68 @@ CLASS_WEIGHT_HELP = ("classification: weigh each example's loss by its class: ba
                      "weighted_log_loss and weighted_accuracy")
 
 
+# --- shared sections: declared once, taken by the batch run (section train) and the online trainer (trainer) ------
 @dataclass
-class ModelOptions:
+class SeedOptions:
+    """The seed of a run's randomness (``flowtrain replay``'s too: which events --malformed replaces)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    seed: int = option(0, "seed for splits, shuffling and initialization", group=TRAINING)
+
+
+@dataclass
+class NetworkOptions(SeedOptions):
+    """The network's shape and its seed, a batch run's (``ModelOptions``) and the online trainer's
+    (``StreamTrainOptions``, which tailors their help and its dropout)."""
+
+    SECTION: ClassVar[str] = COMPOSED  # train: {hidden: ...} in a batch run, trainer: {hidden: ...} in a stream
+    hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=TRAINING)
+    dropout: float = option(0.1, "dropout", parse=fraction(), group=TRAINING)
+
+
+@dataclass
+class OptimizerOptions:
+    """Adam's learning rate and the loss's class weights, a batch run's (``TrainOptions``) and the online trainer's
+    (``StreamTrainOptions``)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=TRAINING)
+    class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=TRAINING,
+                                      metavar="balanced|CLASS=W,...")
+
+
+@dataclass
+class ThreadOptions:
+    """torch's threads per process: a batch run's (``TrainOptions``), each online trainer replica's
+    (``StreamTrainOptions``, which tailors its default) and each ``flowtrain predict`` worker's. In ``--help`` with the
+    options of the set composing it (its ``GROUP``), else with the command's own."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1))
+
+
+@dataclass
+class WorkerOptions:
+    """How many local workers train, and how soon a dead one ends the job: a batch run's (``BatchWorkers``, section
+    parallel) and the online trainer's replicas (``TrainerWorkers``, section trainer, which tailors the help)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    workers: int = option(1, "data-parallel workers on this machine; each gets a shard of every global batch, "
+                          "gradients are reduced as sums and counts", parse=at_least(1), group=PARALLELISM)
+    failure_timeout: float = option(60.0, "seconds within which the job ends when a worker dies, fails or stalls",
+                                    parse=above(0), group=PARALLELISM)
+
+
+@dataclass
+class ModelOptions(NetworkOptions):
     """The options a model family reads (``flowtrain.train.models.build_model``)."""
 
     SECTION: ClassVar[str] = "train"  # --config's section (connectors.sections): train: {hidden: [64, 32]}
+    GROUP: ClassVar[str] = TRAINING  # --help's section of the shared options it composes
     model: str | None = option(None, "your own model: MODULE:FACTORY, a function (spec) -> torch.nn.Module taking "
                                "(x_num, x_cat) (see docs/python-api.md); flowtrain imports MODULE and runs FACTORY: "
                                "code that runs as you, here and wherever the bundle is loaded with --trust-code; "
                                "default: flowtrain's wide-and-deep MLP", group=TRAINING, metavar="MODULE:FACTORY")
-    hidden: tuple[int, ...] = option((128, 64), "MLP hidden sizes, comma-separated", parse=sizes, group=TRAINING)
-    dropout: float = option(0.1, "dropout", parse=fraction(), group=TRAINING)
-    seed: int = option(0, "seed for splits, shuffling and initialization", group=TRAINING)
     min_id_count: int = option(1, "an ID gets its own row once seen this many times (before: the shared fallback "
                                "vector)", parse=at_least(1), group=TRAINING)
     id_ttl: int | None = option(None, "an ID row unseen for this many events is evicted (default: never)",
@@ -103,11 +158,12 @@ class ModelOptions:
 
 
 @dataclass
-class TrainOptions(ModelOptions):
+class TrainOptions(ModelOptions, OptimizerOptions, ThreadOptions):
     """A batch run's training options: budget, batch, schedule, evaluation (``plan.plan_training`` chooses what
     is left unset)."""
 
     SECTION: ClassVar[str] = "train"
+    GROUP: ClassVar[str] = TRAINING
     epochs: int | None = option(None, "training budget in passes over the training split (default: a step budget "
                                 "chosen from the table, printed)", parse=at_least(1), group=TRAINING)
     steps: int | None = option(None, "training budget in optimizer steps (default: chosen from the table, printed)",
@@ -125,16 +181,12 @@ class TrainOptions(ModelOptions):
     select_by: str | None = option(None, "validation metric that picks the best model and drives early stopping "
                                    "(default: auc for binary, accuracy for multi-class, rmse for regression)",
                                    choices=SELECT_BY, group=TRAINING)
-    lr: float = option(1e-3, "Adam learning rate", parse=above(0), group=TRAINING)
     weight_decay: float | None = option(None, "Adam's weight decay (an L2 penalty on the weights; default: chosen "
                                         "from the table, the linear start's own penalty: 1/n of the training rows "
                                         "for a classifier, 2/n for a regression, so the fitted linear part stays "
                                         "where its fit put it)", parse=at_least(0.0, float), group=TRAINING)
     patience: int = option(10, "stop after this many validations without a better --select-by metric",
                            parse=at_least(1), group=TRAINING)
-    class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=TRAINING,
-                                      metavar="balanced|CLASS=W,...")
-    threads: int | None = option(None, "torch threads (default: torch's choice)", parse=at_least(1), group=TRAINING)
     no_progress: bool = option(False, "no progress bars", group=TRAINING)
     memory_budget: str | None = option(None, "memory for a split's tensors, per machine (e.g. 4GB, 512MB, 25%; "
                                        "default 25% of RAM, shared by the local workers); a larger split is "
@@ -182,28 +234,25 @@ class EngineSettings:
 
 # --- the online trainer ---------------------------------------------------------------------------------
 @dataclass
-class StreamTrainOptions(ParallelOptions):
+@tailor(hidden={"help": "hidden sizes without --init-weights"},
+        # a stream without --init-weights starts from scratch on one feature message per step: no dropout by default
+        dropout={"default": 0.0, "help": "dropout without --init-weights"},
+        seed={"help": "seed of the initial weights and dropout"},
+        # a step is one feature message (up to the pipeline's --batch-size rows): with 2 threads on 2 busy cores
+        # shared with the pipeline and the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (threads wait)
+        threads={"default": 1, "help": "torch threads of each trainer replica (a step is one feature message, too "
+                                       "small for more threads on cores shared with the pipeline and the broker)"})
+class StreamTrainOptions(ParallelOptions, NetworkOptions, OptimizerOptions, ThreadOptions):
     """The online trainer's options (``flowtrain.train.stream``): its engine's (``ParallelOptions``, the same as a
     batch run's: the replicas' buckets, ZeRO, pipeline stages, tensor shards, the device), its model, optimizer,
     checkpoints and published versions."""
 
     SECTION: ClassVar[str] = "trainer"
+    GROUP: ClassVar[str] = STREAM_TRAINER  # --help lists the shared network and optimizer options with its own
     init_weights: str | None = option(
         None, "start from a batch run's model.pt (or a checkpoint); the architecture (hidden sizes, dropout, model "
               "kind, seed) comes from that run's config.json", group=STREAM_TRAINER,
         parse=store_path("--init-weights", remote=False))
-    hidden: tuple[int, ...] = option((128, 64), "hidden sizes without --init-weights", parse=sizes,
-                                     group=STREAM_TRAINER)
-    dropout: float = option(0.0, "dropout without --init-weights", parse=fraction(), group=STREAM_TRAINER)
-    seed: int = option(0, "seed of the initial weights and dropout", group=STREAM_TRAINER)
-    lr: float = option(0.001, "Adam learning rate", parse=above(0), group=STREAM_TRAINER)
-    class_weight: str | None = option(None, CLASS_WEIGHT_HELP, parse=class_weight_option, group=STREAM_TRAINER,
-                                      metavar="balanced|CLASS=W,...")
-    # a step is one feature message (up to the pipeline's --batch-size rows): with 2 threads on 2 busy cores shared
-    # with the pipeline and the broker, the trainer consumed 3.8k rows/s, with 1 thread 38.7k (threads wait)
-    threads: int = option(1, "torch threads of each trainer replica (a step is one feature message, too small for "
-                             "more threads on cores shared with the pipeline and the broker)", parse=at_least(1),
-                          group=STREAM_TRAINER)
     checkpoint_every: int = option(50, "checkpoint and publish every K steps ...", parse=at_least(1),
                                    group=STREAM_TRAINER)
     checkpoint_seconds: float = option(10.0, "... or every T seconds", parse=above(0), group=STREAM_TRAINER)

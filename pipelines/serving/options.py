@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import above, at_least, option
+from connectors.fields import COMPOSED, above, at_least, option
 from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES
 
 #: The --help section of the scorer's options (``option(..., group=...)``).
@@ -24,7 +24,18 @@ PREDICTIONS_FORMATS = ("arrow", "json", "avro", "protobuf")
 
 
 @dataclass
-class ScorerOptions:
+class IdColumn:
+    """``--id-column``: the column that identifies a row or event, copied into its prediction (the scorer's, section
+    score; ``flowtrain predict``'s and ``flowtrain predictions``' too)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    id_column: str | None = option(
+        None, "an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'",
+        metavar="COL", group=SCORING)
+
+
+@dataclass
+class ScorerOptions(IdColumn):
     """The scoring pipeline: RunInference with the newest published version."""
 
     SECTION: ClassVar[str] = "score"  # --config's score: {batch_size: 64} is score_batch_size (connectors.sections)
@@ -42,9 +53,6 @@ class ScorerOptions:
                                    group=SCORING)
     score_max_delay: float = option(0.25, "... or this many seconds after its first event", parse=above(0),
                                     group=SCORING)
-    id_column: str | None = option(
-        None, "an event field (e.g. an order id) copied into its prediction as 'id', beside 'source'",
-        metavar="COL", group=SCORING)
     max_id_bytes: int = option(
         1024, "the longest --id-column value (UTF-8 bytes) copied into a prediction; an event with a longer one "
               "is a scoring dead letter", parse=at_least(1), group=SCORING)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from connectors.fields import above, at_least, check_value, option, options_of
+from connectors.fields import COMPOSED, above, at_least, check_value, option, options_of
 from pipelines.features.options import StreamFeatureOptions
 
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
@@ -70,8 +70,42 @@ def parse_bounds(options: Any) -> ParseBounds:
 DEFAULT_BOUNDS = ParseBounds()
 
 
+# --- how events are written: the stream's and the scorer's (section events), `flowtrain replay`'s and `flowtrain
+# predictions`' (the schema registry of the predictions) too; each declared once ------------------------------------
 @dataclass
-class EventOptions(StreamFeatureOptions, ParseBounds):
+class EventFormat:
+    """``--event-format``."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    event_format: str = option(
+        "json", "how raw events are written: json (objects keyed by column name), avro or protobuf (the dataset's "
+                "schema: `flowtrain schema`; decoded with the writer's schema and resolved by field name)",
+        choices=EVENT_FORMATS, group=EVENTS)
+
+
+@dataclass
+class SchemaRegistryOption:
+    """``--schema-registry``."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    schema_registry: str | None = option(
+        None, "a Confluent-compatible Schema Registry (Apicurio: http://HOST:PORT/apis/ccompat/v7): avro/protobuf "
+              "events in its wire format, writers' schemas fetched by id (default: none)", metavar="URL",
+        group=EVENTS)
+
+
+@dataclass
+class SchemaFile:
+    """``--schema-file``."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    schema_file: str | None = option(
+        None, "without --schema-registry: the writers' schema, an .avsc or .proto file (default: the dataset's own)",
+        metavar="FILE", group=EVENTS)
+
+
+@dataclass
+class EventOptions(SchemaFile, SchemaRegistryOption, EventFormat, StreamFeatureOptions, ParseBounds):
     """How raw events are read: by the feature pipeline and by the scorer (the parse bounds, features over time:
     ``--aggregate``, ``--join``, ``--allowed-lateness``, then these)."""
 
@@ -80,17 +114,6 @@ class EventOptions(StreamFeatureOptions, ParseBounds):
         "auto", "a domain's reference-data step before the features: auto (the enrichment of the dataset's preset, "
                 "e.g. the demo's weather and planes join; none for your own files; default), none, or the name of a "
                 "dataset preset (docs/presets.md)", group=EVENTS)
-    event_format: str = option(
-        "json", "how raw events are written: json (objects keyed by column name), avro or protobuf (the dataset's "
-                "schema: `flowtrain schema`; decoded with the writer's schema and resolved by field name)",
-        choices=EVENT_FORMATS, group=EVENTS)
-    schema_registry: str | None = option(
-        None, "a Confluent-compatible Schema Registry (Apicurio: http://HOST:PORT/apis/ccompat/v7): avro/protobuf "
-              "events in its wire format, writers' schemas fetched by id (default: none)", metavar="URL",
-        group=EVENTS)
-    schema_file: str | None = option(
-        None, "without --schema-registry: the writers' schema, an .avsc or .proto file (default: the dataset's own)",
-        metavar="FILE", group=EVENTS)
 
 
 @dataclass

@@ -177,7 +177,7 @@ def test_compare_says_when_both_runs_report_step_0_and_gives_paired_run_minus_ru
 
 
 def test_compare_gives_no_paired_interval_for_runs_on_different_test_rows():
-    from flowtrain.observe.compare import TestPredictions, paired_differences
+    from flowtrain.commands.compare import TestPredictions, paired_differences
 
     y = np.array([0.0, 1.0, 1.0, 0.0])
     a = TestPredictions("binary", y, np.array([0.2, 0.8, 0.6, 0.4]), "digest-a")

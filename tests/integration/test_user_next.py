@@ -130,7 +130,7 @@ def test_item1_the_readme_quick_start_infers_the_types_prints_them_once_and_reco
 
 
 def test_item8_compare_pairs_runs_on_the_same_rows_in_other_folders_with_other_features(quick_start, tmp_path):
-    from flowtrain.observe.compare import compare
+    from flowtrain.commands.compare import compare
 
     result = compare([quick_start["run"], quick_start["base"] / "B" / "run"], tmp_path / "cmp")
     paired = result["paired"]["runs"]["run"]

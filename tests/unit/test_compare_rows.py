@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowtrain.observe.compare import TestPredictions, paired_differences, row_ids
+from flowtrain.commands.compare import TestPredictions, paired_differences, row_ids
 
 
 def _run(folder: str, order: np.ndarray, y: np.ndarray, p: np.ndarray, digest: str) -> TestPredictions:

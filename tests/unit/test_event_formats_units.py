@@ -204,7 +204,7 @@ def test_item2_event_format_options_on_replay_and_every_stream_part_match_the_en
     for cls in (StreamConfig, ScoreConfig):
         fields = cls.__dataclass_fields__
         assert (fields["event_format"].default, fields["schema_registry"].default) == ("json", None)
-    from flowtrain.commands.stream import EVENT_FORMATS
+    from pipelines.stream.options import EVENT_FORMATS
 
     assert EVENT_FORMATS == tuple(FORMATS)
 

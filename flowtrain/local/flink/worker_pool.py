@@ -30,7 +30,6 @@ import traceback
 from concurrent import futures
 from pathlib import Path
 
-import flowtrain
 from flowtrain.local.processes import StopSignals, Supervisor
 
 _log = logging.getLogger("flowtrain.worker_pool")
@@ -38,7 +37,7 @@ _log = logging.getLogger("flowtrain.worker_pool")
 
 def project_root() -> str:
     """The directory holding the ``flowtrain``, ``pipelines`` and ``connectors`` packages."""
-    return str(Path(flowtrain.__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[3])  # flowtrain/local/flink/worker_pool.py
 
 
 def worker_env(base: dict | None = None) -> dict:

@@ -1,0 +1,88 @@
+"""Option sections that several commands take, each option declared once with its one default (``connectors.fields``:
+a command lists the sections it takes as its bases; ``connectors.fields.tailor`` gives one command its own help where
+the option means something of its own there, e.g. ``--bundle-key-file`` signs in ``batch`` and verifies in
+``predict``). The engine's sections are in ``flowtrain.train.options``; the local services' in ``commands.local``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connectors.fields import option
+
+#: --help sections.
+RUNNER = "where the Beam pipeline runs"
+GENERAL = "options"
+
+
+@dataclass
+class RunnerOptions:
+    """Where a Beam pipeline of the job runs (``flowtrain.local.runners.pick_runner``)."""
+
+    runner: str | None = option(
+        None, "flink: the local Flink cluster of `flowtrain flink start` (its directory from $FLOWTRAIN_FLINK_DIR), "
+              "or --flink-master's; any other value is Beam's --runner (FnApiRunner, PrismRunner, DataflowRunner, "
+              "...). Default: Beam's FnApiRunner for batch ETL, Prism for streaming", group=RUNNER)
+    flink_master: str | None = option(
+        None, "with --runner flink: the JobManager REST address of another Flink 1.19 cluster; Beam starts its Flink "
+              "job server from flowtrain's jars. Give the SDK workers' environment too: --environment_type=EXTERNAL "
+              "--environment_config=HOST:PORT (a worker pool on every TaskManager host: python -m "
+              "flowtrain.local.flink.worker_pool) or PROCESS (default: none)", metavar="HOST:PORT", group=RUNNER)
+
+
+@dataclass
+class BeamArgs:
+    """Beam's own pipeline options, passed through (``batch``, ``features``, ``predict``; ``stream`` takes them after
+    ``--``)."""
+
+    beam_args: tuple[str, ...] = option((), "Beam pipeline options, e.g. --beam-args=--direct_num_workers=2 (on the "
+                                        "command line, give Beam's options as they are)", group=RUNNER, repeat=True)
+
+
+@dataclass
+class BundleKey:
+    """The key of a bundle's signature: ``batch`` and ``export`` sign with it, ``predict`` and ``drift`` verify."""
+
+    bundle_key_file: str | None = option(None, "sign the run's bundle/ with this key (HMAC-SHA256; a file only you "
+                                         "may read; else $FLOWTRAIN_BUNDLE_KEY; default: none, not signed); "
+                                         "`flowtrain predict --bundle-key-file` verifies it", metavar="FILE")
+
+
+@dataclass
+class Overwrite:
+    """``--overwrite``: a command whose ``--out`` exists replaces it (only what flowtrain wrote; each command says
+    what that is)."""
+
+    overwrite: bool = option(False, "replace --out when it exists")
+
+
+@dataclass
+class TrustCode:
+    """``--trust-code``: a bundle whose model is a user's own code (``--model MODULE:FACTORY``) is imported and run."""
+
+    trust_code: bool = option(False, "the bundle's model is your own code (trained with --model MODULE:FACTORY): "
+                              "import and run that module (only for a bundle you trust; without, such a bundle is "
+                              "refused and loading runs no code)")
+
+
+@dataclass
+class LabelColumn:
+    """The label column of the rows a command reads (``batch``, ``replay``)."""
+
+    label: str | None = option(None, "label column")
+
+
+@dataclass
+class TimeColumn:
+    """The time column of the rows a command reads, and how it is written (``batch``, ``features``; ``replay`` takes
+    the column only)."""
+
+    time_column: str | None = option(None, "each row's time column")
+
+
+@dataclass
+class TimeFormat:
+    """How a text time column is written (``batch``, ``features``)."""
+
+    time_format: str | None = option(None, "how the time column is written when it is text: a strptime format "
+                                     "(e.g. '%d.%m.%Y %H:%M'), or epoch / epoch_ms / epoch_us / epoch_ns for numbers "
+                                     "(default: ISO dates and timestamps, YYYY/MM/DD, epoch seconds)")

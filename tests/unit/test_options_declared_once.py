@@ -1,0 +1,110 @@
+"""Issue 48: an option name is declared once in the whole tree (``connectors.fields.option`` in one class); a command
+takes it by composing that class (a shared section), and a command that needs another default or help says so with
+``connectors.fields.tailor``, which is not a second declaration.
+
+``NOT_YET_ONE`` lists the names still declared in several classes, to fold into shared sections; it may only shrink:
+a new name declared twice fails, and so does a listed name that is declared once now (take it off the list).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from connectors.fields import COMPOSED, build, option, options_of, tailor, to_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Names still declared in more than one class (issue 48, item 1: fold them into shared sections).
+NOT_YET_ONE = {
+    # different parsers or choices per command (a path on an object store or local only, >= 0 or >= 1, cpu|cuda vs
+    # auto|cpu|cuda): one declaration needs a decision on the checks, not only a fold
+    "dataset", "device", "input", "limit", "out", "timeout",
+    # one name, two meanings: a model file (run or bundle) vs your own model's factory; a topic produced to vs read
+    "model", "topic",
+    # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
+    "batch_size", "max_event_bytes", "max_id_bytes", "predictions_format",
+}
+
+
+def option_classes() -> list[type]:
+    """Every dataclass of the packages that declares options (the modules whose source calls an ``option()``)."""
+    found: list[type] = []
+    for pkg in ("connectors", "pipelines", "flowtrain"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if not re.search(r"= (option|\w+_option)\(", path.read_text()):
+                continue
+            module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+            found += [c for c in vars(module).values()
+                      if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == module.__name__]
+    return found
+
+
+def declarations() -> dict[str, list[str]]:
+    """``{option name: [the classes that declare it]}``: a field made by ``option()`` in the class's own body (a
+    ``tailor``-ed copy points back to its declaration and is not one)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for cls in option_classes():
+        own = vars(cls).get("__annotations__", {})
+        for f in vars(cls)["__dataclass_fields__"].values():
+            meta = f.metadata.get("flowtrain")
+            if f.name in own and meta is not None and "origin" not in meta:
+                out[f.name].append(f"{cls.__module__}.{cls.__qualname__}")
+    return out
+
+
+def test_an_option_name_is_declared_once_in_the_whole_tree():
+    twice = {name: classes for name, classes in declarations().items() if len(classes) > 1}
+    new = {name: classes for name, classes in twice.items() if name not in NOT_YET_ONE}
+    assert not new, ("options declared in more than one class (declare each once, in a shared section the commands "
+                     f"compose; connectors.fields.tailor gives a command another default or help): {new}")
+    folded = sorted(NOT_YET_ONE - set(twice))
+    assert not folded, f"declared once now: take {folded} off NOT_YET_ONE"
+    assert len(twice) <= len(NOT_YET_ONE)
+
+
+def test_the_check_sees_a_second_declaration_and_not_a_tailored_one():
+    @dataclass_
+    class Shared:
+        SECTION = COMPOSED
+        level: int = option(1, "a level")
+
+    @dataclass_
+    class Batch(Shared):
+        SECTION = "train"
+
+    @dataclass_
+    @tailor(level={"default": 3, "help": "a stream's level"})
+    class Stream(Shared):
+        SECTION = "trainer"
+
+    @dataclass_
+    class Again:
+        level: int = option(2, "declared again")
+
+    own = {c: [f.name for f in vars(c)["__dataclass_fields__"].values() if f.name in vars(c).get("__annotations__", {})
+               and "origin" not in f.metadata["flowtrain"]] for c in (Shared, Batch, Stream, Again)}
+    assert own == {Shared: ["level"], Batch: [], Stream: [], Again: ["level"]}
+    (b,), (s,) = options_of(Batch), options_of(Stream)
+    assert (b.default, b.help, b.section, b.place) == (1, "a level", "train", "train.level")
+    assert (s.default, s.help, s.section, s.place) == (3, "a stream's level", "trainer", "trainer.level")
+    assert Stream().level == 3 and Batch().level == 1
+    assert to_config(build(Stream, {"level": "5"})) == {"level": 5}
+
+
+def test_tailor_refuses_what_is_no_inherited_option_or_more_than_default_and_help():
+    @dataclass_
+    class Shared:
+        level: int = option(1, "a level")
+
+    with pytest.raises(TypeError, match="names no option"):
+        tailor(depth={"default": 2})(type("Other", (Shared,), {}))
+    with pytest.raises(TypeError, match="only default, help, group and metavar"):
+        tailor(level={"parse": int})(type("Other", (Shared,), {}))
+
+
+dataclass_ = dataclasses.dataclass
