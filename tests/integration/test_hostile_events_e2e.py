@@ -10,7 +10,7 @@ registry) the raw topic holds:
 * an event of a schema id the registry does not know.
 
 One job each (module-scoped), several assertions: both stay up, each hostile event is a dead letter with its
-reason in the pipeline and in the scorer, every good event is a features row and a prediction exactly once, and
+reason in the pipeline and in the scorer, every good event is a prediction and every labelled one a features row exactly once, and
 the trainer trains every labelled one exactly once (its ledger)."""
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def jobs(bootstrap, hostile):
         while True:
             done, end = committed(bootstrap, raw, pipe["group"])
             preds, dead = predictions(score["pred"]), dead_letters(bootstrap, score["dead"])
-            if end and done == end and len({p["source"] for p in preds} | {d["source"] for d in dead}) >= n:
+            if end and done == end and len({p["pred_source"] for p in preds} | {d["source"] for d in dead}) >= n:
                 break
             for proc, where in ((pipeline, log), (scoring, score_log)):
                 assert proc.poll() is None, f"{where.name} ended: {where.read_text()[-4000:]}"
@@ -195,12 +195,12 @@ def test_item1_item3_each_hostile_event_is_a_dead_letter_with_its_reason(jobs, h
     assert all(reasons[o].startswith("numeric feature 'pressure'") for o in hostile["no_pressure"]), reasons
 
 
-def test_item1_item3_every_good_event_is_a_features_row_and_a_prediction_exactly_once(jobs, hostile):
-    rows = Counter(r["src_offset"] for r in jobs["features"])
-    assert set(rows) == set(hostile["good"]) and set(rows.values()) == {1}
-    preds = Counter(int(p["source"].rsplit("/", 1)[1]) for p in jobs["predictions"])
+def test_item1_item3_every_good_event_is_a_prediction_and_each_labelled_one_a_features_row_exactly_once(jobs, hostile):
+    rows = Counter(r["src_offset"] for r in jobs["features"])  # a training row per labelled one (an unlabelled
+    assert set(rows) == hostile["labelled"] and set(rows.values()) == {1}  # event is counted as such, scored only)
+    preds = Counter(int(p["pred_source"].rsplit("/", 1)[1]) for p in jobs["predictions"])
     assert set(preds) == set(hostile["good"]) and set(preds.values()) == {1}
-    assert {p["id"] for p in jobs["predictions"]} == hostile["ids_of_good"]
+    assert {p["reading_id"] for p in jobs["predictions"]} == hostile["ids_of_good"]  # the --id-column, by its name
 
 
 def test_item1_item3_the_trainer_trains_every_labelled_event_exactly_once(bootstrap, jobs, hostile):
