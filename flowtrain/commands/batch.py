@@ -191,6 +191,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         class_weights_of(job, data)  # --class-weight naming no class of the label: now, not in the workers
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
+    given_recipe = {"ensemble": job.ensemble, "numeric_embedding": job.numeric_embedding}  # the report step's flags
     if not job.model and (job.ensemble is None or job.numeric_embedding is None):  # the recipe chosen from the
         rows = train_rows(data)  # table, recorded in config.json (docs/models.md)
         job = dataclasses.replace(job, ensemble=choose_ensemble(rows) if job.ensemble is None else job.ensemble,
@@ -271,7 +272,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
               f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume"
-              f"{training_flags(job)}", flush=True)
+              f"{training_flags(dataclasses.replace(job, **given_recipe))}", flush=True)  # chosen again, the same
         release(run_dir)  # the nodes' workers and the report step (other processes) take the directory next
         return {"run_dir": str(run_dir), "job": str(job_path)}
     if workers > 1 or job.worker_memory:  # --worker-memory caps spawned workers (also one), never this process
@@ -310,6 +311,8 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
 
         summary["mlflow_run_id"] = log_batch_run(job.mlflow, run_dir, experiment=job.mlflow_experiment,
                                                  model_name=job.mlflow_model)
+        # summary.json again, with the MLflow run's id (as flowtrain.train.report.write_summary writes it)
+        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
         print(f"mlflow: run {summary['mlflow_run_id']} in {job.mlflow}", flush=True)
     key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "

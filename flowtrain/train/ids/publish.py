@@ -35,9 +35,15 @@ def published_tables(model: nn.Module) -> dict[str, IdEmbedding | ShardedIdEmbed
 
 
 def dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers: its ``state_dict`` without the ID tables, read without touching
-    the tables (a version's cost is not the table's)."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    """The model's parameters and persistent buffers: its ``state_dict`` without the ID tables, read without
+    touching the tables (a version's cost is not the table's). A non-persistent buffer (a constant the architecture
+    makes, e.g. the periodic embeddings' phase) is not state: never published."""
+    state = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(prefix=prefix, recurse=False):
+            if buffer is not None and name.rsplit(".", 1)[-1] not in module._non_persistent_buffers_set:
+                state[name] = buffer
+    return state
 
 
 class IdPublisher:

@@ -154,7 +154,9 @@ class MemberCarry(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner, carried = x.split([x.shape[1] - self.width, self.width], dim=1)  # split: see tabular.Carry
-        return torch.cat([self.inner(inner.reshape(x.shape[0], self.members, -1)).flatten(1), carried], dim=1)
+        # the member width spelled out: a micro-batch of zero rows (ZeRO-3 on a grid) has no -1 to infer
+        per_member = inner.reshape(x.shape[0], self.members, inner.shape[1] // self.members)
+        return torch.cat([self.inner(per_member).flatten(1), carried], dim=1)
 
 
 class EnsembleHead(nn.Module):
@@ -173,7 +175,7 @@ class EnsembleHead(nn.Module):
         if self.members == 1:  # one network: a plain linear head
             deep = torch.addmm(self.bias, per_member, self.weight[0]).unsqueeze(1)  # [N, 1, K]
         else:
-            per_member = per_member.reshape(x.shape[0], self.members, -1)  # [N, M, width]
+            per_member = per_member.reshape(x.shape[0], self.members, self.weight.shape[1])  # [N, M, width]
             deep = torch.einsum("bmw,mwo->bmo", per_member, self.weight) + self.bias  # [N, M, K]
         if not self.training:
             out = deep.mean(dim=1) + wide  # [N, K]: the untrained model's is the wide part's, exactly
