@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -36,6 +37,7 @@ from flowtrain.parallel import DistContext
 from flowtrain.parallel.deferred import is_deferred, set_target
 from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import cap_worker, heartbeat
+from flowtrain.parallel.memcap import CAP_ENV
 from flowtrain.train import checkpoint, run_marker
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.class_weights import class_weights_of, weighted_metrics
@@ -44,6 +46,7 @@ from flowtrain.train.metrics import (
     MetricsLog,
     better,
     clears,
+    import_evaluation,
     metrics_of,
     scalars,
 )
@@ -159,6 +162,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
 
     train = open_split(data, "train", memory_budget=config.memory_budget)
     valid = open_split(data, "valid", memory_budget=config.memory_budget)
+    if os.environ.get(CAP_ENV):  # capped: the evaluation's lazy imports mapped before the cap is calibrated
+        import_evaluation()
     cap_worker(ctx.rank, ctx.is_main)  # --worker-memory: from here on, its data open (a no-op without the option)
     plan = plan_training(config, len(train), data.kind)
     if not config.threads and plan.batch_size * max(config.hidden or (1,)) <= SMALL_STEP:

@@ -90,6 +90,14 @@ def clears(a: dict, start: dict, metric: str, n: int) -> bool:
     return x >= y + se if SELECT_BY[metric] else x <= y - se
 
 
+def import_evaluation() -> None:
+    """Imports what the evaluation imports lazily (``scipy.stats``, ``sklearn.metrics``). A capped training worker
+    (``--worker-memory``) does it before its cap is calibrated, and the memory plan before it measures a worker's
+    fixed overhead: under ``RLIMIT_AS`` a shared object mapped after the calibration may not fit."""
+    import scipy.stats  # noqa: F401
+    import sklearn.metrics  # noqa: F401
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """ROC AUC: the Mann-Whitney U of the positives' scores against the negatives', over their count of pairs
     (``scipy.stats.mannwhitneyu``; tied scores count half, equal to scikit-learn's ``roc_auc_score``); NaN when the
