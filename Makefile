@@ -34,7 +34,7 @@ browser:
 RESULTS := test-results
 # `make test` on pytest-xdist's workers: a module's tests on one worker, a session service's (Flink, the registry,
 # Azurite) on the worker that starts it (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
