@@ -14,8 +14,6 @@ raw record's produce time (Kafka timestamps, one clock); p50 and p99.
 """
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from kafka import KafkaConsumer, TopicPartition
 
+from bench.stream import stop_process
 from connectors.arrow import decode_batch
 from connectors.dataset_spec import FeatureSpec
 from connectors.kafka import topic_partitions
@@ -47,16 +46,6 @@ def _committed(bootstrap: str, topic: str, group: str) -> tuple[int, int]:
         return sum(c.committed(tp) or 0 for tp in tps), sum(ends.values())
     finally:
         c.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def datasets(work: Path, events: int) -> tuple[Path, str, str]:
@@ -121,7 +110,7 @@ def throughput(bootstrap: str, work: Path, raw: str, dataset: str, events: int, 
     try:
         t0, c0, t1 = _wait_all(bootstrap, raw, group, proc, out / "pipeline.log")
     finally:
-        _stop(proc)
+        stop_process(proc)
     if c0 >= events:  # all in the first commit (a tiny run): from the start, Prism's start-up included
         t0, c0 = started, 0
     return (events - c0) / max(t1 - t0, 1e-9)
@@ -139,7 +128,7 @@ def freshness(bootstrap: str, work: Path, table: Path, dataset: str, rate: float
         replay(bootstrap, raw, table, rate=rate, skip=1, limit=int(rate * seconds))
         _wait_all(bootstrap, raw, group, proc, out / "pipeline.log")
     finally:
-        _stop(proc)
+        stop_process(proc)
     c = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
     try:
         produced = {}

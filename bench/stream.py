@@ -83,13 +83,15 @@ def _spawn(cmd, log: Path, code: Path | None = None) -> subprocess.Popen:
                             env=env, cwd=code)
 
 
-def _stop(proc) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ctrl-C to a bench's streaming process; its group SIGKILLed (and reaped) when it has not ended in 60 s."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _trained_rows(run: Path) -> int:
@@ -237,8 +239,8 @@ def _sustained(bootstrap, dataset, run1: Path, events: int, table: Table, *, met
                     break
             time.sleep(0.25)
         finished = time.time()
-        _stop(trainer)
-        _stop(pipeline)
+        stop_process(trainer)
+        stop_process(pipeline)
     finally:
         stop_scraping.set()
     if ports and not scraped["n"]:
@@ -361,8 +363,8 @@ def _whole_job(bootstrap, dataset, work: Path, events: int, latency_seconds: flo
         while time.monotonic() < deadline and _trained_rows(run2) < valid:  # the trainer has them all
             time.sleep(0.5)
         time.sleep(4)  # the last checkpoint publishes
-        _stop(trainer)
-        _stop(pipeline)
+        stop_process(trainer)
+        stop_process(pipeline)
         lat = _latencies(bootstrap, names2, run2)
         if len(lat) != valid:  # percentiles of a partial sample would drop the slow tail
             raise RuntimeError(f"bench stream: {len(lat):,} of {valid:,} feature rows reached a published model "
