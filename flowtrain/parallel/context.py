@@ -4,7 +4,8 @@
 environment. On one machine (``MASTER_ADDR`` a loopback address, as ``flowtrain ... --workers N``
 sets it) the rendezvous store listens on 127.0.0.1 only: torch's ``env://`` rendezvous would bind
 it to every interface whatever ``MASTER_ADDR`` says, so rank 0 binds the socket itself and hands
-it to ``TCPStore``. Across machines (torchrun) the store is torch's own.
+it to ``TCPStore``. Across machines (torchrun) the store is torch's own; ``restart_hazard`` names the
+one torchrun setting under which a restarted group may not connect.
 
 ``gather_json`` exchanges small JSON-able values between ranks as bytes in a tensor: nothing a peer
 sends is unpickled.
@@ -16,6 +17,7 @@ import ipaddress
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from flowtrain.parallel.device import backend_for, local_world_size, resolve_device
 
-__all__ = ["DistContext", "init_from_env", "gather_json"]
+__all__ = ["DistContext", "init_from_env", "gather_json", "restart_hazard"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,23 @@ def _loopback_store(rank: int, world: int, port: int, timeout: _dt.timedelta) ->
     return dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
+def restart_hazard(env=os.environ) -> str | None:
+    """Why a restarted torchrun group may fail to connect, with the fix; None when it cannot happen.
+
+    torchrun (torch >= 2.5, c10d rendezvous) hands its workers the agent's own TCPStore, one server for the
+    whole job (``TORCHELASTIC_USE_AGENT_STORE=True``). Keys a round's workers wrote stay there, so after a
+    restart a worker can read a dead peer's address from an earlier round and fail with ``Gloo
+    connectFullMesh failed ... Connection refused`` (pytorch/pytorch#135712): every such round costs a
+    restart, and the budget runs out. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
+    environment each round's rank 0 serves a fresh store.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) < 1:
+        return None
+    return ("torchrun --max-restarts shares its rendezvous store with the workers: a restarted group can read a dead "
+            "worker's address from an earlier round and fail to connect until the restarts run out "
+            "(pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment")
+
+
 def init_from_env(*, timeout_s: float = 60.0, device: str | None = "auto") -> DistContext:
     """Join the process group described by torchrun's / flowtrain's environment variables.
 
@@ -84,6 +103,9 @@ def init_from_env(*, timeout_s: float = 60.0, device: str | None = "auto") -> Di
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
+        hazard = restart_hazard()
+        if hazard and os.environ.get("RANK") == "0":
+            print(f"flowtrain worker: warning: {hazard}", file=sys.stderr, flush=True)
         timeout = _dt.timedelta(seconds=timeout_s)
         kwargs = {}
         master = os.environ.get("MASTER_ADDR", "")
