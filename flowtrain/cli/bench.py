@@ -30,6 +30,8 @@ BENCHMARKS = {
                          "bytes of a snapshot and a 1%-touched delta of a 1,000,000-ID table"),
     "ids-publish": ("bench.ids_publish", "bytes and seconds per published version with an ID table: a delta (1% of "
                                          "1,000,000 rows touched) vs a snapshot vs the whole checkpoint"),
+    "features": ("bench.features", "features over time: the backfill vs pandas and DuckDB at 1M events, state bytes "
+                                   "per key, AUC with/without aggregates, the stream with aggregates vs without"),
     "ids-auc": ("bench.ids_auc", "new users on a click stream: ID tables vs a fixed vocabulary and the hashing "
                                  "trick at the same memory, AUC overall and on new users' first events"),
 }
