@@ -28,4 +28,5 @@ def import_training() -> None:
     weight.grad = torch.zeros(1)
     torch.optim.Adam([weight]).step()
     from torch.distributed import checkpoint  # noqa: F401
+    from torch.utils.serialization import config  # noqa: F401 - what DCP's FileSystemWriter reads on its first save
     from torch.utils.tensorboard import SummaryWriter  # noqa: F401
