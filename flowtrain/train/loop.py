@@ -46,11 +46,11 @@ from flowtrain.train.metrics import (
     MetricsLog,
     better,
     clears,
-    import_evaluation,
     metrics_of,
     scalars,
 )
 from flowtrain.train.plan import SMALL_STEP, TrainConfig, TrainPlan, plan_training
+from flowtrain.train.preload import import_training
 from flowtrain.train.trainer import Trainer, loss_function, measured_memory, memory_plan_of
 
 
@@ -162,8 +162,8 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
 
     train = open_split(data, "train", memory_budget=config.memory_budget)
     valid = open_split(data, "valid", memory_budget=config.memory_budget)
-    if os.environ.get(CAP_ENV):  # capped: the evaluation's lazy imports mapped before the cap is calibrated
-        import_evaluation()
+    if os.environ.get(CAP_ENV):  # capped: training's lazy imports mapped before the cap is calibrated
+        import_training()
     cap_worker(ctx.rank, ctx.is_main)  # --worker-memory: from here on, its data open (a no-op without the option)
     plan = plan_training(config, len(train), data.kind)
     if not config.threads and plan.batch_size * max(config.hidden or (1,)) <= SMALL_STEP:

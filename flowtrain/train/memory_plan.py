@@ -37,8 +37,8 @@ from flowtrain.parallel.zero import STAGES
 from flowtrain.parallel.zero_units import GLOO_COLLECTIVES, ZeroCollectives, shard_units
 from flowtrain.train.ids.key_index import REBUILD_CHUNK, KeyIndex
 from flowtrain.train.ids.table import IdTable, next_capacity
-from flowtrain.train.metrics import import_evaluation
 from flowtrain.train.precision import model_dtype
+from flowtrain.train.preload import import_training
 from flowtrain.train.shards import open_split
 
 __all__ = ["MemoryPlan", "plan_memory", "smallest_fit", "fits_line", "gib", "worker_overhead_bytes",
@@ -373,8 +373,8 @@ def worker_overhead_bytes(data=None) -> int:
     reader's buffers and threads are part of a worker's fixed overhead)."""
     import os
 
-    if data is not None:  # a training worker imports the evaluation's libraries before it is capped (loop.fit)
-        import_evaluation()
+    if data is not None:  # a training worker imports training's lazy libraries before it is capped (loop.fit)
+        import_training()
     opened = [open_split(data, split) for split in ("train", "valid")] if data is not None else []
     try:
         with open("/proc/self/statm") as fh:
