@@ -24,14 +24,12 @@ BENCHMARKS = {
     "predict": ("bench.predict", "flowtrain predict (Beam RunInference) vs pyarrow batches + the bundle's predict, "
                                  "1x/10x flights rows/s"),
     "tabular": ("bench.tabular", "flowtrain batch on public tables vs scikit-learn linear models and HGB"),
-    "quality": ("bench.quality", "the default model vs its linear start, HistGradientBoosting and LightGBM on 9 "
-                                 "offline tables, medians of 3 seeds (--tiny: a smoke test)"),
+    "quality": ("bench.quality", "the default model vs its linear start, HGB and LightGBM on 9 offline tables"),
     "ids": ("bench.ids", "ID tables (flowtrain.train.ids) vs torch.nn.EmbeddingBag: lookups/s, rows trained/s; "
                          "bytes of a snapshot and a 1%-touched delta of a 1,000,000-ID table"),
     "ids-publish": ("bench.ids_publish", "bytes and seconds per published version with an ID table: a delta (1% of "
                                          "1,000,000 rows touched) vs a snapshot vs the whole checkpoint"),
-    "features": ("bench.features", "features over time: the backfill vs pandas and DuckDB at 1M events, state bytes "
-                                   "per key, AUC with/without aggregates, the stream with aggregates vs without"),
+    "features": ("bench.features", "features over time: backfill vs pandas/DuckDB, state bytes, AUC, the stream"),
     "ids-auc": ("bench.ids_auc", "new users on a click stream: ID tables vs a fixed vocabulary and the hashing "
                                  "trick at the same memory, AUC overall and on new users' first events"),
 }

@@ -11,6 +11,7 @@ its first step.
 from __future__ import annotations
 
 import torch
+import torch.utils.serialization.config  # noqa: F401 - light; what DCP's FileSystemWriter reads on its first save
 from torch import nn
 
 from flowtrain.train.metrics import import_evaluation
@@ -28,5 +29,4 @@ def import_training() -> None:
     weight.grad = torch.zeros(1)
     torch.optim.Adam([weight]).step()
     from torch.distributed import checkpoint  # noqa: F401
-    from torch.utils.serialization import config  # noqa: F401 - what DCP's FileSystemWriter reads on its first save
     from torch.utils.tensorboard import SummaryWriter  # noqa: F401
