@@ -27,6 +27,32 @@ from flowtrain.train.options import ParallelOptions, TrainOptions
 
 #: How many heartbeats (``--heartbeat``) a trial may miss before it counts as dead.
 GRACE_BEATS = 4
+#: Seconds an SQLite transaction waits for the study file's lock (heartbeats, reports and pops of trials at once).
+SQLITE_LOCK_WAIT_S = 60
+
+
+def serialize_sqlite(storage: RDBStorage) -> None:
+    """An SQLite study: every transaction ``BEGIN IMMEDIATE`` (SQLAlchemy's pysqlite recipe), so a trial's read and
+    update are one step. Optuna takes a waiting trial (an enqueued retry) by reading it WAITING and setting it RUNNING
+    with ``SELECT ... FOR UPDATE``, which SQLite ignores: two threads of ``--parallel`` (or two processes on the same
+    file) both took the same retry and ran it into the same run directory (seen: the second run refused, the trial
+    marked failed, the first one's reports then refused). Other databases lock the row and are left as they are."""
+    from sqlalchemy import event
+
+    engine = storage.engine
+    if engine.dialect.name != "sqlite":
+        return
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None  # pysqlite's own BEGIN off: the one below is the transaction's
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {SQLITE_LOCK_WAIT_S * 1000}")
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # the connections made before the listeners: closed, new ones get them
 
 
 def _fixed_flags(job: TuneJob, searched: set[str]) -> list[str]:
@@ -96,6 +122,7 @@ def run_study(job: TuneJob) -> dict:
                              heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
     except Exception as err:  # noqa: BLE001 - SQLAlchemy's errors: named, one line
         raise FlowtrainError(f"--storage {storage_url}: {str(err).splitlines()[0]}") from None
+    serialize_sqlite(storage)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5) if job.pruner == "median" else optuna.pruners.NopPruner()
     study = optuna.create_study(storage=storage, study_name=job.study_name, direction=_direction(metric),
                                 sampler=optuna.samplers.TPESampler(seed=job.seed), pruner=pruner, load_if_exists=True)
