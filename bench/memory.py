@@ -20,6 +20,9 @@ initial values, parameter by parameter), ZeRO-1 >= 0.95x plain DP and ZeRO-3 >= 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import gc
 import json
 import tempfile
 import time
@@ -39,6 +42,7 @@ from flowtrain.parallel.zero_units import storage_bytes
 from flowtrain.train.memory_plan import plan_memory
 
 D_MODEL, HIDDEN, BLOCKS = 256, 1024, 2
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))  # malloc_trim: glibc's (Linux, as gloo on CPU here)
 #: ``--size``: the MLP's (d_model, hidden, blocks); 100m is where the memory wall is met (the capped demo's size)
 SIZES = {"1m": (256, 1024, 2), "100m": (1024, 4096, 12)}
 BUCKET_MB = 25  # DDP's default bucket: the plain reducer's and ZeRO-1/2's
@@ -139,7 +143,9 @@ def _run_engine(ctx: DistContext, engine: str, job: dict, data) -> dict:
         dist.barrier()
     seconds = (time.perf_counter() - t0) / (len(data) - 2)
     out = {"bytes": held(), "planned": planned, "step_s": seconds}
-    if engine != "fsdp2" and engine != "none":
+    if engine == "none":
+        reducer.close()  # its gradient hooks hold it, and it the model: removed, the model is freed
+    elif engine != "fsdp2":
         zero.close()
     return out
 
@@ -163,6 +169,12 @@ def worker(ctx: DistContext, job: dict) -> None:
     for _ in range(job["repeats"]):  # interleaved: every engine once per repeat
         for engine in engines:
             results[engine].append(_run_engine(ctx, engine, job, data))
+            # the engine's model, optimizer and hooks freed before the next one is built (its hooks' reference
+            # cycles by the collector), and the freed heap given back (glibc keeps a freed 16 MB tensor's memory in
+            # its heap once its mmap threshold has risen): at ~100M parameters, 5 engines x 3 repeats left a rank at
+            # 12 GB resident and the kernel killed it; with this each engine starts from the same ~0.8 GB
+            gc.collect()
+            _LIBC.malloc_trim(0)
     everyone = [None] * ctx.world_size
     if ctx.distributed:
         import torch.distributed as dist

@@ -15,12 +15,12 @@ from flowtrain.parallel.zero import ZeroSharder
 from tests.dp_jobs import Net, global_batches
 
 
-def train(ctx: DistContext, *, steps: int, stage: str, optimizer: str = "adam", seed: int = 0):
+def train(ctx: DistContext, *, steps: int, stage: str, optimizer: str = "adam", seed: int = 0, prefetch: bool = False):
     torch.manual_seed(seed)
     model = Net()
     make = (lambda ps: torch.optim.Adam(ps, lr=0.01)) if optimizer == "adam" else \
         (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
-    zero = ZeroSharder(model, ctx, stage=stage, make_optimizer=make)
+    zero = ZeroSharder(model, ctx, stage=stage, make_optimizer=make, prefetch=prefetch)
     loss_fn = nn.MSELoss()
     memory = []
     for x, y, sizes in global_batches(steps, ctx.world_size, seed):
@@ -41,7 +41,8 @@ def train(ctx: DistContext, *, steps: int, stage: str, optimizer: str = "adam", 
 
 
 def equivalence_job(ctx: DistContext, job: dict) -> None:
-    model, memory, state = train(ctx, steps=job["steps"], stage=job["stage"], optimizer=job.get("optimizer", "adam"))
+    model, memory, state = train(ctx, steps=job["steps"], stage=job["stage"], optimizer=job.get("optimizer", "adam"),
+                                 prefetch=job.get("prefetch", False))
     if ctx.is_main:
         torch.save({"model": model.state_dict(), "optimizer": state}, job["out"])
     with open(f"{job['out']}.memory-{ctx.rank}.json", "w") as fh:

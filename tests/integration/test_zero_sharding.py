@@ -53,6 +53,22 @@ def test_shard_states_equal_one_process(tmp_path, stage, world):
     assert abs(peak - (plan.state + plan.transient)) <= 0.1 * (plan.state + plan.transient), (peak, plan)
 
 
+def test_zero3_with_prefetch_equals_one_process(tmp_path):
+    """ZeRO-3 with each unit's all-gather started under the compute before it (``prefetch``: the next layer's in the
+    forward, the one before in the backward; what `bench memory`'s ``parameters+prefetch`` measures) trains what one
+    process trains, zero-row ranks included. Its peak holds two units gathered, past the plan's one: not checked
+    against the plan (no command turns it on)."""
+    out, world = tmp_path / "params.pt", 3
+    spawn(world, "tests.zero_jobs:equivalence_job", {"steps": STEPS, "stage": "parameters", "out": str(out),
+                                                     "prefetch": True},
+          failure_timeout_s=60, workdir=tmp_path / "w", extra_env=ENV, threads_per_worker=1)
+    got = torch.load(out, weights_only=True)
+    assert _max_diff(got["model"], reference(STEPS, world, "adam").state_dict()) <= 1e-5
+    want = _reference_optimizer_state(world)
+    for k, s in want["state"].items():
+        assert float((got["optimizer"]["state"][k]["exp_avg"] - s["exp_avg"]).abs().max()) <= 1e-5
+
+
 def _reference_optimizer_state(world: int) -> dict:
     from torch import nn
 
