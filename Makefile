@@ -44,7 +44,7 @@ test: install browser
 
 # The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit -m "not slow and not kafka and not streaming and not flink" -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests/unit -m "not slow and not kafka and not streaming and not flink" -q -p no:cacheprovider -n 2
 
 test-slow: install
 	$(BIN)/python -m pytest -m slow -v

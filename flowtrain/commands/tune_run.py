@@ -11,6 +11,7 @@ from pathlib import Path
 import optuna
 from optuna.storages import RDBStorage, RetryFailedTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
+from sqlalchemy import event
 
 from connectors.fields import OptionError, check, options_of, to_config
 from flowtrain.commands.batch_etl import build_dataset
@@ -37,8 +38,6 @@ def serialize_sqlite(storage: RDBStorage) -> None:
     with ``SELECT ... FOR UPDATE``, which SQLite ignores: two threads of ``--parallel`` (or two processes on the same
     file) both took the same retry and ran it into the same run directory (seen: the second run refused, the trial
     marked failed, the first one's reports then refused). Other databases lock the row and are left as they are."""
-    from sqlalchemy import event
-
     engine = storage.engine
     if engine.dialect.name != "sqlite":
         return
