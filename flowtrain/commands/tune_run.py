@@ -37,9 +37,10 @@ def serialize_sqlite(storage: RDBStorage) -> None:
     update are one step. Optuna takes a waiting trial (an enqueued retry) by reading it WAITING and setting it RUNNING
     with ``SELECT ... FOR UPDATE``, which SQLite ignores: two threads of ``--parallel`` (or two processes on the same
     file) both took the same retry and ran it into the same run directory (seen: the second run refused, the trial
-    marked failed, the first one's reports then refused). Other databases lock the row and are left as they are."""
+    marked failed, the first one's reports then refused). Other databases lock the row and are left as they are; so
+    is an in-memory SQLite study (one connection, which ``dispose`` would close with the study in it)."""
     engine = storage.engine
-    if engine.dialect.name != "sqlite":
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
         return
 
     @event.listens_for(engine, "connect")

@@ -38,3 +38,14 @@ def test_threads_asking_at_once_never_take_the_same_waiting_trial(tmp_path):
     assert {n: k for n, k in taken.items() if k > 1} == {}
     assert sorted(taken) == list(range(60))  # the enqueued trials, each once: none made anew
 
+
+
+def test_an_in_memory_study_is_left_as_it_is():
+    """``--storage sqlite://`` (in memory): one connection holds the study; it is not serialized nor disposed."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    storage = optuna.storages.RDBStorage("sqlite://")
+    serialize_sqlite(storage)
+    study = optuna.create_study(storage=storage, study_name="s")
+    trial = study.ask()
+    study.tell(trial, 1.0)
+    assert [t.value for t in study.get_trials(deepcopy=False)] == [1.0]
