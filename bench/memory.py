@@ -42,7 +42,8 @@ from flowtrain.parallel.zero_units import storage_bytes
 from flowtrain.train.memory_plan import plan_memory
 
 D_MODEL, HIDDEN, BLOCKS = 256, 1024, 2
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))  # malloc_trim: glibc's (Linux, as gloo on CPU here)
+#: glibc's malloc_trim (None on a C library without it: nothing is trimmed there)
+_MALLOC_TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
 #: ``--size``: the MLP's (d_model, hidden, blocks); 100m is where the memory wall is met (the capped demo's size)
 SIZES = {"1m": (256, 1024, 2), "100m": (1024, 4096, 12)}
 BUCKET_MB = 25  # DDP's default bucket: the plain reducer's and ZeRO-1/2's
@@ -174,7 +175,8 @@ def worker(ctx: DistContext, job: dict) -> None:
             # its heap once its mmap threshold has risen): at ~100M parameters, 5 engines x 3 repeats left a rank at
             # 12 GB resident and the kernel killed it; with this each engine starts from the same ~0.8 GB
             gc.collect()
-            _LIBC.malloc_trim(0)
+            if _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
     everyone = [None] * ctx.world_size
     if ctx.distributed:
         import torch.distributed as dist

@@ -9,8 +9,8 @@ cases and the flights demo cut to every 100th flight (``tests/bench_preset.py``,
 ``--cluster-dir``) instead of starting their own. All but `flink` run one after another in two processes
 (``tests/bench_smoke_child.py``: torch and Beam imported once in each), each process a group of its own
 (``SMOKE_GROUPS``, about half the seconds each: under `make test`'s load one process of all of them took 760-900+
-s), `flink` in a process of its own on the worker that holds the session's Flink cluster. A bench added to ``flowtrain.cli.bench.BENCHMARKS`` without a tiny size in
-``TINY`` fails until it gets one."""
+s), `flink` in a process of its own on the worker that holds the session's Flink cluster. A bench added to
+``flowtrain.cli.bench.BENCHMARKS`` without a tiny size in ``TINY`` fails until it gets one."""
 from __future__ import annotations
 
 import json

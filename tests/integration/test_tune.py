@@ -72,7 +72,8 @@ def test_a_study_killed_mid_trial_resumes_from_its_storage(tmp_path):
             states = [t.state for t in trials]
             running = [t for t in trials if t.state == TrialState.RUNNING]
             # mid-trial: the running trials have their parameters drawn (one may still start before the kill)
-            if TrialState.COMPLETE in states and running and all(len(t.params) == 3 for t in running):
+            all_drawn = all(len(t.params) == len(SEARCH.split(",")) for t in running)
+            if TrialState.COMPLETE in states and running and all_drawn:
                 break
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         proc.send_signal(signal.SIGKILL)  # the study's process only: its trials must die with it
