@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.flowtrain-installed
 
 install: $(STAMP) provision
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py flowtrain/train/ids/probe.c
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -c constraints.txt -e '.[test,demo]'

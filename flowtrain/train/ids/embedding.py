@@ -103,18 +103,14 @@ class IdEmbedding(_TableState, nn.Module):
         self._pending: tuple[np.ndarray, torch.Tensor] | None = None
 
     def forward(self, keys: torch.Tensor) -> torch.Tensor:
-        """One row per key, the fallback vector where there is none: the rows' map (``IdTable.observe`` in
-        training: counts, admits, expires; ``rows_of`` else), then one fused gather (``_IdRows``). In training each
-        occurrence's gradient is kept for ``step``, which sums them per row."""
+        """One row per key, the fallback vector where there is none. In training: the rows' map
+        (``IdTable.observe``: counts, admits, expires), then one gather (``_IdRows``), each occurrence's gradient kept
+        for ``step``, which sums them per row; else ``IdTable.vectors`` (the map and the gather, one compiled pass
+        where built)."""
         keys_np = keys.detach().to("cpu", torch.int64).numpy()
         train = self.training and self.grow and torch.is_grad_enabled()
-        if not train:  # a lookup: one gather, the fallback vector copied where there is no row
-            rows = self.table.rows_of(keys_np)
-            out = self.table.weight.index_select(0, torch.from_numpy(np.maximum(rows, 0)))
-            none = np.flatnonzero(rows < 0)
-            if len(none):
-                out.index_copy_(0, torch.from_numpy(none), self.fallback.detach().expand(len(none), -1))
-            return out
+        if not train:  # a lookup: the rows' vectors, the fallback vector where there is no row
+            return self.table.vectors(keys_np, self.fallback)[1]
         rows = self.table.observe(keys_np, self.fallback)
         self._pending = (rows, _Sink())
         return _IdRows.apply(self.fallback, self.table.weight, rows, self._pending[1])

@@ -15,6 +15,10 @@ Every operation is vectorized over a batch of keys (``lookup``, ``assign``, ``re
 2,500,000 rows spends 8 bytes per row on ``row_key`` and about 5.7 on the slots, where a Python
 ``dict`` of int keys costs about 100 (docs/benchmarks.md, ``flowtrain bench ids --memory``).
 
+``lookup``, the hot one (every batch of an ID table, in training and inference), runs compiled where the install
+built ``probe.c`` (``compiled.AVAILABLE``) and in numpy otherwise (``lookup_numpy``): the same rows
+(tests/unit/test_id_key_index.py checks the two against each other), several times slower.
+
 For reading it is a mapping like the ``dict`` it replaces: ``len``, ``in``, ``index[key]``, ``get``,
 iteration over keys (in row order), ``items``, ``values``.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from connectors.id_keys import NO_KEY
+from flowtrain.train.ids import compiled
 
 __all__ = ["KeyIndex", "LOAD", "REBUILD_CHUNK"]
 
@@ -59,6 +64,22 @@ class KeyIndex:
         self.high_water = 0  # rows >= high_water were never used
         self._released = np.zeros(0, dtype=np.int64)  # a stack: the last released on top
         self._n_released = 0
+        self._probe = None  # (slots, row_key, their probe.c arguments): ``_probe_tables``
+
+    def __getstate__(self):
+        # a copy (copy.deepcopy, pickle) has arrays of its own: their addresses are found again, not copied
+        return {**self.__dict__, "_probe": None}
+
+    def _probe_tables(self):
+        """probe.c's ``(slots, n_slots, row_key)`` arguments (addresses) for these arrays, or None where it does not
+        run (not built; 64-bit slots); found again only when ``_slots`` or ``row_key`` is a new array (``.ctypes``
+        costs a microsecond an array, a lookup of a hot batch a few dozen)."""
+        p = self._probe
+        if p is None or p[0] is not self._slots or p[1] is not self.row_key:
+            args = ((self._slots.ctypes.data, len(self._slots), self.row_key.ctypes.data)
+                    if compiled.AVAILABLE and self._slots.dtype == np.int32 else None)
+            p = self._probe = (self._slots, self.row_key, args)
+        return p[2]
 
     # --- size ---------------------------------------------------------------------------------------
     @property
@@ -156,8 +177,31 @@ class KeyIndex:
         return out
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """The row of each key (-1: none). Every key's home slot is read at once and its row's key compared (most
-        keys sit at home: the slots are at most ``LOAD`` full); only the others probe on (``_find``)."""
+        """The row of each key (-1: none): compiled where it was built (probe.c: each key's probe path in one pass),
+        else ``lookup_numpy``."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if not len(keys) or not self._count:
+            return np.full(len(keys), -1, dtype=np.int64)
+        tables = self._probe_tables()
+        if tables is None:
+            return self.lookup_numpy(keys)
+        return compiled.lookup(keys, tables)[0]
+
+    def lookup_gather(self, keys: np.ndarray, weight, fallback):
+        """``(rows, weight[rows] with fallback where none, how many have none)`` in one compiled pass (inference),
+        or None where that pass is not built or not for these arrays (then ``lookup`` and a gather do it).
+        ``weight``: a tensor with a row per row of the index; ``fallback``: a vector."""
+        tables = self._probe_tables()
+        if (tables is None or not weight.is_cpu or not weight.is_contiguous() or weight.dim() != 2
+                or len(weight) < len(self.row_key)):
+            return None
+        if fallback.dtype != weight.dtype:
+            fallback = fallback.to(weight.dtype)
+        return compiled.embed(np.ascontiguousarray(keys, dtype=np.int64), tables, weight, fallback)
+
+    def lookup_numpy(self, keys: np.ndarray) -> np.ndarray:
+        """``lookup`` in numpy. Every key's home slot is read at once and its row's key compared (most keys sit at
+        home: the slots are at most ``LOAD`` full); only the others probe on (``_find``)."""
         keys = np.asarray(keys, dtype=np.int64)
         if not len(keys) or not self._count:
             return np.full(len(keys), -1, dtype=np.int64)

@@ -233,6 +233,24 @@ class IdTable:
             self.stats.unknown += int((none & is_key(keys)).sum())
         return rows
 
+    def vectors(self, keys: np.ndarray, fallback: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """Each key's row (-1: none) and vector, ``fallback`` where there is none, changing nothing; unknown IDs are
+        counted (inference). One compiled pass where built (``KeyIndex.lookup_gather``), else ``rows_of`` and one
+        ``index_select``."""
+        keys = np.asarray(keys, dtype=np.int64)
+        fused = self.key_to_row.lookup_gather(keys, self.weight, fallback) if len(keys) and len(self.key_to_row) else None
+        if fused is None:
+            rows = self.rows_of(keys)
+            out = self.weight.index_select(0, torch.from_numpy(np.maximum(rows, 0)))
+            none = np.flatnonzero(rows < 0)
+            if len(none):
+                out.index_copy_(0, torch.from_numpy(none), fallback.detach().to(out.dtype).expand(len(none), -1))
+            return rows, out
+        rows, out, missing = fused
+        if missing:
+            self.stats.unknown += int(((rows < 0) & is_key(keys)).sum())
+        return rows, out
+
     def observe(self, keys: np.ndarray, fallback: torch.Tensor | None = None,
                 bound: Callable[[IdTable, np.ndarray, int], int] | None = None) -> np.ndarray:
         """One batch of events in order (training): counts, admits, expires, bounds; returns each
