@@ -1,9 +1,9 @@
 """ID tables (flowtrain.train.ids) against torch.nn.EmbeddingBag on one process, and the bytes of a
 published version.
 
-* lookups/s: ``IdEmbedding`` at inference (the 64-bit keys' map to rows: one vectorised probe of
-  each key's home slot, then one fused gather) vs ``EmbeddingBag`` over the same rows (its indices
-  already rows: the hashing trick's cost, no map).
+* lookups/s: ``IdEmbedding`` at inference (the 64-bit keys' map to rows and the rows' gather in one
+  compiled pass, ``IdTable.vectors``) vs ``EmbeddingBag`` over the same rows (its indices already rows:
+  the hashing trick's cost, no map); each right after its own training case on the same batches.
 * rows trained/s: a training step's forward, backward and per-row Adam (``IdEmbedding``: observe,
   one fused gather, the rows' gradients summed per row, sparse lazy Adam by ``index_select`` /
   ``index_copy_``) vs ``EmbeddingBag(sparse=True)`` + ``torch.optim.SparseAdam``. Goals (issue 49):
@@ -91,8 +91,11 @@ def run(ids: int = 1_000_000, dim: int = 16, batch: int = 4096, steps: int = 20,
             (bag(b, offsets) @ head).sum().backward()
             bag_opt.step()
 
-    runs = interleaved({"ids lookup": lambda: time_it(ids_lookup), "bag lookup": lambda: time_it(bag_lookup),
-                        "ids train": lambda: time_it(ids_train), "bag train": lambda: time_it(bag_train)},
+    # each lookup right after its own training, the same batches: both find in the cache what their training left
+    # there (in the order lookups, then trainings, the anchor's lookup came two cases after its training with only
+    # the ID table's small lookup between, the table's right after the anchor's training: warm against cold)
+    runs = interleaved({"ids train": lambda: time_it(ids_train), "ids lookup": lambda: time_it(ids_lookup),
+                        "bag train": lambda: time_it(bag_train), "bag lookup": lambda: time_it(bag_lookup)},
                        repeats=repeats)
     rows = steps * batch
     out = {"ids": ids, "dim": dim, "batch": batch, "steps": steps, "repeats": repeats,
