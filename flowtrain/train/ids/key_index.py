@@ -70,16 +70,17 @@ class KeyIndex:
         # a copy (copy.deepcopy, pickle) has arrays of its own: their addresses are found again, not copied
         return {**self.__dict__, "_probe": None}
 
-    def _probe_tables(self):
-        """probe.c's ``(slots, n_slots, row_key)`` arguments (addresses) for these arrays, or None where it does not
-        run (not built; 64-bit slots); found again only when ``_slots`` or ``row_key`` is a new array (``.ctypes``
-        costs a microsecond an array, a lookup of a hot batch a few dozen)."""
+    def _probe_tables(self) -> tuple:
+        """``(slots, row_key, args)``: probe.c's ``(slots, n_slots, row_key)`` arguments (addresses) for these arrays
+        as ``args``, None where it does not run (not built; 64-bit slots). Found again only when ``_slots`` or
+        ``row_key`` is a new array (``.ctypes`` costs a microsecond an array, a hot batch's lookup a few dozen); a
+        caller keeps the tuple while C reads, so the arrays outlive the call even if another thread grows the index."""
         p = self._probe
         if p is None or p[0] is not self._slots or p[1] is not self.row_key:
             args = ((self._slots.ctypes.data, len(self._slots), self.row_key.ctypes.data)
                     if compiled.AVAILABLE and self._slots.dtype == np.int32 else None)
             p = self._probe = (self._slots, self.row_key, args)
-        return p[2]
+        return p
 
     # --- size ---------------------------------------------------------------------------------------
     @property
@@ -183,21 +184,21 @@ class KeyIndex:
         if not len(keys) or not self._count:
             return np.full(len(keys), -1, dtype=np.int64)
         tables = self._probe_tables()
-        if tables is None:
+        if tables[2] is None:
             return self.lookup_numpy(keys)
-        return compiled.lookup(keys, tables)[0]
+        return compiled.lookup(keys, tables[2])[0]
 
     def lookup_gather(self, keys: np.ndarray, weight, fallback):
         """``(rows, weight[rows] with fallback where none, how many have none)`` in one compiled pass (inference),
         or None where that pass is not built or not for these arrays (then ``lookup`` and a gather do it).
         ``weight``: a tensor with a row per row of the index; ``fallback``: a vector."""
         tables = self._probe_tables()
-        if (tables is None or not weight.is_cpu or not weight.is_contiguous() or weight.dim() != 2
+        if (tables[2] is None or not weight.is_cpu or not weight.is_contiguous() or weight.dim() != 2
                 or len(weight) < len(self.row_key)):
             return None
         if fallback.dtype != weight.dtype:
             fallback = fallback.to(weight.dtype)
-        return compiled.embed(np.ascontiguousarray(keys, dtype=np.int64), tables, weight, fallback)
+        return compiled.embed(np.ascontiguousarray(keys, dtype=np.int64), tables[2], weight, fallback)
 
     def lookup_numpy(self, keys: np.ndarray) -> np.ndarray:
         """``lookup`` in numpy. Every key's home slot is read at once and its row's key compared (most keys sit at
@@ -283,6 +284,7 @@ class KeyIndex:
         return keys
 
     def _rebuild(self, n_slots: int) -> None:
+        self._probe = None  # the old arrays' addresses (and the arrays) go with them
         self._slots = np.full(n_slots, EMPTY, dtype=self._slots.dtype if self.capacity < 2**31 else np.int64)
         self._tombs = 0
         rows = np.nonzero(self.occupied)[0]
@@ -293,6 +295,7 @@ class KeyIndex:
         """``capacity`` rows (more than now): the new ones never used; the slots rebuilt for the size."""
         if capacity <= self.capacity:
             return
+        self._probe = None
         self.row_key = np.concatenate([self.row_key, np.full(capacity - self.capacity, NO_KEY, dtype=np.int64)])
         self._rebuild(_slots_for(capacity))
 
