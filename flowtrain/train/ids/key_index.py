@@ -75,7 +75,7 @@ class KeyIndex:
         as ``args``, None where it does not run (not built; 64-bit slots). Found again only when ``_slots`` or
         ``row_key`` is a new array (``.ctypes`` costs a microsecond an array, a hot batch's lookup a few dozen); a
         caller keeps the tuple while C reads, so the arrays outlive the call even if another thread grows the index."""
-        p = self._probe
+        p = self.__dict__.get("_probe")  # absent in an index unpickled from before it existed
         if p is None or p[0] is not self._slots or p[1] is not self.row_key:
             args = ((self._slots.ctypes.data, len(self._slots), self.row_key.ctypes.data)
                     if compiled.AVAILABLE and self._slots.dtype == np.int32 else None)
