@@ -72,14 +72,15 @@ def replay(bootstrap: str, topic: str, table: Path, *, rate: float = 0, skip: in
     subprocess.run(CLI + args, check=True, capture_output=True, timeout=900)
 
 
-def _pipeline(bootstrap: str, raw: str, dataset: str, out: Path, aggregated: bool
+def _pipeline(bootstrap: str, raw: str, dataset: str, out: Path, aggregated: bool, max_delay: float | None = None
               ) -> tuple[subprocess.Popen, str, str]:
     out.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:6]
     group = f"bfg-{tag}"
     args = ["stream", "pipeline", "--bootstrap", bootstrap, "--raw-topic", raw, "--features-topic", f"bff-{tag}",
             "--dead-letter-topic", f"bfd-{tag}", "--group-id", group, "--dataset", dataset, "--out", str(out),
-            *(["--aggregate", AGGREGATE] if aggregated else [])]
+            *(["--aggregate", AGGREGATE] if aggregated else []),
+            *(["--max-delay", str(max_delay)] if max_delay is not None else [])]
     proc = subprocess.Popen(CLI + args, stdout=open(out / "pipeline.log", "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, group, f"bff-{tag}"
@@ -117,12 +118,13 @@ def throughput(bootstrap: str, work: Path, raw: str, dataset: str, events: int, 
 
 
 def freshness(bootstrap: str, work: Path, table: Path, dataset: str, rate: float, seconds: float,
-              aggregated: bool = True) -> np.ndarray:
-    """Seconds from each raw event's produce time to its feature row's record time, the pipeline already running."""
+              aggregated: bool = True, max_delay: float | None = None) -> np.ndarray:
+    """Seconds from each raw event's produce time to its feature row's record time, the pipeline already running
+    (``max_delay``: its ``--max-delay``; None: the default)."""
     raw = f"bfraw-fresh-{uuid.uuid4().hex[:6]}"
     replay(bootstrap, raw, table, limit=1)  # the topic, and a first event that tells when the pipeline is up
-    out = work / f"fresh-{'agg' if aggregated else 'plain'}"
-    proc, group, features = _pipeline(bootstrap, raw, dataset, out, aggregated)
+    out = work / f"fresh-{'agg' if aggregated else 'plain'}-{max_delay or 'default'}"
+    proc, group, features = _pipeline(bootstrap, raw, dataset, out, aggregated, max_delay)
     try:
         _wait_all(bootstrap, raw, group, proc, out / "pipeline.log")
         replay(bootstrap, raw, table, rate=rate, skip=1, limit=int(rate * seconds))
