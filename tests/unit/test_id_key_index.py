@@ -108,6 +108,8 @@ def test_compiled_lookup_equals_the_numpy_path(seed):
     assert small.lookup(last).tolist() == small.lookup_numpy(last).tolist() == [0, 1, 2, 3, 4]
     rows, missing = compiled.lookup(np.ascontiguousarray(probe), index._probe_tables()[2])
     assert missing == int((want < 0).sum())
+    grid = probe[: 6 * 7].reshape(6, 7)[:, ::2]  # any shape, strided: each key's row in its place
+    assert index.lookup(grid).tolist() == index.lookup_numpy(grid.ravel()).reshape(grid.shape).tolist()
 
 
 @pytest.mark.parametrize("dim, dtype", [(16, torch.float32), (5, torch.float64), (40, torch.float32)])

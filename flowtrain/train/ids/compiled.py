@@ -1,8 +1,9 @@
 """An ID table's two hot loops in C (probe.c), where the install built them: the key -> row lookup, and that lookup
-fused with the rows' gather at inference. setup.py builds probe.c as an optional extension (no compiler: the install goes on); this module
-loads it with ctypes (plain C, no Python API) and ``AVAILABLE`` says whether it did. Without it, ``KeyIndex`` looks
-up in numpy and ``IdTable.vectors`` gathers with ``index_select``: the same rows and values, slower
-(docs/benchmarks.md, ``flowtrain bench ids``)."""
+fused with the rows' gather at inference. setup.py builds probe.c as an optional extension (no compiler: the install
+goes on); this module loads it with ctypes (plain C, no Python API) and ``AVAILABLE`` says whether it did. Without
+it, ``KeyIndex`` looks up in numpy and ``IdTable.vectors`` gathers with ``index_select``: the same rows and values,
+slower (docs/benchmarks.md, ``flowtrain bench ids``). The callers check what C cannot: contiguous CPU arrays of the
+layout's dtypes, every row index within its matrix."""
 from __future__ import annotations
 
 import ctypes

@@ -180,24 +180,26 @@ class KeyIndex:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The row of each key (-1: none): compiled where it was built (probe.c: each key's probe path in one pass),
         else ``lookup_numpy``."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        if not len(keys) or not self._count:
-            return np.full(len(keys), -1, dtype=np.int64)
+        keys = np.asarray(keys, dtype=np.int64)
+        if not keys.size or not self._count:
+            return np.full(keys.shape, -1, dtype=np.int64)
         tables = self._probe_tables()
         if tables[2] is None:
             return self.lookup_numpy(keys)
-        return compiled.lookup(keys, tables[2])[0]
+        flat = np.ascontiguousarray(keys.reshape(-1))  # any shape: each key's row in its place
+        return compiled.lookup(flat, tables[2])[0].reshape(keys.shape)
 
     def lookup_gather(self, keys: np.ndarray, weight, fallback):
         """``(rows, weight[rows] with fallback where none, how many have none)`` in one compiled pass (inference),
         or None where that pass is not built or not for these arrays (then ``lookup`` and a gather do it).
         ``weight``: a tensor with a row per row of the index; ``fallback``: a vector."""
         tables = self._probe_tables()
-        if (tables[2] is None or not weight.is_cpu or not weight.is_contiguous() or weight.dim() != 2
-                or len(weight) < len(self.row_key)):
+        keys = np.asarray(keys)
+        if (tables[2] is None or keys.ndim != 1 or not weight.is_cpu or not weight.is_contiguous()
+                or weight.dim() != 2 or len(weight) < len(self.row_key) or fallback.numel() != weight.shape[1]):
             return None
-        if fallback.dtype != weight.dtype:
-            fallback = fallback.to(weight.dtype)
+        if not fallback.is_cpu or fallback.dtype != weight.dtype:
+            fallback = fallback.detach().to("cpu", weight.dtype)
         return compiled.embed(np.ascontiguousarray(keys, dtype=np.int64), tables[2], weight, fallback)
 
     def lookup_numpy(self, keys: np.ndarray) -> np.ndarray:
