@@ -12,6 +12,7 @@ import optuna
 from optuna.storages import RDBStorage, RetryFailedTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from sqlalchemy import event
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from connectors.fields import OptionError, check, options_of, to_config
 from flowtrain.commands.batch_etl import build_dataset
@@ -30,6 +31,28 @@ from flowtrain.train.options import ParallelOptions, TrainOptions
 GRACE_BEATS = 4
 #: Seconds an SQLite transaction waits for the study file's lock (heartbeats, reports and pops of trials at once).
 SQLITE_LOCK_WAIT_S = 60
+
+
+#: Tries at opening a storage whose schema another process may be creating at the same moment.
+OPEN_TRIES = 6
+
+
+def open_storage(url: str, **options) -> RDBStorage:
+    """Optuna's ``RDBStorage(url, **options)``, its schema created if new. Two processes (two ``flowtrain tune`` on one
+    ``--storage``, or a tune and a reader of its study) opening one new database at once both create its tables and
+    insert its schema version, and one fails (``table studies already exists``, ``UNIQUE constraint failed:
+    alembic_version``): that one tries again, and finds the other's schema. Any other error, or the same one
+    ``OPEN_TRIES`` times, is raised."""
+    for attempt in range(OPEN_TRIES):
+        try:
+            return RDBStorage(url, **options)
+        except (IntegrityError, OperationalError) as err:
+            text = str(err)
+            racing = "already exists" in text or "alembic_version" in text or "database is locked" in text
+            if not racing or attempt == OPEN_TRIES - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def serialize_sqlite(storage: RDBStorage) -> None:
@@ -118,8 +141,9 @@ def run_study(job: TuneJob) -> dict:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeats: Optuna's own
     try:
-        storage = RDBStorage(storage_url, heartbeat_interval=job.heartbeat, grace_period=GRACE_BEATS * job.heartbeat,
-                             heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
+        storage = open_storage(storage_url, heartbeat_interval=job.heartbeat,
+                               grace_period=GRACE_BEATS * job.heartbeat,
+                               heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
     except Exception as err:  # noqa: BLE001 - SQLAlchemy's errors: named, one line
         raise FlowtrainError(f"--storage {storage_url}: {str(err).splitlines()[0]}") from None
     serialize_sqlite(storage)

@@ -1,7 +1,9 @@
 """``flowtrain tune``'s SQLite study (``flowtrain.commands.tune_run.serialize_sqlite``): a waiting trial (a killed
 trial's retry, enqueued) is taken by one thread only. Without it, Optuna's ``SELECT ... FOR UPDATE`` is a no-op on
 SQLite and threads asking at once took the same trial (seen in CI: two trials of ``--parallel 2`` ran one retry
-into one run directory; here 6 threads on 60 enqueued trials took 2-4 of them twice in every run without it)."""
+into one run directory; here 6 threads on 60 enqueued trials took 2-4 of them twice in every run without it). And a
+new study file opened by several at once (``open_storage``): seen in CI, the tune process failed with ``UNIQUE
+constraint failed: alembic_version`` while the test's reader created the same schema."""
 from __future__ import annotations
 
 import threading
@@ -10,7 +12,7 @@ from collections import Counter
 import optuna
 import pytest
 
-from flowtrain.commands.tune_run import serialize_sqlite
+from flowtrain.commands.tune_run import open_storage, serialize_sqlite
 
 
 @pytest.mark.timeout(120)
@@ -53,3 +55,29 @@ def test_an_in_memory_study_is_left_as_it_is():
     trial = study.ask()
     study.tell(trial, 1.0)
     assert [t.value for t in study.get_trials(deepcopy=False)] == [1.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_new_storage_opened_by_several_at_once_opens_for_all(tmp_path):
+    """Three threads open one new SQLite study file at the same moment, 15 times: every one gets the storage (with
+    ``RDBStorage`` alone, 2 of the 3 failed in each round here: ``table studies already exists``)."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    errors: list[BaseException] = []
+    for round_ in range(15):
+        url = f"sqlite:///{tmp_path / f'study-{round_}.db'}"
+        start = threading.Barrier(3)
+
+        def open_one(url=url, start=start) -> None:
+            start.wait()
+            try:
+                optuna.create_study(storage=open_storage(url), study_name="s", load_if_exists=True)
+            except BaseException as err:  # noqa: BLE001 - handed to the test
+                errors.append(err)
+
+        threads = [threading.Thread(target=open_one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:3]
