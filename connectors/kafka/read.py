@@ -148,11 +148,12 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
 
     def __init__(self, bootstrap_servers, consumer_config, *, poll_interval_s: float,
                  idle_watermark_lag_s: float, max_read_s: float, batch_records: int | None = None,
-                 client: str = "kafka-python"):
+                 client: str = "kafka-python", live_read_s: float | None = None):
         self._cfg = (bootstrap_servers, consumer_config)
         self._poll_interval_s = poll_interval_s
         self._idle_lag_ms = int(idle_watermark_lag_s * 1000)
         self._max_read_s = max_read_s
+        self._live_read_s = live_read_s
         self._batch_records = batch_records
         self._client = client
         self._ends = EndOffsets(bootstrap_servers, consumer_config)
@@ -211,7 +212,8 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
             return
         topic, partition, stop_ms = element.topic, element.partition, element.stop_time_ms
         fetcher = self._fetcher_at(topic, partition, position)
-        deadline = time.monotonic() + self._max_read_s
+        started = time.monotonic()
+        deadline = started + self._max_read_s
         wm_ms = watermark.current_watermark().micros // 1000
         chunk_size = self._batch_records or self.PER_RECORD_FETCH
         batched = self._batch_records is not None
@@ -219,7 +221,12 @@ class _ReadPartitionFn(beam.DoFn, RestrictionProvider):
         stamp_ms, stamp = None, None
         while True:
             # Never fetch past the stop offset: records beyond it are neither decoded nor emitted.
-            records = fetcher.fetch(min(chunk_size, stop - position), poll_ms)
+            want = min(chunk_size, stop - position)
+            records = fetcher.fetch(want, poll_ms)
+            if self._live_read_s is not None and len(records) < want:
+                # a short fetch: the partition is caught up, its next records are being written now; hand back
+                # soon so that the partitions read after this one in the bundle are not kept waiting
+                deadline = min(deadline, started + self._live_read_s)
             if records and records[0].offset < position:  # a stale fetch from before a seek
                 records = [r for r in records if r.offset >= position]
             if records:
@@ -350,6 +357,12 @@ class ReadFromKafka(beam.PTransform):
       idle_watermark_lag_s: a caught-up partition's watermark advances to now minus this lag.
       max_read_s: longest time one ``process`` call reads before handing its output downstream
         (default 1 s for unbounded reads, for latency; 30 s for bounded ones, for throughput).
+      live_read_s: once a fetch comes back short of what it asked for (the partition has caught up:
+        its next records are being written now), the call hands back ``live_read_s`` after it
+        started instead (default None: ``max_read_s`` always). A runner that reads a bundle's
+        partitions one after another (Prism does) keeps the others' events waiting while one reads:
+        short reads when caught up keep their latency down, long ones under a backlog keep the
+        per-bundle cost low.
       batch_records: emit one element per fetched chunk of at most this many records of one
         partition: a ``list`` of the same ``KafkaRecord``s the per-record form emits, in offset
         order, stamped with the chunk's latest record timestamp (default None: one element per
@@ -376,7 +389,7 @@ class ReadFromKafka(beam.PTransform):
                  poll_interval_s: float = 0.2, idle_watermark_lag_s: float = 0.0,
                  max_read_s: float | None = None, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  check_brokers_at_build: bool = True, batch_records: int | None = None,
-                 client: str = "kafka-python"):
+                 client: str = "kafka-python", live_read_s: float | None = None):
         super().__init__()
         if batch_records is not None and (isinstance(batch_records, bool) or not isinstance(batch_records, int)
                                           or batch_records < 1):
@@ -408,6 +421,10 @@ class ReadFromKafka(beam.PTransform):
                            "idle_watermark_lag_s": idle_watermark_lag_s,
                            "max_read_s": max_read_s if max_read_s is not None else (1.0 if stop is None else 30.0),
                            "batch_records": batch_records, "client": self._client}
+        if live_read_s is not None:
+            if live_read_s < 0:
+                raise ValueError(f"ReadFromKafka(live_read_s={live_read_s!r}): must be >= 0 seconds")
+            self._read_opts["live_read_s"] = live_read_s
 
     def expand(self, pbegin):
         if self._check_at_build:

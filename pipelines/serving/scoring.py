@@ -44,6 +44,7 @@ from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.predictions import WritePredictions
 from pipelines.serving.updates import NewestVersion
 from pipelines.serving.versions import ModelVersion
+from pipelines.stream.steps import live_read_s
 
 __all__ = ["build_scoring_pipeline", "model_handler"]
 
@@ -69,6 +70,7 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
     raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
                                                 group_id=cfg.score_group_id, commit_offsets=False,
                                                 consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s,
+                                                live_read_s=live_read_s(cfg.score_max_delay),
                                                 batch_records=cfg.read_batch_records)
     return (raw
             | "Featurize" >> FeaturizeForScoring(cfg)

@@ -86,7 +86,7 @@ from pipelines.stream.events import DEFAULT_BOUNDS, EventSchema, event_schema
 from pipelines.stream.featurize import Enrichment, StreamFeaturizer
 from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions, parse_bounds
 from pipelines.stream.status import write_status
-from pipelines.stream.steps import MicroBatcher, ParsedEvent, featurize_events, parse_records
+from pipelines.stream.steps import MicroBatcher, ParsedEvent, featurize_events, live_read_s, parse_records
 
 _log = logging.getLogger(__name__)
 
@@ -453,17 +453,8 @@ class FeaturizeEvents(beam.PTransform):
         return records | "MicroBatchFeaturize" >> beam.ParDo(_FusedFeaturizeFn(self.cfg))
 
 
-def read_hand_back_s(max_delay: float) -> float:
-    """How long one read of a raw partition goes on before it hands its bundle back (ReadFromKafka's
-    ``max_read_s``): a quarter of ``--max-delay``, at least 0.05 s. A runner may read the partitions in turn on
-    one worker (Prism does): while one reads, the others' events wait, so a read as long as the micro-batch's
-    delay made each partition wait for the others' (measured, bench features-stream: p99 3.7 s from an event's
-    produce time to its feature row with 1 s reads and 3 partitions, 0.7 s with 0.05 s reads and --max-delay 0.2)."""
-    return max(0.05, max_delay / 4)
-
-
 def build_stream_pipeline(pipeline: beam.Pipeline, cfg: StreamConfig):
-    read = {"max_read_s": read_hand_back_s(cfg.max_delay)}  # what differs from ReadFromKafka's defaults
+    read = {"live_read_s": live_read_s(cfg.max_delay)}  # what differs from ReadFromKafka's defaults
     if cfg.read_batch_records is not None:
         read["batch_records"] = cfg.read_batch_records
     if cfg.read_client != "kafka-python":
