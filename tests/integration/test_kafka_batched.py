@@ -76,6 +76,22 @@ def test_batched_read_with_stop_count_never_crosses_the_stop(bootstrap, new_topi
         _check_chunks(chunks, 3, "n")
 
 
+def test_a_read_that_hands_back_at_every_short_fetch_reads_every_record_once(bootstrap, new_topic):
+    """live_read_s=0: every fetch that comes back short of a chunk (the partition caught up) ends the call and the
+    read resumes from its checkpoint: the same records, each once, in offset order per partition."""
+    topic = new_topic(partitions=3)
+    sent = _produce(bootstrap, topic, 60)
+    with TestPipeline(options=pipeline_options("batch")) as p:
+        chunks = p | ReadFromKafka(bootstrap, topic, stop="end", batch_records=7, live_read_s=0)
+        assert_that(chunks | beam.FlatMap(lambda c: c), equal_to(sent))
+        _check_chunks(chunks, 7, "end")
+
+
+def test_a_negative_live_read_is_rejected_naming_the_option():
+    with pytest.raises(ValueError, match=r"live_read_s=-1.*>= 0"):
+        ReadFromKafka("127.0.0.1:1", "t", live_read_s=-1, check_brokers_at_build=False)
+
+
 def test_batched_and_per_record_reads_stop_at_a_time_inside_a_chunk(bootstrap, new_topic):
     topic = new_topic(partitions=3)
     sent = _produce(bootstrap, topic, 90)
