@@ -72,7 +72,7 @@ def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped(say):
 @pytest.mark.kafka
 @pytest.mark.timeout(180)
 def test_kafka_cli_start_status_stop(tmp_path):
-    port = free_port()
+    port = free_port(below_ephemeral=True)  # the JVM binds seconds later: out of the range where clients take ports
     base = [sys.executable, "-m", "flowtrain.cli", "kafka"]
     opts = ["--port", str(port), "--data-dir", str(tmp_path)]
 
