@@ -118,7 +118,7 @@ def test_write_then_read_round_trip(bootstrap, new_topic):
 def test_write_to_missing_topic_without_autocreate_fails_clearly(tmp_path):
     from flowtrain.local.kafka import LocalKafka, free_port
 
-    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "k",
+    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path / "k",
                         extra_config={"auto.create.topics.enable": "false"})
     broker.start(timeout_s=120, quiet=True)
     try:
