@@ -238,8 +238,8 @@ def stream(work: Path, events: int, repeats: int, bootstrap: str | None, rate: f
         f"events/s from the first commit to the commit of the last event (Prism's start-up not counted); "
         f"`--aggregate {features_stream.AGGREGATE}`, lateness 0; {repeats_note(repeats)}. Freshness: the features "
         f"topic's record time of each event's row minus the raw record's produce time, with the pipeline's defaults (a "
-        f"micro-batch closes at 2,000 events or 1 s) and with --max-delay {FRESH_MAX_DELAY:g} (each raw partition's "
-        f"read hands back after a quarter of it)."], out_dir)
+        f"micro-batch closes at 2,000 events or 1 s) and with --max-delay {FRESH_MAX_DELAY:g} (a caught-up raw "
+        f"partition's read hands back after a quarter of it)."], out_dir)
 
 
 def run(events: int = 1_000_000, repeats: int = MIN_REPEATS, keys: int = 1_000_000, auc_events: int = 200_000,

@@ -15,6 +15,27 @@ import pytest
 from flowtrain.commands.tune_run import open_storage, serialize_sqlite
 
 
+def _at_once(fn, n: int, timeout: float) -> list[BaseException]:
+    """``fn`` in ``n`` threads started together (a barrier); the errors they raised (the test's to name)."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run() -> None:
+        start.wait()
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"a thread still runs after {timeout} s"
+    return errors
+
+
 @pytest.mark.timeout(120)
 def test_threads_asking_at_once_never_take_the_same_waiting_trial(tmp_path):
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -24,22 +45,12 @@ def test_threads_asking_at_once_never_take_the_same_waiting_trial(tmp_path):
     for i in range(60):
         study.enqueue_trial({"x": float(i)})
     taken: Counter = Counter()
-    errors: list[BaseException] = []
-    start = threading.Barrier(6)
 
     def ask_ten() -> None:
-        start.wait()
-        try:
-            for _ in range(10):
-                taken[study.ask().number] += 1
-        except BaseException as err:  # noqa: BLE001 - a thread's error is the test's, named below
-            errors.append(err)
+        for _ in range(10):
+            taken[study.ask().number] += 1
 
-    threads = [threading.Thread(target=ask_ten) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=100)
+    errors = _at_once(ask_ten, 6, timeout=100)
     assert not errors, errors  # e.g. "database is locked": the lock wait ran out
     assert sum(taken.values()) == 60
     assert {n: k for n, k in taken.items() if k > 1} == {}
@@ -65,19 +76,6 @@ def test_a_new_storage_opened_by_several_at_once_opens_for_all(tmp_path):
     errors: list[BaseException] = []
     for round_ in range(15):
         url = f"sqlite:///{tmp_path / f'study-{round_}.db'}"
-        start = threading.Barrier(3)
-
-        def open_one(url=url, start=start) -> None:
-            start.wait()
-            try:
-                optuna.create_study(storage=open_storage(url), study_name="s", load_if_exists=True)
-            except BaseException as err:  # noqa: BLE001 - handed to the test
-                errors.append(err)
-
-        threads = [threading.Thread(target=open_one) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads)
+        errors += _at_once(lambda url=url: optuna.create_study(storage=open_storage(url), study_name="s",
+                                                                load_if_exists=True), 3, timeout=60)
     assert not errors, errors[:3]
