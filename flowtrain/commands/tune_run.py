@@ -151,7 +151,7 @@ def run_study(job: TuneJob) -> dict:
     study = optuna.create_study(storage=storage, study_name=job.study_name, direction=_direction(metric),
                                 sampler=optuna.samplers.TPESampler(seed=job.seed), pruner=pruner, load_if_exists=True)
     study.set_user_attr("metric", metric)
-    _fail_dead_trials(study, job.heartbeat)
+    fail_dead_trials(study, storage, job.heartbeat)
     finished = _finished(study)
     print(f"tune: study {job.study_name!r} in {storage_url}: {len(finished)} of {job.trials} trial(s) finished; "
           f"optimizing validation {metric} ({study.direction.name.lower()}) over "
@@ -203,13 +203,19 @@ def _finished(study) -> list:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
 
 
-def _fail_dead_trials(study, heartbeat: int) -> None:
+def fail_dead_trials(study, storage: RDBStorage, heartbeat: int) -> None:
     """Trials left running by a process that is gone (their heartbeat stopped, e.g. after ``kill -9``): wait out
     the grace period, then mark them failed; the retry callback enqueues each again with its parameters. A trial
     whose heartbeat goes on (another live process on the same storage) stays running."""
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     if not running:
         return
+    fail_stale_trials(study)  # those whose last beat is older than the grace period: failed now
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        # Optuna never fails a running trial without a heartbeat row (seen in CI: the study killed while a trial's
+        # first beat waited for the file's lock, and that trial stayed running on resume). One beat now for each
+        # still running: a dead one is stale after the grace period, a live one beats on.
+        storage.record_heartbeat(trial._trial_id)  # FrozenTrial's id: Optuna names it so
     deadline = time.monotonic() + (GRACE_BEATS + 2) * heartbeat
     while True:
         fail_stale_trials(study)

@@ -12,7 +12,10 @@ from collections import Counter
 import optuna
 import pytest
 
-from flowtrain.commands.tune_run import open_storage, serialize_sqlite
+from optuna.storages import RetryFailedTrialCallback
+from optuna.trial import TrialState
+
+from flowtrain.commands.tune_run import GRACE_BEATS, fail_dead_trials, open_storage, serialize_sqlite
 
 
 def _at_once(fn, n: int, timeout: float) -> list[BaseException]:
@@ -79,3 +82,34 @@ def test_a_new_storage_opened_by_several_at_once_opens_for_all(tmp_path):
         errors += _at_once(lambda url=url: optuna.create_study(storage=open_storage(url), study_name="s",
                                                                 load_if_exists=True), 3, timeout=60)
     assert not errors, errors[:3]
+
+
+@pytest.mark.timeout(60)
+def test_a_running_trial_without_a_heartbeat_row_is_failed_and_retried_on_resume(tmp_path, capsys):
+    """The study killed while a trial's first heartbeat waited for the file's lock (seen in CI): the trial is running
+    with no heartbeat row, which Optuna's stale check skips for ever. On resume it is failed after the grace period
+    and enqueued again with its parameters; a trial that beats on meanwhile (another live process) stays running."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=GRACE_BEATS,
+                           heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=3))
+    serialize_sqlite(storage)
+    study = optuna.create_study(storage=storage, study_name="s")
+    dead, live = study.ask(), study.ask()
+    dead.suggest_float("x", 0.0, 1.0)
+    beating, stop = threading.Thread(target=lambda: _beat(storage, live._trial_id, stop)), threading.Event()
+    beating.start()
+    try:
+        fail_dead_trials(study, storage, heartbeat=1)
+    finally:
+        stop.set()
+        beating.join(timeout=10)
+    states = {t.number: t.state for t in study.get_trials(deepcopy=False)}
+    assert states[dead.number] == TrialState.FAIL and states[live.number] == TrialState.RUNNING
+    retry = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    assert [t.params for t in retry] == [dead.params]
+    assert f"trial(s) {dead.number} of an earlier run stopped without finishing" in capsys.readouterr().out
+
+
+def _beat(storage, trial_id: int, stop: threading.Event) -> None:
+    while not stop.wait(0.3):
+        storage.record_heartbeat(trial_id)
