@@ -43,8 +43,9 @@ from bench import features_stream
 from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, repeats_note
 from connectors.kafka import close_all_clients
-from flowtrain.local.kafka import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka
 from flowtrain.local.runners import pipeline_options
+from flowtrain.local.tools import free_port
 from pipelines.features.backfill import run_backfill
 from pipelines.features.columns import encode_keys
 from pipelines.features.core import KeyFeatures

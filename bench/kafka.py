@@ -32,6 +32,7 @@ from bench.timing import MIN_REPEATS, best, check_repeats, interleaved, median, 
 from connectors.arrow import DecodeArrow, encode_batch
 from connectors.kafka import ReadFromKafka
 from flowtrain.local.runners import pipeline_options
+from flowtrain.local.tools import free_port
 
 #: Records per element of the batched reads (b1, b3) and per poll of the raw batched loops.
 BATCH = 5000
@@ -187,7 +188,7 @@ def run(bootstrap: str | None = None, records: int = 200_000, out_dir: str | Non
         repeats: int = MIN_REPEATS) -> str:
     import tempfile
 
-    from flowtrain.local.kafka import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka
 
     check_repeats(repeats)
     confluent = importlib.util.find_spec("confluent_kafka") is not None

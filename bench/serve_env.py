@@ -15,6 +15,7 @@ import torch
 from bench.demo import demo, demo_inputs, hook
 from bench.inputs import Table
 from connectors.kafka import topic_partitions
+from flowtrain.local.tools import free_port
 from flowtrain.train.loader import TabularDataset
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
@@ -27,7 +28,7 @@ class ServeEnv:
     def __init__(self, events: int, rate: float, seconds: float, table=None, broker: bool = True,
                  bootstrap: str | None = None, publish_every_s: float = 5.0):
         """``bootstrap``: a running broker's, else (with ``broker``) one of its own."""
-        from flowtrain.local.kafka import LocalKafka, free_port
+        from flowtrain.local.kafka import LocalKafka
 
         self.table = table or Table()
         self.work = Path(tempfile.mkdtemp(prefix="flowtrain-bench-serve-"))

@@ -44,7 +44,8 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
 from connectors.kafka import ensure_topic, topic_partitions
 from flowtrain.commands.stream_pipeline import pipeline_totals
-from flowtrain.local.kafka import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka
+from flowtrain.local.tools import free_port
 
 CLI = [sys.executable, "-m", "flowtrain.cli"]
 

@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from flowtrain.local.kafka import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka
+from flowtrain.local.tools import free_port
 from tests.shared_data import SharedData
 
 # The process tests send SIGHUP to what they start and expect it to stop. A suite started under
@@ -105,7 +106,7 @@ def shared_data(tmp_path_factory) -> SharedData:
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory, say) -> LocalKafka:
-    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path_factory.mktemp("kafka"))
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path_factory.mktemp("kafka"))
     status = broker.start(timeout_s=120, quiet=True)
     say(f"\nkafka: broker {broker.version} started from jars on {broker.bootstrap} in "
         f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {broker.log_path})")
@@ -130,9 +131,8 @@ def kafka_broker(tmp_path_factory, say) -> LocalKafka:
 def schema_registry(tmp_path_factory, say) -> str:
     """A real Schema Registry (Apicurio, in memory) for the session: its Confluent-compatible API's URL."""
     from flowtrain.local.registry import LocalRegistry
-    from flowtrain.local.registry import free_port as registry_port
 
-    registry = LocalRegistry(port=registry_port(), data_dir=tmp_path_factory.mktemp("registry"))
+    registry = LocalRegistry(port=free_port(), data_dir=tmp_path_factory.mktemp("registry"))
     status = registry.start(timeout_s=180, quiet=True)
     say(f"\nregistry: Apicurio Registry {registry.version} at {registry.url} in "
         f"{status.get('start_seconds', 0):.1f} s (pid {status['pid']}, log {registry.log_path})")

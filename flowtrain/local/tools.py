@@ -2,6 +2,7 @@
 the Java version, TCP ports on 127.0.0.1."""
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -35,8 +36,31 @@ def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
         return False
 
 
+#: Where ``free_port`` picks: under Linux's ephemeral range (32768+), where client sockets take their ports.
+FREE_PORTS = range(20000, 30000)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (the kernel's pick, in the ephemeral range)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, with the next one free too (a Kafka broker's controller), picked
+    under the ephemeral range: a service binds it seconds later (a JVM starting) or again after a restart, and
+    meanwhile any client's socket could take a port of the ephemeral range (seen in CI: a broker's controller port
+    taken while its JVM started). Never the same port twice in one process."""
+    for _ in range(400):
+        port = random.choice(FREE_PORTS)
+        if port in _handed_out or port + 1 in _handed_out or not all(_bindable(p) for p in (port, port + 1)):
+            continue
+        _handed_out.update((port, port + 1))
+        return port
+    raise OSError(f"no free pair of TCP ports found on 127.0.0.1 in {FREE_PORTS.start}-{FREE_PORTS.stop - 1}")
+
+
+def _bindable(port: int) -> bool:
+    if port_open(port, timeout=0.1):  # a listener (bind would succeed with SO_REUSEADDR on some systems)
+        return False
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False

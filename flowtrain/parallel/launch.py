@@ -35,8 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from connectors.secrets import redact
-from flowtrain.local.kafka import free_port
 from flowtrain.local.processes import StopSignals, Supervisor
+from flowtrain.local.tools import free_port
 from flowtrain.parallel import memcap
 
 HEARTBEAT_ENV = "FLOWTRAIN_HEARTBEAT_DIR"
@@ -108,7 +108,7 @@ def spawn(n_workers: int, target: str, job: dict, *, failure_timeout_s: float = 
     # no secret in a file (connectors.secrets): a worker gets its secrets from its environment (extra_env)
     job_path.write_text(json.dumps(redact({**job, "failure_timeout_s": failure_timeout_s}), default=str))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // n_workers)
-    port = free_port(below_ephemeral=True)  # a rendezvous port no client socket can be holding
+    port = free_port()  # a rendezvous port no client socket can be holding
     supervisor = Supervisor(grace_s=5.0, death_signal=signal.SIGKILL)  # no worker outlives its launcher
     logs: list[Path] = []
     t0 = time.monotonic()

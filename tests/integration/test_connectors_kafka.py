@@ -116,9 +116,10 @@ def test_write_then_read_round_trip(bootstrap, new_topic):
 
 
 def test_write_to_missing_topic_without_autocreate_fails_clearly(tmp_path):
-    from flowtrain.local.kafka import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka
+    from flowtrain.local.tools import free_port
 
-    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path / "k",
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "k",
                         extra_config={"auto.create.topics.enable": "false"})
     broker.start(timeout_s=120, quiet=True)
     try:
@@ -264,7 +265,7 @@ def test_ensure_topic_replication_factor_defaults_to_the_brokers_and_is_an_optio
 
 def test_read_from_kafka_without_a_broker_fails_fast_naming_the_servers():
     from connectors.kafka import KafkaUnavailable
-    from flowtrain.local.kafka import free_port
+    from flowtrain.local.tools import free_port
 
     nobody = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()

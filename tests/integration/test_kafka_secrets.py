@@ -27,10 +27,11 @@ PASSWORD = "pw-" + os.urandom(8).hex()  # a value that cannot appear anywhere by
 @pytest.fixture(scope="module")
 def sasl_broker(tmp_path_factory):
     """A broker with a SASL_PLAINTEXT listener (mechanism PLAIN, user alice) beside its own PLAINTEXT one."""
-    from flowtrain.local.kafka import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka
+    from flowtrain.local.tools import free_port
 
-    port = free_port(below_ephemeral=True)
-    sasl_port = free_port(below_ephemeral=True)
+    port = free_port()
+    sasl_port = free_port()
     jaas = ('org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" '
             f'password="admin-pw" user_admin="admin-pw" user_alice="{PASSWORD}";')
     broker = LocalKafka(port=port, data_dir=tmp_path_factory.mktemp("sasl-kafka"), extra_config={

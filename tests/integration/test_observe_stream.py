@@ -151,7 +151,7 @@ def test_stream_job_serves_prometheus_metrics_and_a_live_status_page_in_a_real_b
 
     from kafka import KafkaConsumer, TopicPartition
 
-    from flowtrain.local.kafka import free_port
+    from flowtrain.local.tools import free_port
 
     driver = _chrome()  # first: no browser, no run
     raw = new_topic(partitions=2, prefix="raw")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowtrain.local.kafka import free_port
+from flowtrain.local.tools import free_port
 from flowtrain.parallel import shard_bounds
 from flowtrain.parallel.launch import WorkerFailure, spawn
 from tests.dp_jobs import reference
@@ -63,7 +63,7 @@ def test_torchrun_two_nodes_equals_spawned_run(tmp_path):
     env = dict(os.environ, **ENV, FLOWTRAIN_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     failures = []
     for _attempt in range(2):
-        port = free_port(below_ephemeral=True)
+        port = free_port()
         nodes = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
              f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",

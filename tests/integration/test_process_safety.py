@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from flowtrain.local.kafka import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka
 from flowtrain.local.processes import identity, same_process
+from flowtrain.local.tools import free_port
 from tests.procs import descendants, is_loopback, kill_tree, listening_sockets, still_running
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,8 +11,8 @@ from apache_beam.transforms import window
 from apache_beam.transforms.periodicsequence import PeriodicImpulse
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from flowtrain.local.kafka import free_port
 from flowtrain.local.runners import pipeline_options
+from flowtrain.local.tools import free_port
 
 
 @pytest.mark.kafka
@@ -72,7 +72,7 @@ def test_unbounded_pipeline_fires_windows_on_prism_then_is_stopped(say):
 @pytest.mark.kafka
 @pytest.mark.timeout(180)
 def test_kafka_cli_start_status_stop(tmp_path):
-    port = free_port(below_ephemeral=True)  # the JVM binds seconds later: out of the range where clients take ports
+    port = free_port()  # the JVM binds seconds later: out of the range where clients take ports
     base = [sys.executable, "-m", "flowtrain.cli", "kafka"]
     opts = ["--port", str(port), "--data-dir", str(tmp_path)]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flowtrain.local.kafka import LocalKafka, free_port
+from flowtrain.local.kafka import LocalKafka
+from flowtrain.local.tools import free_port
 from tests.procs import descendants, still_running
 from tests.scoring_helpers import KEY, events, produce
 
@@ -82,7 +83,7 @@ def test_item15_sigterm_stops_stream_score_while_the_broker_is_down(shared_data,
     key = tmp_path / "update.key"
     key.write_bytes(KEY)
     key.chmod(0o600)
-    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path / "kafka")
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "kafka")
     proc, tree = None, {}
     try:
         broker.start(timeout_s=120, quiet=True)

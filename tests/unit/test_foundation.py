@@ -8,8 +8,8 @@ import apache_beam as beam
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from flowtrain.local.kafka import free_port
 from flowtrain.local.runners import pipeline_options
+from flowtrain.local.tools import free_port
 
 
 def test_batch_pipeline_on_local_batch_runner():
@@ -79,3 +79,18 @@ def test_cli_help_describes_every_command_and_option_with_the_config_defaults(mo
     # (every field's documented default: tests/unit/test_options_fields.py walks the fields)
     batch_help = " ".join(commands["batch"].format_help().split())
     assert f"reduced as sums and counts; a whole number >= 1 (default: {BatchJob().workers})" in batch_help
+
+
+def test_free_ports_are_under_the_ephemeral_range_with_their_next_port_free_and_never_repeated():
+    """A service binds its port seconds after it is picked (a JVM starting) and a broker's controller takes the next
+    one: both free, picked where client sockets never take theirs (seen in CI: a controller port taken meanwhile)."""
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert all(p + 1 < low for p in ports)
+    assert len(set(ports) | {p + 1 for p in ports}) == 400  # no port, nor its neighbour, handed out twice
+    for p in ports[:20]:
+        for q in (p, p + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", q))

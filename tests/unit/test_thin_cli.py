@@ -141,7 +141,7 @@ def test_item2_kafka_and_flink_take_config_and_print_config(tmp_path):
 def test_item5_streaming_jobs_run_from_python_with_the_same_job_objects(tmp_path):
     import flowtrain
     from flowtrain.commands.stream import ReplayJob, StreamJob
-    from flowtrain.local.kafka import free_port
+    from flowtrain.local.tools import free_port
 
     assert flowtrain.ReplayJob is ReplayJob and flowtrain.StreamJob is StreamJob
     assert {"replay", "stream", "score"} <= set(flowtrain.__all__)

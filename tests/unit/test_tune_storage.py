@@ -11,7 +11,6 @@ from collections import Counter
 
 import optuna
 import pytest
-
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 

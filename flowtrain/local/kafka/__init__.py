@@ -5,7 +5,6 @@ from flowtrain.local.kafka.broker import (
     LocalKafka,
     answers_metadata,
     ensure_jars,
-    free_port,
 )
 
-__all__ = ["KAFKA_VERSION", "BrokerError", "LocalKafka", "answers_metadata", "ensure_jars", "free_port"]
+__all__ = ["KAFKA_VERSION", "BrokerError", "LocalKafka", "answers_metadata", "ensure_jars"]

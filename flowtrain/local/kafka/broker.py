@@ -11,9 +11,7 @@ never signalled.
 from __future__ import annotations
 
 import base64
-import random
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -24,7 +22,6 @@ from kafka import KafkaAdminClient
 
 from flowtrain.local.paths import cache_root
 from flowtrain.local.service import LocalService
-from flowtrain.local.tools import free_port as _any_free_port
 from flowtrain.local.tools import java_major, port_open, require_tool
 
 KAFKA_VERSION = "4.3.1"
@@ -73,30 +70,6 @@ def ensure_jars(version: str = KAFKA_VERSION, *, quiet: bool = False) -> Path:
     if not quiet:
         print(f"kafka: broker jars ready in {time.monotonic() - t0:.0f} s", flush=True)
     return libs
-
-
-def free_port(below_ephemeral: bool = False) -> int:
-    """A TCP port on 127.0.0.1 that is free now, with the next one free too (controller).
-
-    ``below_ephemeral`` picks from 20000-30000, under Linux's ephemeral range (32768+), for a
-    broker that restarts on the same port: while it is down, its clients' reconnecting sockets
-    take ephemeral ports and could take its own.
-    """
-    for _ in range(200):
-        if below_ephemeral:
-            port = random.randrange(20000, 30000)
-            if port_open(port, timeout=0.1):
-                continue
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        else:
-            port = _any_free_port()
-        if port < 65535 and not port_open(port + 1, timeout=0.1):
-            return port
-    raise BrokerError("no free pair of TCP ports found on 127.0.0.1")
 
 
 def answers_metadata(bootstrap: str, timeout_s: float = 5.0) -> bool:

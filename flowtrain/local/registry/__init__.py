@@ -21,13 +21,13 @@ from pathlib import Path
 
 from flowtrain.local.paths import cache_root
 from flowtrain.local.service import LocalService
-from flowtrain.local.tools import free_port, java_major, port_open, require_tool
+from flowtrain.local.tools import java_major, port_open, require_tool
 
 APICURIO_VERSION = "3.0.9"
 #: Where the Confluent-compatible API is, under the registry's root.
 CCOMPAT_PATH = "/apis/ccompat/v7"
 
-__all__ = ["APICURIO_VERSION", "CCOMPAT_PATH", "LocalRegistry", "RegistryError", "ensure_registry", "free_port"]
+__all__ = ["APICURIO_VERSION", "CCOMPAT_PATH", "LocalRegistry", "RegistryError", "ensure_registry"]
 
 
 class RegistryError(RuntimeError):
