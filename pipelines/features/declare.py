@@ -188,6 +188,10 @@ def _no_repeats(where: str, what: str, items: Iterable[str]) -> None:
         seen.add(item)
 
 
+#: ``--join kafka://TOPIC:KEY[:VALID_FROM]``: the table is a topic on the stream's brokers (``pipelines.stream.join_topic``).
+TOPIC_SCHEME = "kafka://"
+
+
 @dataclass(frozen=True)
 class Join:
     """``TABLE:KEY[:VALID_FROM]``: the table's other columns, prefixed ``KEY_``, as of each event's time."""

@@ -1,6 +1,7 @@
 """The aggregates as Arrow columns (their types, their empty values) and the backfill's output file."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -11,7 +12,7 @@ from apache_beam.io.filesystems import FileSystems
 from connectors.files import file_format, list_units, read_unit
 from connectors.spill import read_spill_file
 from pipelines.features.core import KeyFeatures
-from pipelines.features.declare import last_k
+from pipelines.features.declare import TOPIC_SCHEME, DeclarationError, last_k
 from pipelines.tabular.preflight import expand_inputs
 
 #: Aggregations whose value is a whole number (and 0 when empty).
@@ -70,15 +71,42 @@ def empty_features(group: KeyFeatures, kind_of: Callable[[str], str], n: int) ->
 
 
 def read_table(path: str) -> pa.Table:
-    """A whole table (a join's): every file ``path`` matches, any format flowtrain reads."""
+    """A whole table (a join's): every file ``path`` matches (a file, a glob, or a dataset's directory: every file
+    of a format flowtrain reads under it, names starting with ``_`` or ``.`` left out), any format flowtrain reads."""
+    if path.startswith(TOPIC_SCHEME):
+        raise DeclarationError(f"--join {path}: a Kafka topic joins on the stream only (flowtrain stream pipeline, "
+                               f"stream score); here give the table's file, e.g. the rows published to the topic")
     batches = []
-    for f in expand_inputs([path]):
+    for f in table_files(path):
         for unit in list_units(f, file_format(f)):
             batches.extend(read_unit(unit))
     if not batches:
         raise FileNotFoundError(f"{path}: no rows")
     return pa.Table.from_batches(batches) if len({b.schema for b in batches}) == 1 else \
         pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="permissive")
+
+
+def table_files(path: str) -> list[str]:
+    """The files of a join's table: ``path``'s matches, or the table files under a directory (in name order)."""
+    if not FileSystems.match([path])[0].metadata_list or path.endswith("/") or os.path.isdir(path):
+        under = FileSystems.match([path.rstrip("/") + "/**"])[0].metadata_list
+        files = sorted(m.path for m in under if _table_file(m.path, path))
+        if files:
+            return files
+        if under or path.endswith("/") or os.path.isdir(path):
+            raise FileNotFoundError(f"--join {path}: a directory without a table file (parquet, avro, csv, jsonl)")
+    return expand_inputs([path])
+
+
+def _table_file(name: str, root: str) -> bool:
+    rel = name[len(root.rstrip("/")):].lstrip("/")
+    if any(part[:1] in ("_", ".") for part in rel.split("/")):
+        return False
+    try:
+        file_format(name)
+    except ValueError:
+        return False
+    return True
 
 
 def write_parts(parts: Sequence[str], out: str) -> int:

@@ -28,6 +28,7 @@ from pipelines.features.store import StateStore
 from pipelines.features.stream import LATE, StreamFeatures, StreamPlan
 from pipelines.stream.events import EventField, EventSchema
 from pipelines.stream.featurize import EventFeatures, StreamFeaturizer
+from pipelines.stream.join_topic import TopicTable, is_topic
 
 _NUMBER = (int, float)
 _ANY_VALUE = (str, int, float, bool)
@@ -60,7 +61,9 @@ class Aggregates:
         if self.decl.aggregations and not spec.time_column:
             raise ValueError("--aggregate needs the dataset's time column (train it with --time-column)")
         self.spec, self.group_id, self.state_dir = spec, group_id, state_dir
-        self.tables = [AsOfTable(j, read_table(j.table), time_format=spec.time_format) for j in self.decl.joins]
+        self.tables = [TopicTable(j, options.bootstrap, options.kafka_config, time_format=spec.time_format)
+                       if is_topic(j) else AsOfTable(j, read_table(j.table), time_format=spec.time_format)
+                       for j in self.decl.joins]
         self.plan = StreamPlan(self.decl, spec.time_column or "", spec.time_format,
                                kinds_of(self.decl, spec, recorded_kinds), float(options.allowed_lateness))
         self.outputs = [*self.decl.aggregate_names(), *(n for t in self.tables for n in t.columns)]
@@ -200,6 +203,9 @@ class Aggregates:
         for p in self.parts.values():
             if p.store is not None:
                 p.store.close()
+        for t in self.tables:
+            if isinstance(t, TopicTable):
+                t.close()
         self.logs, self.parts = {}, {}
 
 

@@ -3,7 +3,8 @@ out of order within the allowed lateness, the stream pipeline computing the aggr
 SIGKILLed mid-stream and restarted. The skew gate (`flowtrain skew`) against `flowtrain features`' backfill of the
 same events finds zero mismatches; rows go to the features topic in offset order; a second pipeline with a
 shorter lateness counts and dead-letters the late events (reason `late`). The scorer (`flowtrain stream score`, its
-own group and states) on the same raw topic, a published model serving, logs the same values: skew zero as well."""
+own group and states) on the same raw topic, a published model serving, joining the merchants from a compacted
+topic instead of the file, logs the same values: skew zero as well."""
 from __future__ import annotations
 
 import json
@@ -136,7 +137,8 @@ def streamed(bootstrap, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scored(streamed, bootstrap):
     """`flowtrain stream score --log-features` on the same raw topic (its own group and feature states) with the
-    pipeline's --aggregate/--join/--allowed-lateness, a model version with random weights published first; until it
+    pipeline's --aggregate/--allowed-lateness and its --join's table from a compacted topic (--join kafka://...), a
+    model version with random weights published first; until it
     has logged as many events as the pipeline did (the same ones wait for the watermark at the end)."""
     import os
 
@@ -147,7 +149,8 @@ def scored(streamed, bootstrap):
 
     base, names = streamed["base"], streamed["names"]
     tag = uuid.uuid4().hex[:6]
-    snames = {"updates": f"fupd-{tag}", "pred": f"fpred-{tag}", "dead": f"fsdead-{tag}", "group": f"fsg-{tag}"}
+    snames = {"updates": f"fupd-{tag}", "pred": f"fpred-{tag}", "dead": f"fsdead-{tag}", "group": f"fsg-{tag}",
+              "merchants": f"fmerch-{tag}"}
     key = base / "update.key"
     key.write_bytes(b"features-test-key-0123456789abcdef")
     key.chmod(0o600)
@@ -158,8 +161,18 @@ def scored(streamed, bootstrap):
         run_id="run-f", reason="periodic", time=time.time())
     from kafka import KafkaProducer
 
+    # the scorer joins the merchants from a compacted topic (one JSON row per record), the backfill from the file
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(snames["merchants"], 1, 1, topic_configs={"cleanup.policy": "compact"})])
+    admin.close()
     producer = KafkaProducer(bootstrap_servers=bootstrap)
     producer.send(snames["updates"], json.dumps(record).encode(), key=b"1").get(timeout=30)
+    for row in pacsv.read_csv(base / "merchants.csv").to_pylist():
+        producer.send(snames["merchants"], json.dumps(row).encode(),
+                      key=f"{row['merchant']}@{row['valid_from']}".encode())
+    producer.flush(timeout=30)
     producer.close()
     out, log = base / "s", base / "scored"
     out.mkdir()
@@ -168,7 +181,7 @@ def scored(streamed, bootstrap):
             "--score-group-id", snames["group"], "--dataset", str(base / "dataset"), "--out", str(out),
             "--wait-model", "120", "--id-column", "txn", "--update-key-file", str(key), "--allowed-lateness",
             str(DELAY), "--log-features", str(log), "--log-features-id", "txn",
-            *_declaration_args(str(base / "merchants.csv"))]
+            *_declaration_args(f"kafka://{snames['merchants']}")]
     proc = subprocess.Popen(CLI + args, stdout=open(out / "scorer.log", "ab"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={k: v for k, v in os.environ.items()
                                                          if k != "FLOWTRAIN_UPDATE_KEY"})
@@ -186,7 +199,8 @@ def scored(streamed, bootstrap):
     finally:
         stop_group(proc)
     preds = [row for m in _read(bootstrap, snames["pred"]) for row in decode_batch(m.value).to_pylist()]
-    return {"log": log, "want": want, "predictions": preds, "scorer_log": (out / "scorer.log").read_text()}
+    return {"log": log, "want": want, "predictions": preds, "scorer_log": (out / "scorer.log").read_text(),
+            "merchants": snames["merchants"]}
 
 
 def test_the_scorer_logs_the_same_values_as_the_backfill(streamed, scored):
@@ -194,6 +208,7 @@ def test_the_scorer_logs_the_same_values_as_the_backfill(streamed, scored):
                                    id="txn", features=tuple(streamed["aggregates"])))
     report = "\n".join(lines)
     assert code == 0 and "skew: none" in report, report
+    assert f"topic {scored['merchants']!r}" not in scored["scorer_log"]  # no join record rejected, no late version
     assert lines[0].startswith(f"events: {scored['want']:,} compared"), (lines[0], scored["want"])
     everything = {str(t) for t in streamed["txns"].column("txn").to_pylist()}
     assert logged_ids(scored["log"]) == everything - waiting_at_end(streamed["raw"], DELAY)
