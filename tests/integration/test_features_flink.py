@@ -1,9 +1,10 @@
 """Features over time on the local Flink session cluster (the session's, EXTERNAL SDK workers from its worker pool)
 and a real broker: generated payments replayed keyed by card while `flowtrain stream pipeline --runner flink` runs
 on a dataset made by `flowtrain batch --aggregate/--join` (the stream takes the dataset's declaration: declared
-once). Mid-stream the SDK workers running the fused step are SIGKILLed (kill -9 where the aggregations' state and
-the offsets are written), the pipeline is started again, and the skew gate against the batch run's own backfill
-finds zero mismatches: the same values as an uninterrupted run."""
+once). Mid-stream a TaskManager's JVM and the SDK workers running the fused step are SIGKILLed (kill -9 where the
+aggregations' state and the offsets are written), `flowtrain flink start` (``LocalFlink.start``) starts the dead
+TaskManager again with the rest of the cluster kept, the pipeline is started again, and the skew gate against the
+batch run's own backfill finds zero mismatches: the same values as an uninterrupted run."""
 from __future__ import annotations
 
 import json
@@ -52,8 +53,8 @@ def _sdk_workers(cluster) -> dict[int, str]:
     return descendants(pool["pid"])
 
 
-def test_the_stream_on_flink_equals_the_backfill_across_a_kill9_of_its_sdk_workers(bootstrap, flink_cluster,
-                                                                                   tmp_path, say):
+def test_the_stream_on_flink_equals_the_backfill_across_a_kill9_of_a_taskmanager_and_its_sdk_workers(
+        bootstrap, flink_cluster, tmp_path, say):
     base = tmp_path
     txns, merchants = generate_transactions(EVENTS, cards=40, merchants=20, days=6, delay_s=DELAY, seed=33)
     pacsv.write_csv(txns, base / "txns.csv")
@@ -95,15 +96,26 @@ def test_the_stream_on_flink_equals_the_backfill_across_a_kill9_of_its_sdk_worke
     proc = pipeline()
     try:
         wait(proc, EVENTS // 3)
+        jobmanager = flink_cluster.read_state()["processes"]["jobmanager"]
         workers = _sdk_workers(flink_cluster)
         assert workers, "no SDK worker runs the job"
         at_kill = committed(bootstrap, raw, group)[0]
         assert at_kill < EVENTS, "every event was committed before the kill: not mid-stream"
-        for pid in workers:  # kill -9 where the features' state and the offsets are written
+        taskmanager = flink_cluster.read_state()["processes"]["taskmanager-1"]
+        assert same_process(taskmanager), taskmanager
+        # kill -9 a TaskManager's JVM, and the SDK workers where the features' state and the offsets are written
+        for pid in [taskmanager["pid"], *workers]:
             subprocess.run(["kill", "-9", str(pid)], check=False)
-        say(f"flink features: {len(workers)} SDK worker process(es) SIGKILLed at {at_kill} of {EVENTS} committed")
+        say(f"flink features: TaskManager 1 and {len(workers)} SDK worker process(es) SIGKILLed at {at_kill} of "
+            f"{EVENTS} committed")
         stop_group(proc, signal.SIGKILL)  # the job (failed or restarting) goes; a new one starts from the state
         _cancel_active(rest)
+        t0 = time.monotonic()
+        flink_cluster.start(quiet=True)  # only the dead TaskManager starts again (the rest of the cluster kept)
+        state = flink_cluster.read_state()
+        assert flink_cluster.running() and state["processes"]["taskmanager-1"]["pid"] != taskmanager["pid"]
+        assert state["processes"]["jobmanager"]["pid"] == jobmanager["pid"]
+        say(f"flink features: TaskManager 1 started again in {time.monotonic() - t0:.1f} s")
         proc = pipeline()
         assert replay.wait(timeout=120) == 0, replay.stdout.read().decode()[-2000:]
         wait(proc, EVENTS)

@@ -31,3 +31,29 @@ def test_flink_reads_its_state_through_local_service_as_kafka_does(tmp_path):
     assert cluster.status()["processes"]["jobmanager"]["alive"] is False
     with pytest.raises(FlinkError, match="no local Flink cluster is running in"):
         cluster.beam_args()
+
+
+def test_only_a_cluster_whose_dead_processes_are_all_taskmanagers_is_healed_in_place(tmp_path):
+    """``start`` starts dead TaskManagers again (the JobManager, job server, pool and jobs kept) only when every
+    dead process is a TaskManager and the cluster was asked for as it runs; otherwise it is started anew (here
+    checked without starting anything: ``_restart_dead_taskmanagers`` declines before any process starts). The
+    restart itself is tested on the session's cluster (tests/integration/test_features_flink.py)."""
+    import os
+
+    from flowtrain.local.processes import start_time
+
+    cluster = LocalFlink(data_dir=tmp_path / "f", taskmanagers=2, slots=1)
+    cluster.data_dir.mkdir(parents=True)
+    me = {"pid": os.getpid(), "started": start_time(os.getpid()), "log": "x"}
+    dead = {"pid": 2 ** 22 + 7, "started": 1.0, "log": "x"}
+
+    def declines(processes: dict, **fields) -> bool:
+        cluster._state_path.write_text(json.dumps({"complete": True, "role": "cluster", "taskmanagers": 2,
+                                                   "slots": 1, "jars": str(tmp_path), "processes": processes,
+                                                   **fields}))
+        return cluster._restart_dead_taskmanagers(timeout_s=1, quiet=True) is False
+
+    assert declines({"jobmanager": me, "taskmanager-1": me})  # nothing dead: nothing to heal
+    assert declines({"jobmanager": dead, "taskmanager-1": dead})  # the JobManager died too: started anew
+    assert declines({"jobmanager": me, "taskmanager-1": dead}, slots=2)  # asked for another shape
+    assert declines({"jobmanager": me, "taskmanager-1": dead}, complete=False)  # a start that never finished

@@ -83,11 +83,21 @@ def default_dir() -> Path:
     return Path(os.environ.get(DIR_ENV) or cache_root() / "flink-cluster").expanduser()
 
 
-def _logged(path: Path, text: str) -> bool:
+def _logged(path: Path, text: str, after: int = 0) -> bool:
+    """``text`` in the log at ``path`` (from byte ``after`` on: what a process started again wrote)."""
     try:
-        return text in path.read_text(errors="replace")
+        with open(path, "rb") as fh:
+            fh.seek(after)
+            return text in fh.read().decode(errors="replace")
     except OSError:
         return False
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _alive(proc: dict) -> bool:
@@ -303,6 +313,8 @@ class LocalFlink(LocalService):
                     print(f"flink: already running{note}; REST {state['rest']}, job server {state['job_endpoint']}, "
                           f"logs {self.log_dir}")
             return self.status()
+        if self._restart_dead_taskmanagers(timeout_s=timeout_s, quiet=quiet):
+            return self.status()
         if not self.parallelism and not self.jobmanager:
             raise FlinkError("--taskmanagers 0 (TaskManagers join from other hosts) needs --parallelism N: "
                              "the jobs' default parallelism, the slots those TaskManagers will offer")
@@ -373,15 +385,8 @@ class LocalFlink(LocalService):
                 record("jobmanager", self._java("jobmanager", "org.apache.flink.runtime.entrypoint."
                                                 "StandaloneSessionClusterEntrypoint",
                                                 [f"-Xmx{self.jobmanager_heap_mb}m"], conf, libs, java))
-            tm_opts = [x for k, v in {"taskmanager.cpu.cores": self.slots,
-                                      **self.memory.flink_options(self.slots)}.items() for x in ("-D", f"{k}={v}")]
-            # resource ids name a TaskManager in the whole cluster: the host's address keeps them unique
-            prefix = f"tm-{self.bind}-" if self.jobmanager else "tm-"
             for i in range(1, self.taskmanagers + 1):
-                record(f"taskmanager-{i}", self._java(
-                    f"taskmanager-{i}", "org.apache.flink.runtime.taskexecutor.TaskManagerRunner",
-                    self.memory.jvm_options(self.slots), [*conf, *tm_opts, "-D", f"taskmanager.resource-id={prefix}{i}"],
-                    libs, java))
+                record(f"taskmanager-{i}", self._taskmanager(i, libs, java))
             if not self.jobmanager:
                 artifact_port, expansion_port = free_port(), free_port()
                 record("job-server", self._java(
@@ -416,6 +421,53 @@ class LocalFlink(LocalService):
                       f"  JobManager  {state['jobmanager']} (RPC)\n{pool_line}{join}  logs        {self.log_dir}",
                       flush=True)
         return self.status() | {"start_seconds": state["start_seconds"]}
+
+    def _taskmanager(self, i: int, libs: Path, java: str) -> dict:
+        """Start TaskManager ``i`` (``taskmanager-<i>``) with the cluster's configuration."""
+        tm_opts = [x for k, v in {"taskmanager.cpu.cores": self.slots,
+                                  **self.memory.flink_options(self.slots)}.items() for x in ("-D", f"{k}={v}")]
+        # resource ids name a TaskManager in the whole cluster: the host's address keeps them unique
+        prefix = f"tm-{self.bind}-" if self.jobmanager else "tm-"
+        return self._java(f"taskmanager-{i}", "org.apache.flink.runtime.taskexecutor.TaskManagerRunner",
+                          self.memory.jvm_options(self.slots),
+                          ["--configDir", str(self.conf_dir), *tm_opts, "-D", f"taskmanager.resource-id={prefix}{i}"],
+                          libs, java)
+
+    def _restart_dead_taskmanagers(self, *, timeout_s: float, quiet: bool) -> bool:
+        """A started cluster of which only TaskManagers died (killed, or out of memory): start those again with the
+        same configuration, the JobManager, the job server, the worker pool and the running jobs kept (a job that
+        failed with them is the submitter's to run again). False when that is not the case (nothing recorded, or
+        another process died: the caller starts the whole cluster anew)."""
+        state = self._read_state()
+        if not state or not state.get("complete"):
+            return False
+        dead = [name for name, p in state["processes"].items() if not _alive(p)]
+        if not dead or not all(name.startswith("taskmanager-") for name in dead) or \
+                (state.get("taskmanagers"), state.get("slots")) != (self.taskmanagers, self.slots):
+            return False
+        java = require_tool("java", "to run Flink", "Install a Java 11+ runtime.")
+        popens, marks = {}, {}
+        for name in dead:
+            marks[name] = _size(self.log_dir / f"{name}.log")
+            proc = self._taskmanager(int(name.rsplit("-", 1)[1]), Path(state["jars"]), java)
+            popens[name] = proc.pop("popen")
+            state["processes"][name] = proc
+        self._write_state(state)
+        deadline = time.monotonic() + timeout_s
+        while not all(_logged(self.log_dir / f"{n}.log", "Successful registration at resource manager", marks[n])
+                      for n in dead):
+            for name, proc in popens.items():
+                if proc.poll() is not None:
+                    raise FlinkError(f"{name}, started again, exited with code {proc.returncode}; see "
+                                     f"{self.log_dir}/{name}.log and .out:\n{self._tail(name)}")
+            if time.monotonic() > deadline:
+                raise FlinkError(f"{', '.join(dead)}, started again, did not register with the JobManager within "
+                                 f"{timeout_s:.0f} s; logs in {self.log_dir}")
+            time.sleep(0.5)
+        if not quiet:
+            print(f"flink: {', '.join(dead)} had stopped and started again (the JobManager, job server, worker pool "
+                  f"and running jobs kept); logs {self.log_dir}", flush=True)
+        return True
 
     def _await_ready(self, popens: dict[str, subprocess.Popen], pool_port: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
