@@ -234,15 +234,20 @@ def test_stream_job_trains_every_event_once_while_brokers_die_and_waits_without_
 
         # two brokers down while the job has a backlog: no controller quorum, no in-sync majority. The job
         # waits (both processes stay up, nothing is skipped) and resumes when one broker returns; the producer
-        # of the events not yet sent waits for the in-sync majority too.
+        # of the events not yet sent waits for the in-sync majority too. The late events come at 60/s (25 s in
+        # all), so that the kill finds some produced and not yet committed (seen in CI: produced at full speed, the
+        # pipeline had committed all 1,500 before the kill: nothing to wait for).
         _, end0 = committed(boot, names["raw"], names["group"])
-        during = _replay(boot, names["raw"], late, skip=backlog + streamed, background=True,
+        during = _replay(boot, names["raw"], late, skip=backlog + streamed, rate=60, background=True,
                          log=tmp_path / "replay-during.log")
         replays.append(during)
         _wait(lambda: committed(boot, names["raw"], names["group"])[1] >= end0 + late // 3, 120,
               "a third of the late events produced", every=0.05)
         down = [cluster.node(n) for n in (1, 2)]
+        deadline = time.monotonic() + 60
         done, end = committed(boot, names["raw"], names["group"])
+        while end <= done and time.monotonic() < deadline:  # the kill comes while events wait for the pipeline
+            done, end = committed(boot, names["raw"], names["group"])
         for node in down:
             os.kill(node.running_pid(), signal.SIGKILL)  # both at once: no controlled shutdown
         for node in down:
