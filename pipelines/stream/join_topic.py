@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+from kafka import TopicPartition
 
 from connectors.kafka import close_client, new_consumer, retry_kafka, wait_for_partitions
 from pipelines.features.asof import AsOfTable
@@ -42,8 +43,6 @@ class TopicTable:
 
     def __init__(self, join: Join, bootstrap: str, kafka_config: dict | None = None, *,
                  time_format: str | None = None, wait_s: float = START_WAIT_S):
-        from kafka import TopicPartition
-
         self.join, self.time_format = join, time_format
         self.topic = join.table[len(TOPIC_SCHEME):]
         if not self.topic or "/" in self.topic:

@@ -41,11 +41,11 @@ from flowtrain.local.flink.jars import (
     NO_STAGING_FACTORY,
     FlinkError,
     bind_patched,
-    classpath,
     ensure_jars,
     provisioned,
     require_tool,
 )
+from flowtrain.local.flink.jvm import log_size, logged, start_java
 from flowtrain.local.flink.listeners import listening, network_interfaces
 from flowtrain.local.flink.memory import LOG4J, TaskManagerMemory
 from flowtrain.local.flink.rest import LOOPBACK, rest_json
@@ -59,45 +59,13 @@ from flowtrain.local.tools import free_port, java_major, port_open
 #: (for `flowtrain batch --runner flink` as for `flowtrain flink start`).
 DIR_ENV = "FLOWTRAIN_FLINK_DIR"
 
-# C1 only: on a couple of busy cores the C2 compiler's threads cost more CPU than its code saves
-# for these processes (the data path is the Python SDK workers; the JVMs move bytes, schedule, translate).
-_JVM_FLAGS = ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
 #: Across hosts the ports must be known in advance (every TaskManager host names the JobManager's RPC
 #: port, every worker pool listens on the port the jobs name): Flink's and Beam's conventional ones.
 DEFAULT_RPC_PORT = 6123
 DEFAULT_POOL_PORT = 50000
 
-# Java 17 closes the JDK internals Flink 1.19 reflects on; its start scripts pass these.
-_JAVA_OPENS = [
-    "-XX:+IgnoreUnrecognizedVMOptions",
-    "--add-exports=java.base/sun.net.util=ALL-UNNAMED",
-    "--add-exports=java.rmi/sun.rmi.registry=ALL-UNNAMED",
-    "--add-exports=java.security.jgss/sun.security.krb5=ALL-UNNAMED",
-    *[f"--add-opens=java.base/{pkg}=ALL-UNNAMED" for pkg in (
-        "java.lang", "java.net", "java.io", "java.nio", "sun.nio.ch", "java.lang.reflect", "java.text",
-        "java.time", "java.util", "java.util.concurrent", "java.util.concurrent.atomic",
-        "java.util.concurrent.locks")],
-]
-
 def default_dir() -> Path:
     return Path(os.environ.get(DIR_ENV) or cache_root() / "flink-cluster").expanduser()
-
-
-def _logged(path: Path, text: str, after: int = 0) -> bool:
-    """``text`` in the log at ``path`` (from byte ``after`` on: what a process started again wrote)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(after)
-            return text in fh.read().decode(errors="replace")
-    except OSError:
-        return False
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _alive(proc: dict) -> bool:
@@ -284,16 +252,8 @@ class LocalFlink(LocalService):
         return "".join(f"{k}: {v}\n" for k, v in conf.items())
 
     def _java(self, name: str, main: str, heap: list[str], args: list[str], libs: Path, java: str) -> dict:
-        log = self.log_dir / f"{name}.log"
-        out = open(self.log_dir / f"{name}.out", "ab")
-        cmd = [java, *heap, *_JVM_FLAGS, *_JAVA_OPENS, f"-Dlog.file={log}",
-               f"-Dlog4j.configurationFile={self.conf_dir / 'log4j2.properties'}", "-cp", classpath(libs), main, *args]
-        try:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=self.data_dir)
-        finally:
-            out.close()
-        return {**identity(proc.pid), "log": str(log), "popen": proc}
+        return start_java(name, main, heap, args, libs=libs, java=java, log_dir=self.log_dir,
+                          log4j=self.conf_dir / "log4j2.properties", cwd=self.data_dir)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, *, timeout_s: float = 180.0, quiet: bool = False) -> dict:
@@ -448,13 +408,13 @@ class LocalFlink(LocalService):
         java = require_tool("java", "to run Flink", "Install a Java 11+ runtime.")
         popens, marks = {}, {}
         for name in dead:
-            marks[name] = _size(self.log_dir / f"{name}.log")
+            marks[name] = log_size(self.log_dir / f"{name}.log")
             proc = self._taskmanager(int(name.rsplit("-", 1)[1]), Path(state["jars"]), java)
             popens[name] = proc.pop("popen")
             state["processes"][name] = proc
         self._write_state(state)
         deadline = time.monotonic() + timeout_s
-        while not all(_logged(self.log_dir / f"{n}.log", "Successful registration at resource manager", marks[n])
+        while not all(logged(self.log_dir / f"{n}.log", "Successful registration at resource manager", marks[n])
                       for n in dead):
             for name, proc in popens.items():
                 if proc.poll() is not None:
@@ -480,7 +440,7 @@ class LocalFlink(LocalService):
                                      f"{self.log_dir}/{name}.log and .out:\n{self._tail(name)}")
             pool_ready = not self.taskmanagers or port_open(pool_port)
             if self.jobmanager:  # no REST port known here: each TaskManager logs its registration
-                registered = [i for i in range(1, self.taskmanagers + 1) if _logged(
+                registered = [i for i in range(1, self.taskmanagers + 1) if logged(
                     self.log_dir / f"taskmanager-{i}.log", "Successful registration at resource manager")]
                 if len(registered) == self.taskmanagers and pool_ready:
                     return
