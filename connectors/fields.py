@@ -258,38 +258,96 @@ def _place(cls: type, declarer: type, group: str) -> tuple[str | None, str]:
     return section_of(composer), vars(composer).get("GROUP", group)
 
 
+def _own_or_inherited(cls: type, name: str, decorator: str) -> dataclasses.Field:
+    """The option field ``name`` as ``cls`` has it so far: a copy an earlier :func:`tailor` or :func:`narrow` on ``cls``
+    made, else its nearest base's; a ``TypeError`` when no base has such an option."""
+    pending = vars(cls).get(name)
+    if isinstance(pending, dataclasses.Field) and "flowtrain" in pending.metadata:
+        return pending
+    base = next((c for c in cls.__mro__[1:] if name in vars(c).get("__dataclass_fields__", {})), None)
+    if base is None or "flowtrain" not in base.__dataclass_fields__[name].metadata:
+        raise TypeError(f"{cls.__name__}: {decorator}({name}=...) names no option of its bases")
+    if "__annotations__" not in vars(cls):
+        cls.__annotations__ = {}
+    cls.__annotations__[name] = next(vars(c)["__annotations__"][name] for c in base.__mro__
+                                     if name in vars(c).get("__annotations__", {}))
+    return base.__dataclass_fields__[name]
+
+
+def _copy(cls: type, name: str, field: dataclasses.Field, meta: dict, default: Any) -> None:
+    """``cls``'s own copy of option ``field`` with metadata ``meta``: still its declaration (``origin``), not a new one."""
+    copy = {**field.metadata["flowtrain"], **meta, "origin": _origin(field)}
+    setattr(cls, name, dataclasses.field(default=default, metadata={"flowtrain": copy}))
+
+
 def tailor(**changes: dict[str, Any]) -> Callable[[type], type]:
     """A class decorator, under ``@dataclass``: options that ``cls`` takes from a shared section, with another
     default, help, ``--help`` group or metavar in this option set only::
 
         @dataclass
         @tailor(timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register"})
-        class FlinkStartJob(ServiceTimeout): ...
+        class FlinkStartJob(Timeout): ...
 
     The option stays declared once (its name, flag, type, parser, choices and ``--config`` section are its
     declaration's; ``options_of`` and the declared-once test see one): what the option means and how it is checked
     stay one. Say next to it why this command needs its own default: a default users already have is the interface."""
     def apply(cls: type) -> type:
-        if "__annotations__" not in vars(cls):
-            cls.__annotations__ = {}
         for name, change in changes.items():
             unknown = sorted(set(change) - {"default", "help", "group", "metavar"})
             if unknown:
                 raise TypeError(f"tailor({name}=...): only default, help, group and metavar change, not "
                                 f"{', '.join(unknown)}")
-            base = next((c for c in cls.__mro__[1:] if name in vars(c).get("__dataclass_fields__", {})), None)
-            if base is None or "flowtrain" not in base.__dataclass_fields__[name].metadata:
-                raise TypeError(f"{cls.__name__}: tailor({name}=...) names no option of its bases")
-            field = base.__dataclass_fields__[name]
-            meta = field.metadata["flowtrain"]
-            copy = {**meta, **{k: v for k, v in change.items() if k != "default"}, "origin": _origin(field)}
-            cls.__annotations__[name] = next(vars(c)["__annotations__"][name] for c in base.__mro__
-                                             if name in vars(c).get("__annotations__", {}))
-            setattr(cls, name, dataclasses.field(default=change.get("default", field.default),
-                                                 metadata={"flowtrain": copy}))
+            field = _own_or_inherited(cls, name, "tailor")
+            _copy(cls, name, field, {k: v for k, v in change.items() if k != "default"},
+                  change.get("default", field.default))
         return cls
 
     return apply
+
+
+def narrow(**checks: dict[str, Any]) -> Callable[[type], type]:
+    """A class decorator, under ``@dataclass`` (beside :func:`tailor`): options that ``cls`` takes from a shared
+    section, checked more strictly in this option set only, where the command cannot use all that the declaration
+    accepts::
+
+        @dataclass
+        @narrow(out={"parse": store_path("--out", remote=False)})  # the stream's run directory: a local one
+        class StreamCommon(Out): ...
+
+    ``parse``: a checking parser the value goes through before the declaration's (a value must pass both: only ever
+    fewer values); ``choices``: a subset of the declaration's (``cpu, cuda`` of ``auto, cpu, cuda``). The flag, its
+    ``--help`` range and choices, ``--config`` and the API check (``check``, ``build``) use the narrower rule, with
+    its message. The option stays declared once: its name, meaning, type and section are its declaration's."""
+    def apply(cls: type) -> type:
+        for name, check in checks.items():
+            unknown = sorted(set(check) - {"parse", "choices"})
+            if unknown:
+                raise TypeError(f"narrow({name}=...): only parse and choices narrow, not {', '.join(unknown)}")
+            field = _own_or_inherited(cls, name, "narrow")
+            meta = field.metadata["flowtrain"]
+            change: dict[str, Any] = {}
+            if "choices" in check:
+                choices = tuple(check["choices"])
+                if meta["choices"] is None or not set(choices) <= set(meta["choices"]):
+                    raise TypeError(f"{cls.__name__}: narrow({name}=...): choices {choices} are not a subset of "
+                                    f"the declaration's {meta['choices']}")
+                change["choices"] = choices
+            if "parse" in check:
+                earlier = meta.get("narrow")
+                change["narrow"] = check["parse"] if earlier is None else _both(check["parse"], earlier)
+            _copy(cls, name, field, change, field.default)
+        return cls
+
+    return apply
+
+
+def _both(first: Callable[[Any], Any], then: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A parser: ``first``, then ``then`` on its result (a value passes both); named as ``first``."""
+    def parse(value: Any) -> Any:
+        return then(first(value))
+
+    parse.__name__ = first.__name__
+    return parse
 
 
 def _parser_for(tp: Any) -> Callable[[Any], Any] | None:
@@ -317,6 +375,8 @@ def options_of(cls: type) -> list[Option]:
         if meta is None:
             continue
         parse = meta["parse"] or _parser_for(hints[f.name])
+        if meta.get("narrow") is not None:  # a command's stricter check first (``narrow``)
+            parse = _both(meta["narrow"], parse)
         section, group = _place(cls, _declared_by(cls, f), meta["group"])
         out.append(Option(f.name, meta["flag"] or "--" + f.name.replace("_", "-"), f.default, meta["help"],
                           parse, meta["choices"], group, meta["metavar"], meta["repeat"], section))

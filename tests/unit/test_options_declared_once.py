@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.fields import COMPOSED, build, option, options_of, tailor, to_config
+from connectors.fields import COMPOSED, OptionError, at_least, build, narrow, option, options_of, tailor, to_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +105,37 @@ def test_tailor_refuses_what_is_no_inherited_option_or_more_than_default_and_hel
         tailor(depth={"default": 2})(type("Other", (Shared,), {}))
     with pytest.raises(TypeError, match="only default, help, group and metavar"):
         tailor(level={"parse": int})(type("Other", (Shared,), {}))
+
+
+def test_narrow_checks_a_shared_option_more_strictly_in_one_command_and_is_no_second_declaration():
+    @dataclass_
+    class Shared:
+        count: int | None = option(None, "how many", parse=at_least(0))
+        mode: str = option("auto", "where", choices=("auto", "cpu", "cuda"))
+
+    @dataclass_
+    @tailor(mode={"default": "cpu", "help": "where it runs"})
+    @narrow(count={"parse": at_least(1)}, mode={"choices": ("cpu", "cuda")})
+    class Strict(Shared):
+        pass
+
+    @dataclass_
+    class Stricter(Strict):
+        pass
+
+    assert all("origin" in f.metadata["flowtrain"] for f in vars(Strict)["__dataclass_fields__"].values())
+    count, mode = options_of(Stricter)
+    assert (count.parse.__name__, mode.choices, mode.default, mode.help) == (
+        "a whole number >= 1", ("cpu", "cuda"), "cpu", "where it runs")
+    with pytest.raises(OptionError, match=r"count \(--count\): must be a whole number >= 1, got 0"):
+        build(Stricter, {"count": 0})
+    with pytest.raises(OptionError, match="is not one of cpu, cuda"):
+        build(Strict, {"mode": "auto"})
+    assert build(Shared, {"count": 0, "mode": "auto"}).count == 0 and build(Strict, {"count": "3"}).count == 3
+    with pytest.raises(TypeError, match="not a subset"):
+        narrow(mode={"choices": ("tpu",)})(type("Other", (Shared,), {}))
+    with pytest.raises(TypeError, match="only parse and choices narrow"):
+        narrow(count={"default": 2})(type("Other", (Shared,), {}))
 
 
 dataclass_ = dataclasses.dataclass
