@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.fields import option, tailor
+from flowtrain.commands.shared_options import Timeout
 
 _HOSTS = "across hosts (docs/cluster-rehearsal.md, \"Flink across hosts\")"
 _MEMORY = "TaskManager memory (MiB; defaults in flowtrain.local.flink.TaskManagerMemory)"
@@ -21,7 +22,8 @@ _FLINK_DIR = ("config, logs, state and scratch files (default $FLOWTRAIN_FLINK_D
               "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)")
 
 
-# --- the sections every local service's actions share (each service tailors its own help and defaults) ------
+# --- the sections every local service's actions share (each service tailors its own help and defaults; --timeout
+# is shared_options.Timeout) ------------------------------------------------------------------------------------
 @dataclass
 class ServiceDir:
     """Where a local service keeps its state."""
@@ -34,13 +36,6 @@ class ServicePort:
     """The port a local service listens on (127.0.0.1)."""
 
     port: int | None = option(None, "its port on 127.0.0.1")
-
-
-@dataclass
-class ServiceTimeout:
-    """How long an action waits on a local service: each service its own default (what it waits for differs)."""
-
-    timeout: float = option(90.0, "seconds to wait for the service (default 90)")
 
 
 @dataclass
@@ -67,7 +62,7 @@ class KafkaJob(ServiceDir, ServicePort):
 
 @dataclass
 @tailor(timeout={"help": "seconds to wait for Kafka to answer a metadata request (default 90)"})
-class KafkaStartJob(ServiceTimeout, KafkaJob):
+class KafkaStartJob(Timeout, KafkaJob):
     """The options of ``flowtrain kafka start``."""
 
 
@@ -165,11 +160,11 @@ class FlinkCluster:
 
 @dataclass
 @tailor(
-        # every TaskManager must register: longer than a broker's start (ServiceTimeout's 90 s)
+        # every TaskManager must register: longer than a broker's start (Timeout's 90 s)
         timeout={"default": 180.0, "help": "seconds to wait for every TaskManager to register (default 180)"},
         data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
                           "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
-class FlinkStartJob(ServiceTimeout, ServiceDir, FlinkCluster):
+class FlinkStartJob(Timeout, ServiceDir, FlinkCluster):
     """The options of ``flowtrain flink start``: the cluster, where it keeps its files, how long it may take."""
 
 
@@ -180,7 +175,7 @@ class FlinkStartJob(ServiceTimeout, ServiceDir, FlinkCluster):
         timeout={"default": 30.0, "help": "seconds each process has to end after SIGTERM before SIGKILL (default 30)"},
         data_dir={"help": "config, logs, state and scratch files (default $FLOWTRAIN_FLINK_DIR or "
                           "~/.cache/flowtrain/flink-cluster; --runner flink uses the same)"})
-class FlinkStopJob(ServiceTimeout, ServiceDir):
+class FlinkStopJob(Timeout, ServiceDir):
     """The options of ``flowtrain flink stop``."""
 
 
@@ -261,7 +256,7 @@ class RegistryJob(StatusJson, ServiceDir, ServicePort):
         port={"default": 8081, "help": "HTTP port on 127.0.0.1 (default 8081)"},
         # a JVM registry's start (Apicurio: ~4 s here, slower on a busy host)
         timeout={"default": 120.0, "help": "seconds to wait for it to answer (default 120)"})
-class RegistryStartJob(ServiceTimeout, RegistryJob):
+class RegistryStartJob(Timeout, RegistryJob):
     """The options of ``flowtrain registry start``."""
 
 

@@ -1,13 +1,16 @@
 """Option sections that several commands take, each option declared once with its one default (``connectors.fields``:
 a command lists the sections it takes as its bases; ``connectors.fields.tailor`` gives one command its own help where
 the option means something of its own there, e.g. ``--bundle-key-file`` signs in ``batch`` and verifies in
-``predict``). The engine's sections are in ``flowtrain.train.options``; the local services' in ``commands.local``.
+``predict``; ``connectors.fields.narrow`` gives one its own stricter check, e.g. ``--out`` a local path only where
+the command cannot write to an object store). The engine's sections are in ``flowtrain.train.options``; the local
+services' in ``commands.local``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from connectors.fields import option
+from connectors.fields import COMPOSED, option
 
 #: --help sections.
 RUNNER = "where the Beam pipeline runs"
@@ -86,3 +89,12 @@ class TimeFormat:
     time_format: str | None = option(None, "how the time column is written when it is text: a strptime format "
                                      "(e.g. '%d.%m.%Y %H:%M'), or epoch / epoch_ms / epoch_us / epoch_ns for numbers "
                                      "(default: ISO dates and timestamps, YYYY/MM/DD, epoch seconds)")
+
+
+@dataclass
+class Timeout:
+    """``--timeout``: how long a command waits, in seconds: each local service's action for its service (each its own
+    default: what it waits for differs), ``flowtrain tune`` before it stops starting trials (section tune)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    timeout: float | None = option(90.0, "seconds to wait for the service (default 90)")

@@ -25,22 +25,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import above, at_least, option, store_path
+from connectors.fields import above, at_least, narrow, option, store_path, tailor
 from flowtrain.commands.batch_options import BatchJob
+from flowtrain.commands.shared_options import Timeout
 
 _TUNE = "the study (`flowtrain tune`)"
 
 
 @dataclass
-class TuneOptions:
+@tailor(timeout={"default": None, "help": "stop starting trials after this many seconds (default: no limit)",
+                 "group": _TUNE})  # no limit unless asked: a study runs until its --trials
+@narrow(timeout={"parse": above(0)})
+class TuneOptions(Timeout):
     """The study's own options (``flowtrain tune``); the rest are ``flowtrain batch``'s, for every trial."""
 
     SECTION: ClassVar[str] = "tune"  # --config's section: tune: {trials: 30, parallel: 2}
 
     trials: int = option(20, "finished trials the study should have (complete or pruned; a resumed study counts "
                          "the ones it has)", parse=at_least(1), group=_TUNE)
-    timeout: float | None = option(None, "stop starting trials after this many seconds (default: no limit)",
-                                   parse=above(0), group=_TUNE)
     search: str | None = option(None, "the search space: name=LOW:HIGH[:log][:int] or name=A|B|C, comma-separated "
                                 "(names: flowtrain batch options, or width and depth for --hidden), or a YAML "
                                 "file of them; default: lr, width, depth, dropout, weight_decay, "
