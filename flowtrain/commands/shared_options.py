@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import COMPOSED, option
+from connectors.fields import COMPOSED, at_least, option
 
 #: --help sections.
 RUNNER = "where the Beam pipeline runs"
@@ -98,3 +98,11 @@ class Timeout:
 
     SECTION: ClassVar[str] = COMPOSED
     timeout: float | None = option(90.0, "seconds to wait for the service (default 90)")
+
+
+@dataclass
+class Limit:
+    """``--limit``: how many records a command handles at most (``flowtrain replay``'s events, ``flowtrain
+    predictions``' predictions, which narrows it to >= 1)."""
+
+    limit: int | None = option(None, "at most this many (default: all)", parse=at_least(0))

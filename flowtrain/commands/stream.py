@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 from connectors.fields import GENERAL, above, at_least, fraction, option, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
 from flowtrain.commands.drift import DriftThreshold
-from flowtrain.commands.shared_options import LabelColumn, RunnerOptions, TimeColumn
+from flowtrain.commands.shared_options import LabelColumn, Limit, RunnerOptions, TimeColumn
 from flowtrain.commands.stream_inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
@@ -81,6 +81,15 @@ class KafkaOptions:
               "error naming --bootstrap", parse=above(0))
     replication_factor: int | None = option(
         None, "replication factor of the topics this command creates (default: min(3, brokers))", parse=at_least(1))
+
+
+@dataclass
+class Topic:
+    """``--topic``: the one Kafka topic a command works on: ``flowtrain replay`` produces its events to it, ``flowtrain
+    predictions`` reads the scorer's predictions from it (a stream's topics are options of their own, one per
+    topic)."""
+
+    topic: str | None = option(None, "the Kafka topic")
 
 
 @dataclass
@@ -171,9 +180,12 @@ class ScoreOptions(DriftThreshold, ScorerOptions):
                                           "default: no check"},
         time_column={"help": "with --input: order events by this column (event time) and set it as each Kafka "
                              "record's timestamp (default: file order, stamped with the time of sending)"},
-        label={"help": "with --input: the label column --unlabelled removes (default: the dataset's label)"})
-class ReplayJob(SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn, LabelColumn,
-                KafkaOptions):
+        label={"help": "with --input: the label column --unlabelled removes (default: the dataset's label)"},
+        topic={"help": "topic to produce to (default: NAME-raw, NAME the --dataset's name, as `flowtrain stream "
+                       "--dataset` reads; the demo's without --dataset)"},
+        limit={"help": "produce at most this many events (default: all; --generate: 100000)"})
+class ReplayJob(Limit, Topic, SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn,
+                LabelColumn, KafkaOptions):
     """The options of ``flowtrain replay``."""
 
     input: tuple[str, ...] = option(
@@ -191,12 +203,8 @@ class ReplayJob(SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, Dead
     max_event_bytes: int | None = option(
         None, "the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made just beyond "
               "it (left out without it: the default 1 MiB exceeds Kafka's message size)", parse=at_least(1))
-    topic: str | None = option(None, "topic to produce to (default: NAME-raw, NAME the --dataset's name, as "
-                                     "`flowtrain stream --dataset` reads; the demo's without --dataset)")
     partitions: int = option(3, "partitions if the topic is created", parse=at_least(1))
     rate: float = option(0.0, "events per second (0: as fast as possible)", parse=at_least(0, float))
-    limit: int | None = option(None, "produce at most this many events (default: all; --generate: 100000)",
-                               parse=at_least(0))
     generate: str | None = option(
         None, "instead of --input, a synthetic stream: clicks (users and items with Zipf popularity and latent tastes, "
               "new users arriving all the time, tastes drifting; the true click probability kept aside; docs/ids.md) "

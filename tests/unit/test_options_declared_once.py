@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_YET_ONE = {
     # different parsers or choices per command (a path on an object store or local only, >= 0 or >= 1, cpu|cuda vs
     # auto|cpu|cuda): one declaration needs a decision on the checks, not only a fold
-    "dataset", "device", "input", "limit", "out",
-    # one name, two meanings: a model file (run or bundle) vs your own model's factory; a topic produced to vs read
-    "model", "topic",
+    "dataset", "device", "input", "out",
+    # one name, two meanings: a model file (run or bundle) vs your own model's factory
+    "model",
     # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
     "batch_size", "max_event_bytes", "max_id_bytes", "predictions_format",
 }
