@@ -9,12 +9,15 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import above, at_least, option, options_of, store_path, tailor
+from connectors.fields import above, at_least, narrow, option, options_of, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
 from flowtrain.commands.shared_options import (
     BeamArgs,
     BundleKey,
+    Dataset,
+    Input,
     LabelColumn,
+    Out,
     Overwrite,
     RunnerOptions,
     TimeColumn,
@@ -57,18 +60,17 @@ numeric_ranges.__name__ = "column ranges"
         time_column={"help": "split by this time column (else at random by --seed)", "group": _DATA},
         label={"group": _DATA},
         overwrite={"help": "--out holds an earlier flowtrain run with other options: replace it (only the files "
-                           "flowtrain wrote are deleted; docs/runs.md)"})
-class BatchInputs(DeadLetterBound, TimeFormat, TimeColumn, LabelColumn, Overwrite):
+                           "flowtrain wrote are deleted; docs/runs.md)"},
+        out={"help": "run directory, local or on an object store (gs://, s3://, az://: docs/object-stores.md; default "
+                     "runs/batch-<time>)"},
+        dataset={"help": "skip the ETL and train on this existing dataset directory"},
+        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)", "group": _DATA})
+@narrow(dataset={"parse": store_path("--dataset")}, input={"parse": store_path("--input", many=True)})
+class BatchInputs(Input, Dataset, Out, DeadLetterBound, TimeFormat, TimeColumn, LabelColumn, Overwrite):
     """What ``flowtrain batch`` trains on and where its run goes."""
 
-    out: str | None = option(None, "run directory, local or on an object store (gs://, s3://, az://: "
-                             "docs/object-stores.md; default runs/batch-<time>)", parse=store_path("--out"))
-    dataset: str | None = option(None, "skip the ETL and train on this existing dataset directory",
-                                 parse=store_path("--dataset"))
     resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
                           "the budget (--epochs/--steps/--patience) and where it runs may change")
-    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)",
-                                    group=_DATA, repeat=True, parse=store_path("--input", many=True))
     preset: str | None = option(None, "without --input: the dataset preset whose dataset the ETL builds, NAME or "
                                       "MODULE:NAME (default: the demo's; docs/presets.md)", group=_DATA,
                                 parse=preset_name)  # a preset that is not there: an error before --out is touched

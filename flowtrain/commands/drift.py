@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.fields import COMPOSED, at_least, check, option, store_path, tailor
-from flowtrain.commands.shared_options import BundleKey, TrustCode
+from connectors.fields import COMPOSED, at_least, check, narrow, option, store_path, tailor
+from flowtrain.commands.shared_options import BundleKey, Input, Out, RunOrBundle, TrustCode
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
 
@@ -59,17 +59,19 @@ class DriftThreshold:
 @tailor(trust_code={"help": "the bundle's model is your own code (--model MODULE:FACTORY at training): import and "
                             "run it for the score distribution (only for a bundle you trust)"},
         bundle_key_file={"help": "verify the bundle's signature with this key (else $FLOWTRAIN_BUNDLE_KEY; "
-                                 "default: not verified)"})
-class DriftJob(DriftThreshold, TrustCode, BundleKey):
+                                 "default: not verified)"},
+        model={"help": "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its reference profile "
+                       "is what the files are compared with", "group": _IO},
+        input={"help": "CSV, Parquet or JSON-lines files or globs to compare (repeat or comma-separate); the label "
+                       "column is optional", "group": _IO},
+        # the report has a place of its own unless asked (the interface since drift was added)
+        out={"default": "drift-report", "help": "directory of the report: drift.json and drift.html (replaced)",
+             "group": _IO})
+# it reads the model and writes the report in this process: local paths (or mounted ones) only
+@narrow(model={"parse": store_path("--model", remote=False)}, out={"parse": store_path("--out", remote=False)})
+class DriftJob(Out, Input, RunOrBundle, DriftThreshold, TrustCode, BundleKey):
     """The options of ``flowtrain drift``."""
 
-    model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its "
-                               "reference profile is what the files are compared with", group=_IO,
-                               metavar="RUN_OR_BUNDLE", parse=store_path("--model", remote=False))
-    input: tuple[str, ...] = option((), "CSV, Parquet or JSON-lines files or globs to compare (repeat or "
-                                    "comma-separate); the label column is optional", group=_IO, repeat=True)
-    out: str = option("drift-report", "directory of the report: drift.json and drift.html (replaced)", group=_IO,
-                      parse=store_path("--out", remote=False))
     min_rows: int = option(100, "fewer rows than this are measured but never an alarm", parse=at_least(1))
     no_model: bool = option(False, "leave out the model's score distribution (no forward pass)")
 

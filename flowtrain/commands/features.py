@@ -12,8 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from connectors.fields import option, store_path, tailor
-from flowtrain.commands.shared_options import BeamArgs, Overwrite, RunnerOptions, TimeColumn, TimeFormat
+from connectors.fields import narrow, store_path, tailor
+from flowtrain.commands.shared_options import (
+    BeamArgs,
+    Input,
+    Out,
+    Overwrite,
+    RunnerOptions,
+    TimeColumn,
+    TimeFormat,
+)
 from flowtrain.errors import FlowtrainError
 from pipelines.features.declare import last_k
 from pipelines.features.options import FeatureOptions
@@ -25,14 +33,12 @@ _RUN = "where the Beam pipeline runs"
 @tailor(time_format={"help": "how the time column is written when it is text: a strptime format, or epoch / "
                              "epoch_ms / epoch_us / epoch_ns for numbers"},
         time_column={"help": "each event's time (ISO date/time, YYYY/MM/DD, epoch seconds, a timestamp or "
-                             "--time-format); needed by --aggregate"})
-class FeatureInputs(TimeFormat, TimeColumn, Overwrite):
+                             "--time-format); needed by --aggregate"},
+        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs of events (repeat or comma-separate)"},
+        out={"help": "the Parquet file to write (one row per input row, in input order)"})
+@narrow(input={"parse": store_path("--input", many=True)})
+class FeatureInputs(Out, Input, TimeFormat, TimeColumn, Overwrite):
     """The events and where their features go."""
-
-    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs of events (repeat or "
-                                        "comma-separate)", repeat=True, parse=store_path("--input", many=True))
-    out: str | None = option(None, "the Parquet file to write (one row per input row, in input order)",
-                             parse=store_path("--out"))
 
 
 @dataclass

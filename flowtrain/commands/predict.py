@@ -18,12 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import build, check, option, store_path, tailor, to_config
+from connectors.fields import build, check, narrow, option, store_path, tailor, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.batch_options import BatchJob, train_config
 from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
 from flowtrain.commands.drift import REFERENCE, DriftThreshold, bundle_reference, drift_lines, predict_drift_section
-from flowtrain.commands.shared_options import BeamArgs, BundleKey, Overwrite, RunnerOptions, TrustCode
+from flowtrain.commands.shared_options import (
+    BeamArgs,
+    BundleKey,
+    Input,
+    Out,
+    Overwrite,
+    RunnerOptions,
+    RunOrBundle,
+    TrustCode,
+)
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import ThreadOptions
@@ -44,19 +53,16 @@ _RUN = "where the Beam pipeline runs"
         bundle_key_file={"help": "verify the bundle's signature with this key (HMAC-SHA256, as `flowtrain export "
                                  "--bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; default: none, not "
                                  "verified)"},
-        threads={"help": "torch threads of each worker (default: torch's choice)"})
-class PredictJob(IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey, BeamArgs, RunnerOptions,
-                 ThreadOptions):
+        threads={"help": "torch threads of each worker (default: torch's choice)"},
+        model={"group": _IO},
+        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs to predict (repeat or comma-separate); the "
+                       "label column is optional", "group": _IO},
+        out={"help": "predictions file: Parquet, or CSV when it ends in .csv", "group": _IO})
+@narrow(input={"parse": store_path("--input", many=True)})
+class PredictJob(Out, Input, RunOrBundle, IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey,
+                 BeamArgs, RunnerOptions, ThreadOptions):
     """The options of ``flowtrain predict``."""
 
-    model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
-                               "(`flowtrain export`)", group=_IO, metavar="RUN_OR_BUNDLE",
-                               parse=store_path("--model"))
-    input: tuple[str, ...] = option((), "CSV, Parquet, Avro or JSON-lines files or globs to predict (repeat or "
-                                    "comma-separate); the label column is optional", group=_IO, repeat=True,
-                                    parse=store_path("--input", many=True))
-    out: str | None = option(None, "predictions file: Parquet, or CSV when it ends in .csv", group=_IO,
-                             parse=store_path("--out"))
     keep_columns: tuple[str, ...] = option((), "copy these columns too, comma-separated", group=_IO)
     dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
                                       "default <out>.dead_letters.jsonl)", group=_IO,
@@ -69,12 +75,12 @@ class PredictJob(IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite
 @dataclass
 @tailor(overwrite={"help": "replace an existing --out bundle"},
         bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
-                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"})
-class ExportJob(Overwrite, BundleKey):
+                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"},
+        out={"help": "the bundle directory to write"})
+class ExportJob(Out, Overwrite, BundleKey):
     """The options of ``flowtrain export``."""
 
     run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
-    out: str | None = option(None, "the bundle directory to write", parse=store_path("--out"))
     torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
                                 "flowtrain (its inputs: see docs/predict.md)")
 

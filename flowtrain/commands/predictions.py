@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connectors.fields import at_least, narrow, option, store_path, tailor
-from flowtrain.commands.shared_options import Limit, Overwrite
+from flowtrain.commands.shared_options import Dataset, Limit, Out, Overwrite
 from flowtrain.commands.stream import KafkaOptions, Topic
 from pipelines.serving.options import PREDICTIONS_FORMATS, IdColumn
 from pipelines.stream.options import SchemaRegistryOption
@@ -28,18 +28,18 @@ _READ = "what to read"
         overwrite={"help": "replace an existing --out", "group": _READ},
         topic={"help": "the predictions topic (the scorer's --predictions-topic; default with --dataset: the "
                        "dataset's, as the scorer names it)", "group": _READ},
-        limit={"help": "stop after this many predictions", "group": _READ})
-@narrow(limit={"parse": at_least(1)})  # 0 predictions: nothing to read
-class PredictionsJob(Limit, Topic, IdColumn, SchemaRegistryOption, Overwrite, KafkaOptions):
+        limit={"help": "stop after this many predictions", "group": _READ},
+        out={"help": "write the predictions to this file: Parquet, or CSV when it ends in .csv (default: CSV on "
+                     "stdout)", "group": _READ},
+        dataset={"help": "the dataset the scorer served: names the default --topic and, for bare Avro/Protobuf "
+                         "predictions (no registry), the columns (its classes and label)", "group": _READ})
+@narrow(limit={"parse": at_least(1)},  # 0 predictions: nothing to read
+        out={"parse": store_path("--out", remote=False)}, dataset={"parse": store_path("--dataset", remote=False)})
+class PredictionsJob(Dataset, Limit, Out, Topic, IdColumn, SchemaRegistryOption, Overwrite, KafkaOptions):
     """The options of ``flowtrain predictions``."""
 
-    out: str | None = option(None, "write the predictions to this file: Parquet, or CSV when it ends in .csv "
-                             "(default: CSV on stdout)", parse=store_path("--out", remote=False), group=_READ)
     follow: bool = option(False, "after the topic's end, keep reading new predictions as they come (each written "
                           "as it arrives) until Ctrl-C or SIGTERM", group=_READ)
     predictions_format: str = option("auto", "the scorer's --predictions-format: auto reads Arrow and JSON "
                                      "messages; avro and protobuf need --schema-registry (the scorer's) or "
                                      "--dataset", choices=("auto", *PREDICTIONS_FORMATS), group=_READ)
-    dataset: str | None = option(None, "the dataset the scorer served: names the default --topic and, for bare "
-                                 "Avro/Protobuf predictions (no registry), the columns (its classes and label)",
-                                 group=_READ, parse=store_path("--dataset", remote=False))

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connectors.dataset_spec import FeatureSpec
-from connectors.fields import option
+from connectors.fields import option, tailor
+from flowtrain.commands.shared_options import Dataset
 from flowtrain.errors import FlowtrainError
 
 FORMATS = ("avro", "protobuf")
 
 
 @dataclass
-class SchemaJob:
+@tailor(dataset={"help": "the `flowtrain batch` dataset directory (required, no default)", "metavar": "DIR"})
+class SchemaJob(Dataset):
     """The options of ``flowtrain schema``."""
-
-    dataset: str | None = option(None, "the `flowtrain batch` dataset directory (required, no default)", metavar="DIR")
     schema_format: str | None = option(None, "avro: the record schema (JSON, an .avsc); protobuf: the message "
                                              "(.proto, proto2) (required, no default)", choices=FORMATS, flag="--format")
     check: str | None = option(None, "a writer's schema file to resolve against the dataset's fields",

@@ -10,11 +10,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import COMPOSED, at_least, option
+from connectors.fields import COMPOSED, at_least, option, store_path
 
 #: --help sections.
 RUNNER = "where the Beam pipeline runs"
 GENERAL = "options"
+
+
+# --- what a command reads and writes: each command tailors the help (and where one has it, the default) and narrows
+# the check where it can use less than the declaration takes (a local path only: connectors.fields.narrow) -----------
+@dataclass
+class Out:
+    """``--out``: what a command writes, a file or a directory, local or on an object store (``batch``, ``tune``,
+    ``predict``, ``export``, ``features``, ``drift``, ``predictions``, ``stream``; the ones that write locally only
+    narrow it to a local path)."""
+
+    out: str | None = option(None, "where the command writes, local or on an object store (gs://, s3://, az://: "
+                             "docs/object-stores.md)", parse=store_path("--out"))
+
+
+@dataclass
+class Input:
+    """``--input``: the files a command reads (``batch``, ``predict``, ``features``, ``drift``, ``replay``; the ones
+    that read through a filesystem check narrow it to paths: ``connectors.paths.check_path``)."""
+
+    input: tuple[str, ...] = option((), "files or globs to read (repeat or comma-separate)", repeat=True)
+
+
+@dataclass
+class Dataset:
+    """``--dataset``: a `flowtrain batch` dataset directory a command reads (``batch``, ``schema``, ``stream``,
+    ``replay``, ``predictions``; the ones that read it through a filesystem check narrow it to a path)."""
+
+    dataset: str | None = option(None, "a `flowtrain batch` dataset directory")
+
+
+@dataclass
+class RunOrBundle:
+    """``--model`` of the commands that use a trained model: a `flowtrain batch` run directory or a bundle
+    (``predict``, ``drift``). Not ``flowtrain batch --model``, your own model's factory (``flowtrain.train.options``):
+    one flag name, two meanings."""
+
+    model: str | None = option(None, "a `flowtrain batch` run directory (its bundle/) or a bundle directory "
+                               "(`flowtrain export`)", metavar="RUN_OR_BUNDLE", parse=store_path("--model"))
 
 
 @dataclass

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.fields import GENERAL, above, at_least, fraction, option, store_path, tailor
+from connectors.fields import GENERAL, above, at_least, fraction, narrow, option, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
 from flowtrain.commands.drift import DriftThreshold
-from flowtrain.commands.shared_options import LabelColumn, Limit, RunnerOptions, TimeColumn
+from flowtrain.commands.shared_options import Dataset, Input, LabelColumn, Limit, Out, RunnerOptions, TimeColumn
 from flowtrain.commands.stream_inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
@@ -93,8 +93,8 @@ class Topic:
 
 
 @dataclass
-class StreamCommon(KafkaOptions):
-    """What every part of the streaming job reads: topics, the dataset, the run directory, the status page."""
+class StreamTopics(KafkaOptions):
+    """The streaming job's topics (and the brokers), its consumer group, the local broker."""
 
     raw_topic: str | None = option(None, "raw JSON events (default: NAME-raw, NAME the --dataset's name, or its "
                                          "preset's: the demo's without --dataset)")
@@ -106,11 +106,19 @@ class StreamCommon(KafkaOptions):
     group_id: str = option("flowtrain-features",
                            "the pipeline's consumer group (its lag is on the live line and the status page)")
     local_kafka: bool = option(False, "start the project's broker on --bootstrap's port")
-    dataset: str | None = option(
-        None, "the `flowtrain batch` dataset whose spec (event fields, label), statistics and vocabularies the "
-              "stream uses: events are JSON objects keyed by its column names (default runs/demo/dataset, the "
-              "demo's)", parse=store_path("--dataset", remote=False))
-    out: str = option("runs/stream", "run directory", parse=store_path("--out", remote=False))
+
+
+@dataclass
+@tailor(dataset={"help": "the `flowtrain batch` dataset whose spec (event fields, label), statistics and vocabularies "
+                         "the stream uses: events are JSON objects keyed by its column names (default "
+                         "runs/demo/dataset, the demo's)"},
+        # a stream's run directory is where it always was unless asked (the interface)
+        out={"default": "runs/stream", "help": "run directory"})
+# the stream's checkpoints, published versions and the dataset it reads: local (or mounted) paths only
+@narrow(dataset={"parse": store_path("--dataset", remote=False)}, out={"parse": store_path("--out", remote=False)})
+class StreamCommon(Out, Dataset, StreamTopics):
+    """What every part of the streaming job reads: topics, the dataset, the run directory, the status page."""
+
     metrics_port: int = option(
         0, "serve Prometheus /metrics and a live status page (/) on 127.0.0.1:PORT while the job runs (one port "
            "for the whole job; 0: off)", parse=at_least(0))
@@ -183,18 +191,16 @@ class ScoreOptions(DriftThreshold, ScorerOptions):
         label={"help": "with --input: the label column --unlabelled removes (default: the dataset's label)"},
         topic={"help": "topic to produce to (default: NAME-raw, NAME the --dataset's name, as `flowtrain stream "
                        "--dataset` reads; the demo's without --dataset)"},
-        limit={"help": "produce at most this many events (default: all; --generate: 100000)"})
-class ReplayJob(Limit, Topic, SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn,
+        limit={"help": "produce at most this many events (default: all; --generate: 100000)"},
+        input={"help": "files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), "
+                       "read with the batch ETL's readers (default: the demo's events)", "metavar": "FILES"},
+        dataset={"help": "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default "
+                         "--label and the fields --malformed breaks (default: none)"})
+@narrow(input={"parse": store_path("--input", many=True)}, dataset={"parse": store_path("--dataset", remote=False)})
+class ReplayJob(Limit, Topic, Dataset, Input, SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn,
                 LabelColumn, KafkaOptions):
     """The options of ``flowtrain replay``."""
 
-    input: tuple[str, ...] = option(
-        (), "files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), read with "
-            "the batch ETL's readers (default: the demo's events)", repeat=True, metavar="FILES",
-        parse=store_path("--input", many=True))
-    dataset: str | None = option(
-        None, "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default --label "
-              "and the fields --malformed breaks (default: none)", parse=store_path("--dataset", remote=False))
     key_column: str | None = option(None, "with --input: key each record by this column's value (default: no key, "
                                           "round robin)")
     unlabelled: float = option(

@@ -63,12 +63,12 @@ class TuneOptions(Timeout):
 
 
 @dataclass
+@tailor(out={"help": "the study's directory (default runs/tune-<time>): dataset/, trials/, study.db, best, "
+                     "tune_report.md"})
+@narrow(out={"parse": store_path("--out", remote=False)})  # the study's SQLite storage and links: a local directory
 class TuneJob(TuneOptions, BatchJob):
     """``flowtrain tune``'s options: the study's and ``flowtrain batch``'s (the data, the ETL once, and every
     trial's fixed training options)."""
-
-    out: str | None = option(None, "the study's directory (default runs/tune-<time>): dataset/, trials/, study.db, "
-                             "best, tune_report.md", parse=store_path("--out", remote=False))
 
 
 __all__ = ["TuneJob", "TuneOptions"]

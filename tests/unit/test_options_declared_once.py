@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_YET_ONE = {
     # different parsers or choices per command (a path on an object store or local only, >= 0 or >= 1, cpu|cuda vs
     # auto|cpu|cuda): one declaration needs a decision on the checks, not only a fold
-    "dataset", "device", "input", "out",
+    "device",
     # one name, two meanings: a model file (run or bundle) vs your own model's factory
     "model",
     # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
