@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import build, check, narrow, option, store_path, tailor, to_config
+from connectors.fields import GENERAL, build, check, narrow, option, store_path, tailor, to_config
 from connectors.paths import origin_of
 from flowtrain.commands.batch_options import BatchJob, train_config
 from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
@@ -35,7 +35,7 @@ from flowtrain.commands.shared_options import (
 )
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
-from flowtrain.train.options import ThreadOptions
+from flowtrain.train.options import DeviceOption, ThreadOptions
 from pipelines.serving.options import IdColumn
 
 _IO = "input and output"
@@ -57,9 +57,12 @@ _RUN = "where the Beam pipeline runs"
         model={"group": _IO},
         input={"help": "CSV, Parquet, Avro or JSON-lines files or globs to predict (repeat or comma-separate); the "
                        "label column is optional", "group": _IO},
-        out={"help": "predictions file: Parquet, or CSV when it ends in .csv", "group": _IO})
-@narrow(input={"parse": store_path("--input", many=True)})
-class PredictJob(Out, Input, RunOrBundle, IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey,
+        out={"help": "predictions file: Parquet, or CSV when it ends in .csv", "group": _IO},
+        # the forward of a batch of rows: the CPU unless asked (the interface since predict was added)
+        device={"default": "cpu", "help": "where the forward runs", "group": GENERAL})
+@narrow(input={"parse": store_path("--input", many=True)},
+        device={"choices": ("cpu", "cuda")})  # no auto: the Beam workers' forward runs where it is told
+class PredictJob(DeviceOption, Out, Input, RunOrBundle, IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey,
                  BeamArgs, RunnerOptions, ThreadOptions):
     """The options of ``flowtrain predict``."""
 
@@ -69,7 +72,6 @@ class PredictJob(Out, Input, RunOrBundle, IdColumn, DeadLetterBound, DriftThresh
                                       parse=store_path("--dead-letters"))
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
-    device: str = option("cpu", "where the forward runs", choices=("cpu", "cuda"))
 
 
 @dataclass

@@ -36,6 +36,7 @@ from pipelines.stream.options import (
     CLIENTS,
     EventFormat,
     EventOptions,
+    MaxEventBytes,
     PipelineOptions,
     SchemaFile,
     SchemaRegistryOption,
@@ -195,9 +196,13 @@ class ScoreOptions(DriftThreshold, ScorerOptions):
         input={"help": "files to replay (CSV, Parquet, JSON lines; globs and any Beam filesystem; repeat for more), "
                        "read with the batch ETL's readers (default: the demo's events)", "metavar": "FILES"},
         dataset={"help": "with --input: the `flowtrain batch` dataset the events are for; its spec gives the default "
-                         "--label and the fields --malformed breaks (default: none)"})
+                         "--label and the fields --malformed breaks (default: none)"},
+        # none unless asked: the stream's default 1 MiB exceeds Kafka's message size
+        max_event_bytes={"default": None, "help": "the stream pipeline's --max-event-bytes: with --malformed, events "
+                                                  "'too large' are made just beyond it (left out without it: the "
+                                                  "default 1 MiB exceeds Kafka's message size)", "group": GENERAL})
 @narrow(input={"parse": store_path("--input", many=True)}, dataset={"parse": store_path("--dataset", remote=False)})
-class ReplayJob(Limit, Topic, Dataset, Input, SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn,
+class ReplayJob(Limit, Topic, MaxEventBytes, Dataset, Input, SchemaFile, SchemaRegistryOption, EventFormat, SeedOptions, DeadLetterBound, TimeColumn,
                 LabelColumn, KafkaOptions):
     """The options of ``flowtrain replay``."""
 
@@ -206,9 +211,6 @@ class ReplayJob(Limit, Topic, Dataset, Input, SchemaFile, SchemaRegistryOption, 
     unlabelled: float = option(
         0.0, "fraction of (valid) events sent without their label, as events a scorer sees before the outcome is "
              "known", parse=fraction(inclusive_high=True))
-    max_event_bytes: int | None = option(
-        None, "the stream pipeline's --max-event-bytes: with --malformed, events 'too large' are made just beyond "
-              "it (left out without it: the default 1 MiB exceeds Kafka's message size)", parse=at_least(1))
     partitions: int = option(3, "partitions if the topic is created", parse=at_least(1))
     rate: float = option(0.0, "events per second (0: as fast as possible)", parse=at_least(0, float))
     generate: str | None = option(

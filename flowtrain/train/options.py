@@ -195,9 +195,19 @@ class TrainOptions(ModelOptions, OptimizerOptions, ThreadOptions):
 
 
 @dataclass
-class ParallelOptions:
-    """How a trainer's engine splits the work over its workers (``flowtrain.train.trainer``), the batch run's and
-    the online trainer's alike."""
+class DeviceOption:
+    """``--device``: where a model runs, a trainer's (``ParallelOptions``, section parallel) and ``flowtrain predict``'s
+    forward (which narrows it to cpu or cuda and tailors its default)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
+                         "worker takes its own GPU and workers talk NCCL, on the CPU gloo", choices=DEVICES,
+                         group=PARALLELISM)
+
+
+@dataclass
+class ParallelLayout:
+    """How a trainer's engine splits the work over its workers: buckets, ZeRO, pipeline stages, tensor shards."""
 
     SECTION: ClassVar[str] = "parallel"
     bucket_mb: float = option(1.0, "gradient bucket size in MB for the reduce", parse=above(0), group=PARALLELISM)
@@ -214,9 +224,14 @@ class ParallelOptions:
                                   "embedding tables (by vocabulary) over this many workers; with --workers D "
                                   "--stages S a D x S x T grid of D*S*T workers", parse=at_least(1),
                                   group=PARALLELISM)
-    device: str = option("auto", "where training runs: auto (CUDA when present), cpu, or cuda; on CUDA each local "
-                         "worker takes its own GPU and workers talk NCCL, on the CPU gloo", choices=DEVICES,
-                         group=PARALLELISM)
+
+
+@dataclass
+class ParallelOptions(DeviceOption, ParallelLayout):
+    """How a trainer's engine splits the work over its workers (``flowtrain.train.trainer``), the batch run's and
+    the online trainer's alike: the layout, the device and the floating-point type."""
+
+    SECTION: ClassVar[str] = "parallel"
     dtype: str = option("float32", "the floating-point type of training (parameters, gradients, optimizer state, "
                         "batches): float64 is a check mode, N workers, ZeRO stages, grids and ID tables then equal one "
                         "process to ~1e-12 (float32 Adam amplifies summation order in near-zero gradients); about 2x "

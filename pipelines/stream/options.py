@@ -33,7 +33,17 @@ EVENTS = "raw events (feature pipeline and scorer)"
 
 
 @dataclass
-class ParseBounds:
+class MaxEventBytes:
+    """``--max-event-bytes``: the largest raw event, the stream's parse bound (``ParseBounds``, section events) and what
+    ``flowtrain replay --malformed`` makes events 'too large' beyond."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    max_event_bytes: int | None = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
+                                         group=EVENTS)
+
+
+@dataclass
+class ParseBounds(MaxEventBytes):
     """Limits on one raw event; an event beyond one is a dead letter naming the bound.
 
     The defaults are far above a typical event (~300 bytes, depth 1, numbers < 10^5) and far
@@ -41,8 +51,6 @@ class ParseBounds:
     """
 
     SECTION: ClassVar[str] = "events"  # --config's section (connectors.sections): events: {max_event_bytes: 4096}
-    max_event_bytes: int = option(1048576, "a raw event larger than this is a dead letter", parse=at_least(1),
-                                  group=EVENTS)
     max_json_depth: int = option(32, "a raw event nesting objects/arrays deeper than this is a dead letter",
                                  parse=at_least(1), group=EVENTS)
     max_abs_number: float = option(9007199254740992.0, "a raw event with a number beyond +-this is a dead letter",

@@ -21,13 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Names still declared in more than one class (issue 48, item 1: fold them into shared sections).
 NOT_YET_ONE = {
-    # different parsers or choices per command (a path on an object store or local only, >= 0 or >= 1, cpu|cuda vs
-    # auto|cpu|cuda): one declaration needs a decision on the checks, not only a fold
-    "device",
     # one name, two meanings: a model file (run or bundle) vs your own model's factory
     "model",
     # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
-    "batch_size", "max_event_bytes", "max_id_bytes", "predictions_format",
+    "batch_size", "max_id_bytes", "predictions_format",
 }
 
 
