@@ -27,6 +27,7 @@ from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.train.options import PARALLELISM, ParallelOptions, TrainOptions, WorkerOptions
 from pipelines.features.options import FeatureOptions
 from pipelines.presets import preset_name
+from pipelines.serving.options import MaxIdBytes
 
 _DATA = "your own data (instead of the demo)"
 _PAR = PARALLELISM
@@ -64,9 +65,11 @@ numeric_ranges.__name__ = "column ranges"
         out={"help": "run directory, local or on an object store (gs://, s3://, az://: docs/object-stores.md; default "
                      "runs/batch-<time>)"},
         dataset={"help": "skip the ETL and train on this existing dataset directory"},
-        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)", "group": _DATA})
+        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs (repeat or comma-separate)", "group": _DATA},
+        # a batch run's ID columns (users, items) are short keys: 256 bytes since ID columns were added
+        max_id_bytes={"default": 256, "help": "an ID value longer than this uses the fallback vector", "group": _DATA})
 @narrow(dataset={"parse": store_path("--dataset")}, input={"parse": store_path("--input", many=True)})
-class BatchInputs(Input, Dataset, Out, DeadLetterBound, TimeFormat, TimeColumn, LabelColumn, Overwrite):
+class BatchInputs(MaxIdBytes, Input, Dataset, Out, DeadLetterBound, TimeFormat, TimeColumn, LabelColumn, Overwrite):
     """What ``flowtrain batch`` trains on and where its run goes."""
 
     resume: bool = option(False, "continue the run in --out from its last checkpoint (reuses its dataset); only "
@@ -100,8 +103,6 @@ class BatchInputs(Input, Dataset, Out, DeadLetterBound, TimeFormat, TimeColumn, 
     id_columns: tuple[str, ...] = option((), "high-cardinality ID columns (users, items), comma-separated: each gets a "
                                          "dynamic embedding table that grows with new IDs, no vocabulary (docs/ids.md)",
                                          group=_DATA)
-    max_id_bytes: int = option(256, "an ID value longer than this uses the fallback vector", parse=at_least(1),
-                               group=_DATA)
     required_ids: tuple[str, ...] = option((), "ID columns (of --id-columns) whose value must have a key: a row with "
                                            "one missing, empty or over --max-id-bytes is a dead letter with its "
                                            "reason (else it uses the fallback vector, counted)", group=_DATA)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from connectors.fields import at_least, narrow, option, store_path, tailor
 from flowtrain.commands.shared_options import Dataset, Limit, Out, Overwrite
 from flowtrain.commands.stream import KafkaOptions, Topic
-from pipelines.serving.options import PREDICTIONS_FORMATS, IdColumn
+from pipelines.serving.options import IdColumn, PredictionsFormat
 from pipelines.stream.options import SchemaRegistryOption
 
 _READ = "what to read"
@@ -32,14 +32,15 @@ _READ = "what to read"
         out={"help": "write the predictions to this file: Parquet, or CSV when it ends in .csv (default: CSV on "
                      "stdout)", "group": _READ},
         dataset={"help": "the dataset the scorer served: names the default --topic and, for bare Avro/Protobuf "
-                         "predictions (no registry), the columns (its classes and label)", "group": _READ})
+                         "predictions (no registry), the columns (its classes and label)", "group": _READ},
+        # a reader takes what comes unless told: Arrow and JSON messages tell themselves apart
+        predictions_format={"default": "auto", "help": "the scorer's --predictions-format: auto reads Arrow and JSON "
+                                                       "messages; avro and protobuf need --schema-registry (the "
+                                                       "scorer's) or --dataset", "group": _READ})
 @narrow(limit={"parse": at_least(1)},  # 0 predictions: nothing to read
         out={"parse": store_path("--out", remote=False)}, dataset={"parse": store_path("--dataset", remote=False)})
-class PredictionsJob(Dataset, Limit, Out, Topic, IdColumn, SchemaRegistryOption, Overwrite, KafkaOptions):
+class PredictionsJob(Dataset, PredictionsFormat, Limit, Out, Topic, IdColumn, SchemaRegistryOption, Overwrite, KafkaOptions):
     """The options of ``flowtrain predictions``."""
 
     follow: bool = option(False, "after the topic's end, keep reading new predictions as they come (each written "
                           "as it arrives) until Ctrl-C or SIGTERM", group=_READ)
-    predictions_format: str = option("auto", "the scorer's --predictions-format: auto reads Arrow and JSON "
-                                     "messages; avro and protobuf need --schema-registry (the scorer's) or "
-                                     "--dataset", choices=("auto", *PREDICTIONS_FORMATS), group=_READ)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from connectors.fields import COMPOSED, above, at_least, option
+from connectors.fields import COMPOSED, above, at_least, narrow, option
 from connectors.model_updates import DEFAULT_MAX_MODEL_BYTES
 
 #: The --help section of the scorer's options (``option(..., group=...)``).
@@ -35,15 +35,36 @@ class IdColumn:
 
 
 @dataclass
-class ScorerOptions(IdColumn):
-    """The scoring pipeline: RunInference with the newest published version."""
+class PredictionsFormat:
+    """``--predictions-format``: how the scorer's predictions are written (section score: one of
+    ``PREDICTIONS_FORMATS``) and how ``flowtrain predictions`` reads them (``auto`` too: Arrow or JSON, by message)."""
 
-    SECTION: ClassVar[str] = "score"  # --config's score: {batch_size: 64} is score_batch_size (connectors.sections)
+    SECTION: ClassVar[str] = COMPOSED
     predictions_format: str | None = option(
         None, "how predictions are written: arrow (one record batch per message), json (one object per prediction), "
               "avro or protobuf (one record per prediction; with --schema-registry in its wire format, the schema "
               "registered under TOPIC-value) (default: as the events: --event-format json gives arrow)",
-        choices=PREDICTIONS_FORMATS, group=SCORING)
+        choices=("auto", *PREDICTIONS_FORMATS), group=SCORING)
+
+
+@dataclass
+class MaxIdBytes:
+    """``--max-id-bytes``: the longest ID value (UTF-8 bytes), the scorer's --id-column (section score) and a batch
+    run's ID columns (``flowtrain batch``, its own default and help)."""
+
+    SECTION: ClassVar[str] = COMPOSED
+    max_id_bytes: int = option(
+        1024, "the longest --id-column value (UTF-8 bytes) copied into a prediction; an event with a longer one "
+              "is a scoring dead letter", parse=at_least(1), group=SCORING)
+
+
+@dataclass
+@narrow(predictions_format={"choices": PREDICTIONS_FORMATS})  # the scorer writes one format: no auto
+class ScorerStream(PredictionsFormat, IdColumn):
+    """The scorer's stream: the id it copies and the predictions' format, its consumer group, the serving window and
+    its micro-batches."""
+
+    SECTION: ClassVar[str] = "score"  # --config's score: {batch_size: 64} is score_batch_size (connectors.sections)
     score_group_id: str = option("flowtrain-scorer", "the scorer's consumer group on the raw topic", group=SCORING)
     swap_interval: float = option(
         1.0, "seconds between look-ups of the newest model version; also the serving window, about the longest an "
@@ -53,9 +74,13 @@ class ScorerOptions(IdColumn):
                                    group=SCORING)
     score_max_delay: float = option(0.25, "... or this many seconds after its first event", parse=above(0),
                                     group=SCORING)
-    max_id_bytes: int = option(
-        1024, "the longest --id-column value (UTF-8 bytes) copied into a prediction; an event with a longer one "
-              "is a scoring dead letter", parse=at_least(1), group=SCORING)
+
+
+@dataclass
+class ScorerOptions(MaxIdBytes, ScorerStream):
+    """The scoring pipeline: RunInference with the newest published version."""
+
+    SECTION: ClassVar[str] = "score"
     keep_models: int = option(3, "versions the scorer keeps its own copy of, in <out>/models", parse=at_least(1),
                               group=SCORING)
     max_model_bytes: int = option(DEFAULT_MAX_MODEL_BYTES, "the largest model file the scorer reads; a larger one "

@@ -24,7 +24,7 @@ NOT_YET_ONE = {
     # one name, two meanings: a model file (run or bundle) vs your own model's factory
     "model",
     # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
-    "batch_size", "max_id_bytes", "predictions_format",
+    "batch_size",
 }
 
 
