@@ -21,9 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Names still declared in more than one class (issue 48, item 1: fold them into shared sections).
 NOT_YET_ONE = {
-    # one name, two meanings: a model file (run or bundle) vs your own model's factory
+    # one name, two meanings: `predict`/`drift --model` is a trained model, a run or bundle directory (their one
+    # declaration: commands.shared_options.RunOrBundle), `batch --model` your own model's factory MODULE:FACTORY
+    # (train.options.ModelOptions): other values, checks and help; one option would be a lie in both. Renaming one flag
+    # is an interface change, not a fold.
     "model",
-    # the stream pipeline's and the batch ETL's bounds and sizes, declared in different layers with other defaults
+    # two meanings too: `stream --batch-size` is the feature pipeline's micro-batch (events, closed by size or
+    # --max-delay: pipelines.stream.options), `batch --batch-size` rows per optimizer step, chosen from the table when
+    # unset (train.options.TrainOptions); and one declaration would have to sit in connectors (flowtrain.train may not
+    # import pipelines), which holds no option of a command
     "batch_size",
 }
 
