@@ -98,8 +98,11 @@ def pipeline_totals(out: Path) -> dict:
 
     totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
     for data in read_status(str(out / "pipeline-status.json")):
-        for key in ("events", "rows", "unlabelled", "dead_letters"):
-            totals[key] += data.get(key, 0)
+        for key in ("events", "rows", "unlabelled", "dead_letters", "late", "join_late_updates"):
+            if key in data:
+                totals[key] = totals.get(key, 0) + data[key]
+        if "join_rejected" in data:  # every instance reads the whole joined topic: the same records
+            totals["join_rejected"] = max(totals.get("join_rejected", 0), data["join_rejected"])
         if data.get("error"):
             totals["errors"].append(data["error"])
     return totals
@@ -107,6 +110,12 @@ def pipeline_totals(out: Path) -> dict:
 
 def pipeline_summary(totals: dict) -> str:
     """``pipeline_totals`` as the line the pipeline half prints when it stops."""
-    return (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
+    line = (f"{totals['events']:,} raw events -> {totals['rows']:,} training rows + {totals['unlabelled']:,} "
             f"unlabelled (not trained on) + {totals['dead_letters']:,} dead letters, acknowledged by Kafka and "
             f"committed")
+    if "late" in totals:
+        line += f"; {totals['late']:,} of the dead letters late (features over time)"
+    if "join_rejected" in totals:
+        line += (f"; joined topics: {totals['join_rejected']:,} record(s) rejected, "
+                 f"{totals['join_late_updates']:,} version(s) late")
+    return line

@@ -197,6 +197,12 @@ class Aggregates:
     def waiting(self) -> int:
         return sum(p.waiting for p in self.parts.values())
 
+    def join_counts(self) -> dict[str, int]:
+        """The joined topics' bad records (rejected) and versions that came after their time was joined (late)."""
+        topics = [t for t in self.tables if isinstance(t, TopicTable)]
+        return {"join_rejected": sum(t.rejected for t in topics),
+                "join_late_updates": sum(t.late_updates for t in topics)} if topics else {}
+
     def close(self) -> None:
         for fh in self.logs.values():
             fh.close()

@@ -404,6 +404,7 @@ class _FusedFeaturizeFn(beam.DoFn):
             feats.checkpoint()
             self.totals["late"] += len(late)
             self.totals["waiting"] = self.aggregates.waiting()
+            self.totals.update(self.aggregates.join_counts())
         self._commit(topic, partition, items[-1].offset + 1)
         self.totals["events"] += len(items)
         self.totals["rows"] += rows

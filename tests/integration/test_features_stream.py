@@ -250,6 +250,9 @@ def test_a_shorter_lateness_counts_and_dead_letters_the_late_events(streamed, bo
     assert late, streamed["late_log"][-2000:]
     status = read_status(str(streamed["base"] / "late" / "pipeline-status.json"))
     assert sum(s.get("late", 0) for s in status) == len({(m.partition, m.offset) for m in late})
+    # the line the pipeline prints when it stops counts them too
+    assert f"; {len({(m.partition, m.offset) for m in late}):,} of the dead letters late (features over time)" in \
+        streamed["late_log"], streamed["late_log"][-2000:]
     reason = dict(late[0].headers)["reason"].decode()
     assert "more than the allowed lateness (120 s) behind its partition's watermark" in reason
 
