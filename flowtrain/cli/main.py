@@ -1,8 +1,4 @@
-"""The ``flowtrain`` command line.
-
-Each command's work lives in its own module and is imported only when that command runs, so
-``flowtrain --help`` answers at once instead of importing Beam and torch.
-"""
+"""The ``flowtrain`` command line: each command's work is imported only when it runs (``--help`` answers at once)."""
 from __future__ import annotations
 
 import argparse
@@ -12,12 +8,12 @@ import signal
 import sys
 
 from connectors.secrets import redact, redact_logs
+from flowtrain.local.flink.failure import failure_lines
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """A parser whose errors are one line (the message and where help is), not the usage block:
-    ``flowtrain batch: error: unknown option --lable (did you mean --label?) ...; see flowtrain batch --help``.
-    The command's sub-parsers are made with the same class (argparse's ``parser_class``)."""
+    """A parser (and its sub-parsers: argparse's ``parser_class``) whose errors are one line, not the usage block:
+    ``flowtrain batch: error: unknown option --lable (did you mean --label?) ...; see flowtrain batch --help``."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
@@ -47,9 +43,8 @@ def _command_registrars():
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str] | None]:
-    """The command line as the command will see it: ``(args, beam_args)``, where ``beam_args`` is
-    None for commands that take no Beam options. ``args.options`` holds what --config or the
-    command line set. A bad option exits with status 2 and a message naming it."""
+    """The command line as the command will see it: ``(args, beam_args)``, ``beam_args`` None for commands that take
+    no Beam options; ``args.options`` holds what --config or the command line set. A bad option exits with status 2."""
     from flowtrain.cli import options
 
     ours, passthrough = options.split_passthrough(argv)  # after `--`: Beam's, unchecked
@@ -115,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     except FlowtrainError as err:  # a user's error: one line naming the input and the fix
         print(f"flowtrain {args.command}: {redact(str(err))}", file=sys.stderr)  # never a URL's credentials
         return int(getattr(err, "exit_code", 2))  # 3: the input was read but could not be used (flowtrain.errors)
+    except RuntimeError as err:  # a failed Flink job: its error, then where it failed (Flink's exception history)
+        if not (lines := failure_lines(err, getattr(args, "flink_master", None))):
+            raise
+        print(redact(f"flowtrain {args.command}: " + "\n  ".join(lines)), file=sys.stderr)
+        return 1
 
 
 def entry() -> None:
