@@ -86,11 +86,15 @@ class TopicTable:
 
     def _read_to_end(self, tps, wait_s: float) -> None:
         ends = retry_kafka(lambda: self.consumer.end_offsets(tps), f"end offsets of join topic {self.topic!r}")
-        deadline, empty = time.monotonic() + wait_s, 0
-        while not all(self.consumer.position(tp) >= ends[tp] for tp in tps):
-            got = self._poll(200)
-            empty = 0 if got else empty + 1
-            if empty >= 3:  # offsets without records (transaction markers, compaction) keep a position below its end
+        deadline, still = time.monotonic() + wait_s, 0
+        at = [self.consumer.position(tp) for tp in tps]
+        while not all(p >= ends[tp] for p, tp in zip(at, tps)):
+            got = self._poll(500)
+            before, at = at, [self.consumer.position(tp) for tp in tps]
+            still = 0 if got or at != before else still + 1
+            # offsets without records (transaction markers) can keep a position below its end: 5 polls (2.5 s) that
+            # neither read a record nor moved a position mean there is nothing more to read (a slow fetch moves on)
+            if still >= 5:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.where}: topic {self.topic!r} not read to its end in {wait_s:g} s")
