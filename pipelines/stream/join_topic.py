@@ -68,7 +68,11 @@ class TopicTable:
         self.rejected = self.late_updates = self.notices = 0
         self.joined_until = MISSING_TIME  # the latest event time joined so far
         self.schema: pa.Schema | None = None
-        self._read_to_end(tps, wait_s)
+        try:
+            self._read_to_end(tps, wait_s)
+        except BaseException:
+            close_client(consumer)  # the job stops: its consumer with it
+            raise
         if not self.rows:
             close_client(consumer)
             raise ValueError(f"{self.where}: topic {self.topic!r} holds no row of the table; publish the table to it "
