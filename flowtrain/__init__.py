@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.fields import build as _build
 from connectors.fields import to_config as _to_config
-from flowtrain.commands.features import FeaturesJob, run_features
+from flowtrain.commands.features_options import FeaturesJob
 from flowtrain.errors import BundleError, FlowtrainError
 from flowtrain.version import __version__
 
@@ -35,8 +35,8 @@ __all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "p
            "__version__"]
 
 if TYPE_CHECKING:
-    from flowtrain.commands.batch import BatchJob
-    from flowtrain.commands.predict import ExportJob, PredictJob
+    from flowtrain.commands.batch_options import BatchJob
+    from flowtrain.commands.predict_options import ExportJob, PredictJob
     from flowtrain.commands.predictor import Predictor
     from flowtrain.commands.stream import ReplayJob, StreamJob
 
@@ -50,11 +50,10 @@ def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
     ``summary.json``). With ``dataset=DIR`` it trains on an existing dataset directory (no ETL).
 
     (There is no ``flowtrain.train(...)``: ``flowtrain.train`` is the engine's package.)"""
-    from connectors.fields import to_config
     from flowtrain.commands.batch import run_batch_options
 
     if job is not None:
-        options = {**to_config(job), **options}
+        options = {**_to_config(job), **options}
     return run_batch_options(options)
 
 
@@ -62,6 +61,8 @@ def features(job: FeaturesJob | None = None, /, **options: Any) -> dict:
     """``flowtrain features``: every ``aggregations`` (``--aggregate KEY:COLUMN:AGGS:WINDOWS``) and ``joins``
     (``--join TABLE:KEY[:VALID_FROM]``) of every row of ``input`` over ``[t - w, t)`` in event time, written to
     ``out`` (one Parquet file, input order; docs/features.md). Returns the counts."""
+    from flowtrain.commands.features import run_features
+
     if job is not None:
         options = {**_to_config(job), **options}
     return run_features(_build(FeaturesJob, options))
@@ -91,28 +92,25 @@ def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = N
 def export(run: str, out: str, **options: Any) -> str:
     """``flowtrain export``: write a run's bundle into ``out``. Returns where the bundle is, always a ``str``: its
     absolute local path, or the object-store URL given as ``out`` (``flowtrain.load`` takes either)."""
-    from connectors.fields import build
-    from flowtrain.commands.predict import ExportJob, run_export
+    from flowtrain.commands.predict import run_export
+    from flowtrain.commands.predict_options import ExportJob
 
-    return run_export(build(ExportJob, options, run=str(run), out=str(out)))
+    return run_export(_build(ExportJob, options, run=str(run), out=str(out)))
 
 
 def _options(job: Any, options: dict) -> dict:
     """A job object's options updated by keyword options (the Python API takes either, or both)."""
-    from connectors.fields import to_config
-
-    return options if job is None else {**to_config(job), **options}
+    return options if job is None else {**_to_config(job), **options}
 
 
 def replay(job: ReplayJob | None = None, /, **options: Any) -> dict:
     """``flowtrain replay``: a table's rows (``input``), the demo's events, or a generated click stream
     (``generate="clicks"``) as events into a Kafka topic, every one acknowledged. ``options`` are ``ReplayJob``'s
     fields. Returns the counts (events, unlabelled, each malformed kind) and the seconds it took."""
-    from connectors.fields import build
     from flowtrain.commands.replay import run_replay
     from flowtrain.commands.stream import ReplayJob
 
-    return run_replay(build(ReplayJob, _options(job, options)))
+    return run_replay(_build(ReplayJob, _options(job, options)))
 
 
 def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_args: tuple[str, ...] = (),
@@ -121,11 +119,10 @@ def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_arg
     supervised child processes, or with ``half`` ("pipeline", "train", "score") that part in this process, until
     stopped (Ctrl-C, SIGTERM) or done (``idle_exit``). ``options`` are ``StreamJob``'s fields; ``beam_args`` Beam
     pipeline options. Returns the exit status (0: every part ended cleanly)."""
-    from connectors.fields import build
     from flowtrain.commands.stream import StreamJob
     from flowtrain.commands.stream_job import run_stream
 
-    return run_stream(build(StreamJob, _options(job, options)), beam_args, half=half)
+    return run_stream(_build(StreamJob, _options(job, options)), beam_args, half=half)
 
 
 def predictions(topic: str | None = None, **options: Any) -> Any:
@@ -146,13 +143,13 @@ def score(job: Any = None, /, *, beam_args: tuple[str, ...] = (), **options: Any
 
 def __getattr__(name: str) -> Any:
     if name == "BatchJob":
-        from flowtrain.commands.batch import BatchJob
+        from flowtrain.commands.batch_options import BatchJob
 
         return BatchJob
     if name in ("PredictJob", "ExportJob"):
-        from flowtrain.commands import predict as _predict
+        from flowtrain.commands import predict_options
 
-        return getattr(_predict, name)
+        return getattr(predict_options, name)
     if name in ("ReplayJob", "StreamJob"):
         from flowtrain.commands import stream as _stream
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands import batch as batch_job
-from flowtrain.commands.batch import BatchJob
+from flowtrain.commands.batch_options import RUN_DIRECTORY, BatchJob
 from flowtrain.train.jobs import train_worker  # noqa: F401 - the torchrun target
 
 
@@ -16,7 +15,7 @@ def register(sub) -> None:
                     "dataset directory, trains an embedding + MLP model (or yours: --model) with baselines, writes "
                     "a report and a model bundle. Options flowtrain does not know (e.g. --runner=FlinkRunner "
                     "--flink_master=...) go to Beam.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=batch_job.__doc__)
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RUN_DIRECTORY)
     add_fields(p, BatchJob)
     p.set_defaults(func=run_command, accepts_beam_args=True, options_parser=p)
 

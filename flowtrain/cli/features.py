@@ -7,7 +7,8 @@ from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands import features as features_job
 from flowtrain.commands import skew as skew_job
-from flowtrain.commands.features import FeaturesJob, run_features
+from flowtrain.commands.features import run_features
+from flowtrain.commands.features_options import FeaturesJob
 from flowtrain.commands.skew import SkewJob, run_skew
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands.predict import ExportJob, PredictJob
+from flowtrain.commands.predict_options import ExportJob, PredictJob
 
 
 def register(sub) -> None:

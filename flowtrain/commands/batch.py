@@ -1,25 +1,7 @@
-"""The batch job: Beam ETL -> dataset directory -> training -> report -> bundle, in one run directory.
+"""The batch job: Beam ETL -> dataset directory -> training -> report -> bundle, in one run directory
+(its files: ``batch_options.RUN_DIRECTORY``, the epilog of ``flowtrain batch --help``).
 
 ``run_batch(BatchJob(...))`` is what ``flowtrain batch`` and ``flowtrain.batch(...)`` run.
-
-Run directory::
-
-    dataset/            the ETL's output (Parquet shards + _manifest.json)
-    dead_letters.jsonl  rows the ETL rejected, with reasons
-    checkpoints/        ckpt-<step>.pt (+ .sha256), loadable with torch.load(weights_only=True)
-    model.pt            the best weights (state_dict)
-    linear.pt           the linear baseline (fitted to convergence; the model's wide part starts from it)
-    training.json       the training plan (chosen batch size, budget, schedule) and the best step
-    confusion.png       multi-class labels: the test confusion matrix
-    metrics.jsonl       training and validation metrics, one JSON object per line
-    loss.png metric.png curves
-    roc.png pr.png calibration.png importance.png ...  evaluation figures (by task)
-    tensorboard/        TensorBoard event files: tensorboard --logdir <out>/tensorboard
-    report.md           test metrics with intervals next to the baselines, curves, importance, slices
-    report.html         the same report in one file, figures embedded
-    summary.json        the same numbers for machines
-    config.json         every option of this run: a valid --config of `flowtrain batch`
-    bundle/             everything needed to predict (``flowtrain.load``, ``flowtrain predict``)
 """
 from __future__ import annotations
 
@@ -32,16 +14,53 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import build, check, to_config
+import torch
+
+from connectors.atomic import atomic_file, atomic_write
+from connectors.fields import build, check, options_of, to_config
 from connectors.paths import is_url
+from connectors.secrets import redact
 from flowtrain.commands.batch_etl import build_dataset
 from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
-from flowtrain.commands.batch_options import BatchJob, train_config, training_flags
+from flowtrain.commands.batch_options import BatchJob, training_flags
+from flowtrain.commands.batch_report import report_run
 from flowtrain.commands.dead_letter_bound import check_dead_letters
 from flowtrain.commands.tracking_options import check_tracking
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
+from flowtrain.parallel import DistContext
+from flowtrain.parallel.device import backend_for, resolve_device
+from flowtrain.parallel.launch import WorkerFailure, spawn
+from flowtrain.parallel.memcap import mechanism
+from flowtrain.train.baselines import fit_linear
+from flowtrain.train.bundle import bundle_key as read_bundle_key
+from flowtrain.train.checkpoint import CheckpointError, require_latest
+from flowtrain.train.class_weights import class_weights_of
+from flowtrain.train.evaluation import check_slice_by
+from flowtrain.train.jobs import RESTART_ENV, fit_record, train
+from flowtrain.train.loader import TabularDataset
+from flowtrain.train.loop import check_label, positive_class_line
+from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
+from flowtrain.train.metrics import check_select_by
+from flowtrain.train.models import (
+    build_run_model,
+    check_factory_parallelism,
+    choose_ensemble,
+    choose_numeric_embedding,
+    recipe_line,
+    train_rows,
+)
+from flowtrain.train.plan import TrainConfig, plan_training
+from flowtrain.train.rundir import mark_complete, mark_failed, prepare_run_dir, usable_dir
 from flowtrain.train.rundir_lock import release
+from flowtrain.train.shards import memory_budget_bytes
+from flowtrain.train.staging import publish_run, staged_dir
+from pipelines.tabular.preflight import check_splits
+
+
+def train_config(job: BatchJob):
+    """The engine's ``TrainConfig`` of this job: its training and parallelism options, as they are."""
+    return TrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(TrainConfig)})
 
 
 def train_with_restarts(run_group, max_restarts: int) -> None:
@@ -49,8 +68,6 @@ def train_with_restarts(run_group, max_restarts: int) -> None:
     ``max_restarts`` times: attempt k > 0 is a restarted group (``TORCHELASTIC_RESTART_COUNT=k``,
     as torchrun's elastic agent sets it), which resumes from the run's last checkpoint. After the
     last allowed failure, a ``WorkerFailure`` naming every failure in order."""
-    from flowtrain.parallel.launch import WorkerFailure
-
     failures: list[WorkerFailure] = []
     for attempt in range(max_restarts + 1):
         try:
@@ -74,11 +91,8 @@ def train_with_restarts(run_group, max_restarts: int) -> None:
 def run_batch(job: BatchJob) -> dict:
     """The whole batch job; returns the summary (also written to summary.json). A user's error (bad option,
     input, dataset, run directory, a failed worker) is a ``FlowtrainError`` with a one-line message."""
-    from flowtrain.train.rundir import mark_failed
-
     job = check(job)
     prepared: list = []  # the run directory, once prepare_run_dir made it this run's
-    from flowtrain.train.staging import publish_run, staged_dir
 
     with ExitStack() as stack:
         stage = None
@@ -115,8 +129,6 @@ def run_batch_options(options: dict[str, Any]) -> dict:
 
 def _check_resumable(run_dir: Path) -> None:
     """--resume needs a loadable checkpoint: none, or all corrupt, is an error, never a fresh start."""
-    from flowtrain.train.checkpoint import CheckpointError, require_latest
-
     try:
         require_latest(run_dir / "checkpoints")
     except CheckpointError as err:
@@ -124,40 +136,19 @@ def _check_resumable(run_dir: Path) -> None:
 
 
 def run_directory(job: BatchJob) -> Path:
-    from flowtrain.train.rundir import usable_dir
-
     return usable_dir(job.out or f"runs/batch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
 def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
-    import torch
-
-    from flowtrain.parallel import DistContext
-    from flowtrain.train.jobs import fit_record, train
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.loop import check_label, positive_class_line
-    from flowtrain.train.models import (
-        build_run_model,
-        check_factory_parallelism,
-        choose_ensemble,
-        choose_numeric_embedding,
-        recipe_line,
-        train_rows,
-    )
-    from flowtrain.train.shards import memory_budget_bytes
-
     t0 = time.perf_counter()
-    from flowtrain.train.bundle import bundle_key as read_bundle_key
 
     bundle_key = read_bundle_key(job.bundle_key_file)  # a bad key file fails now, not after training
     check_tracking(job)  # --mlflow without MLflow: now, not after training
-    from flowtrain.parallel.device import resolve_device
 
     # --device (and a GPU per local worker): an error before the ETL, not after it (checked again below)
     resolve_device(job.device, local_world=1 if job.job_only else job.workers * job.stages * job.tensor_parallel)
     run_dir = run_directory(job)
     resume = job.resume
-    from flowtrain.train.rundir import mark_complete, prepare_run_dir
 
     # the run-directory rules (docs/runs.md): a used --out only with --resume (same run) or --overwrite
     run = prepare_run_dir(run_dir, to_config(job), resume=resume, overwrite=job.overwrite)
@@ -184,8 +175,6 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         check_label(data)
         if positive_class_line(data):  # a binary label: which class is positive, and why (once)
             print(positive_class_line(data), flush=True)
-        from flowtrain.train.class_weights import class_weights_of
-        from flowtrain.train.evaluation import check_slice_by
 
         check_slice_by(job.slice_by, list(data.spec.categorical))  # before training, not after
         class_weights_of(job, data)  # --class-weight naming no class of the label: now, not in the workers
@@ -200,27 +189,21 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         print(f"model: {recipe_line(job.ensemble, job.numeric_embedding)} (for {rows:,} training rows; --ensemble "
               f"and --numeric-embedding set them)", flush=True)
     config = train_config(job)
-    from flowtrain.train.metrics import check_select_by
 
     try:
         memory_budget_bytes(config.memory_budget)  # a malformed --memory-budget fails here, named
         check_select_by(config.select_by, data.kind)  # --select-by that does not fit the task: now
     except ValueError as err:
         raise FlowtrainError(str(err)) from None
-    from flowtrain.parallel.device import backend_for, resolve_device
 
     workers = job.workers * config.stages * config.tensor_parallel  # replicas x stages x tensor shards
     # --device (and a GPU for each local worker): an error now, before any training
     device = resolve_device(config.device, local_world=1 if job.job_only else workers)
-    from pipelines.tabular.preflight import check_splits
 
     check_splits(data.manifest)  # an empty split (the column, its range and the cutoffs), or one that weighs nothing
     if job.model:
         check_factory_parallelism(job.model, data, config)  # a bad factory or --stages with a non-Sequential: now
     if job.print_plan or job.worker_memory:  # the memory plan per rank: printed, or a stop before training
-        from flowtrain.train.memory_plan import fits_line, plan_memory, worker_overhead_bytes
-        from flowtrain.train.plan import plan_training
-
         # a worker's fixed overhead (interpreter, torch, flowtrain, the dataset): measured before the probe
         # model is built here, or its parameters would be counted twice (once as overhead, once as state)
         overhead = worker_overhead_bytes(data)  # with the splits open, as a worker is when it is capped
@@ -240,17 +223,13 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
                          bucket_mb=config.bucket_mb, keeps_best=True)
         if stop:
             raise FlowtrainError(stop)
-        from flowtrain.parallel.memcap import mechanism
 
         print(f"{mem.describe()}; each worker capped at {job.worker_memory:g} GiB by {mechanism()}", flush=True)
     # The linear baseline, fitted to convergence on the same features; the model's linear (wide)
     # part starts from it, so the model starts where its baseline ends.
-    from flowtrain.train.baselines import fit_linear
 
     linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget,
                         class_weights=class_weights_of(config, data))  # --class-weight: the linear start weighed too
-    from connectors.atomic import atomic_file, atomic_write
-    from connectors.secrets import redact
 
     with atomic_file(run_dir / "linear.pt") as fh:  # final outputs: whole or not at all
         torch.save(linear.model.state_dict(), fh)
@@ -276,13 +255,10 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
         release(run_dir)  # the nodes' workers and the report step (other processes) take the directory next
         return {"run_dir": str(run_dir), "job": str(job_path)}
     if workers > 1 or job.worker_memory:  # --worker-memory caps spawned workers (also one), never this process
-        from flowtrain.parallel.launch import spawn
-
         layout = (f"{job.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
                   f"tensor shard(s)" if workers > job.workers else f"{workers} data-parallel workers")
         print(f"train: {layout} on 127.0.0.1 ({device.type}, {backend_for(device)}), "
               f"{max(1, (os.cpu_count() or 1) // workers)} threads each", flush=True)
-        from flowtrain.train.jobs import RESTART_ENV
 
         train_with_restarts(lambda attempt: spawn(
             workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=job.failure_timeout,
@@ -300,14 +276,13 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
                     "plan": dataclasses.asdict(result.plan), "memory": result.memory}
 
     # --- 3. baselines on the same data, test metrics, report, bundle ------------------------------------
-    from flowtrain.commands.batch_report import report_run
 
     summary = report_run(run_dir, data, title=title, dataset_path=dataset_path, config=config, model=model,
                          linear=linear, fitted=fitted, training=training, workers=workers, slice_by=job.slice_by,
                          factory=job.model, bundle_key=bundle_key, t0=t0)
     mark_complete(run_dir)  # last: a run.json that says "running" is a run that crashed, failed or goes on
     if job.mlflow:  # the finished run, its report, bundle and registered model (flowtrain[mlflow])
-        from flowtrain.commands.mlflow_tracking import log_batch_run
+        from flowtrain.commands.mlflow_tracking import log_batch_run  # the extra, only when asked
 
         summary["mlflow_run_id"] = log_batch_run(job.mlflow, run_dir, experiment=job.mlflow_experiment,
                                                  model_name=job.mlflow_model)

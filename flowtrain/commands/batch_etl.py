@@ -9,15 +9,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
 from flowtrain.commands.batch_options import BatchJob, range_of
 from flowtrain.commands.features import backfill, declaration_of, feature_columns
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.paths import cache_root
+from flowtrain.local.runners import pipeline_options
 from flowtrain.train.staging import fetch_dir, fetch_inputs
 from pipelines.features.declare import parse_join
 from pipelines.presets import default_preset, load_preset
+from pipelines.tabular import pipeline, preflight
+from pipelines.tabular.infer import infer_columns  # pyarrow and Beam's FileSystems: not at `flowtrain --help`
+from pipelines.tabular.preflight import expand_inputs
 
 if TYPE_CHECKING:
     from pipelines.tabular.infer import Inferred
@@ -76,9 +81,6 @@ def spec_from(job: BatchJob, inferred: Inferred | None = None):
 
 def _infer(job: BatchJob, inputs: list[str]) -> Inferred:
     """The feature columns of the files, inferred (``pipelines.tabular.infer``) and printed once."""
-    from pipelines.tabular.infer import infer_columns  # pyarrow and Beam's FileSystems: not at `flowtrain --help`
-    from pipelines.tabular.preflight import expand_inputs
-
     inferred = infer_columns(expand_inputs(inputs), job.label, exclude=job.exclude, id_columns=job.id_columns,
                              time_column=job.time_column, max_record_bytes=job.max_record_bytes,
                              weight_column=job.weight_column)
@@ -113,9 +115,6 @@ def _joined_from_anywhere(join) -> str:
 def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, str]:
     """(the dataset directory, the run's title): ``--dataset``'s (fetched from an object store), the resumed run's,
     or the one the ETL writes into ``run_dir/dataset`` (its dead letters in ``run_dir/dead_letters.jsonl``)."""
-    from connectors.dataset import read_manifest
-    from flowtrain.local.runners import pipeline_options
-
     beam_args = list(job.beam_args)
     if job.dataset:
         dataset_path = fetch_dir(job.dataset, "--dataset", marker="_manifest.json") if is_url(job.dataset) else \
@@ -155,8 +154,6 @@ def build_dataset(job: BatchJob, run_dir: Path, *, resume: bool) -> tuple[Path, 
                                             dead_letters_path=dead, options=beam_opts, spec=spec)  # names the preset
             title = preset.title or preset.name
         else:
-            from pipelines.tabular import pipeline, preflight
-
             spec, why = preflight.resolve_task(preflight.expand_inputs(inputs), spec)
             if why:
                 print(f"task: {spec.task} ({why}; --task chooses)", flush=True)

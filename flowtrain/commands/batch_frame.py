@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from flowtrain.errors import FlowtrainError
 
 __all__ = ["FRAME_FILE", "is_frame", "check_paths", "write_frame"]
@@ -17,7 +19,6 @@ FRAME_FILE = "dataframe.parquet"
 def write_frame(frame: Any, directory: str | Path) -> str:
     """``frame`` (a pandas DataFrame, a pyarrow Table or RecordBatch) as ``directory/dataframe.parquet``; its
     path. A frame that Arrow cannot hold (a column of Python objects of mixed types) is one line naming it."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:

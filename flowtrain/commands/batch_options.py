@@ -52,6 +52,32 @@ def numeric_ranges(value) -> tuple[str, ...]:
 numeric_ranges.__name__ = "column ranges"
 
 
+#: What ``flowtrain batch --help`` ends with: the job and its run directory's files.
+RUN_DIRECTORY = """The batch job: Beam ETL -> dataset directory -> training -> report -> bundle, in one run directory.
+
+``run_batch(BatchJob(...))`` is what ``flowtrain batch`` and ``flowtrain.batch(...)`` run.
+
+Run directory::
+
+    dataset/            the ETL's output (Parquet shards + _manifest.json)
+    dead_letters.jsonl  rows the ETL rejected, with reasons
+    checkpoints/        ckpt-<step>.pt (+ .sha256), loadable with torch.load(weights_only=True)
+    model.pt            the best weights (state_dict)
+    linear.pt           the linear baseline (fitted to convergence; the model's wide part starts from it)
+    training.json       the training plan (chosen batch size, budget, schedule) and the best step
+    confusion.png       multi-class labels: the test confusion matrix
+    metrics.jsonl       training and validation metrics, one JSON object per line
+    loss.png metric.png curves
+    roc.png pr.png calibration.png importance.png ...  evaluation figures (by task)
+    tensorboard/        TensorBoard event files: tensorboard --logdir <out>/tensorboard
+    report.md           test metrics with intervals next to the baselines, curves, importance, slices
+    report.html         the same report in one file, figures embedded
+    summary.json        the same numbers for machines
+    config.json         every option of this run: a valid --config of `flowtrain batch`
+    bundle/             everything needed to predict (``flowtrain.load``, ``flowtrain predict``)
+"""
+
+
 @dataclass
 @tailor(max_dead_letter_fraction={"help": "stop with exit status 3 when more than this fraction of the rows the "
                                           "ETL reads are dead letters (their reasons in the dead-letter file); "
@@ -165,13 +191,6 @@ def training_flags(job: BatchJob) -> str:
             value = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
             flags += f" {opt.flag}" if opt.parse is None else f" {opt.flag} {value}"
     return flags
-
-
-def train_config(job: BatchJob):
-    """The engine's ``TrainConfig`` of this job: its training and parallelism options, as they are."""
-    from flowtrain.train.plan import TrainConfig
-
-    return TrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(TrainConfig)})
 
 
 def range_of(text: str) -> tuple[str, list[float]]:

@@ -10,83 +10,47 @@ when a measure crosses its threshold.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from connectors.fields import COMPOSED, at_least, check, narrow, option, store_path, tailor
-from flowtrain.commands.shared_options import BundleKey, Input, Out, RunOrBundle, TrustCode
+import numpy as np
+import torch
+
+from connectors.atomic import atomic_write
+from connectors.dataset_spec import FeatureSpec
+from connectors.fields import check
+from connectors.files import file_format, iter_unit, list_units
+from connectors.rows import DeadLetter
+from flowtrain.commands.drift_options import REFERENCE, DriftJob
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
-
-#: The reference profile's file name, in a run directory and in its bundle.
-REFERENCE = "drift_reference.json"
-#: ``flowtrain drift``'s exit code when a threshold is crossed.
-DRIFT_EXIT = 3
-_IO = "input and output"
-
-
-def drift_thresholds(value) -> str:
-    from pipelines.drift.measures import parse_thresholds
-
-    try:
-        parse_thresholds(str(value))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).replace("--drift-threshold ", "")) from None
-    return str(value)
-
-
-drift_thresholds.__name__ = "thresholds"
-THRESHOLD_HELP = ("measure thresholds, MEASURE=VALUE comma-separated (psi, js, linf, unseen, missing, "
-                  "out_of_range, prediction, adwin); a measure above its threshold is an alarm. Defaults: psi=0.2, "
-                  "js=0.1, linf=0.15, unseen=0.1, missing=0.1, out_of_range=0.01, prediction=0.2, adwin=0.002 "
-                  "(docs/observability.md)")
-
-
-@dataclass
-class DriftThreshold:
-    """``--drift-threshold``: ``flowtrain drift``'s, ``flowtrain predict``'s drift section's and the scorer's (section
-    score) alarms, one parser and one set of defaults (``pipelines.drift.measures``)."""
-
-    SECTION: ClassVar[str] = COMPOSED
-    drift_threshold: str = option("", THRESHOLD_HELP, parse=drift_thresholds, metavar="MEASURE=VALUE,...")
-
-
-@dataclass
-@tailor(trust_code={"help": "the bundle's model is your own code (--model MODULE:FACTORY at training): import and "
-                            "run it for the score distribution (only for a bundle you trust)"},
-        bundle_key_file={"help": "verify the bundle's signature with this key (else $FLOWTRAIN_BUNDLE_KEY; "
-                                 "default: not verified)"},
-        model={"help": "a `flowtrain batch` run directory (its bundle/) or a bundle directory: its reference profile "
-                       "is what the files are compared with", "group": _IO},
-        input={"help": "CSV, Parquet or JSON-lines files or globs to compare (repeat or comma-separate); the label "
-                       "column is optional", "group": _IO},
-        # the report has a place of its own unless asked (the interface since drift was added)
-        out={"default": "drift-report", "help": "directory of the report: drift.json and drift.html (replaced)",
-             "group": _IO})
-# it reads the model and writes the report in this process: local paths (or mounted ones) only
-@narrow(model={"parse": store_path("--model", remote=False)}, out={"parse": store_path("--out", remote=False)})
-class DriftJob(Out, Input, RunOrBundle, DriftThreshold, TrustCode, BundleKey):
-    """The options of ``flowtrain drift``."""
-
-    min_rows: int = option(100, "fewer rows than this are measured but never an alarm", parse=at_least(1))
-    no_model: bool = option(False, "leave out the model's score distribution (no forward pass)")
+from flowtrain.observe.drift_report import render_report
+from flowtrain.train.bundle import build_module, bundle_key, read_bundle
+from flowtrain.train.loader import target_scale
+from flowtrain.train.loop import predict
+from pipelines.drift.compare import compare
+from pipelines.drift.measures import parse_thresholds
+from pipelines.drift.profile import (
+    Counter,
+    check_profile,
+    counts_from_json,
+    merge,
+    read_train_sample,
+    reference_profile,
+    score_counts,
+)
+from pipelines.predict.rows import check_columns, featurize_for_prediction, read_types
+from pipelines.serving.forward import forward
+from pipelines.tabular.labels import encode_labels
+from pipelines.tabular.preflight import expand_inputs, file_head
 
 
 # --- the reference a batch run writes --------------------------------------------------------------------
 def build_reference(data, model, *, max_rows: int = 200_000) -> dict:
     """The reference profile of a ``TabularDataset``'s training split and ``model``'s scores on its
     validation split (binary: P(positive); K classes: probabilities; regression: the value)."""
-    import numpy as np
-    import torch
-
-    from flowtrain.train.loader import target_scale
-    from flowtrain.train.loop import predict
-    from pipelines.drift.profile import read_train_sample, reference_profile
-
     train = read_train_sample(str(data.path), data.spec, rows=max_rows)
     scores = None
     valid = data.split("valid")
@@ -102,8 +66,6 @@ def build_reference(data, model, *, max_rows: int = 200_000) -> dict:
 
 def write_reference(run_dir: Path, data, model) -> dict:
     """``build_reference`` written to ``<run_dir>/drift_reference.json`` (atomically); returns it."""
-    from connectors.atomic import atomic_write
-
     reference = build_reference(data, model)
     atomic_write(Path(run_dir) / REFERENCE, json.dumps(reference) + "\n")
     return reference
@@ -112,9 +74,6 @@ def write_reference(run_dir: Path, data, model) -> dict:
 def load_reference(bundle, where: str) -> dict:
     """The reference profile of a bundle (checked with its checksums), else the run directory's; a model
     trained before references existed is a ``FlowtrainError`` saying to train again."""
-    from connectors.dataset_spec import FeatureSpec
-    from pipelines.drift.profile import check_profile
-
     profile = bundle.extra_json(REFERENCE)
     if profile is None:
         raise FlowtrainError(f"{where}: the bundle {bundle.path} has no {REFERENCE} (trained before drift "
@@ -130,16 +89,6 @@ def measure_files(files: list[str], bundle, profile: dict, *, module=None, score
     """``(counts, totals)`` of ``files`` (read and featurized in this process like ``flowtrain predict``):
     the window counts of ``pipelines.drift.profile`` and ``{"in", "counted", "dead_letters"}``. ``module``: the
     model to run for the scores; ``scores``: scores already made (``flowtrain predict``'s), used instead."""
-    import numpy as np
-
-    from connectors.dataset_spec import FeatureSpec
-    from connectors.files import file_format, iter_unit, list_units
-    from connectors.rows import DeadLetter
-    from pipelines.drift.profile import Counter, merge, score_counts
-    from pipelines.predict.rows import check_columns, featurize_for_prediction, read_types
-    from pipelines.tabular.labels import encode_labels
-    from pipelines.tabular.preflight import file_head
-
     spec = FeatureSpec.from_dict(bundle.features["spec"])
     stats, classes = bundle.features["stats"], bundle.features.get("classes")
     counter = Counter(profile)
@@ -168,8 +117,6 @@ def measure_files(files: list[str], bundle, profile: dict, *, module=None, score
                     label = np.where(known, targets, np.nan)
                 batch_scores = None
                 if module is not None:
-                    from pipelines.serving.forward import forward
-
                     batch_scores = forward(module, inp.features, spec, n_classes=len(classes or []),
                                            target_scale=tuple(bundle.model["target_scale"]),
                                            what=f"the model of {bundle.path}")
@@ -191,13 +138,6 @@ def run_drift(job: DriftJob) -> dict:
 
 
 def _run_drift(job: DriftJob) -> dict:
-    from connectors.atomic import atomic_write
-    from flowtrain.observe.drift_report import render_report
-    from flowtrain.train.bundle import build_module, bundle_key, read_bundle
-    from pipelines.drift.compare import compare
-    from pipelines.drift.measures import parse_thresholds
-    from pipelines.tabular.preflight import expand_inputs
-
     if not job.model:
         raise FlowtrainError("drift needs --model RUN_OR_BUNDLE (a `flowtrain batch` run directory or a bundle)")
     if not job.input:
@@ -252,12 +192,6 @@ def bundle_reference(bundle) -> dict | None:
 def predict_drift_section(profile: dict, counts: dict, *, scores=None, thresholds: str = "") -> dict[str, Any]:
     """The drift section of ``flowtrain predict``'s summary: the rows' ``counts`` (``WriteDriftCounts`` in its
     pipeline, as JSON) and ``scores`` (the predictions it made) against the bundle's reference ``profile``."""
-    import numpy as np
-
-    from pipelines.drift.compare import compare
-    from pipelines.drift.measures import parse_thresholds
-    from pipelines.drift.profile import counts_from_json, score_counts
-
     counts = counts_from_json(counts)
     if scores is not None and profile.get("prediction") is not None:
         counts["prediction"] = score_counts(profile["prediction"], np.asarray(scores))

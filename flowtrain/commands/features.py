@@ -10,40 +10,12 @@ backfill before its ETL when given aggregations or joins (docs/features.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from connectors.fields import narrow, store_path, tailor
-from flowtrain.commands.shared_options import (
-    BeamArgs,
-    Input,
-    Out,
-    Overwrite,
-    RunnerOptions,
-    TimeColumn,
-    TimeFormat,
-)
+from flowtrain.commands.features_options import FeaturesJob
 from flowtrain.errors import FlowtrainError
+from flowtrain.local.runners import RunnerError, pipeline_options
+from pipelines.features.backfill import run_backfill
 from pipelines.features.declare import last_k
-from pipelines.features.options import FeatureOptions
-
-_RUN = "where the Beam pipeline runs"
-
-
-@dataclass
-@tailor(time_format={"help": "how the time column is written when it is text: a strptime format, or epoch / "
-                             "epoch_ms / epoch_us / epoch_ns for numbers"},
-        time_column={"help": "each event's time (ISO date/time, YYYY/MM/DD, epoch seconds, a timestamp or "
-                             "--time-format); needed by --aggregate"},
-        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs of events (repeat or comma-separate)"},
-        out={"help": "the Parquet file to write (one row per input row, in input order)"})
-@narrow(input={"parse": store_path("--input", many=True)})
-class FeatureInputs(Out, Input, TimeFormat, TimeColumn, Overwrite):
-    """The events and where their features go."""
-
-
-@dataclass
-class FeaturesJob(BeamArgs, RunnerOptions, FeatureOptions, FeatureInputs):
-    """The options of ``flowtrain features``."""
 
 
 def declaration_of(job) -> object:
@@ -61,9 +33,6 @@ def declaration_of(job) -> object:
 
 def backfill(job, inputs: list[str], out: str, *, quiet: bool = False, overwrite: bool | None = None) -> dict:
     """The backfill of ``inputs`` into ``out`` with ``job``'s declaration, time column and runner; the counts."""
-    from flowtrain.local.runners import RunnerError, pipeline_options
-    from pipelines.features.backfill import run_backfill
-
     decl = declaration_of(job)
     t0 = time.perf_counter()
     try:

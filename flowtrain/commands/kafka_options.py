@@ -11,7 +11,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+
 from connectors.fields import OptionError
+from connectors.kafka.config import KafkaConfigError, expand_env, load_client_properties
 
 
 def format_value(value: Any) -> str:
@@ -31,8 +34,6 @@ _TEXT_KEYS = re.compile(r"(_password|_username|_file|_name|_url|_proxy|_id|_mech
 
 def _client_defaults() -> tuple[dict[str, Any], dict[str, set[str]]]:
     """kafka-python's option defaults common to every client flowtrain makes, and who takes the rest."""
-    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-
     clients = {"consumer": KafkaConsumer.DEFAULT_CONFIG, "producer": KafkaProducer.DEFAULT_CONFIG,
                "admin": KafkaAdminClient.DEFAULT_CONFIG}
     common = set.intersection(*(set(c) for c in clients.values()))
@@ -92,8 +93,6 @@ KAFKA_CONFIG_FILE_ENV = "FLOWTRAIN_KAFKA_CONFIG_FILE"
 def kafka_config(pairs: Iterable[str] | dict | None, config_file: str | os.PathLike | None = None) -> dict[str, Any]:
     """``--kafka-config-file`` (its Java properties as kafka-python options; ``$FLOWTRAIN_KAFKA_CONFIG_FILE``
     when not given) updated by ``--kafka-config KEY=VALUE`` (repeated) -> keyword arguments for every client."""
-    from connectors.kafka.config import KafkaConfigError, load_client_properties
-
     config_file = config_file or os.environ.get(KAFKA_CONFIG_FILE_ENV) or None
     out: dict[str, Any] = {}
     if config_file:
@@ -106,8 +105,6 @@ def kafka_config(pairs: Iterable[str] | dict | None, config_file: str | os.PathL
 
 
 def _kafka_pairs(pairs: Iterable[str] | dict | None) -> dict[str, Any]:
-    from connectors.kafka.config import KafkaConfigError, expand_env
-
     out: dict[str, Any] = {}
     if not pairs:
         return out

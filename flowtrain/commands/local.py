@@ -15,6 +15,10 @@ from pathlib import Path
 
 from connectors.fields import option, tailor
 from flowtrain.commands.shared_options import Timeout
+from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink, TaskManagerMemory
+from flowtrain.local.kafka import BrokerError, LocalKafka
+from flowtrain.local.kafka.cluster import LocalKafkaCluster
+from flowtrain.local.registry import LocalRegistry, RegistryError
 
 _HOSTS = "across hosts (docs/cluster-rehearsal.md, \"Flink across hosts\")"
 _MEMORY = "TaskManager memory (MiB; defaults in flowtrain.local.flink.TaskManagerMemory)"
@@ -73,13 +77,9 @@ class KafkaStatusJob(StatusJson, KafkaJob):
 
 def run_kafka(action: str, job: KafkaJob) -> int:
     """``flowtrain kafka ACTION``: one broker, or with ``brokers`` > 1 a replicated KRaft cluster."""
-    from flowtrain.local.kafka import BrokerError, LocalKafka
-
     kwargs = {"port": job.port} | ({"data_dir": Path(job.data_dir)} if job.data_dir else {})
     try:
         if job.brokers != 1:
-            from flowtrain.local.kafka.cluster import LocalKafkaCluster
-
             return _kafka_action(action, job, LocalKafkaCluster(brokers=job.brokers, **kwargs), _cluster_status)
         return _kafka_action(action, job, LocalKafka(**kwargs), _broker_status)
     except BrokerError as err:
@@ -188,8 +188,6 @@ class FlinkStatusJob(StatusJson, ServiceDir):
 
 def run_flink(action: str, job: FlinkStartJob | FlinkStopJob | FlinkStatusJob) -> int:
     """``flowtrain flink ACTION``: the local session cluster (``flowtrain.local.flink.LocalFlink``)."""
-    from flowtrain.local.flink import DIR_ENV, FlinkError, LocalFlink, TaskManagerMemory
-
     kwargs = {}
     if action == "start":
         memory = {k: v for k, v in {"task_heap": job.task_heap_mb, "managed": job.managed_mb,
@@ -262,8 +260,6 @@ class RegistryStartJob(Timeout, RegistryJob):
 
 def run_registry(action: str, job: RegistryJob) -> int:
     """``flowtrain registry ACTION``: a local Apicurio Registry (``flowtrain.local.registry.LocalRegistry``)."""
-    from flowtrain.local.registry import LocalRegistry, RegistryError
-
     # stop and status: the registry the data dir records (its port), unless --port names another
     reg = LocalRegistry.of(Path(job.data_dir) if job.data_dir else None, job.port)
     try:

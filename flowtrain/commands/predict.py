@@ -14,78 +14,35 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.fields import GENERAL, build, check, narrow, option, store_path, tailor, to_config
-from connectors.paths import origin_of
-from flowtrain.commands.batch_options import BatchJob, train_config
-from flowtrain.commands.dead_letter_bound import DeadLetterBound, check_dead_letters, common_reasons
-from flowtrain.commands.drift import REFERENCE, DriftThreshold, bundle_reference, drift_lines, predict_drift_section
-from flowtrain.commands.shared_options import (
-    BeamArgs,
-    BundleKey,
-    Input,
-    Out,
-    Overwrite,
-    RunnerOptions,
-    RunOrBundle,
-    TrustCode,
-)
+import numpy as np
+import pyarrow as pa
+import torch
+
+from connectors.atomic import atomic_write, fsync_dir
+from connectors.dataset_spec import FeatureSpec
+from connectors.fields import build, check, to_config
+from connectors.paths import is_url, origin_of
+from flowtrain.commands.batch import train_config
+from flowtrain.commands.batch_options import BatchJob
+from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons
+from flowtrain.commands.drift import bundle_reference, drift_lines, predict_drift_section
+from flowtrain.commands.drift_options import REFERENCE
+from flowtrain.commands.predict_options import ExportJob, PredictJob
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
-from flowtrain.train.options import DeviceOption, ThreadOptions
-from pipelines.serving.options import IdColumn
-
-_IO = "input and output"
-_RUN = "where the Beam pipeline runs"
-
-
-@dataclass
-@tailor(id_column={"help": "copy this column (a row id) to every prediction", "group": _IO, "metavar": None},
-        max_dead_letter_fraction={"group": _IO},
-        drift_threshold={"help": "thresholds of the summary's drift section (the rows against the training data), "
-                                 "MEASURE=VALUE comma-separated as `flowtrain drift --drift-threshold` (default: "
-                                 "its defaults)", "group": _IO},
-        overwrite={"help": "replace an existing --out (and its dead letters and metrics files), once the new ones "
-                           "are complete", "group": _IO},
-        bundle_key_file={"help": "verify the bundle's signature with this key (HMAC-SHA256, as `flowtrain export "
-                                 "--bundle-key-file` signed it; else $FLOWTRAIN_BUNDLE_KEY; default: none, not "
-                                 "verified)"},
-        threads={"help": "torch threads of each worker (default: torch's choice)"},
-        model={"group": _IO},
-        input={"help": "CSV, Parquet, Avro or JSON-lines files or globs to predict (repeat or comma-separate); the "
-                       "label column is optional", "group": _IO},
-        out={"help": "predictions file: Parquet, or CSV when it ends in .csv", "group": _IO},
-        # the forward of a batch of rows: the CPU unless asked (the interface since predict was added)
-        device={"default": "cpu", "help": "where the forward runs", "group": GENERAL})
-@narrow(input={"parse": store_path("--input", many=True)},
-        device={"choices": ("cpu", "cuda")})  # no auto: the Beam workers' forward runs where it is told
-class PredictJob(DeviceOption, Out, Input, RunOrBundle, IdColumn, DeadLetterBound, DriftThreshold, TrustCode, Overwrite, BundleKey,
-                 BeamArgs, RunnerOptions, ThreadOptions):
-    """The options of ``flowtrain predict``."""
-
-    keep_columns: tuple[str, ...] = option((), "copy these columns too, comma-separated", group=_IO)
-    dead_letters: str | None = option(None, "rows that cannot be predicted, with file:line and reason (JSON lines; "
-                                      "default <out>.dead_letters.jsonl)", group=_IO,
-                                      parse=store_path("--dead-letters"))
-    flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
-                               "value training never saw (or that are missing)", group=_IO)
-
-
-@dataclass
-@tailor(overwrite={"help": "replace an existing --out bundle"},
-        bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
-                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"},
-        out={"help": "the bundle directory to write"})
-class ExportJob(Out, Overwrite, BundleKey):
-    """The options of ``flowtrain export``."""
-
-    run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
-    torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
-                                "flowtrain (its inputs: see docs/predict.md)")
-
+from flowtrain.local.runners import pipeline_options
+from flowtrain.train.bundle import bundle_key, check_code, load_module, owned_bundle_files, read_bundle, write_bundle
+from flowtrain.train.loader import TabularDataset
+from flowtrain.train.metrics import metrics_of
+from flowtrain.train.models import build_run_model
+from flowtrain.train.staging import fetch_bundle, fetch_dir, fetch_inputs, staged_dir, staged_outputs
+from pipelines.predict.pipeline import build_predict, bundle_handler
+from pipelines.predict.rows import absent_line, check_columns, output_names, output_schema
+from pipelines.tabular.labels import encode_labels
+from pipelines.tabular.preflight import expand_inputs, file_head
 
 
 # --- flowtrain predict ------------------------------------------------------------------------------------
@@ -102,7 +59,6 @@ def run_predict(job: PredictJob) -> dict:
     """Predict files with a Beam pipeline; returns the summary (counts, metrics when labelled) also written to
     ``<out>.metrics.json``. A bad bundle, missing column or path is a ``FlowtrainError`` naming it."""
     job = check(job)
-    from connectors.paths import is_url
 
     try:
         if job.out and (is_url(job.out) or is_url(job.dead_letters)):
@@ -122,15 +78,6 @@ def run_predict(job: PredictJob) -> dict:
 
 
 def _run_predict(job: PredictJob) -> dict:
-    import pyarrow as pa
-
-    from connectors.dataset_spec import FeatureSpec
-    from flowtrain.local.runners import pipeline_options
-    from flowtrain.train.bundle import bundle_key, check_code, load_module, read_bundle
-    from pipelines.predict.pipeline import build_predict, bundle_handler
-    from pipelines.predict.rows import absent_line, check_columns, output_names, output_schema
-    from pipelines.tabular.preflight import expand_inputs, file_head
-
     if not job.model:
         raise FlowtrainError("predict needs --model RUN_OR_BUNDLE (a `flowtrain batch` run directory or a bundle)")
     if not job.input:
@@ -138,8 +85,6 @@ def _run_predict(job: PredictJob) -> dict:
     if not job.out:
         raise FlowtrainError("predict needs --out PATH (a .parquet or .csv file for the predictions)")
     t0 = time.perf_counter()
-    from connectors.paths import is_url
-    from flowtrain.train.staging import fetch_bundle, fetch_inputs
 
     model = fetch_bundle(job.model, "--model") if is_url(job.model) else job.model  # checked as a local one
     bundle = read_bundle(model, key=bundle_key(job.bundle_key_file))
@@ -236,7 +181,6 @@ def _run_predict(job: PredictJob) -> dict:
             reference, drift_counts, scores=_scores(staged[out], kind, names), thresholds=job.drift_threshold)
         if summary["drift"] is not None:
             print(drift_lines(summary["drift"], prefix="predict: drift"), flush=True)
-        from connectors.atomic import atomic_write, fsync_dir
 
         # written whole (tmp, fsync, rename), then every output renamed into place and the renames made durable
         atomic_write(staged[metrics_path], json.dumps(summary, indent=1, default=float) + "\n")
@@ -255,9 +199,6 @@ def _run_predict(job: PredictJob) -> dict:
 def _predict_to_stores(job: PredictJob) -> dict:
     """``flowtrain predict`` with ``--out`` (or ``--dead-letters``) on an object store: written locally, then
     uploaded, ``<out>.metrics.json`` last (it says the outputs are complete)."""
-    from connectors.atomic import atomic_write
-    from flowtrain.train.staging import staged_outputs
-
     dead = job.dead_letters or job.out + ".dead_letters.jsonl"
     outputs = {"--out": job.out, "--dead-letters": dead, "metrics": job.out + ".metrics.json"}
     with staged_outputs(outputs, overwrite=job.overwrite, last="metrics") as local:
@@ -300,8 +241,6 @@ def _score_columns(kind: str, names) -> list[str]:
 def _scores(out: Path, kind: str, names):
     """The model's scores in a predictions file (binary: P(positive); K classes: (rows, K) probabilities;
     regression: the value), for the drift section; None for an empty file."""
-    import numpy as np
-
     wanted = _score_columns(kind, names)
     table = read_predictions(out, wanted)  # the score columns only
     if table.num_rows == 0:
@@ -314,12 +253,6 @@ def _scores(out: Path, kind: str, names):
 def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict:
     """The task's metrics over the predicted rows that have a label (a label the training never saw as a class
     counts as unlabelled)."""
-    import numpy as np
-    import torch
-
-    from flowtrain.train.metrics import metrics_of
-    from pipelines.tabular.labels import encode_labels
-
     table = read_predictions(out, [spec.label, *_score_columns(kind, names)])  # the label and scores only
     if table.num_rows == 0:
         return {}
@@ -348,21 +281,11 @@ def run_export(job: ExportJob) -> str:
     take; ``pathlib.Path`` would break a URL's ``//``). An existing ``--out`` is
     replaced (``--overwrite``) only when it is empty or a bundle flowtrain wrote: a link, a file, or anything
     its bundle.json does not list is an error naming it, and nothing is touched."""
-    import torch
-
-    from connectors.fields import build
-    from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, write_bundle
-    from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.models import build_run_model
-
     job = check(job)
     if not job.run or not job.out:
         raise FlowtrainError("export needs RUN (a `flowtrain batch` run directory) and --out DIR")
-    from connectors.paths import is_url
 
     if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
-
-        from flowtrain.train.staging import fetch_dir, staged_dir
 
         run = str(fetch_dir(job.run, "RUN", marker="model.pt")) if is_url(job.run) else job.run
         if not is_url(job.out):

@@ -13,6 +13,8 @@ from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
 from connectors.rows import parse_numbers
 from flowtrain.errors import BundleError, FlowtrainError
+from flowtrain.train.bundle import build_module, bundle_key, read_bundle
+from flowtrain.train.staging import fetch_bundle
 from pipelines.predict.rows import (
     absent_line,
     check_columns,
@@ -25,6 +27,7 @@ from pipelines.predict.rows import (
     unseen_column,
     unseen_counts,
 )
+from pipelines.serving.forward import forward
 from pipelines.tabular.schema import SchemaError
 
 
@@ -41,8 +44,6 @@ class Predictor:
     ``(rows, classes)``)."""
 
     def __init__(self, path: str | Path, *, trust_code: bool = False, bundle_key_file: str | None = None):
-        from flowtrain.train.bundle import build_module, bundle_key, read_bundle
-
         self.bundle = read_bundle(path, option="flowtrain.load", key=bundle_key(bundle_key_file, "bundle_key_file"))
         self.module = build_module(self.bundle, trust_code=trust_code)
         self.spec = FeatureSpec.from_dict(self.bundle.features["spec"])
@@ -58,8 +59,6 @@ class Predictor:
     def _forward(self, inp):
         """The forward flowtrain predict's (and the stream scorer's) model handler runs, in this process and
         without Beam (``pipelines.serving.forward``)."""
-        from pipelines.serving.forward import forward
-
         return forward(self.module, inp.features, self.spec, n_classes=len(self.classes or []),
                        target_scale=self.target_scale, what=f"the model of {self.bundle.path}")
 
@@ -212,7 +211,5 @@ def load(path: str | Path, *, trust_code: bool = False, bundle_key_file: str | N
     signature with ``bundle_key_file`` or ``$FLOWTRAIN_BUNDLE_KEY``). Loading imports no code: a bundle whose
     model is a user's factory is refused unless ``trust_code=True``."""
     if is_url(path):  # a bundle (or a run) on an object store: downloaded, then checked as a local one
-        from flowtrain.train.staging import fetch_bundle
-
         path = fetch_bundle(str(path), "flowtrain.load")
     return Predictor(path, trust_code=trust_code, bundle_key_file=bundle_key_file)

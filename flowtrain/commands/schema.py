@@ -9,10 +9,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
 from connectors.fields import option, tailor
 from flowtrain.commands.shared_options import Dataset
 from flowtrain.errors import FlowtrainError
+from pipelines.stream.events import event_schema
+from pipelines.stream.formats import event_format
 
 FORMATS = ("avro", "protobuf")
 
@@ -28,10 +31,6 @@ class SchemaJob(Dataset):
 
 
 def run_schema(job: SchemaJob) -> int:
-    from connectors.dataset import read_manifest
-    from pipelines.stream.events import event_schema
-    from pipelines.stream.formats import event_format
-
     if not job.dataset or not job.schema_format:
         missing = [f for f, v in (("--dataset DIR", job.dataset), ("--format avro|protobuf", job.schema_format))
                    if not v]

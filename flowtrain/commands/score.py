@@ -14,19 +14,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from connectors.atomic import atomic_write
+from connectors.dataset import read_manifest
 from connectors.fields import options_of
+from connectors.kafka import ensure_topic
+from connectors.model_updates import UPDATE_KEY_ENV, UpdateKeySource
 from flowtrain.commands.drift import load_reference
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
+from flowtrain.commands.stream_driver import drive, not_committed, registry_ready
 from flowtrain.commands.stream_inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
 from flowtrain.errors import FlowtrainError
+from flowtrain.train.bundle import read_bundle
+from flowtrain.train.loader import TabularDataset, target_scale
+from flowtrain.train.published import LoadPublishedVersion
+from pipelines.drift.measures import parse_thresholds
+from pipelines.drift.profile import check_profile, read_train_sample, reference_profile
+from pipelines.serving.config import ScoreConfig
+from pipelines.serving.drift import DRIFT_REFERENCE, DriftConfig
+from pipelines.serving.predictions import METRICS_NAMESPACE
+from pipelines.serving.scoring import build_scoring_pipeline
+from pipelines.serving.updates import wait_for_version
+from pipelines.stream.events import SOURCE_COLUMNS
 
 
 def update_key_source(job, command: str):
     """``--update-key-file`` or ``$FLOWTRAIN_UPDATE_KEY`` (checked now: a bad key stops the command),
     else None with a loud warning: model versions are then not authenticated."""
-    from connectors.model_updates import UPDATE_KEY_ENV, UpdateKeySource
-
     source = UpdateKeySource.from_options(job.update_key_file)
     if source is None:
         print(f"{command}: WARNING: model updates are NOT authenticated (no --update-key-file, no "
@@ -45,13 +58,6 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
 
     ``enrichment``: a picklable factory of the domain's enrichment step (its dataset preset's), else
     the events hold the dataset's own columns."""
-    from connectors.dataset import read_manifest
-    from flowtrain.train.loader import TabularDataset, target_scale
-    from flowtrain.train.published import LoadPublishedVersion
-    from pipelines.serving.config import ScoreConfig
-    from pipelines.serving.updates import wait_for_version
-    from pipelines.stream.events import SOURCE_COLUMNS
-
     command = "flowtrain stream score"
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
     if job.id_column in SOURCE_COLUMNS:  # the stream's own names for the event's position
@@ -88,23 +94,14 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     return cfg
 
 
-#: Beside the scorer's status files: the reference its drift windows are compared with (for /metrics).
-DRIFT_REFERENCE = "score-drift-reference.json"
-
-
 def drift_config(job, data, dataset: str, status_path: str | None):
     """The scorer's ``DriftConfig`` (None with ``--drift-window 0``): the reference of ``--drift-reference`` (a
     batch run or bundle: with its model's score distribution), else the dataset's training split; written
     beside the status files for the status page."""
     if not getattr(job, "drift_window", 0):
         return None
-    from pipelines.drift.measures import parse_thresholds
-    from pipelines.drift.profile import check_profile, read_train_sample, reference_profile
-    from pipelines.serving.drift import DriftConfig
 
     if job.drift_reference:
-        from flowtrain.train.bundle import read_bundle
-
         try:
             profile = load_reference(read_bundle(job.drift_reference, "--drift-reference"),
                                      f"--drift-reference {job.drift_reference}")
@@ -127,13 +124,6 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     ``should_stop()`` (the command line passes its Ctrl-C / SIGTERM flag; install it before calling:
     the runner starts here) or the runner ends; returns the exit code (1: the runner failed, or a Flink
     job could not be cancelled)."""
-    import apache_beam as beam
-
-    from connectors.kafka import close_all_clients, ensure_topic
-    from flowtrain.local.runners import pipeline_options
-    from pipelines.serving.scoring import build_scoring_pipeline
-    from pipelines.stream.status import clear_status
-
     # Rejected versions and swaps are logged by the pipeline: show them (Beam set up the root logger).
     serving_log = logging.getLogger("pipelines.serving")
     serving_log.setLevel(logging.INFO)
@@ -153,39 +143,23 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     ensure_topic(job.bootstrap, job.updates_topic, client_config=kcfg, **rf)
     if getattr(job, "drift_topic", None) and getattr(job, "drift_window", 0):
         ensure_topic(job.bootstrap, job.drift_topic, client_config=kcfg, **rf)
-    if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
-        from pipelines.stream.formats import wait_for_registry
+    if not registry_ready(job.schema_registry, what="stream score", should_stop=should_stop):
+        return 0  # a registry that does not answer: the job waits for it, as for brokers
 
-        if not wait_for_registry(job.schema_registry, what="stream score", should_stop=should_stop):
-            print("stream score: stopped while waiting for the schema registry; nothing was read", flush=True)
-            return 0
-    clear_status(str(out / "score-status.json"))  # counters of an earlier run: the live line counts this run's
-    scfg = scoring_config(job, beam_status=str(out / "score-status.json"),
-                          enrichment=enrichment(job, stream_manifest(job)))
-    p = beam.Pipeline(options=pipeline_options("streaming", list(beam_args)))
-    build_scoring_pipeline(p, scfg)
-    result = p.run()
-    print(f"stream score: {job.raw_topic} -> RunInference -> {job.predictions_topic} "
-          f"(+ {job.score_dead_letter_topic}), versions from {job.updates_topic} every "
-          f"{job.swap_interval:g} s, group {job.score_group_id}; Ctrl-C stops", flush=True)
-    from flowtrain.local.runners import beam_counters, watch_pipeline
-    from pipelines.serving.predictions import METRICS_NAMESPACE
+    def build(p) -> None:  # after the status files of an earlier run are gone: waits for the first model version
+        build_scoring_pipeline(p, scoring_config(job, beam_status=str(out / "score-status.json"),
+                                                 enrichment=enrichment(job, stream_manifest(job))))
 
-    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
-        counts = beam_counters(result, METRICS_NAMESPACE)
-        atomic_write(out / "score-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
-
-    state, code = watch_pipeline(result, p.options, should_stop, what="stream score", every=save_metrics)
+    state, code = drive(build, what="stream score", out=out, part="score",
+                        namespace=METRICS_NAMESPACE, beam_args=beam_args, should_stop=should_stop,
+                        started=f"stream score: {job.raw_topic} -> RunInference -> {job.predictions_topic} "
+                                f"(+ {job.score_dead_letter_topic}), versions from {job.updates_topic} every "
+                                f"{job.swap_interval:g} s, group {job.score_group_id}; Ctrl-C stops")
     if state not in ("CANCELLED", "RUNNING"):
         print(f"stream score: ended in state {state}", file=sys.stderr, flush=True)
-    close_all_clients()
-    from connectors.kafka import brokers_unreachable
-
-    unreachable = brokers_unreachable(job.bootstrap, client_config=kcfg) if state == "CANCELLED" else None
-    if unreachable:  # a stop is honoured whatever Kafka does: say what a restart does again
-        print(f"stream score: not committed: {unreachable} at the stop: the offsets of {job.raw_topic} read since "
-              f"group {job.score_group_id}'s last commit; a restart scores those events again (at least once)",
-              file=sys.stderr, flush=True)
+    if state == "CANCELLED":
+        not_committed("stream score", job.bootstrap, kcfg, topic=job.raw_topic, group=job.score_group_id,
+                      again="a restart scores those events again (at least once)")
     print("stream score: stopped", flush=True)
     return code
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from connectors.dataset import read_manifest
 from connectors.fields import GENERAL, above, at_least, fraction, narrow, option, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
-from flowtrain.commands.drift import DriftThreshold
+from flowtrain.commands.drift_options import DriftThreshold
 from flowtrain.commands.shared_options import Dataset, Input, LabelColumn, Limit, Out, RunnerOptions, TimeColumn
 from flowtrain.commands.stream_inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
@@ -285,8 +286,6 @@ def dataset_name(dataset: str | None) -> str:
         raise FlowtrainError(str(err)) from None
     path = Path(dataset or DEMO_DATASET)
     try:
-        from connectors.dataset import read_manifest
-
         manifest = read_manifest(str(path))
     except Exception:  # noqa: BLE001 - not (yet) a dataset: the stream says so when it starts
         manifest = None

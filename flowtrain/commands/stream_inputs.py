@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from connectors.dataset import read_manifest
+from connectors.kafka import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    KafkaUnavailable,
+    close_client,
+    new_consumer,
+    topic_partitions,
+)
 from flowtrain.local.paths import cache_root
 from pipelines.features.declare import DeclarationError, declare
 from pipelines.presets import get_preset, preset_for
@@ -25,8 +33,6 @@ def dataset_path(args) -> str:
 
 def stream_manifest(args) -> dict:
     """The --dataset's manifest, which must hold the spec and statistics the stream reads."""
-    from connectors.dataset import read_manifest
-
     dataset = dataset_path(args)
     try:
         manifest = read_manifest(dataset)
@@ -58,14 +64,6 @@ def enrichment(args, manifest: dict):
 
 def raw_partitions(bootstrap: str, topic: str, cfg: dict) -> int:
     """The partition count of ``topic``; a missing topic is a one-line exit naming `flowtrain replay`."""
-    from connectors.kafka import (
-        DEFAULT_CONNECT_TIMEOUT_S,
-        KafkaUnavailable,
-        close_client,
-        new_consumer,
-        topic_partitions,
-    )
-
     consumer = new_consumer(bootstrap, cfg, group_id=None)
     try:
         parts = topic_partitions(consumer, topic, timeout_s=DEFAULT_CONNECT_TIMEOUT_S)

@@ -7,16 +7,18 @@ runner's Beam metrics to ``<out>/pipeline-metrics.json``.
 """
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from connectors.atomic import atomic_write
 from connectors.fields import options_of
+from connectors.kafka import ensure_topic
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamJob, StreamPipelineJob, with_dataset_topics
+from flowtrain.commands.stream_driver import drive, not_committed, registry_ready
 from flowtrain.commands.stream_inputs import enrichment, over_time, raw_partitions, stream_manifest
+from pipelines.stream.pipeline import METRICS_NAMESPACE, StreamConfig, build_stream_pipeline
+from pipelines.stream.status import read_status
 
 
 def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[str] = (), *,
@@ -25,13 +27,6 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
     ``should_stop()`` (the command line passes its Ctrl-C / SIGTERM flag; install it before calling:
     the runner starts here) or the runner ends; returns the exit code (1: the runner failed, or a Flink
     job could not be cancelled)."""
-    import apache_beam as beam
-
-    from connectors.kafka import ensure_topic
-    from flowtrain.local.runners import pipeline_options
-    from pipelines.stream.pipeline import StreamConfig, build_stream_pipeline
-    from pipelines.stream.status import clear_status
-
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
     cfg = kafka_config(job.kafka_config, job.kafka_config_file)
     manifest = stream_manifest(job)
@@ -50,28 +45,12 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
                         group_id=job.group_id, spec=manifest["spec"], stats=manifest["stats"],
                         enrichment_factory=enrichment(job, manifest), kafka_config=cfg,
                         status_path=str(out / "pipeline-status.json"), connect_timeout=job.connect_timeout)
-    if job.schema_registry:  # a registry that does not answer: the job waits for it, as for brokers
-        from pipelines.stream.formats import wait_for_registry
-
-        if not wait_for_registry(job.schema_registry, what="stream pipeline", should_stop=should_stop):
-            print("stream pipeline: stopped while waiting for the schema registry; nothing was read", flush=True)
-            return 0
-    clear_status(str(out / "pipeline-status.json"))  # counters of an earlier run: the summary counts this run's
-    p = beam.Pipeline(options=pipeline_options("streaming", list(beam_args)))
-    build_stream_pipeline(p, scfg)
-    result = p.run()
-    print(f"stream pipeline: {job.raw_topic} -> {job.features_topic} (+ {job.dead_letter_topic}), "
-          f"group {job.group_id}; Ctrl-C stops", flush=True)
-    from connectors.kafka import close_all_clients
-    from flowtrain.local.runners import beam_counters, watch_pipeline
-    from pipelines.stream.pipeline import METRICS_NAMESPACE
-
-    def save_metrics() -> None:  # the runner's own counts (Beam Metrics) every 5 s, beside the status files
-        counts = beam_counters(result, METRICS_NAMESPACE)
-        atomic_write(out / "pipeline-metrics.json", json.dumps({"namespace": METRICS_NAMESPACE, "counters": counts}))
-
-    state, code = watch_pipeline(result, p.options, should_stop, what="stream pipeline", every=save_metrics)
-    close_all_clients()
+    if not registry_ready(job.schema_registry, what="stream pipeline", should_stop=should_stop):
+        return 0  # a registry that does not answer: the job waits for it, as for brokers
+    state, code = drive(lambda p: build_stream_pipeline(p, scfg), what="stream pipeline", out=out, part="pipeline",
+                        namespace=METRICS_NAMESPACE, beam_args=beam_args, should_stop=should_stop,
+                        started=f"stream pipeline: {job.raw_topic} -> {job.features_topic} (+ {job.dead_letter_topic}), "
+                                f"group {job.group_id}; Ctrl-C stops")
     if state == "RUNNING":  # a Flink job that could not be cancelled: said already
         return code
     if state != "CANCELLED":  # ended by itself
@@ -80,13 +59,8 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
             print(f"stream pipeline: stopped: {error}", file=sys.stderr)
         print(f"stream pipeline: ended in state {state}; {pipeline_summary(totals)}", file=sys.stderr)
         return code
-    from connectors.kafka import brokers_unreachable
-
-    unreachable = brokers_unreachable(job.bootstrap, client_config=cfg)
-    if unreachable:  # a stop is honoured whatever Kafka does: say what a restart does again
-        print(f"stream pipeline: not committed: {unreachable} at the stop: the offsets of {job.raw_topic} read "
-              f"since group {job.group_id}'s last commit; a restart reads those events again (at least once; "
-              f"the trainer skips rows it trained)", file=sys.stderr, flush=True)
+    not_committed("stream pipeline", job.bootstrap, cfg, topic=job.raw_topic, group=job.group_id,
+                  again="a restart reads those events again (at least once; the trainer skips rows it trained)")
     print(f"stream pipeline: stopped; {pipeline_summary(pipeline_totals(out))}", flush=True)
     return 0
 
@@ -94,8 +68,6 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
 def pipeline_totals(out: Path) -> dict:
     """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
     acknowledged them, and the errors that stopped it."""
-    from pipelines.stream.status import read_status
-
     totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
     for data in read_status(str(out / "pipeline-status.json")):
         for key in ("events", "rows", "unlabelled", "dead_letters", "late", "join_late_updates"):

@@ -26,8 +26,16 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from kafka import TopicPartition
+
+from connectors.deadletter import reason_kind
+from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
+from connectors.model_updates import RejectedUpdate, UpdateKeySource, check_record
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream_pipeline import pipeline_totals
+from flowtrain.observe.server import start_status_server
+from pipelines.serving.drift import DRIFT_REFERENCE, window_report
+from pipelines.stream.status import read_status
 
 #: Distinct dead-letter reasons kept as label values; more are counted as "(other reasons)".
 MAX_REASONS = 50
@@ -48,10 +56,6 @@ class TopicTail:
         self.consumer = None
 
     def read(self) -> list:
-        from kafka import TopicPartition
-
-        from connectors.kafka import close_client, new_consumer, topic_partitions
-
         if self.consumer is None:
             consumer = new_consumer(self.bootstrap, self.cfg, group_id=None, enable_auto_commit=False,
                                     consumer_timeout_ms=100)
@@ -74,8 +78,6 @@ class TopicTail:
 
     def close(self) -> None:
         if self.consumer is not None:
-            from connectors.kafka import close_client
-
             close_client(self.consumer)
             self.consumer = None
 
@@ -96,8 +98,6 @@ class UpdateRecords:
         self._newest: dict[str, tuple[int, str | None]] = {}  # run -> (version, sha256) read last
 
     def add(self, where: str, value: bytes | None, timestamp_ms: int) -> None:
-        from connectors.model_updates import RejectedUpdate, check_record
-
         if self.key_error is not None:  # nothing verifies; never believed unsigned instead
             self._reject(where, None, f"cannot be verified: {self.key_error}")
             return
@@ -153,8 +153,6 @@ class UpdateRecords:
 def update_records(args) -> UpdateRecords:
     """``UpdateRecords`` with the job's update key (``--update-key-file`` or the environment); a key
     that is configured but cannot be read verifies nothing (the command itself says why)."""
-    from connectors.model_updates import UpdateKeySource
-
     source = UpdateKeySource.from_options(getattr(args, "update_key_file", None))
     try:
         return UpdateRecords(source.load() if source is not None else None)
@@ -196,8 +194,6 @@ class StreamSampler:
 
     # --- files the halves write ---------------------------------------------------------------------
     def _pipeline(self, snap: dict) -> None:
-        from pipelines.stream.status import read_status
-
         totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "micro_batches": 0,
                   "feature_messages": 0}
         errors = []
@@ -240,8 +236,6 @@ class StreamSampler:
                                    and isinstance(v, (int, float))}
 
     def _scorer(self, snap: dict) -> None:
-        from pipelines.stream.status import read_status
-
         prefix = str(self.out / "score-status.json")
         predictions = latency_ms = 0
         bounds, buckets = None, None
@@ -285,8 +279,6 @@ class StreamSampler:
                 snap["latency"]["buckets"] = [[float(b), c] for b, c in zip(bounds, cumulative)]
             snap["serving_version"] = serving
             snap["rejected_versions"] = rejected[-NEWEST:]
-        from flowtrain.commands.score import DRIFT_REFERENCE
-        from pipelines.serving.drift import window_report
 
         drift = window_report(prefix, str(self.out / DRIFT_REFERENCE))  # the instances' windows, compared
         if drift is not None:
@@ -299,8 +291,6 @@ class StreamSampler:
         except Exception as err:  # noqa: BLE001 - the broker may be briefly away: the page says so
             snap["sample_error"] = f"consumer lag: {type(err).__name__}: {err}"[:300]
         try:
-            from connectors.deadletter import reason_kind
-
             for record in self.letters.read():
                 reason = _header(record, "reason") or "(no reason)"
                 kind = reason_kind(reason)  # counted by kind ("broken JSON"); the newest letters keep the reason
@@ -329,10 +319,6 @@ class StreamSampler:
                                             snap.pop("serving_run", None))
 
     def _lag(self) -> dict[str, int]:
-        from kafka import TopicPartition
-
-        from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
-
         if self.lag_consumer is None:
             self.lag_consumer = new_consumer(self.args.bootstrap, self.cfg, group_id=self.args.group_id,
                                              enable_auto_commit=False)
@@ -350,8 +336,6 @@ class StreamSampler:
         return {str(tp.partition): max(0, ends[tp] - (consumer.committed(tp) or 0)) for tp in tps}
 
     def close(self) -> None:
-        from connectors.kafka import close_client
-
         if self.lag_consumer is not None:
             close_client(self.lag_consumer)
             self.lag_consumer = None
@@ -362,8 +346,6 @@ class StreamSampler:
 def serve_stream_status(args, halves: Callable[[], dict[str, str]], *, title: str):
     """Start ``/metrics`` and the status page on 127.0.0.1:``args.metrics_port`` (None when 0: off);
     ``stop_stream_status`` ends it. A port in use is a ``FlowtrainError`` naming ``--metrics-port``."""
-    from flowtrain.observe.server import start_status_server
-
     port = getattr(args, "metrics_port", 0)
     if not port:
         return None
@@ -421,10 +403,6 @@ def raw_lag(args) -> int | None:
     """Events on the raw topic the pipeline's consumer group has not committed (None: unknown, e.g. the brokers
     did not answer within ``KAFKA_WAIT_S`` seconds)."""
     try:
-        from kafka import TopicPartition
-
-        from connectors.kafka import close_client, new_consumer, topic_partitions
-
         wait_ms = int(KAFKA_WAIT_S * 1000)
         consumer = new_consumer(args.bootstrap, kafka_config(args.kafka_config, args.kafka_config_file),
                                 group_id=args.group_id, bootstrap_timeout_ms=wait_ms)
@@ -457,8 +435,6 @@ def serving_lag(announced: dict, serving: int | None, serving_run: str | None, n
 
 def serving_status(out: Path) -> dict:
     """Serving version (of the newest prediction), online accuracy and counts from the scorer's status files."""
-    from pipelines.stream.status import read_status
-
     prefix = str(out / "score-status.json")
     totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "rejected": 0, "events": 0,
               "dead_letters": 0}

@@ -13,10 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from connectors.fields import options_of, to_config
+from connectors.secrets import SECRETS_ENV, split_secrets
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.stream_inputs import dataset_path
 from flowtrain.commands.tracking_options import check_tracking
+from flowtrain.parallel.launch import spawn
+from flowtrain.train.stream import run_stream_trainer
+from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
 
 #: The trainer's engine reads these of the stream job's common options as they are (its own options, the
 #: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).
@@ -27,8 +31,6 @@ def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     """The engine's ``StreamTrainConfig`` of ``job``: its trainer options as they are, and the rest resolved. With
     ``init_weights`` the architecture is the batch run's: a ``hidden``/``dropout``/``seed`` named in ``given`` (the
     options the user set) must agree with it, else a ``ValueError`` naming them."""
-    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
-
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
     cfg = StreamTrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(StreamTrainConfig)},
                             run_dir=job.out, dataset=dataset_path(job), bootstrap=job.bootstrap,
@@ -72,9 +74,6 @@ def run_stream_train(job: StreamTrainJob, *, given: Collection[str] = (),
 def _train(job: StreamTrainJob, cfg, should_stop: Callable[[], bool] | None) -> dict | None:
     processes = job.workers * job.stages * job.tensor_parallel  # replicas x pipeline stages x tensor shards
     if processes > 1:
-        from connectors.secrets import SECRETS_ENV, split_secrets
-        from flowtrain.parallel.launch import spawn
-
         # secrets reach the replicas through their environment, never job.json or a command line
         public, secret = split_secrets(cfg.kafka_config)
         spawn(processes, "flowtrain.train.jobs:stream_trainer_worker",
@@ -82,6 +81,5 @@ def _train(job: StreamTrainJob, cfg, should_stop: Callable[[], bool] | None) -> 
               workdir=Path(job.out) / "workers", stop=should_stop,
               extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)
         return None
-    from flowtrain.train.stream import run_stream_trainer
 
     return run_stream_trainer(cfg, should_stop=should_stop)

@@ -51,6 +51,10 @@ class DriftConfig:
     flush_s: float = 1.0  # the status file written and the alarms checked at most this often, at most this late
 
 
+#: Beside the scorer's status files: the reference its drift windows are compared with (for /metrics).
+DRIFT_REFERENCE = "score-drift-reference.json"
+
+
 def drift_record(report: dict, *, window: int, instance: str) -> dict:
     """The JSON record of one comparison (``--drift-topic``): every feature's measures and alarms."""
     return {"time": time.time(), "instance": instance, "window": window, "rows": report["rows"],
