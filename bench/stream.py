@@ -43,7 +43,7 @@ from bench.inputs import Table, add_table_options, table_from_options
 from bench.table import report
 from bench.timing import MIN_REPEATS, interleaved, median_rows, repeats_note
 from connectors.kafka import ensure_topic, topic_partitions
-from flowtrain.commands.stream_pipeline import pipeline_totals
+from flowtrain.commands.stream.pipeline import pipeline_totals
 from flowtrain.local.kafka import LocalKafka
 from flowtrain.local.tools import free_port
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from connectors.fields import build as _build
 from connectors.fields import to_config as _to_config
-from flowtrain.commands.features_options import FeaturesJob
+from flowtrain.commands.features.options import FeaturesJob
 from flowtrain.errors import BundleError, FlowtrainError
 from flowtrain.version import __version__
 
@@ -35,10 +35,10 @@ __all__ = ["batch", "predict", "load", "export", "replay", "stream", "score", "p
            "__version__"]
 
 if TYPE_CHECKING:
-    from flowtrain.commands.batch_options import BatchJob
-    from flowtrain.commands.predict_options import ExportJob, PredictJob
-    from flowtrain.commands.predictor import Predictor
-    from flowtrain.commands.stream import ReplayJob, StreamJob
+    from flowtrain.commands.batch.options import BatchJob, ExportJob
+    from flowtrain.commands.predict.options import PredictJob
+    from flowtrain.commands.predict.predictor import Predictor
+    from flowtrain.commands.stream.options import ReplayJob, StreamJob
 
 
 def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
@@ -50,7 +50,7 @@ def batch(job: BatchJob | None = None, /, **options: Any) -> dict:
     ``summary.json``). With ``dataset=DIR`` it trains on an existing dataset directory (no ETL).
 
     (There is no ``flowtrain.train(...)``: ``flowtrain.train`` is the engine's package.)"""
-    from flowtrain.commands.batch import run_batch_options
+    from flowtrain.commands.batch.job import run_batch_options
 
     if job is not None:
         options = {**_to_config(job), **options}
@@ -61,7 +61,7 @@ def features(job: FeaturesJob | None = None, /, **options: Any) -> dict:
     """``flowtrain features``: every ``aggregations`` (``--aggregate KEY:COLUMN:AGGS:WINDOWS``) and ``joins``
     (``--join TABLE:KEY[:VALID_FROM]``) of every row of ``input`` over ``[t - w, t)`` in event time, written to
     ``out`` (one Parquet file, input order; docs/features.md). Returns the counts."""
-    from flowtrain.commands.features import run_features
+    from flowtrain.commands.features.job import run_features
 
     if job is not None:
         options = {**_to_config(job), **options}
@@ -72,7 +72,7 @@ def predict(model: str, input: Any, out: str, **options: Any) -> dict:  # noqa: 
     """``flowtrain predict``: predict files with a run's (or a bundle's) model in a Beam pipeline; ``options``
     are ``PredictJob``'s fields (``id_column``, ``keep_columns``, ``runner``...). Returns counts and, where the
     files hold the label, the metrics."""
-    from flowtrain.commands.predict import run_predict_options
+    from flowtrain.commands.predict.job import run_predict_options
 
     return run_predict_options(model, [input] if isinstance(input, str) else list(input), out, options)
 
@@ -84,7 +84,7 @@ def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = N
     cannot be predicted has nulls and its ``pred_reason``). Loading imports no Beam and runs no code: a bundle
     whose model is a user's ``--model MODULE:FACTORY`` is refused unless
     ``trust_code=True``; with ``bundle_key_file`` (or ``$FLOWTRAIN_BUNDLE_KEY``) its signature is verified."""
-    from flowtrain.commands.predictor import load as load_bundle
+    from flowtrain.commands.predict.predictor import load as load_bundle
 
     return load_bundle(path, trust_code=trust_code, bundle_key_file=bundle_key_file)
 
@@ -92,8 +92,8 @@ def load(path: str, *, trust_code: bool = False, bundle_key_file: str | None = N
 def export(run: str, out: str, **options: Any) -> str:
     """``flowtrain export``: write a run's bundle into ``out``. Returns where the bundle is, always a ``str``: its
     absolute local path, or the object-store URL given as ``out`` (``flowtrain.load`` takes either)."""
-    from flowtrain.commands.predict import run_export
-    from flowtrain.commands.predict_options import ExportJob
+    from flowtrain.commands.batch.export import run_export
+    from flowtrain.commands.batch.options import ExportJob
 
     return run_export(_build(ExportJob, options, run=str(run), out=str(out)))
 
@@ -107,8 +107,8 @@ def replay(job: ReplayJob | None = None, /, **options: Any) -> dict:
     """``flowtrain replay``: a table's rows (``input``), the demo's events, or a generated click stream
     (``generate="clicks"``) as events into a Kafka topic, every one acknowledged. ``options`` are ``ReplayJob``'s
     fields. Returns the counts (events, unlabelled, each malformed kind) and the seconds it took."""
-    from flowtrain.commands.replay import run_replay
-    from flowtrain.commands.stream import ReplayJob
+    from flowtrain.commands.stream.options import ReplayJob
+    from flowtrain.commands.stream.replay import run_replay
 
     return run_replay(_build(ReplayJob, _options(job, options)))
 
@@ -119,8 +119,8 @@ def stream(job: StreamJob | None = None, /, *, half: str | None = None, beam_arg
     supervised child processes, or with ``half`` ("pipeline", "train", "score") that part in this process, until
     stopped (Ctrl-C, SIGTERM) or done (``idle_exit``). ``options`` are ``StreamJob``'s fields; ``beam_args`` Beam
     pipeline options. Returns the exit status (0: every part ended cleanly)."""
-    from flowtrain.commands.stream import StreamJob
-    from flowtrain.commands.stream_job import run_stream
+    from flowtrain.commands.stream.job import run_stream
+    from flowtrain.commands.stream.options import StreamJob
 
     return run_stream(_build(StreamJob, _options(job, options)), beam_args, half=half)
 
@@ -130,7 +130,7 @@ def predictions(topic: str | None = None, **options: Any) -> Any:
     ``pred_*`` columns of ``flowtrain predict``, the event's id and label); ``options`` are ``PredictionsJob``'s
     (``bootstrap``, ``predictions_format``, ``schema_registry``, ``dataset`` (its scorer's topic by default),
     ``limit``...)."""
-    from flowtrain.commands.predictions_read import read_predictions
+    from flowtrain.commands.stream.predictions_read import read_predictions
 
     return read_predictions(topic, **options)
 
@@ -143,15 +143,19 @@ def score(job: Any = None, /, *, beam_args: tuple[str, ...] = (), **options: Any
 
 def __getattr__(name: str) -> Any:
     if name == "BatchJob":
-        from flowtrain.commands.batch_options import BatchJob
+        from flowtrain.commands.batch.options import BatchJob
 
         return BatchJob
-    if name in ("PredictJob", "ExportJob"):
-        from flowtrain.commands import predict_options
+    if name == "PredictJob":
+        from flowtrain.commands.predict.options import PredictJob
 
-        return getattr(predict_options, name)
+        return PredictJob
+    if name == "ExportJob":
+        from flowtrain.commands.batch.options import ExportJob
+
+        return ExportJob
     if name in ("ReplayJob", "StreamJob"):
-        from flowtrain.commands import stream as _stream
+        from flowtrain.commands.stream import options as _stream
 
         return getattr(_stream, name)
     raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")

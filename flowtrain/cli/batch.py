@@ -1,10 +1,10 @@
-"""``flowtrain batch``: the flags of ``BatchJob`` (``flowtrain.commands.batch``), which runs the job."""
+"""``flowtrain batch``: the flags of ``BatchJob`` (``flowtrain.commands.batch.job``), which runs the job."""
 from __future__ import annotations
 
 import argparse
 
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands.batch_options import RUN_DIRECTORY, BatchJob
+from flowtrain.commands.batch.options import RUN_DIRECTORY, BatchJob
 from flowtrain.train.jobs import train_worker  # noqa: F401 - the torchrun target
 
 
@@ -30,7 +30,7 @@ def job_of(args: argparse.Namespace, beam_args: list[str] | None = None) -> Batc
 
 
 def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
-    from flowtrain.commands.batch import run_batch
+    from flowtrain.commands.batch.job import run_batch
 
     job = job_of(args, beam_args)
     if args.print_config:

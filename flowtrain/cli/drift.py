@@ -1,10 +1,10 @@
-"""``flowtrain drift``: the flags of ``DriftJob`` (``flowtrain.commands.drift``), which runs the comparison."""
+"""``flowtrain drift``: the flags of ``DriftJob`` (``flowtrain.commands.drift.job``), which runs the comparison."""
 from __future__ import annotations
 
 import argparse
 
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands.drift_options import DRIFT_EXIT, DriftJob
+from flowtrain.commands.drift.options import DRIFT_EXIT, DriftJob
 
 
 def register(sub) -> None:
@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 def _drift(args: argparse.Namespace) -> int:
     from connectors.fields import build
-    from flowtrain.commands.drift import run_drift
+    from flowtrain.commands.drift.job import run_drift
 
     job = build(DriftJob, dict(args.options))
     if args.print_config:

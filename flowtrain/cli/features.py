@@ -5,11 +5,10 @@ import argparse
 
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands import features as features_job
-from flowtrain.commands import skew as skew_job
-from flowtrain.commands.features import run_features
-from flowtrain.commands.features_options import FeaturesJob
-from flowtrain.commands.skew import SkewJob, run_skew
+from flowtrain.commands.features import job as features_job
+from flowtrain.commands.features import skew as skew_job
+from flowtrain.commands.features.options import FeaturesJob
+from flowtrain.commands.features.skew import SkewJob, run_skew
 
 
 def register(sub) -> None:
@@ -31,7 +30,7 @@ def _features(args: argparse.Namespace, beam_args: list[str] | None = None) -> i
     if args.print_config:
         print_config(job)
         return 0
-    run_features(job)
+    features_job.run_features(job)
     return 0
 
 

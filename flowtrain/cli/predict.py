@@ -1,11 +1,12 @@
 """``flowtrain predict`` and ``flowtrain export``: the flags of ``PredictJob`` / ``ExportJob``
-(``flowtrain.commands.predict``), which run the jobs."""
+(``flowtrain.commands.predict.job``), which run the jobs."""
 from __future__ import annotations
 
 import argparse
 
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands.predict_options import ExportJob, PredictJob
+from flowtrain.commands.batch.options import ExportJob
+from flowtrain.commands.predict.options import PredictJob
 
 
 def register(sub) -> None:
@@ -32,7 +33,7 @@ def register(sub) -> None:
 
 def _predict(args: argparse.Namespace, beam_args: list[str] | None = None) -> int:
     from connectors.fields import build
-    from flowtrain.commands.predict import run_predict
+    from flowtrain.commands.predict.job import run_predict
 
     options = dict(args.options)
     options["beam_args"] = [*(options.get("beam_args") or []), *(beam_args or [])]
@@ -46,7 +47,7 @@ def _predict(args: argparse.Namespace, beam_args: list[str] | None = None) -> in
 
 def _export(args: argparse.Namespace) -> int:
     from connectors.fields import build
-    from flowtrain.commands.predict import run_export
+    from flowtrain.commands.batch.export import run_export
 
     options = dict(args.options)
     if args.run_positional:

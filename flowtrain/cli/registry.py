@@ -1,5 +1,5 @@
 """``flowtrain registry start|stop|status`` (a local Apicurio Registry; the jobs of ``flowtrain.commands.local``)
-and ``flowtrain schema`` (``flowtrain.commands.schema``): each parser's flags are the fields of its job."""
+and ``flowtrain schema`` (``flowtrain.commands.stream.schema``): each parser's flags are the fields of its job."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.local import ACTIONS, run_registry
-from flowtrain.commands.schema import SchemaJob, run_schema
+from flowtrain.commands.stream.schema import SchemaJob, run_schema
 
 _CACHE = ("Apicurio Registry is fetched from Maven Central with mvn on first use into ~/.cache/flowtrain/apicurio "
           "(or $FLOWTRAIN_CACHE).")

@@ -1,9 +1,9 @@
 """``flowtrain replay``, ``flowtrain stream [pipeline|train|score]`` and ``flowtrain predictions`` (the scorer's
 predictions topic read back as a table): the streaming job against Kafka.
 
-The options are the fields of ``flowtrain.commands.stream`` (``ReplayJob``, ``StreamJob`` and one config per
+The options are the fields of ``flowtrain.commands.stream.options`` (``ReplayJob``, ``StreamJob`` and one config per
 part of the job): ``stream --help`` lists the whole job's, ``stream pipeline --help`` (``train``, ``score``)
-the options of that part only. The jobs run in ``flowtrain.commands.replay`` and ``flowtrain.commands.stream_job``.
+the options of that part only. The jobs run in ``flowtrain.commands.stream.replay`` and ``flowtrain.commands.stream.job``.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import argparse
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
 from flowtrain.commands.kafka_options import kafka_pair
-from flowtrain.commands.predictions import PredictionsJob
-from flowtrain.commands.stream import CLIENTS, HALVES, ReplayJob, StreamJob, with_dataset_topics
+from flowtrain.commands.stream.options import CLIENTS, HALVES, ReplayJob, StreamJob, with_dataset_topics
+from flowtrain.commands.stream.predictions import PredictionsJob
 
 __all__ = ["CLIENTS", "register"]
 
@@ -88,7 +88,7 @@ def register(sub) -> None:
 
 # ---------------------------------------------------------------------------------------------
 def _replay(args: argparse.Namespace) -> int:
-    from flowtrain.commands.replay import run_replay
+    from flowtrain.commands.stream.replay import run_replay
 
     job = with_dataset_topics(build(ReplayJob, args.options))  # checked as the API checks it; --topic from --dataset
     if args.print_config:
@@ -103,7 +103,7 @@ def _predictions(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(job)
         return 0
-    from flowtrain.commands.predictions_read import run_predictions  # Kafka and pyarrow: only when it runs
+    from flowtrain.commands.stream.predictions_read import run_predictions  # Kafka and pyarrow: only when it runs
 
     run_predictions(job)
     return 0
@@ -112,7 +112,7 @@ def _predictions(args: argparse.Namespace) -> int:
 def job_of(args: argparse.Namespace):
     """The config of a parsed ``flowtrain stream [HALF]`` command line: ``StreamJob``, or with a half that part's
     (``args.options``: what --config and the flags set; a whole job's options a part does not use are left out)."""
-    from flowtrain.commands.stream_job import part_of
+    from flowtrain.commands.stream.job import part_of
 
     return part_of(build(StreamJob, args.options), args.half)
 
@@ -121,6 +121,6 @@ def _stream(args: argparse.Namespace, beam_args: list[str]) -> int:
     if args.print_config:
         print_config(job_of(args))
         return 0
-    from flowtrain.commands.stream_job import run_stream
+    from flowtrain.commands.stream.job import run_stream
 
     return run_stream(build(StreamJob, args.options), beam_args, half=args.half, given=args.options)

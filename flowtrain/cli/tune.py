@@ -1,12 +1,12 @@
-"""``flowtrain tune``: the flags of ``TuneJob`` (``flowtrain.commands.tune``), which runs the study."""
+"""``flowtrain tune``: the flags of ``TuneJob`` (``flowtrain.commands.tune.options``), which runs the study."""
 from __future__ import annotations
 
 import argparse
 
 from connectors.fields import build
 from flowtrain.cli.options import add_fields, print_config
-from flowtrain.commands import tune as tune_job
-from flowtrain.commands.tune import TuneJob
+from flowtrain.commands.tune import options as tune_job
+from flowtrain.commands.tune.options import TuneJob
 
 
 def register(sub) -> None:
@@ -28,7 +28,7 @@ def run_command(args: argparse.Namespace, beam_args: list[str] | None = None) ->
     if args.print_config:
         print_config(job)
         return 0
-    from flowtrain.commands.tune_run import run_tune  # Optuna and the engine: only when a study runs
+    from flowtrain.commands.tune.run import run_tune  # Optuna and the engine: only when a study runs
 
     run_tune(job)
     return 0

@@ -28,7 +28,7 @@ from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import ColSpec, Schema
 
-from flowtrain.commands.predictor import load
+from flowtrain.commands.predict.predictor import load
 from flowtrain.train.bundle import write_bundle
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog

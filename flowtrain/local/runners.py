@@ -342,7 +342,7 @@ def runner_args(runner: str | None, flink_master: str | None, beam_args: Sequenc
 def pick_runner(runner: str | None, flink_master: str | None, beam_args: Sequence[str] = ()) -> list[str]:
     """``beam_args`` with the Beam options of flowtrain's ``--runner`` / ``--flink-master`` in front
     (:func:`runner_args`): the one place a job's runner is picked, for batch and predict (through
-    :func:`pipeline_options`) and for each pipeline of a stream job (``flowtrain.commands.stream_job``)."""
+    :func:`pipeline_options`) and for each pipeline of a stream job (``flowtrain.commands.stream.job``)."""
     return runner_args(runner, flink_master, beam_args) + list(beam_args)
 
 

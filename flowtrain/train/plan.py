@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from connectors.fields import options_of
 from flowtrain.train.metrics import check_select_by
 from flowtrain.train.options import EngineSettings, ParallelOptions, TrainOptions
 
@@ -32,13 +33,19 @@ class TrainConfig(TrainOptions, ParallelOptions, EngineSettings):
     """A batch run's engine config: its options (``TrainOptions``, ``ParallelOptions``: declared once in
     ``flowtrain.train.options``, where ``flowtrain batch`` takes them from) and what the run sets, not the user
     (``EngineSettings`` and the two below). Its ``weight_decay`` is ``--weight-decay`` (an option here): left unset,
-    the batch run sets the table's (``flowtrain.commands.batch``: the linear start's penalty), else 0."""
+    the batch run sets the table's (``flowtrain.commands.batch.job``: the linear start's penalty), else 0."""
     log_every: int = 50  # steps between training-loss lines in metrics.jsonl
     init_wide: str | None = None  # a fitted LinearModel's state_dict file: the wide part starts there (the batch job's)
 
     def __post_init__(self) -> None:
         if self.weight_decay is None:  # the engine reads a number
             self.weight_decay = 0.0
+
+
+def train_config(options) -> TrainConfig:
+    """The engine's ``TrainConfig`` of a command's options (``BatchJob``): its training and parallelism options, as
+    they are (the fields of ``TrainOptions`` and ``ParallelOptions``, declared once in ``flowtrain.train.options``)."""
+    return TrainConfig(**{opt.name: getattr(options, opt.name) for opt in options_of(TrainConfig)})
 
 
 @dataclass

@@ -32,7 +32,7 @@ class StreamTrainConfig(EngineSettings, UpdateOptions, StreamTrainOptions):
     bootstrap: str
     run_dir: str  # the command's --out
     dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies
-    # the topics: the command names them after the dataset (flowtrain.commands.stream.dataset_topics); run() needs
+    # the topics: the command names them after the dataset (flowtrain.commands.stream.options.dataset_topics); run() needs
     # all three
     features_topic: str | None = None
     updates_topic: str | None = None

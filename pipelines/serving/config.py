@@ -29,7 +29,7 @@ class ScoreConfig(ScorerOptions, EventOptions):
     bootstrap: str
     load_version: Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
     spec: FeatureSpec
-    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
+    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.options.dataset_topics)
     raw_topic: str
     predictions_topic: str
     dead_letter_topic: str

@@ -4,7 +4,7 @@ flag, a ``--config`` key and a ``config.json`` key, with its default, range and 
 ``ScorerOptions``: the scoring pipeline's micro-batches, consumer group, serving window, ids in predictions, the
 predictions' format and its model copies. Their names are the user's (``score_batch_size``, ``swap_interval``...:
 one flat namespace with the feature pipeline's options). ``flowtrain stream score``'s job
-(``flowtrain.commands.stream.ScoreOptions``) composes them with what only the command reads (topics, the wait for a
+(``flowtrain.commands.stream.options.ScoreOptions``) composes them with what only the command reads (topics, the wait for a
 first model, drift monitoring), and the engine's ``pipelines.serving.config.ScoreConfig`` is them (with the raw
 events' options, ``pipelines.stream.options.EventOptions``) plus what the command resolves. Stdlib only:
 ``flowtrain --help`` imports this.

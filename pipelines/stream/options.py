@@ -8,7 +8,7 @@ and help).
   event format, its schema registry or file, the enrichment.
 - ``PipelineOptions``: the feature pipeline's micro-batches and reader.
 
-``flowtrain stream``'s jobs (``flowtrain.commands.stream``) compose them, and the engine's
+``flowtrain stream``'s jobs (``flowtrain.commands.stream.options``) compose them, and the engine's
 ``pipelines.stream.pipeline.StreamConfig`` is them plus what the command resolves (brokers, topics, the dataset's
 spec and statistics, the enrichment's factory, Kafka client settings). Stdlib only (no Beam, no pyarrow):
 ``flowtrain --help`` imports this.

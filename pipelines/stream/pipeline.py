@@ -106,7 +106,7 @@ class StreamConfig(PipelineOptions, EventOptions):
     settings), which keep no defaults of their own."""
 
     bootstrap: str
-    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.dataset_topics)
+    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.options.dataset_topics)
     raw_topic: str
     features_topic: str
     dead_letter_topic: str

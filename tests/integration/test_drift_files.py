@@ -113,8 +113,8 @@ def test_predict_summary_has_a_drift_section_with_data_quality(drift_run, capsys
 
 def test_drift_thresholds_change_the_alarms(drift_run):
     from connectors.fields import check
-    from flowtrain.commands.drift import bundle_reference, measure_files, predict_drift_section
-    from flowtrain.commands.predict import PredictJob
+    from flowtrain.commands.drift.job import bundle_reference, measure_files, predict_drift_section
+    from flowtrain.commands.predict.job import PredictJob
     from flowtrain.train.bundle import read_bundle
     from pipelines.drift.profile import counts_to_json
 

@@ -116,7 +116,7 @@ def test_batch_trains_on_the_backfill_and_the_stream_takes_the_dataset_declarati
     for bit), trains on the aggregates and joined columns and records the declaration in the dataset's manifest,
     which the stream's parts then take when given none (declared once)."""
     from connectors.dataset import read_manifest
-    from flowtrain.commands.stream_inputs import over_time
+    from flowtrain.commands.stream.inputs import over_time
 
     base, run = backfill["base"], tmp_path / "run"
     monkeypatch.chdir(base)  # the joined table given relative to here: the dataset records it absolute

@@ -20,7 +20,7 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from flowtrain.cli.main import main
-from flowtrain.commands.skew import SkewJob, run_skew
+from flowtrain.commands.features.skew import SkewJob, run_skew
 from flowtrain.local.processes import same_process
 from pipelines.features.declare import declare
 from pipelines.features.transactions import generate_transactions

@@ -24,7 +24,7 @@ from kafka import KafkaConsumer, TopicPartition
 from connectors.arrow import decode_batch
 from connectors.dataset_spec import FeatureSpec
 from flowtrain.cli.main import main
-from flowtrain.commands.skew import SkewJob, run_skew
+from flowtrain.commands.features.skew import SkewJob, run_skew
 from flowtrain.local.runners import pipeline_options
 from pipelines.features.declare import declare
 from pipelines.features.transactions import generate_transactions

@@ -30,7 +30,7 @@ def test_topic_partitions_gives_up_naming_the_brokers_and_the_topic():
 
 
 def test_raw_lag_is_unknown_when_the_brokers_do_not_answer(monkeypatch):
-    from flowtrain.commands import stream_status
+    from flowtrain.commands.stream import status as stream_status
 
     monkeypatch.setattr(stream_status, "KAFKA_WAIT_S", 1.0)
     monkeypatch.setattr(stream_status, "kafka_config", lambda *a: dict(KNOWN_VERSION))
@@ -41,7 +41,7 @@ def test_raw_lag_is_unknown_when_the_brokers_do_not_answer(monkeypatch):
 
 
 def test_the_raw_topic_partition_count_is_a_one_line_exit_when_the_brokers_do_not_answer(monkeypatch):
-    from flowtrain.commands import stream_inputs
+    from flowtrain.commands.stream import inputs as stream_inputs
 
     monkeypatch.setattr("connectors.kafka.DEFAULT_CONNECT_TIMEOUT_S", 1.0)
     bootstrap = dead_bootstrap()

@@ -49,9 +49,10 @@ def _in_process(run_dir: Path, rows: pa.Table) -> np.ndarray:
     """The trained model (model.pt, the run's dataset statistics, the ETL's feature code) on ``rows``."""
     from connectors.fields import build
     from connectors.files import SOURCE_FILE, SOURCE_ROW
-    from flowtrain.commands.batch import BatchJob, train_config
+    from flowtrain.commands.batch.options import BatchJob
     from flowtrain.train.loader import TabularDataset
     from flowtrain.train.models import build_run_model
+    from flowtrain.train.plan import train_config
     from pipelines.tabular.features import feature_arrays
 
     data = TabularDataset(run_dir / "dataset")

@@ -571,7 +571,7 @@ def test_regression_predictions_are_in_the_labels_units(tmp_path):
 
 
 def test_serving_line_shows_the_serving_version_and_online_accuracy(tmp_path):
-    from flowtrain.commands.stream_status import serving_line
+    from flowtrain.commands.stream.status import serving_line
 
     now = time.time()
     (tmp_path / "score-status.json.predictions.1-1").write_text(json.dumps(

@@ -21,7 +21,7 @@ def _records(bootstrap: str, topic: str) -> list:
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])
 def test_item4_replay_from_python_sends_every_event_with_either_producer(client, bootstrap, new_topic, tmp_path):
     import flowtrain
-    from flowtrain.commands.stream import ReplayJob
+    from flowtrain.commands.stream.options import ReplayJob
 
     events = tmp_path / "events.csv"
     events.write_text("t,k,x,y\n" + "".join(f"{i},k{i % 4},{i * 0.5},{i % 2}\n" for i in range(60)))

@@ -24,7 +24,7 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
-from flowtrain.commands.stream_pipeline import pipeline_totals
+from flowtrain.commands.stream.pipeline import pipeline_totals
 from flowtrain.local.kafka.cluster import LocalKafkaCluster
 from flowtrain.local.tools import port_open
 from tests.flights_data import make_flights_dataset

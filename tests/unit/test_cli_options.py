@@ -123,7 +123,7 @@ def test_an_unknown_config_key_suggests_the_nearest_option_instead_of_listing_al
     assert err.splitlines() == [f"flowtrain batch: error: --config {path}: unknown key {key!r} (did you mean "
                                 f"{nearest!r}?); see flowtrain batch --help"], err
     from connectors.fields import OptionError, build
-    from flowtrain.commands.batch import BatchJob
+    from flowtrain.commands.batch.job import BatchJob
 
     with pytest.raises(OptionError, match=f"unknown option {key} \\(did you mean {nearest}\\?\\)"):
         build(BatchJob, {key: 3})

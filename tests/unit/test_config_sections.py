@@ -16,8 +16,8 @@ from connectors.sections import flat_config, layout, to_sections
 from flowtrain.cli.main import build_parser, main, parse
 from flowtrain.cli.options import load_config
 from flowtrain.cli.stream import job_of
-from flowtrain.commands.batch import BatchJob
-from flowtrain.commands.stream import HALVES, ReplayJob, StreamJob
+from flowtrain.commands.batch.job import BatchJob
+from flowtrain.commands.stream.options import HALVES, ReplayJob, StreamJob
 
 #: Every topic given, so that no part looks for the dataset to name them.
 TOPICS = {"raw_topic": "r", "features_topic": "f", "dead_letter_topic": "d", "updates_topic": "u"}

@@ -193,7 +193,7 @@ def test_item3_a_registry_that_is_down_is_waited_for_not_a_failure():
 
 
 def test_item2_event_format_options_on_replay_and_every_stream_part_match_the_engines():
-    from flowtrain.commands.stream import ReplayJob, StreamJob, StreamPipelineJob, StreamScoreJob
+    from flowtrain.commands.stream.options import ReplayJob, StreamJob, StreamPipelineJob, StreamScoreJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.stream.formats import FORMATS
     from pipelines.stream.pipeline import StreamConfig

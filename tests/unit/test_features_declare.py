@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from connectors.fields import OptionError, build
-from flowtrain.commands.features import FeaturesJob
+from flowtrain.commands.features.job import FeaturesJob
 from pipelines.features.declare import DeclarationError, declare, parse_aggregate, parse_join
 from pipelines.features.options import FeatureOptions
 

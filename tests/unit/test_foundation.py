@@ -63,7 +63,7 @@ def test_cli_help_describes_every_command_and_option_with_the_config_defaults(mo
     import argparse
 
     from flowtrain.cli.main import build_parser
-    from flowtrain.commands.batch import BatchJob
+    from flowtrain.commands.batch.job import BatchJob
 
     proc = subprocess.run([sys.executable, "-m", "flowtrain.cli", "--help"], capture_output=True,
                           text=True, timeout=60)

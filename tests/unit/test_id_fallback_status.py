@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from connectors.dataset_spec import FeatureSpec
-from flowtrain.commands.stream_status import serving_status
+from flowtrain.commands.stream.status import serving_status
 from pipelines.serving.featurize import id_fallback_counts
 from pipelines.stream.status import write_status
 from pipelines.tabular.features import feature_arrays

@@ -10,8 +10,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from flowtrain.commands.batch import BatchJob
-from flowtrain.commands.batch_etl import spec_from
+from flowtrain.commands.batch.etl import spec_from
+from flowtrain.commands.batch.job import BatchJob
 from pipelines.tabular.infer import infer_columns
 from pipelines.tabular.schema import SchemaError
 

@@ -24,8 +24,8 @@ def _imported(code: str) -> set[str]:
 
 @pytest.mark.parametrize("code", [
     "from flowtrain.cli.main import build_parser\nbuild_parser()",
-    "import flowtrain.commands.stream_job",                   # every stream process's entry
-    "import flowtrain.commands.stream_pipeline",              # the stream pipeline's process
+    "import flowtrain.commands.stream.job",                   # every stream process's entry
+    "import flowtrain.commands.stream.pipeline",              # the stream pipeline's process
 ])
 def test_the_parser_and_the_stream_pipeline_import_no_torch(code):
     heavy = sorted(m for m in _imported(code) if m.split(".")[0] in HEAVY)
@@ -35,10 +35,12 @@ def test_the_parser_and_the_stream_pipeline_import_no_torch(code):
 def test_the_jobs_import_no_extra_until_asked():
     """``flowtrain[mlflow]`` and ``flowtrain[tune]`` are extras: every job module but their own imports without them
     (``--mlflow`` and ``flowtrain tune`` import them when asked)."""
-    own = {"mlflow_tracking", "tune_run"}
-    jobs = sorted(p.stem for p in (ROOT / "flowtrain" / "commands").glob("*.py")
-                  if p.stem not in own and not p.stem.startswith("_"))
-    assert "batch" in jobs and "stream_train" in jobs, jobs
+    commands = ROOT / "flowtrain" / "commands"
+    own = {"mlflow_tracking", "tune.run"}
+    jobs = sorted(".".join(p.relative_to(commands).with_suffix("").parts) for p in commands.rglob("*.py")
+                  if p.stem != "__init__")
+    jobs = [j for j in jobs if j not in own]
+    assert "batch.job" in jobs and "stream.train" in jobs, jobs
     extras = sorted(m for m in _imported("\n".join(f"import flowtrain.commands.{j}" for j in jobs))
                     if m.split(".")[0] in ("mlflow", "optuna", "lightgbm"))
     assert not extras, f"the job modules import {extras[:10]}"

@@ -17,9 +17,10 @@ from connectors.fields import OptionError, build, options_of, to_config
 from connectors.sections import to_sections
 from flowtrain.cli.main import build_parser
 from flowtrain.cli.options import load_config
-from flowtrain.commands.batch import BatchJob
-from flowtrain.commands.predict import ExportJob, PredictJob
-from flowtrain.commands.stream import ReplayJob, StreamJob
+from flowtrain.commands.batch.job import BatchJob
+from flowtrain.commands.batch.options import ExportJob
+from flowtrain.commands.predict.job import PredictJob
+from flowtrain.commands.stream.options import ReplayJob, StreamJob
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"batch": BatchJob, "predict": PredictJob, "export": ExportJob, "replay": ReplayJob, "stream": StreamJob}
@@ -91,7 +92,7 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     them and the engine configs are them. What else an engine config holds is not a command option, except the
     dataset, Kafka settings and topics the online trainer and the feature pipeline are given resolved (their options
     serve every part of the stream). The feature pipeline's options are declared in pipelines.stream.options."""
-    from flowtrain.commands.stream import StreamPipelineJob, StreamTrainJob
+    from flowtrain.commands.stream.options import StreamPipelineJob, StreamTrainJob
     from flowtrain.train.options import (
         EngineSettings,
         ParallelOptions,
@@ -133,7 +134,7 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     # what the command resolves keeps no default of its own (but the typed client settings: none given)
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(StreamConfig)
                if f.name in resolved - {"kafka_config"})
-    from flowtrain.commands.stream import StreamScoreJob
+    from flowtrain.commands.stream.options import StreamScoreJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.options import ScorerOptions
 

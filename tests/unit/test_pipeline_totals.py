@@ -4,7 +4,7 @@ topic's rejected records are the same for every instance (each reads the whole t
 sum), late versions add up (each instance's own events)."""
 from __future__ import annotations
 
-from flowtrain.commands.stream_pipeline import pipeline_summary, pipeline_totals
+from flowtrain.commands.stream.pipeline import pipeline_summary, pipeline_totals
 from pipelines.stream.status import write_status
 
 

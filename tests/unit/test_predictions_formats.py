@@ -103,8 +103,8 @@ def test_item4_flowtrain_predictions_reads_every_format_back_as_the_scorers_tabl
     import pyarrow.parquet as pq
 
     from connectors.dataset import FORMAT
-    from flowtrain.commands.predictions import PredictionsJob
-    from flowtrain.commands.predictions_read import _Decoder, _Writer
+    from flowtrain.commands.stream.predictions import PredictionsJob
+    from flowtrain.commands.stream.predictions_read import _Decoder, _Writer
 
     preds = _preds()
     messages, _, _ = PredictionsCodec(fmt, schema=preds.schema).encode(preds, 1 << 20)
@@ -125,8 +125,8 @@ def test_item4_flowtrain_predictions_reads_every_format_back_as_the_scorers_tabl
 
 
 def test_item4_bare_avro_without_the_dataset_or_a_registry_says_what_to_give():
-    from flowtrain.commands.predictions import PredictionsJob
-    from flowtrain.commands.predictions_read import _Decoder
+    from flowtrain.commands.stream.predictions import PredictionsJob
+    from flowtrain.commands.stream.predictions_read import _Decoder
     from flowtrain.errors import FlowtrainError
 
     preds = _preds()

@@ -15,9 +15,9 @@ import pytest
 
 from connectors.dataset import FORMAT, MANIFEST
 from connectors.dataset_spec import FeatureSpec
-from flowtrain.commands.batch import BatchJob, run_batch
-from flowtrain.commands.stream import StreamPipelineJob, StreamScoreJob, dataset_name, with_dataset_topics
-from flowtrain.commands.stream_inputs import enrichment
+from flowtrain.commands.batch.job import BatchJob, run_batch
+from flowtrain.commands.stream.inputs import enrichment
+from flowtrain.commands.stream.options import StreamPipelineJob, StreamScoreJob, dataset_name, with_dataset_topics
 from flowtrain.errors import FlowtrainError
 from pipelines.presets import DatasetPreset, default_preset, get_preset, preset_for, register_preset, unregister_preset
 

@@ -1,6 +1,6 @@
 """Issue 30 item 2 (task h5 item 3): ``flowtrain registry`` and ``flowtrain schema`` take their options as fields
 (``connectors.fields``) like every other command: the same flags, plus ``--config`` and ``--print-config``, and
-jobs runnable from Python (``flowtrain.commands.local.RegistryJob``, ``flowtrain.commands.schema.SchemaJob``)."""
+jobs runnable from Python (``flowtrain.commands.local.RegistryJob``, ``flowtrain.commands.stream.schema.SchemaJob``)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from connectors.dataset_spec import FeatureSpec
 from connectors.fields import build, options_of
 from flowtrain.cli.main import main
 from flowtrain.commands.local import ACTIONS, RegistryJob, RegistryStartJob, run_registry
-from flowtrain.commands.schema import SchemaJob, run_schema
+from flowtrain.commands.stream.schema import SchemaJob, run_schema
 
 SPEC = FeatureSpec(label="y", task="regression", numeric=["temp", "pressure"], categorical=["state"])
 

@@ -13,8 +13,8 @@ import pytest
 from connectors.dataset import FORMAT
 from connectors.dataset_spec import FeatureSpec
 from connectors.deadletter import reason_kind
-from flowtrain.commands.replay import _table_events
-from flowtrain.commands.stream import ReplayJob
+from flowtrain.commands.stream.options import ReplayJob
+from flowtrain.commands.stream.replay import _table_events
 from pipelines.stream.events import ParseBounds, event_schema, parse_event
 from pipelines.stream.replay import MALFORMED_KINDS, malform_event
 from pipelines.tabular.stats import StatsAccumulator

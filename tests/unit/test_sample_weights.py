@@ -182,8 +182,8 @@ def test_inferred_feature_types_leave_the_weight_column_out(tmp_path):
     weight column the file lacks is refused naming it and listing the file's columns."""
     import pyarrow.csv as pacsv
 
-    from flowtrain.commands.batch import BatchJob
-    from flowtrain.commands.batch_etl import spec_from
+    from flowtrain.commands.batch.etl import spec_from
+    from flowtrain.commands.batch.job import BatchJob
     from pipelines.tabular.infer import infer_columns
     from pipelines.tabular.schema import SchemaError
 

@@ -57,7 +57,7 @@ def test_scorer_unseen_values_per_column_reach_the_status_and_metrics(tmp_path):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from flowtrain.commands.stream_status import StreamSampler
+    from flowtrain.commands.stream.status import StreamSampler
     from flowtrain.observe.server import StatusServer
     from pipelines.stream.status import write_status
 
@@ -83,8 +83,8 @@ def test_scorer_unseen_values_per_column_reach_the_status_and_metrics(tmp_path):
 @pytest.mark.parametrize("id_column", ["source", "src_partition", "src_offset"])
 def test_scorer_id_column_named_like_the_event_position_is_a_one_line_error(id_column, tmp_path):
     from connectors.fields import build
-    from flowtrain.commands.score import scoring_config
-    from flowtrain.commands.stream import StreamScoreJob
+    from flowtrain.commands.stream.options import StreamScoreJob
+    from flowtrain.commands.stream.score import scoring_config
     from flowtrain.errors import FlowtrainError
 
     job = build(StreamScoreJob, {"id_column": id_column, "out": str(tmp_path / "run"),

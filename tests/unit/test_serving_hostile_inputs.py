@@ -157,7 +157,7 @@ def test_item2_a_prediction_too_large_for_a_message_is_left_out_with_the_reason(
 
 
 def test_item9_the_status_page_counts_only_verified_versions_and_lists_rejected_ones_with_the_reason():
-    from flowtrain.commands.stream_status import UpdateRecords
+    from flowtrain.commands.stream.status import UpdateRecords
 
     seq = 1_700_000_000_000
     real = [_signed({**GOOD, "version": v, "sequence": seq + v}) for v in (1, 2, 3)]

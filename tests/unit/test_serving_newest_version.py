@@ -137,7 +137,7 @@ def test_a_version_that_cannot_be_loaded_is_tried_once_and_warned_about_once_aft
 
 
 def test_serving_lag_in_versions_and_seconds():
-    from flowtrain.commands.stream_status import serving_lag
+    from flowtrain.commands.stream.status import serving_lag
 
     announced = {"version": 5, "run_id": "run-a", "announced_at": 1000.0}
     assert serving_lag(announced, 5, "run-a", now=1030.0) == {"announced_version": 5, "serving_lag_versions": 0,

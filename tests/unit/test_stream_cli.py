@@ -1,5 +1,5 @@
 """The streaming command line: no import cycle between its modules, options once (flags, --config, config.json,
---print-config from ``flowtrain.commands.stream``), each part's --help its own."""
+--print-config from ``flowtrain.commands.stream.options``), each part's --help its own."""
 from __future__ import annotations
 
 import ast
@@ -27,10 +27,10 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_the_stream_job_does_not_import_the_cli_and_nobody_imports_its_privates():
-    for name in ("commands/stream_job.py", "commands/stream_status.py", "commands/replay.py"):
+    for name in ("commands/stream/job.py", "commands/stream/status.py", "commands/stream/replay.py"):
         assert not [m for m, _ in _imports(CLI.parent / name) if m.startswith("flowtrain.cli")], name
-    for name in ("cli/stream.py", "commands/stream_job.py", "commands/stream_status.py", "commands/replay.py",
-                 "commands/stream_inputs.py"):
+    for name in ("cli/stream.py", "commands/stream/job.py", "commands/stream/status.py", "commands/stream/replay.py",
+                 "commands/stream/inputs.py"):
         private = [(m, n) for m, names in _imports(CLI.parent / name) for n in names
                    if m.startswith("flowtrain.") and n.startswith("_")]
         assert not private, f"{name} imports private names {private}"
@@ -49,7 +49,7 @@ def _flags(text: str) -> set[str]:
 
 def test_each_part_of_the_stream_job_shows_its_own_options_and_the_whole_job_all():
     from connectors.fields import options_of
-    from flowtrain.commands.stream import HALVES, StreamJob
+    from flowtrain.commands.stream.options import HALVES, StreamJob
 
     whole = _flags(_help("stream"))
     assert {o.flag for o in options_of(StreamJob)} <= whole
@@ -71,7 +71,7 @@ def test_stream_option_defaults_are_the_engines():
     the scorer's ``ScoreConfig``: ``pipelines.serving.options``; the online trainer's: ``StreamTrainOptions``):
     what the command resolves for them (brokers, topics, the consumer group, the connect timeout) has no engine
     default to keep in step."""
-    from flowtrain.commands.stream import ReplayJob, StreamJob
+    from flowtrain.commands.stream.options import ReplayJob, StreamJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.stream.pipeline import StreamConfig
 
@@ -79,7 +79,7 @@ def test_stream_option_defaults_are_the_engines():
         return SimpleNamespace(**{f.name: f.default if f.default is not MISSING else f.default_factory()
                                   for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING})
 
-    from flowtrain.commands.stream import with_dataset_topics
+    from flowtrain.commands.stream.options import with_dataset_topics
     from pipelines.presets import default_preset
 
     job = with_dataset_topics(StreamJob())  # topics: the dataset's, the flights demo's without --dataset
@@ -122,7 +122,7 @@ def test_a_parts_config_json_is_its_options_and_a_valid_config(tmp_path, capsys)
     written = json.loads((out / "config.json").read_text())
     from connectors.fields import options_of
     from connectors.sections import flat_config
-    from flowtrain.commands.stream import StreamPipelineJob, StreamTrainJob
+    from flowtrain.commands.stream.options import StreamPipelineJob, StreamTrainJob
 
     assert set(written) == {o.name for o in options_of(StreamPipelineJob)}
     assert written["batch_size"] == 7 and written["runner"] == "prism" and "hush" not in json.dumps(written)
@@ -147,8 +147,8 @@ def test_bad_stream_options_are_one_line_errors_naming_them():
 
 def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
     from connectors.fields import build
-    from flowtrain.commands.stream import StreamTrainJob
-    from flowtrain.commands.stream_train import stream_train_config
+    from flowtrain.commands.stream.options import StreamTrainJob
+    from flowtrain.commands.stream.train import stream_train_config
 
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "_manifest.json").write_text("{}")
@@ -179,7 +179,7 @@ def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_to
 
     def shown(*argv):  # the printed options, flat (printed in their sections)
         from connectors.sections import flat_config
-        from flowtrain.commands.stream import ReplayJob, StreamJob
+        from flowtrain.commands.stream.options import ReplayJob, StreamJob
 
         return flat_config(yaml.safe_load(_printed(capsys, *argv)), ReplayJob if argv[0] == "replay" else StreamJob)
 
@@ -194,8 +194,8 @@ def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_to
     assert {k: v for k, v in flights.items() if k in roles} == {k: f"flights-{s}" for k, s in roles.items()}
     assert shown("replay")["topic"] == "flights-raw"
     from connectors.fields import build
-    from flowtrain.commands.stream import StreamTrainJob
-    from flowtrain.commands.stream_train import stream_train_config
+    from flowtrain.commands.stream.options import StreamTrainJob
+    from flowtrain.commands.stream.train import stream_train_config
 
     cfg = stream_train_config(build(StreamTrainJob, {"dataset": sensors}))  # the Python API names them too
     assert (cfg.features_topic, cfg.updates_topic, cfg.raw_topic) == ("sensors-features", "sensors-model-updates",
@@ -212,7 +212,7 @@ def test_dead_letters_are_counted_by_kind_not_by_message(bootstrap, new_topic, t
     from connectors.dataset_spec import FeatureSpec
     from connectors.deadletter import reason_kind
     from connectors.kafka import close_client, dead_letter_record, new_producer
-    from flowtrain.commands.stream_status import StreamSampler
+    from flowtrain.commands.stream.status import StreamSampler
     from pipelines.stream.events import event_schema, parse_event
 
     schema = event_schema(FeatureSpec(label="y", task="regression", numeric=["x"], categorical=["c"]))

@@ -22,8 +22,8 @@ def test_item11_the_stream_jobs_options_file_is_gone_at_once_and_after_a_sigkill
     tmp.mkdir()
     job = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys
-        from flowtrain.commands import stream_job
-        from flowtrain.commands.stream import StreamJob
+        from flowtrain.commands.stream import job as stream_job
+        from flowtrain.commands.stream.options import StreamJob
 
         PART = ("import os, sys, time; from pathlib import Path; q = Path(sys.argv[1]); assert q.is_file(); "
                 "print('pid:', os.getpid()); print('read:', q.read_text(), flush=True); time.sleep(120)")

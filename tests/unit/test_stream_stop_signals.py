@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-import flowtrain.commands.score as score
-import flowtrain.commands.stream_pipeline as stream_pipeline
-import flowtrain.commands.stream_train as stream_train
-from flowtrain.commands import stream_job
+import flowtrain.commands.stream.pipeline as stream_pipeline
+import flowtrain.commands.stream.score as score
+import flowtrain.commands.stream.train as stream_train
+from flowtrain.commands.stream import job as stream_job
 
 STOP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 

@@ -23,8 +23,8 @@ def test_item4_the_cli_is_under_1000_lines_and_no_module_over_500():
     lines = {path.name: len(path.read_text().splitlines()) for path in CLI.glob("*.py")}
     assert sum(lines.values()) < 1000, lines
     assert max(lines.values()) <= 500, lines
-    for module in ("flowtrain/commands/replay.py", "flowtrain/commands/stream_job.py",
-                   "flowtrain/commands/stream_status.py", "flowtrain/commands/local.py", "connectors/kafka/produce.py",
+    for module in ("flowtrain/commands/stream/replay.py", "flowtrain/commands/stream/job.py",
+                   "flowtrain/commands/stream/status.py", "flowtrain/commands/local.py", "connectors/kafka/produce.py",
                    "flowtrain/local/processes.py", "flowtrain/local/runners.py"):
         assert len((ROOT / module).read_text().splitlines()) <= 500, module
 
@@ -60,11 +60,11 @@ def test_item4_producers_are_in_connectors_kafka():
 
 def test_item4_one_supervisor_runs_the_whole_stream_job():
     """The whole job (with or without the scorer) is one function on ``flowtrain.local.processes.supervise``."""
-    tree = ast.parse((ROOT / "flowtrain/commands/stream_job.py").read_text())
+    tree = ast.parse((ROOT / "flowtrain/commands/stream/job.py").read_text())
     calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
     assert calls.count("supervise") == 1
-    for path in [*CLI.glob("*.py"), *(ROOT / "flowtrain/commands").glob("*.py")]:
-        if path.name != "stream_job.py":
+    for path in [*CLI.glob("*.py"), *(ROOT / "flowtrain/commands").rglob("*.py")]:
+        if path != ROOT / "flowtrain/commands/stream/job.py":
             assert "supervise(" not in path.read_text(), path
 
 
@@ -78,9 +78,9 @@ def test_item4_one_place_picks_the_runner():
     with pytest.raises(RunnerOptionError, match="--environment_type"):
         pick_runner("flink", "jm:8081")
     assert pipeline_options("batch", runner="DirectRunner").get_all_options()["runner"] == "DirectRunner"
-    for path in [*CLI.glob("*.py"), *(ROOT / "flowtrain/commands").glob("*.py")]:
+    for path in [*CLI.glob("*.py"), *(ROOT / "flowtrain/commands").rglob("*.py")]:
         assert "runner_args(" not in path.read_text(), path  # batch and predict: pipeline_options; stream: pick_runner
-    assert "pick_runner(" in (ROOT / "flowtrain/commands/stream_job.py").read_text()
+    assert "pick_runner(" in (ROOT / "flowtrain/commands/stream/job.py").read_text()
 
 
 #: The flags of each action before they became fields (issue 29/30): names unchanged.
@@ -140,7 +140,7 @@ def test_item2_kafka_and_flink_take_config_and_print_config(tmp_path):
 
 def test_item5_streaming_jobs_run_from_python_with_the_same_job_objects(tmp_path):
     import flowtrain
-    from flowtrain.commands.stream import ReplayJob, StreamJob
+    from flowtrain.commands.stream.options import ReplayJob, StreamJob
     from flowtrain.local.tools import free_port
 
     assert flowtrain.ReplayJob is ReplayJob and flowtrain.StreamJob is StreamJob

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from connectors.fields import OptionError
-from flowtrain.commands.tune import TuneJob
-from flowtrain.commands.tune_space import Dimension, default_space, parse_space, trial_flags
+from flowtrain.commands.tune.options import TuneJob
+from flowtrain.commands.tune.space import Dimension, default_space, parse_space, trial_flags
 
 
 def test_the_text_form_gives_ranges_logs_integers_and_choices():

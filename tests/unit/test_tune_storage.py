@@ -1,4 +1,4 @@
-"""``flowtrain tune``'s SQLite study (``flowtrain.commands.tune_run.serialize_sqlite``): a waiting trial (a killed
+"""``flowtrain tune``'s SQLite study (``flowtrain.commands.tune.run.serialize_sqlite``): a waiting trial (a killed
 trial's retry, enqueued) is taken by one thread only. Without it, Optuna's ``SELECT ... FOR UPDATE`` is a no-op on
 SQLite and threads asking at once took the same trial (seen in CI: two trials of ``--parallel 2`` ran one retry
 into one run directory; here 6 threads on 60 enqueued trials took 2-4 of them twice in every run without it). And a
@@ -14,7 +14,7 @@ import pytest
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from flowtrain.commands.tune_run import GRACE_BEATS, fail_dead_trials, open_storage, serialize_sqlite
+from flowtrain.commands.tune.run import GRACE_BEATS, fail_dead_trials, open_storage, serialize_sqlite
 
 
 def _at_once(fn, n: int, timeout: float) -> list[BaseException]:

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from connectors.dataset import read_manifest
 from connectors.dataset_spec import FeatureSpec
 from connectors.paths import is_url
-from flowtrain.commands.batch_options import BatchJob, range_of
-from flowtrain.commands.features import backfill, declaration_of, feature_columns
+from flowtrain.commands.batch.options import BatchJob, range_of
+from flowtrain.commands.features.job import backfill, declaration_of, feature_columns
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.paths import cache_root
 from flowtrain.local.runners import pipeline_options

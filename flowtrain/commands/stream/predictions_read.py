@@ -1,4 +1,4 @@
-"""Reading a predictions topic (``flowtrain predictions``, its options in ``flowtrain.commands.predictions``): each
+"""Reading a predictions topic (``flowtrain predictions``, its options in ``flowtrain.commands.stream.predictions``): each
 message decoded in its format (``pipelines.serving.codec``), the rows as tables, written as they come."""
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from connectors.kafka import (
     topic_partitions,
 )
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.predictions import PredictionsJob
-from flowtrain.commands.stream import dataset_topics
+from flowtrain.commands.stream.options import dataset_topics
+from flowtrain.commands.stream.predictions import PredictionsJob
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.processes import StopSignals
 from pipelines.serving.codec import PredictionsCodec, detect_format

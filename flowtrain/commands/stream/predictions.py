@@ -1,7 +1,7 @@
 """``flowtrain predictions``: a scorer's predictions topic read back as a table, in any of the scorer's formats
 (``--predictions-format``: Arrow record batches, JSON, Avro, Protobuf; with a Schema Registry or the dataset's
 columns), so no one writes a Kafka consumer to see results. This module holds the options (``PredictionsJob``);
-the reading is ``predictions_read``'s (Kafka, pyarrow and the codecs are imported when a command runs, not for
+the reading is ``stream.predictions_read``'s (Kafka, pyarrow and the codecs are imported when a command runs, not for
 ``flowtrain --help``):
 
 ``predictions_read.run_predictions(job)`` reads the topic from its beginning to its end (``--follow``: then on,
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from connectors.fields import at_least, narrow, option, store_path, tailor
 from flowtrain.commands.shared_options import Dataset, Limit, Out, Overwrite
-from flowtrain.commands.stream import KafkaOptions, Topic
+from flowtrain.commands.stream.options import KafkaOptions, Topic
 from pipelines.serving.options import IdColumn, PredictionsFormat
 from pipelines.stream.options import SchemaRegistryOption
 

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 from connectors.atomic import atomic_write
-from flowtrain.commands.tune_space import Dimension
+from flowtrain.commands.tune.space import Dimension
 
 PLOTS = {"history.png": "plot_optimization_history", "parallel_coordinate.png": "plot_parallel_coordinate",
          "importances.png": "plot_param_importances"}

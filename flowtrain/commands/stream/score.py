@@ -18,11 +18,11 @@ from connectors.dataset import read_manifest
 from connectors.fields import options_of
 from connectors.kafka import ensure_topic
 from connectors.model_updates import UPDATE_KEY_ENV, UpdateKeySource
-from flowtrain.commands.drift import load_reference
+from flowtrain.commands.drift.job import load_reference
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import StreamJob, StreamScoreJob, with_dataset_topics
-from flowtrain.commands.stream_driver import drive, not_committed, registry_ready
-from flowtrain.commands.stream_inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
+from flowtrain.commands.stream.driver import drive, not_committed, registry_ready
+from flowtrain.commands.stream.inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
+from flowtrain.commands.stream.options import StreamJob, StreamScoreJob, with_dataset_topics
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.bundle import read_bundle
 from flowtrain.train.loader import TabularDataset, target_scale

@@ -5,7 +5,7 @@ This module holds the options (``TuneJob``); ``tune_run.run_tune(TuneJob(...))``
 
 1. the dataset once: ``--dataset``, or the batch ETL of the same data options into ``<out>/dataset``;
 2. the study (Optuna; ``--storage``, by default SQLite in ``<out>/study.db``; any SQLAlchemy URL): each trial
-   samples the search space (``flowtrain.commands.tune_space``: ``--search``, or the default space) and runs
+   samples the search space (``flowtrain.commands.tune.space``: ``--search``, or the default space) and runs
    ``flowtrain batch --dataset ... --out <out>/trials/<study>-<number>`` in its own process (``--parallel K``
    at once; every trial its own run directory, never shared), with the job's other training options as they
    are; the objective is the run's validation metric (``--select-by``, the task's by default: AUC, accuracy,
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from connectors.fields import above, at_least, narrow, option, store_path, tailor
-from flowtrain.commands.batch_options import BatchJob
+from flowtrain.commands.batch.options import BatchJob
 from flowtrain.commands.shared_options import Timeout
 
 _TUNE = "the study (`flowtrain tune`)"

@@ -1,6 +1,6 @@
 """The batch job's last step, after training: the model and its baselines on the test split, the evaluation
 (intervals, curves, thresholds, importance, slices), the figures, TensorBoard's test metrics, ``summary.json``,
-``report.md``/``report.html``, the drift reference and the bundle (``flowtrain.commands.batch`` runs it)."""
+``report.md``/``report.html``, the drift reference and the bundle (``flowtrain.commands.batch.job`` runs it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from connectors.dataset_spec import positive_class_of
-from flowtrain.commands.drift import REFERENCE, write_reference
+from flowtrain.commands.drift.job import REFERENCE, write_reference
 from flowtrain.observe.board import write_batch_results
 from flowtrain.train.bundle import write_bundle
 from flowtrain.train.class_weights import class_weights_of

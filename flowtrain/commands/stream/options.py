@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 from connectors.dataset import read_manifest
 from connectors.fields import GENERAL, above, at_least, fraction, narrow, option, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
-from flowtrain.commands.drift_options import DriftThreshold
+from flowtrain.commands.drift.options import DriftThreshold
 from flowtrain.commands.shared_options import Dataset, Input, LabelColumn, Limit, Out, RunnerOptions, TimeColumn
-from flowtrain.commands.stream_inputs import DEMO_DATASET
+from flowtrain.commands.stream.inputs import DEMO_DATASET
 from flowtrain.commands.tracking_options import TrackingOptions
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.options import STREAM_TRAINER, SeedOptions, StreamTrainOptions, UpdateOptions, WorkerOptions

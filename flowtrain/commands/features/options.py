@@ -1,6 +1,6 @@
 """The options of ``flowtrain features`` (``FeaturesJob``: the events, where their features go, the declaration and
 where the Beam pipeline runs); ``import flowtrain`` and the command line import them at once, the backfill
-(``flowtrain.commands.features``) when it runs."""
+(``flowtrain.commands.features.job``) when it runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,7 +2,7 @@
 pipeline and the online trainer, with ``score`` the scorer too) as supervised child processes
 (``flowtrain.local.processes.supervise``) with one live line.
 
-``run_stream(job)`` takes a whole ``StreamJob`` (``flowtrain.commands.stream``) and, with ``half``, runs that part
+``run_stream(job)`` takes a whole ``StreamJob`` (``flowtrain.commands.stream.options``) and, with ``half``, runs that part
 only (``part_of``). It prepares the run directory (``config.json``), starts the project's broker with
 ``local_kafka``, checks the brokers, picks the runner (``flowtrain.local.runners.pick_runner``) and returns the exit
 code. Ctrl-C / SIGTERM / SIGHUP stop it cleanly (a final checkpoint, a cancelled pipeline).
@@ -22,9 +22,9 @@ from connectors.atomic import atomic_write
 from connectors.fields import build, options_of, to_config
 from connectors.kafka import summarize_reconnects
 from connectors.secrets import redact
-from flowtrain.commands.replay import check_brokers
-from flowtrain.commands.stream import HALVES, StreamJob, with_dataset_topics
-from flowtrain.commands.stream_status import (
+from flowtrain.commands.stream.options import HALVES, StreamJob, with_dataset_topics
+from flowtrain.commands.stream.replay import check_brokers
+from flowtrain.commands.stream.status import (
     live_line,
     process_states,
     serve_stream_status,
@@ -102,8 +102,8 @@ def run_stream(job: StreamJob, beam_args: Sequence[str] = (), *, half: str | Non
 
 
 def _run_pipeline(job, beam_args: list[str]) -> int:
-    """The feature pipeline (``flowtrain.commands.stream_pipeline``); Ctrl-C / SIGTERM cancel it."""
-    from flowtrain.commands.stream_pipeline import run_stream_pipeline
+    """The feature pipeline (``flowtrain.commands.stream.pipeline``); Ctrl-C / SIGTERM cancel it."""
+    from flowtrain.commands.stream.pipeline import run_stream_pipeline
 
     # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (installed before the runner starts; the caller's handlers back at
     # the end: `flowtrain.stream(...)` in a program, or a test in pytest's process, keeps its Ctrl-C)
@@ -112,17 +112,17 @@ def _run_pipeline(job, beam_args: list[str]) -> int:
 
 
 def _run_scorer(job, beam_args: list[str]) -> int:
-    """The scorer (``flowtrain.commands.score``); Ctrl-C / SIGTERM cancel it."""
-    from flowtrain.commands.score import run_score
+    """The scorer (``flowtrain.commands.stream.score``); Ctrl-C / SIGTERM cancel it."""
+    from flowtrain.commands.stream.score import run_score
 
     with StopSignals() as stop:  # SIGINT/SIGTERM/SIGHUP: cancel the pipeline (as _run_pipeline)
         return run_score(job, beam_args, should_stop=stop.is_set)
 
 
 def _run_trainer(job, given: Collection[str]) -> int:
-    """The online trainer (``flowtrain.commands.stream_train``). Ctrl-C / SIGTERM stop it with a final
+    """The online trainer (``flowtrain.commands.stream.train``). Ctrl-C / SIGTERM stop it with a final
     checkpoint: the handlers are installed here, the trainer only polls ``should_stop``."""
-    from flowtrain.commands.stream_train import run_stream_train
+    from flowtrain.commands.stream.train import run_stream_train
     from flowtrain.parallel.launch import WorkerFailure
     from flowtrain.train.jobs import stream_summary_line
 

@@ -1,7 +1,8 @@
 """The options of ``flowtrain batch`` (``BatchJob``: each field is a flag, a ``--config`` key and a ``config.json``
 key): what it trains on and where its run goes (``BatchInputs``), the engine's sections (``flowtrain.train.options``),
-the local workers (``BatchWorkers``) and where its Beam pipeline runs. ``flowtrain.commands.batch`` runs the job;
-``batch_etl``, ``predict`` and ``tune`` read these options without importing the job."""
+the local workers (``BatchWorkers``) and where its Beam pipeline runs. ``flowtrain.commands.batch.job`` runs the job;
+``batch.etl``, ``batch.export`` and ``tune`` read these options without importing the job; ``ExportJob`` is
+``flowtrain export``'s (a batch run's bundle)."""
 from __future__ import annotations
 
 import argparse
@@ -198,3 +199,16 @@ def range_of(text: str) -> tuple[str, list[float]]:
     col, _, rest = text.partition("=")
     lo, _, hi = rest.rpartition(":")
     return col.strip(), [float(lo), float(hi)]
+
+
+@dataclass
+@tailor(overwrite={"help": "replace an existing --out bundle"},
+        bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
+                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"},
+        out={"help": "the bundle directory to write"})
+class ExportJob(Out, Overwrite, BundleKey):
+    """The options of ``flowtrain export``."""
+
+    run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
+    torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
+                                "flowtrain (its inputs: see docs/predict.md)")

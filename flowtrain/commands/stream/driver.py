@@ -1,4 +1,5 @@
-"""The one driver of a streaming Beam job (the feature pipeline's, ``stream_pipeline``, and the scorer's, ``score``).
+"""The one driver of a streaming Beam job (the feature pipeline's, ``stream.pipeline``, and the scorer's,
+``stream.score``).
 
 ``drive(build, ...)`` clears the part's status files of an earlier run, builds the Beam pipeline on the runner that
 ``beam_args`` pick, runs it, writes the runner's own counts (Beam Metrics) to ``<out>/<part>-metrics.json`` every 5 s

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from connectors.atomic import atomic_file, atomic_write
-from connectors.fields import build, check, options_of, to_config
+from connectors.fields import build, check, to_config
 from connectors.paths import is_url
 from connectors.secrets import redact
-from flowtrain.commands.batch_etl import build_dataset
-from flowtrain.commands.batch_frame import check_paths, is_frame, write_frame
-from flowtrain.commands.batch_options import BatchJob, training_flags
-from flowtrain.commands.batch_report import report_run
+from flowtrain.commands.batch.etl import build_dataset
+from flowtrain.commands.batch.frame import check_paths, is_frame, write_frame
+from flowtrain.commands.batch.options import BatchJob, training_flags
+from flowtrain.commands.batch.report import report_run
 from flowtrain.commands.dead_letter_bound import check_dead_letters
 from flowtrain.commands.tracking_options import check_tracking
 from flowtrain.commands.user_errors import user_error, user_errors
@@ -50,17 +50,12 @@ from flowtrain.train.models import (
     recipe_line,
     train_rows,
 )
-from flowtrain.train.plan import TrainConfig, plan_training
+from flowtrain.train.plan import plan_training, train_config
 from flowtrain.train.rundir import mark_complete, mark_failed, prepare_run_dir, usable_dir
 from flowtrain.train.rundir_lock import release
 from flowtrain.train.shards import memory_budget_bytes
 from flowtrain.train.staging import publish_run, staged_dir
 from pipelines.tabular.preflight import check_splits
-
-
-def train_config(job: BatchJob):
-    """The engine's ``TrainConfig`` of this job: its training and parallelism options, as they are."""
-    return TrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(TrainConfig)})
 
 
 def train_with_restarts(run_group, max_restarts: int) -> None:
@@ -118,7 +113,7 @@ def run_batch(job: BatchJob) -> dict:
 
 def run_batch_options(options: dict[str, Any]) -> dict:
     """``flowtrain.batch(**options)``: the job of the keyword options, run. ``input`` may be a pandas DataFrame or
-    a pyarrow Table (``batch_frame``: a temporary Parquet file the ETL reads, removed after the run)."""
+    a pyarrow Table (``batch.frame``: a temporary Parquet file the ETL reads, removed after the run)."""
     table = options.get("input")
     if is_frame(table):
         with tempfile.TemporaryDirectory(prefix="flowtrain-input-") as tmp:

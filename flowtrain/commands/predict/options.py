@@ -1,12 +1,12 @@
-"""The options of ``flowtrain predict`` (``PredictJob``) and ``flowtrain export`` (``ExportJob``); the command line
-imports them at once, the jobs (``flowtrain.commands.predict``) when they run."""
+"""The options of ``flowtrain predict`` (``PredictJob``); the command line imports them at once, the job
+(``flowtrain.commands.predict.job``) when it runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from connectors.fields import GENERAL, narrow, option, store_path, tailor
 from flowtrain.commands.dead_letter_bound import DeadLetterBound
-from flowtrain.commands.drift_options import DriftThreshold
+from flowtrain.commands.drift.options import DriftThreshold
 from flowtrain.commands.shared_options import (
     BeamArgs,
     BundleKey,
@@ -54,16 +54,3 @@ class PredictJob(DeviceOption, Out, Input, RunOrBundle, IdColumn, DeadLetterBoun
                                       parse=store_path("--dead-letters"))
     flag_unseen: bool = option(False, "add a column pred_unseen listing, per row, the categorical features whose "
                                "value training never saw (or that are missing)", group=_IO)
-
-
-@dataclass
-@tailor(overwrite={"help": "replace an existing --out bundle"},
-        bundle_key_file={"help": "sign the bundle with this key (HMAC-SHA256; a file only you may read; else "
-                                 "$FLOWTRAIN_BUNDLE_KEY; default: none, not signed)"},
-        out={"help": "the bundle directory to write"})
-class ExportJob(Out, Overwrite, BundleKey):
-    """The options of ``flowtrain export``."""
-
-    run: str | None = option(None, "a `flowtrain batch` run directory", metavar="RUN", parse=store_path("RUN"))
-    torch_export: bool = option(False, "also write model.pt2, a torch.export program of the model for use without "
-                                "flowtrain (its inputs: see docs/predict.md)")

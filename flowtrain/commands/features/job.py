@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from flowtrain.commands.features_options import FeaturesJob
+from flowtrain.commands.features.options import FeaturesJob
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.runners import RunnerError, pipeline_options
 from pipelines.features.backfill import run_backfill

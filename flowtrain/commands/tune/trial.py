@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowtrain.commands.tune_space import Dimension, trial_flags
+from flowtrain.commands.tune.space import Dimension, trial_flags
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.processes import die_with_parent
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from connectors.fields import options_of
 from connectors.kafka import ensure_topic
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import StreamJob, StreamPipelineJob, with_dataset_topics
-from flowtrain.commands.stream_driver import drive, not_committed, registry_ready
-from flowtrain.commands.stream_inputs import enrichment, over_time, raw_partitions, stream_manifest
+from flowtrain.commands.stream.driver import drive, not_committed, registry_ready
+from flowtrain.commands.stream.inputs import enrichment, over_time, raw_partitions, stream_manifest
+from flowtrain.commands.stream.options import StreamJob, StreamPipelineJob, with_dataset_topics
 from pipelines.stream.pipeline import METRICS_NAMESPACE, StreamConfig, build_stream_pipeline
 from pipelines.stream.status import read_status
 

@@ -23,7 +23,7 @@ from connectors.dataset_spec import FeatureSpec
 from connectors.fields import check
 from connectors.files import file_format, iter_unit, list_units
 from connectors.rows import DeadLetter
-from flowtrain.commands.drift_options import REFERENCE, DriftJob
+from flowtrain.commands.drift.options import REFERENCE, DriftJob
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import BundleError, FlowtrainError
 from flowtrain.observe.drift_report import render_report

@@ -1,5 +1,5 @@
-"""The study of ``flowtrain tune`` (``flowtrain.commands.tune``'s module doc): the dataset once, the Optuna study in its
-storage, trials in their own processes (``flowtrain.commands.tune_trial``), the report (``tune_report``).
+"""The study of ``flowtrain tune`` (``flowtrain.commands.tune.options``'s module doc): the dataset once, the Optuna study in its
+storage, trials in their own processes (``flowtrain.commands.tune.trial``), the report (``tune.report``).
 Imported when a study runs: Optuna is ``flowtrain[tune]``'s."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from connectors.fields import OptionError, check, options_of, to_config
-from flowtrain.commands.batch_etl import build_dataset
-from flowtrain.commands.batch_options import BatchJob, BatchWorkers
+from flowtrain.commands.batch.etl import build_dataset
+from flowtrain.commands.batch.options import BatchJob, BatchWorkers
 from flowtrain.commands.tracking_options import check_tracking
-from flowtrain.commands.tune import TuneJob
-from flowtrain.commands.tune_report import write_tune_report
-from flowtrain.commands.tune_space import OWNED, batch_options, default_space, parse_space
-from flowtrain.commands.tune_trial import TrialRunner
+from flowtrain.commands.tune.options import TuneJob
+from flowtrain.commands.tune.report import write_tune_report
+from flowtrain.commands.tune.space import OWNED, batch_options, default_space, parse_space
+from flowtrain.commands.tune.trial import TrialRunner
 from flowtrain.errors import FlowtrainError
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import SELECT_BY, check_select_by

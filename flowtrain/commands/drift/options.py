@@ -1,6 +1,6 @@
 """The options of ``flowtrain drift`` (``DriftJob``) and ``--drift-threshold`` (``DriftThreshold``, shared with
 ``flowtrain predict`` and the scorer), with the reference profile's file name and the command's exit code; the
-command line imports them at once, the comparison (``flowtrain.commands.drift``) when it runs."""
+command line imports them at once, the comparison (``flowtrain.commands.drift.job``) when it runs."""
 from __future__ import annotations
 
 import argparse

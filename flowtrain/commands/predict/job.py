@@ -1,5 +1,5 @@
 """Using a model: ``run_predict(PredictJob)`` (``flowtrain predict``, a Beam batch pipeline with RunInference),
-``load(bundle)`` (a ``Predictor`` in this process: ``flowtrain.commands.predictor``) and ``run_export(ExportJob)``
+``load(bundle)`` (a ``Predictor`` in this process: ``flowtrain.commands.predict.predictor``) and ``run_export(ExportJob)``
 (``flowtrain export``).
 
 Both paths run the same code on each batch of rows (``pipelines.predict.rows``: the ETL's feature code with
@@ -23,22 +23,17 @@ import torch
 
 from connectors.atomic import atomic_write, fsync_dir
 from connectors.dataset_spec import FeatureSpec
-from connectors.fields import build, check, to_config
+from connectors.fields import build, check
 from connectors.paths import is_url, origin_of
-from flowtrain.commands.batch import train_config
-from flowtrain.commands.batch_options import BatchJob
 from flowtrain.commands.dead_letter_bound import check_dead_letters, common_reasons
-from flowtrain.commands.drift import bundle_reference, drift_lines, predict_drift_section
-from flowtrain.commands.drift_options import REFERENCE
-from flowtrain.commands.predict_options import ExportJob, PredictJob
+from flowtrain.commands.drift.job import bundle_reference, drift_lines, predict_drift_section
+from flowtrain.commands.predict.options import PredictJob
 from flowtrain.commands.user_errors import user_error, user_errors
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.runners import pipeline_options
-from flowtrain.train.bundle import bundle_key, check_code, load_module, owned_bundle_files, read_bundle, write_bundle
-from flowtrain.train.loader import TabularDataset
+from flowtrain.train.bundle import bundle_key, check_code, load_module, read_bundle
 from flowtrain.train.metrics import metrics_of
-from flowtrain.train.models import build_run_model
-from flowtrain.train.staging import fetch_bundle, fetch_dir, fetch_inputs, staged_dir, staged_outputs
+from flowtrain.train.staging import fetch_bundle, fetch_inputs, staged_outputs
 from pipelines.predict.pipeline import build_predict, bundle_handler
 from pipelines.predict.rows import absent_line, check_columns, output_names, output_schema
 from pipelines.tabular.labels import encode_labels
@@ -271,57 +266,3 @@ def _metrics(out: Path, spec, features: dict, kind: str, classes, names) -> dict
         out_t = torch.from_numpy(np.log(np.clip(probs, 1e-300, None)))
     metrics = metrics_of(out_t, y, spec.task, classes if kind == "multiclass" else None)
     return {"rows": int(known.sum()), **metrics}
-
-
-# --- flowtrain export -----------------------------------------------------------------------------------
-def run_export(job: ExportJob) -> str:
-    """Write the bundle of run directory ``job.run`` into ``job.out`` (from its model.pt, config.json and
-    dataset), signed with ``--bundle-key-file`` when given; returns where the bundle is, as a ``str`` whatever
-    ``--out`` is: its absolute local path, or the object-store URL given (what ``load`` and ``--model``
-    take; ``pathlib.Path`` would break a URL's ``//``). An existing ``--out`` is
-    replaced (``--overwrite``) only when it is empty or a bundle flowtrain wrote: a link, a file, or anything
-    its bundle.json does not list is an error naming it, and nothing is touched."""
-    job = check(job)
-    if not job.run or not job.out:
-        raise FlowtrainError("export needs RUN (a `flowtrain batch` run directory) and --out DIR")
-
-    if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
-
-        run = str(fetch_dir(job.run, "RUN", marker="model.pt")) if is_url(job.run) else job.run
-        if not is_url(job.out):
-            return run_export(dataclasses.replace(job, run=run))
-        with staged_dir(job.out, "--out", marker="bundle.json") as stage:
-            run_export(dataclasses.replace(job, run=run, out=str(stage.local)))
-            stage.push()  # bundle.json after the files it lists
-        return job.out
-    run = Path(job.run).resolve()
-    out = Path(os.path.abspath(job.out))  # a link at --out is not followed (and not replaced)
-    key = bundle_key(job.bundle_key_file)
-    for name in ("model.pt", "config.json"):
-        if not (run / name).is_file():
-            raise FlowtrainError(f"export {run}: no {name}; give the directory of a finished `flowtrain batch` run")
-    if (out.exists() or out.is_symlink()) and not job.overwrite and out != run / "bundle":
-        raise FlowtrainError(f"--out {out} exists; give a new directory, or --overwrite to replace it (only a bundle "
-                             f"flowtrain wrote is replaced)")
-    owned_bundle_files(out)  # --overwrite replaces only a bundle flowtrain wrote: checked before any work
-    options = json.loads((run / "config.json").read_text())
-    try:
-        batch_job = build(BatchJob, {k: v for k, v in options.items() if k in to_config(BatchJob())})
-    except FlowtrainError as err:
-        raise FlowtrainError(f"export {run}: config.json: {err}") from None
-    dataset = Path(batch_job.dataset) if batch_job.dataset else run / "dataset"
-    try:
-        data = TabularDataset(dataset)
-    except Exception as err:  # noqa: BLE001 - named for the user below
-        raise FlowtrainError(f"export {run}: its dataset {dataset} cannot be read ({err}); export needs the run's "
-                             f"dataset (later, the bundle alone is enough)") from None
-    config = train_config(batch_job)
-    model = build_run_model(batch_job.model, data, config)
-    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
-
-    reference = run / REFERENCE  # the run's drift reference travels with its bundle
-    extra = {REFERENCE: json.loads(reference.read_text())} if reference.is_file() else None
-    write_bundle(out, model, data, config, factory=batch_job.model, run=run.name, torch_export=job.torch_export,
-                 key=key, extra=extra)
-    read_bundle(out, key=key)  # the bundle written checks
-    return str(out)

@@ -32,7 +32,7 @@ from connectors.deadletter import reason_kind
 from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
 from connectors.model_updates import RejectedUpdate, UpdateKeySource, check_record
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream_pipeline import pipeline_totals
+from flowtrain.commands.stream.pipeline import pipeline_totals
 from flowtrain.observe.server import start_status_server
 from pipelines.serving.drift import DRIFT_REFERENCE, window_report
 from pipelines.stream.status import read_status

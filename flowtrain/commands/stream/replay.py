@@ -1,7 +1,7 @@
 """``flowtrain replay`` as a job: a table's rows (or the demo's events, or a generated click stream) as events
 into a Kafka topic, every one acknowledged (``connectors.kafka.produce``).
 
-``run_replay(job)`` takes a ``ReplayJob`` (``flowtrain.commands.stream``), prints the command's lines and returns
+``run_replay(job)`` takes a ``ReplayJob`` (``flowtrain.commands.stream.options``), prints the command's lines and returns
 the counts. A bad input is a ``FlowtrainError`` naming it; no broker, or an event Kafka did not acknowledge,
 ends the process with a one-line message (as the command does).
 """
@@ -33,8 +33,8 @@ from connectors.kafka import (
 from connectors.kafka import check_brokers as reachable
 from flowtrain.commands.dead_letter_bound import check_dead_letters
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import ReplayJob, with_dataset_topics
-from flowtrain.commands.stream_inputs import raw_partitions
+from flowtrain.commands.stream.inputs import raw_partitions
+from flowtrain.commands.stream.options import ReplayJob, with_dataset_topics
 from flowtrain.errors import FlowtrainError
 from pipelines.features.transactions import generate_transactions
 from pipelines.ids.clicks import generate_clicks

@@ -15,8 +15,8 @@ from pathlib import Path
 from connectors.fields import options_of, to_config
 from connectors.secrets import SECRETS_ENV, split_secrets
 from flowtrain.commands.kafka_options import kafka_config
-from flowtrain.commands.stream import StreamTrainJob, with_dataset_topics
-from flowtrain.commands.stream_inputs import dataset_path
+from flowtrain.commands.stream.inputs import dataset_path
+from flowtrain.commands.stream.options import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.tracking_options import check_tracking
 from flowtrain.parallel.launch import spawn
 from flowtrain.train.stream import run_stream_trainer

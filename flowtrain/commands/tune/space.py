@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from connectors.fields import OptionError, check_value, nearest, options_of
-from flowtrain.commands.batch_options import BatchJob
+from flowtrain.commands.batch.options import BatchJob
 
 #: The names a space may use besides the batch options: they make --hidden together.
 SHAPE = ("width", "depth")
