@@ -38,7 +38,7 @@ from flowtrain.parallel.launch import spawn
 from flowtrain.parallel.pipeline import StageWorker, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import merge_stage_states, plan_stages, stage_module
-from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
+from flowtrain.parallel.tensor.plan import TensorGroup, plan_tensor_parallel, shard_module
 
 STEPS, BATCH, WIDTH = 20, 48, 64
 

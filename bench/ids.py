@@ -38,7 +38,7 @@ from torch import nn
 
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, median, time_it
 from connectors.id_keys import NO_KEY
-from flowtrain.parallel.zero_units import peak_rss_bytes
+from flowtrain.parallel.zero.units import peak_rss_bytes
 from flowtrain.train.ids import IdEmbedding, IdTable, owner_of
 from flowtrain.train.ids.publish import IdPublisher
 from flowtrain.train.memory_plan import grown_capacity, id_table_bytes, id_table_transient

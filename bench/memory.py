@@ -3,7 +3,7 @@
 For each N (``--workers 1,2,4``) one spawned group of N ranks (gloo on CPU, 1 thread each) trains
 the same MLP (``d -> 4d -> d`` blocks) with Adam on the same global batches under every engine,
 each built fresh per repeat, engines interleaved inside a repeat: plain map/reduce data
-parallelism (``--shard-states none``), ZeRO-1/2/3 (``flowtrain.parallel.zero``) and FSDP2
+parallelism (``--shard-states none``), ZeRO-1/2/3 (``flowtrain.parallel.zero.sharder``) and FSDP2
 (``torch.distributed.fsdp.fully_shard`` per layer, then the root). Per rank: the bytes of the
 distinct tensor storages of parameters, gradients and optimizer state held after a step (FSDP2's
 local shards), the planned bytes (``flowtrain.train.memory_plan``), and seconds per step; the
@@ -37,8 +37,8 @@ from bench.timing import MIN_REPEATS, check_repeats, median
 from flowtrain.parallel import DistContext, local_rows, make_reducer, sum_loss
 from flowtrain.parallel.deferred import Materializer, deferred, materialize
 from flowtrain.parallel.launch import heartbeat, spawn
-from flowtrain.parallel.zero import ZeroSharder
-from flowtrain.parallel.zero_units import storage_bytes
+from flowtrain.parallel.zero.sharder import ZeroSharder
+from flowtrain.parallel.zero.units import storage_bytes
 from flowtrain.train.memory_plan import plan_memory
 
 D_MODEL, HIDDEN, BLOCKS = 256, 1024, 2

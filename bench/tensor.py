@@ -2,7 +2,7 @@
 
 One run, T = 2 workers on 127.0.0.1, gloo on CPU, 1 thread each, the same MLP (two Megatron
 blocks ``d -> 4d -> d`` with the hidden width 4d >= 2048, so the split matters), the same global
-batches and Adam: samples/s of flowtrain's column/row pairs (``flowtrain.parallel.tensor``)
+batches and Adam: samples/s of flowtrain's column/row pairs (``flowtrain.parallel.tensor.plan``)
 against ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` /
 ``RowwiseParallel`` on a 1-D ``DeviceMesh``; goal >= 1.0x. Also: bytes flowtrain all-reduces
 per step against the theory (per pair, one all-reduce of batch x d forward and one backward),
@@ -25,7 +25,7 @@ from bench.table import report
 from bench.timing import MIN_REPEATS, check_repeats, interleaved, median
 from flowtrain.parallel import DistContext
 from flowtrain.parallel.launch import spawn
-from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
+from flowtrain.parallel.tensor.plan import TensorGroup, plan_tensor_parallel, shard_module
 
 D_MODEL, HIDDEN, BLOCKS = 512, 2048, 2
 

@@ -70,7 +70,7 @@ def train_job(ctx, job: dict) -> None:
     (``<out>.rank-<r>.pt``: per unit, the flat shard and its bounds), so no rank ever holds the whole model."""
     from flowtrain.parallel import local_rows, sum_loss
     from flowtrain.parallel.launch import heartbeat
-    from flowtrain.parallel.zero import ZeroSharder
+    from flowtrain.parallel.zero.sharder import ZeroSharder
 
     shape = job["shape"]
     model = build(shape)

@@ -56,7 +56,7 @@ def random_weights(data, arch: dict, seed: int) -> dict:
 
 def batch_model(sensor) -> tuple[dict, dict]:
     """The batch run's trained model: (architecture, weights), as --init-weights reads them."""
-    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
+    from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
 
     arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=sensor["dataset"],
                                                     init_weights=str(sensor["run"] / "model.pt")))

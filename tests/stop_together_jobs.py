@@ -17,7 +17,7 @@ def wait_for_kafka_job(ctx, job: dict) -> None:
 
     from flowtrain.parallel.launch import heartbeat
     from flowtrain.train.replicas import all_agree, gather
-    from flowtrain.train.stream_rejects import InputRejects, StoppedWaiting
+    from flowtrain.train.stream.rejects import InputRejects, StoppedWaiting
 
     rejects = InputRejects(job["bootstrap"], {}, features_topic="f", dead_letter_topic="d")
     started = time.monotonic()

@@ -17,7 +17,7 @@ from flowtrain.parallel.grid import Grid, build_groups
 from flowtrain.parallel.pipeline import StageWorker, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import merge_stage_states, plan_stages, stage_module
-from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
+from flowtrain.parallel.tensor.plan import TensorGroup, plan_tensor_parallel, shard_module
 from flowtrain.train.models import TabularMLP, pack
 
 N_NUMERIC, CARDS, HIDDEN = 4, [5, 2, 7], (32, 16, 12, 8)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext, sum_loss
-from flowtrain.parallel.zero import ZeroSharder
+from flowtrain.parallel.zero.sharder import ZeroSharder
 from flowtrain.train import checkpoint
 from tests.dp_jobs import Net, global_batches
 

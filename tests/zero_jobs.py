@@ -1,7 +1,7 @@
 """Worker functions of the ZeRO tests (``--shard-states``), run through the real entry point.
 
 The same small model, global batches and uneven per-rank sizes (some zero) as ``tests.dp_jobs``,
-trained with ``flowtrain.parallel.zero.ZeroSharder``; rank 0 saves the final parameters.
+trained with ``flowtrain.parallel.zero.sharder.ZeroSharder``; rank 0 saves the final parameters.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext, local_rows, sum_loss
-from flowtrain.parallel.zero import ZeroSharder
+from flowtrain.parallel.zero.sharder import ZeroSharder
 from tests.dp_jobs import Net, global_batches
 
 
@@ -85,8 +85,8 @@ def grid_job(ctx: DistContext, job: dict) -> None:
     from flowtrain.parallel.pipeline import StageWorker, replica_rows
     from flowtrain.parallel.schedules import SCHEDULES
     from flowtrain.parallel.stages import merge_stage_states, plan_stages, stage_module
-    from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
-    from flowtrain.parallel.zero import shard_stage_worker
+    from flowtrain.parallel.tensor.plan import TensorGroup, plan_tensor_parallel, shard_module
+    from flowtrain.parallel.zero.sharder import shard_stage_worker
     from tests.tp_jobs import CARDS, N_NUMERIC, batches, build_model, optimizer
 
     stages, tensor = job.get("stages", 1), job.get("tensor", 1)

@@ -13,7 +13,7 @@ may draw random numbers draws them from its own generator, seeded from the model
 the construction (``op_seed``), never from a stream shared with the calls before it. So a parameter's value does
 not depend on which others were made before it, or at all: one process materialising the whole model
 (``materialize``) and a ZeRO-3 rank materialising one parameter at a time to keep its slice
-(``flowtrain.parallel.zero_units.ShardUnit``) get the same numbers, parameter by parameter; a slice equals the
+(``flowtrain.parallel.zero.units.ShardUnit``) get the same numbers, parameter by parameter; a slice equals the
 slice of the whole. A rank holds one parameter whole at a time while it takes its slice (the memory plan's
 ``materialize`` transient).
 

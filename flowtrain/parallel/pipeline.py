@@ -16,7 +16,7 @@ Hybrid: ranks form a grid (``flowtrain.parallel.grid``: ``rank = (replica * S + 
 shard``). The replicas of one stage (and shard) share a process group, and after the
 micro-batches they reduce their accumulated gradient sums and counts with the data-parallel
 engine (``GradientReducer.reduce_accumulated``). A stage may itself be tensor-parallel
-(``flowtrain.parallel.tensor``): its shards exchange activations with the same shard of the
+(``flowtrain.parallel.tensor.plan``): its shards exchange activations with the same shard of the
 neighbouring stages; stage boundaries carry whole (replicated) activations.
 
 Exit: every send a stage starts is waited for before its step returns (and again in

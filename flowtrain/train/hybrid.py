@@ -5,7 +5,7 @@ otherwise). Every rank holds tensor shard t of stage s of the model for replica 
 (``flowtrain.parallel.grid``); one code path for every shape of the grid:
 
 1. rank 0 cuts the ``nn.Sequential`` into S stages by measured cost and broadcasts the cut;
-2. each stage is split by its tensor plan (``flowtrain.parallel.tensor``: column/row pairs,
+2. each stage is split by its tensor plan (``flowtrain.parallel.tensor.plan``: column/row pairs,
    vocabulary-parallel tables; T = 1 leaves it whole);
 3. a ``StageWorker`` runs the schedule (1F1B or GPipe; with one stage, one micro-batch), its
    tensor shards all-reduce inside the layers, activations cross stages on the pipeline's
@@ -17,7 +17,7 @@ The device holds this rank's shard only; the whole model, which ``sync_model`` f
 host memory.
 
 With ``--shard-states`` and replicas, each (stage, shard)'s state is ZeRO-sharded over its replicas
-(``flowtrain.parallel.zero.shard_stage_worker``), and the checkpoints are saved sharded (``shard_pieces``): each
+(``flowtrain.parallel.zero.sharder.shard_stage_worker``), and the checkpoints are saved sharded (``shard_pieces``): each
 rank writes the flat ranges of its parameters it owns, under the whole model's names (a stage keeps them); with
 tensor shards each range of a shard's slice is written at its offsets in the whole parameter
 (``flowtrain.train.pieces.Piece``), so a checkpoint resumes with any replicas, tensor shards or none.
@@ -38,9 +38,9 @@ from flowtrain.parallel.grid import Grid, build_groups
 from flowtrain.parallel.pipeline import StageWorker, replica_rows
 from flowtrain.parallel.schedules import SCHEDULES
 from flowtrain.parallel.stages import merge_stage_states, plan_stages, plan_with_bounds, stage_module
-from flowtrain.parallel.tensor import TensorGroup, plan_tensor_parallel, shard_module
-from flowtrain.parallel.zero import shard_stage_worker
-from flowtrain.parallel.zero_units import peak_rss_bytes, storage_bytes
+from flowtrain.parallel.tensor.plan import TensorGroup, plan_tensor_parallel, shard_module
+from flowtrain.parallel.zero.sharder import shard_stage_worker
+from flowtrain.parallel.zero.units import peak_rss_bytes, storage_bytes
 from flowtrain.train.models import pack
 from flowtrain.train.pieces import Piece
 

@@ -87,8 +87,8 @@ def stream_trainer_worker(ctx, job: dict) -> None:
     import signal
     import threading
 
-    from flowtrain.train.stream import run_stream_trainer
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
+    from flowtrain.train.stream.online import run_stream_trainer
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,7 +5,7 @@ pipeline stages, tensor shards), the bytes of state one rank holds between steps
 gradients and optimizer state (Adam: two float32 moments and a step per parameter), plus the
 reducer's buffers and an activation estimate for the batch size. For data parallelism the numbers
 are exact for flowtrain's layouts (``flowtrain.parallel.mapreduce``: whole copies and one all-reduce
-buffer per bucket; ``flowtrain.parallel.zero``: per-layer flat buffers padded to a multiple of N,
+buffer per bucket; ``flowtrain.parallel.zero.sharder``: per-layer flat buffers padded to a multiple of N,
 each rank's shard); for pipeline stages and tensor shards they assume an even split of the
 parameters (an estimate; with ``--shard-states`` on the grid, each layer's share of a (stage, shard)
 sharded over the replicas, and a step's transient from its layers whole over the tensor shards). ``fit`` prints the plan before step 0 and writes it beside what was
@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from flowtrain.parallel.deferred import is_deferred
-from flowtrain.parallel.zero import STAGES
-from flowtrain.parallel.zero_units import GLOO_COLLECTIVES, ZeroCollectives, shard_units
+from flowtrain.parallel.zero.sharder import STAGES
+from flowtrain.parallel.zero.units import GLOO_COLLECTIVES, ZeroCollectives, shard_units
 from flowtrain.train.ids.key_index import REBUILD_CHUNK, KeyIndex
 from flowtrain.train.ids.table import IdTable, next_capacity
 from flowtrain.train.precision import model_dtype
@@ -187,7 +187,7 @@ def _plan_ids(model: nn.Module, workers: int, id_rows: int | None, batch_size: i
 
 
 def _units(model: nn.Module, stage: str = "parameters", bucket_mb: float = 1.0) -> list[list[int]]:
-    """Parameter sizes per unit, as ``flowtrain.parallel.zero_units`` lays them out for ``stage``."""
+    """Parameter sizes per unit, as ``flowtrain.parallel.zero.units`` lays them out for ``stage``."""
     return [[p.numel() for p in params] for _, params in shard_units(model, stage, bucket_mb)]
 
 
@@ -311,7 +311,7 @@ def _has_own_parameters(model: nn.Module) -> bool:
 
 def _step_transient(units: list[list[int]], stage: str, workers: int, root_unit: bool,
                     ways: ZeroCollectives | None = None) -> int:
-    """Elements a ZeRO rank holds during a step on top of its state, at its peak (``flowtrain.parallel.zero``; the
+    """Elements a ZeRO rank holds during a step on top of its state, at its peak (``flowtrain.parallel.zero.sharder``; the
     reduce-scatters run in reverse unit order, at most one still in flight when the next is launched):
 
     - unit k's reduce-scatter buffer filled: its whole gradients and that buffer (padded), the one launched before

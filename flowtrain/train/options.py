@@ -35,7 +35,7 @@ MODEL_UPDATES = "model updates (trainer and scorer)"
 
 #: --select-by's metrics (``flowtrain.train.metrics.check_select_by`` checks one fits the task).
 SELECT_BY = ("auc", "accuracy", "macro_f1", "log_loss", "loss", "rmse", "mae", "r2")
-#: --shard-states: ZeRO's levels (``flowtrain.parallel.zero``).
+#: --shard-states: ZeRO's levels (``flowtrain.parallel.zero.sharder``).
 SHARD_STATES = ("none", "optimizer", "gradients", "parameters")
 #: --device (``flowtrain.parallel.device``).
 DEVICES = ("auto", "cpu", "cuda")
@@ -258,7 +258,7 @@ class EngineSettings:
         threads={"default": 1, "help": "torch threads of each trainer replica (a step is one feature message, too "
                                        "small for more threads on cores shared with the pipeline and the broker)"})
 class StreamTrainOptions(ParallelOptions, NetworkOptions, OptimizerOptions, ThreadOptions):
-    """The online trainer's options (``flowtrain.train.stream``): its engine's (``ParallelOptions``, the same as a
+    """The online trainer's options (``flowtrain.train.stream.online``): its engine's (``ParallelOptions``, the same as a
     batch run's: the replicas' buckets, ZeRO, pipeline stages, tensor shards, the device), its model, optimizer,
     checkpoints and published versions."""
 

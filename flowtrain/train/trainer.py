@@ -4,7 +4,7 @@
 Kafka features topic with its exactly-once ledger) both train through a ``Trainer``: ``Trainer.step`` is
 the one place a training step runs (``engine.train_step``). The engine does the step under the layout
 asked for (``make_engine``): ``DataParallelEngine`` (map/reduce of gradient sums), ``ZeroEngine``
-(``flowtrain.parallel.zero_engine``: ``--shard-states``) or ``GridEngine`` (``flowtrain.train.hybrid``: the
+(``flowtrain.parallel.zero.engine``: ``--shard-states``) or ``GridEngine`` (``flowtrain.train.hybrid``: the
 D x S x T grid of ``--stages`` and ``--tensor-parallel``); an engine has ``train_step``, ``set_lr``,
 ``sync_model``, ``optimizer``, ``optimizer_state``, ``stage_states``, ``shard_states``, ``load``,
 ``close`` and ``rng_rank``.
@@ -205,7 +205,7 @@ def make_engine(model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module, 
                           device=next(model.parameters()).device)
     if config.shard_states != "none":
         if ctx.world_size > 1:
-            from flowtrain.parallel.zero_engine import ZeroEngine
+            from flowtrain.parallel.zero.engine import ZeroEngine
 
             return ZeroEngine(model, ctx, config, loss_fn)
         if ctx.is_main:
@@ -286,7 +286,7 @@ def memory_plan_of(model: nn.Module, ctx: DistContext, config, batch_size: int, 
 
 def measured_memory(engine) -> dict:
     """Bytes of state this rank holds now (distinct tensor storages) and its peak RSS."""
-    from flowtrain.parallel.zero_units import peak_rss_bytes, storage_bytes
+    from flowtrain.parallel.zero.units import peak_rss_bytes, storage_bytes
 
     ids = id_tables_held(engine.model) if isinstance(getattr(engine, "model", None), nn.Module) else 0
     if hasattr(engine, "memory"):

@@ -52,8 +52,8 @@ def test_the_raw_topic_partition_count_is_a_one_line_exit_when_the_brokers_do_no
 
 
 def test_the_trainers_raw_topic_ends_wait_ends_on_a_stop_request(monkeypatch):
-    from flowtrain.train import stream_input
-    from flowtrain.train.stream_input import RawTopicEnds
+    from flowtrain.train.stream import input as stream_input
+    from flowtrain.train.stream.input import RawTopicEnds
 
     monkeypatch.setattr(stream_input, "RAW_ENDS_WAIT_S", 1.0)
 

@@ -20,8 +20,8 @@ def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_bro
     from types import SimpleNamespace
 
     from connectors.kafka import close_client, new_consumer
-    from flowtrain.train import stream_source
-    from flowtrain.train.stream_source import FeatureSource
+    from flowtrain.train.stream import source as stream_source
+    from flowtrain.train.stream.source import FeatureSource
 
     monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 3.0)
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
@@ -46,8 +46,8 @@ def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypa
     from types import SimpleNamespace
 
     from connectors.kafka import new_consumer
-    from flowtrain.train import stream_source
-    from flowtrain.train.stream_source import FeatureSource
+    from flowtrain.train.stream import source as stream_source
+    from flowtrain.train.stream.source import FeatureSource
 
     monkeypatch.setattr(stream_source, "FEATURES_WAIT_S", 600.0)  # only the stop can end it within the test's bound
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)

@@ -355,7 +355,7 @@ def test_the_metrics_log_truncation_on_resume_never_truncates_in_place(tmp_path,
 
 
 def test_the_stream_ledger_rewrite_on_resume_is_atomic_and_survives_a_torn_line(tmp_path, monkeypatch):
-    from flowtrain.train.stream_sinks import Ledger
+    from flowtrain.train.stream.sinks import Ledger
 
     ledger = tmp_path / "ledger.jsonl"
     ledger.write_text("".join(json.dumps({"version": v, "partition": 0, "offset": v}) + "\n" for v in (1, 2, 3))

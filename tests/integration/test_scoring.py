@@ -536,7 +536,7 @@ def test_regression_predictions_are_in_the_labels_units(tmp_path):
     from connectors.model_updates import check_record
     from flowtrain.train.loader import table_to_split
     from flowtrain.train.published import Publisher
-    from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
+    from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
     from pipelines.serving.predictions import prediction_layout, predictions_batch
     from pipelines.serving.versions import ModelVersion
     from tests.synthetic_data import make_regression_run

@@ -209,8 +209,8 @@ def test_stream_trainer_trains_a_three_class_target_with_its_metrics(bootstrap, 
 
 @pytest.mark.timeout(120)
 def test_stream_trainer_uses_one_torch_thread_unless_told(shared_data, tmp_path):
-    code = ("import torch, sys; from flowtrain.train.stream import StreamTrainer\n"
-            "from flowtrain.train.stream_config import StreamTrainConfig\n"
+    code = ("import torch, sys; from flowtrain.train.stream.online import StreamTrainer\n"
+            "from flowtrain.train.stream.config import StreamTrainConfig\n"
             "torch.set_num_threads(2)\n"
             "ds = sys.argv[2]\n"
             "for t in (None, 1, 2):\n"

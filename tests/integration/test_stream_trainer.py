@@ -309,8 +309,8 @@ def test_stream_trainer_on_explicit_cpu_and_cuda_without_a_gpu_is_an_error(fligh
     from connectors.arrow import encode_batch
     from connectors.dataset import read_manifest
     from flowtrain.parallel.device import DeviceError
-    from flowtrain.train.stream import StreamTrainer, run_stream_trainer
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
+    from flowtrain.train.stream.online import StreamTrainer, run_stream_trainer
 
     topic = new_topic(partitions=1)
     manifest = read_manifest(flights)

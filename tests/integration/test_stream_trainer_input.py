@@ -126,7 +126,7 @@ def _ledger(run: Path) -> tuple[dict, dict]:
 
 
 def _config(bootstrap, topic, dataset, out, **kw):
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
 
     return StreamTrainConfig(bootstrap=bootstrap, run_dir=str(out), dataset=dataset, features_topic=topic,
                              updates_topic=f"{topic}-updates", dead_letter_topic=f"{topic}-dead", hidden=(16, 8),
@@ -135,7 +135,7 @@ def _config(bootstrap, topic, dataset, out, **kw):
 
 def test_every_bad_kind_is_a_dead_letter_once_and_the_good_rows_train_exactly_once(bootstrap, new_topic, dataset,
                                                                                     tmp_path):
-    from flowtrain.train.stream import run_stream_trainer
+    from flowtrain.train.stream.online import run_stream_trainer
 
     table = _table(dataset)
     topic = new_topic(partitions=1)
@@ -225,7 +225,7 @@ def test_a_crash_before_the_first_checkpoint_sends_no_dead_letter_twice(bootstra
 def test_non_finite_weights_are_never_trained_checkpointed_or_published(bootstrap, new_topic, batch_run, tmp_path):
     import shutil
 
-    from flowtrain.train.stream import run_stream_trainer
+    from flowtrain.train.stream.online import run_stream_trainer
 
     dataset, run = batch_run
     table = _table(dataset)
@@ -306,7 +306,7 @@ def test_an_impossible_source_offset_is_a_dead_letter_and_never_marks_later_rows
     exist) between rows 0-399 and 400-599 of raw partition 0: both are dead letters naming the source, rows
     400-599 are trained (not dropped as duplicates), and the checkpoint's seen state is 599. Checked against
     the raw topic's end offsets, and, without a raw topic, against the highest offset trained."""
-    from flowtrain.train.stream import run_stream_trainer
+    from flowtrain.train.stream.online import run_stream_trainer
 
     table = _table(dataset)
     raw = new_topic(partitions=1, prefix="raw")

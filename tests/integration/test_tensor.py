@@ -13,7 +13,7 @@ from torch import nn
 from flowtrain.parallel.device import DeviceError, backend_for, cpu_state, resolve_device
 from flowtrain.parallel.grid import Grid, GridError
 from flowtrain.parallel.launch import spawn
-from flowtrain.parallel.tensor import (
+from flowtrain.parallel.tensor.plan import (
     ShardedSequential,
     TensorGroup,
     TensorParallelError,

@@ -1,4 +1,4 @@
-"""ZeRO's collectives every way (``flowtrain.parallel.zero_units``: ``REDUCE_WAYS``, ``GATHER_WAYS``) on 3 gloo
+"""ZeRO's collectives every way (``flowtrain.parallel.zero.units``: ``REDUCE_WAYS``, ``GATHER_WAYS``) on 3 gloo
 ranks (uneven: the units' flat buffers are padded): each reduce-scatter leaves on every rank exactly its slice of
 the sum over the ranks, with two in flight at once as the sharder launches them, and each all-gather the whole from
 the shards. The equality tests (test_zero_sharding.py) train with the ways ``choose_collectives`` picks for N = 2
@@ -16,7 +16,7 @@ from torch import nn
 
 from flowtrain.parallel import DistContext
 from flowtrain.parallel.launch import spawn
-from flowtrain.parallel.zero_units import (
+from flowtrain.parallel.zero.units import (
     GATHER_WAYS,
     GLOO_COLLECTIVES,
     REDUCE_WAYS,

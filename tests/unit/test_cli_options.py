@@ -49,7 +49,7 @@ def test_yaml_flags_survive_absent_command_line_flags_and_given_flags_win(tmp_pa
     assert args.options == {"resume": True, "no_progress": True, "epochs": 5, "workers": 2, "hidden": (64, 32)}
     assert args.resume is True and args.no_progress is True and beam_args == []
 
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
     from pipelines.flights.streaming import StreamConfig
 
     stream = tmp_path / "stream.yaml"

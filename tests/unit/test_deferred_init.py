@@ -9,7 +9,7 @@ from torch import nn
 
 from flowtrain.parallel import DistContext, sum_loss
 from flowtrain.parallel.deferred import Materializer, deferred, is_deferred, materialize, set_target
-from flowtrain.parallel.zero import ZeroSharder
+from flowtrain.parallel.zero.sharder import ZeroSharder
 from flowtrain.train.models.tabular import TabularMLP
 
 FAMILIES = {

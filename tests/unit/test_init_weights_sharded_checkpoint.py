@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
+from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
 
 
 def test_init_weights_from_a_sharded_checkpoint_is_one_line_naming_the_whole_model(tmp_path):

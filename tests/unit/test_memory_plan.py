@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext
-from flowtrain.parallel.zero import ZeroSharder, check_stage
+from flowtrain.parallel.zero.sharder import ZeroSharder, check_stage
 from flowtrain.train.memory_plan import MemoryPlan, fits_line, plan_memory, smallest_fit
 
 

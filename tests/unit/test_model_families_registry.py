@@ -54,6 +54,7 @@ def test_a_registered_family_reaches_the_online_trainers_architecture():
 def test_the_old_model_module_is_gone_and_stream_and_published_share_the_architecture():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("flowtrain.train.model")
-    from flowtrain.train import published, stream_config
+    from flowtrain.train import published
+    from flowtrain.train.stream import config as stream_config
 
     assert stream_config.Architecture is published.Architecture is Architecture

@@ -101,7 +101,7 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
         UpdateOptions,
     )
     from flowtrain.train.plan import TrainConfig
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
     from pipelines.stream.options import EventOptions, ParseBounds, PipelineOptions
     from pipelines.stream.pipeline import StreamConfig
 
@@ -150,7 +150,7 @@ def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():
     """``flowtrain stream train --workers N`` sends the engine config as JSON (``asdict``); the worker rebuilds it
     (``flowtrain.train.jobs``) and the trainer checks it: the same config, ranges checked once."""
     from connectors.fields import check
-    from flowtrain.train.stream_config import StreamTrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
 
     cfg = StreamTrainConfig(bootstrap="b:1", run_dir="r", dataset="d", features_topic="f", hidden=(8, 4),
                             checkpoint_every=7, idle_exit=2.5, kafka_config={"client_id": "x"})

@@ -131,7 +131,7 @@ def test_events_carry_their_weight_to_the_online_trainer(weighted_dataset):
 
     from connectors.arrow import encode_batch
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.stream_input import BadFeatureMessage, FeatureMessageCheck
+    from flowtrain.train.stream.input import BadFeatureMessage, FeatureMessageCheck
     from pipelines.stream.featurize import StreamFeaturizer
 
     ds, manifest = weighted_dataset

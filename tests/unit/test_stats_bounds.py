@@ -139,7 +139,7 @@ def test_an_absurd_feature_value_is_a_dead_letter_in_the_stream_in_predict_and_f
 
     from connectors.dataset import read_manifest
     from flowtrain.train.loader import TabularDataset
-    from flowtrain.train.stream_input import BadFeatureMessage, FeatureMessageCheck
+    from flowtrain.train.stream.input import BadFeatureMessage, FeatureMessageCheck
     from pipelines.predict.rows import featurize_for_prediction
     from pipelines.stream.featurize import StreamFeaturizer
 

@@ -33,7 +33,7 @@ def _message(n: int = 5, **columns) -> pa.Table:
 
 
 def _check(task="regression", classes=0, **kw):
-    from flowtrain.train.stream_input import FeatureMessageCheck
+    from flowtrain.train.stream.input import FeatureMessageCheck
 
     return FeatureMessageCheck(_Data(task, classes), **kw)
 
@@ -63,7 +63,7 @@ def test_a_good_message_becomes_tensors_with_its_sources():
     (encode_batch(_message(src_offset=pa.array([0, 1, -5, 3, 4], pa.int64()))), "values", "'src_offset' has -5"),
 ])
 def test_each_bad_message_is_rejected_with_its_kind_and_reason(payload, kind, says):
-    from flowtrain.train.stream_input import BadFeatureMessage
+    from flowtrain.train.stream.input import BadFeatureMessage
 
     with pytest.raises(BadFeatureMessage) as err:
         _check()(payload)
@@ -71,7 +71,7 @@ def test_each_bad_message_is_rejected_with_its_kind_and_reason(payload, kind, sa
 
 
 def test_a_classification_label_must_be_a_class_index():
-    from flowtrain.train.stream_input import BadFeatureMessage
+    from flowtrain.train.stream.input import BadFeatureMessage
 
     check = _check("classification", classes=3)
     assert len(check(encode_batch(_message(label=pa.array([0, 1, 2, 2, 0], pa.float32()))))) == 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from flowtrain.train.stream_config import StreamTrainConfig
+from flowtrain.train.stream.config import StreamTrainConfig
 
 
 def test_stream_train_config_has_no_flights_topic_defaults():

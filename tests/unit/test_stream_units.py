@@ -12,7 +12,7 @@ import pytest
 from connectors.arrow import decode_batch, encode_batch, encode_batches
 from connectors.deadletter import DeadLetter
 from connectors.kafka import dead_letter_from_record, dead_letter_record, record_size
-from flowtrain.train.stream_source import unseen
+from flowtrain.train.stream.source import unseen
 from pipelines.flights.events import MALFORMED_KINDS, ParseBounds, events_table, malform, parse_event
 
 EVENT = {"year": 2013, "month": 1, "day": 1, "hour": 5, "minute": 15, "sched_dep_time": 515, "sched_arr_time": 819,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext, sum_loss
-from flowtrain.parallel.zero import ZeroSharder
+from flowtrain.parallel.zero.sharder import ZeroSharder
 from flowtrain.train.memory_plan import FLOAT, plan_memory
 
 WIDTHS = (7, 33, 65, 5)  # layers 7x33, 33x65, 65x5 (+ biases): 264, 2210, 330 elements

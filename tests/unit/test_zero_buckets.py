@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from flowtrain.parallel import DistContext
-from flowtrain.parallel.zero import ZeroSharder
-from flowtrain.parallel.zero_units import shard_units
+from flowtrain.parallel.zero.sharder import ZeroSharder
+from flowtrain.parallel.zero.units import shard_units
 from flowtrain.train.memory_plan import plan_memory
 
 

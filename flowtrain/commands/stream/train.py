@@ -19,8 +19,8 @@ from flowtrain.commands.stream.inputs import dataset_path
 from flowtrain.commands.stream.options import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.tracking_options import check_tracking
 from flowtrain.parallel.launch import spawn
-from flowtrain.train.stream import run_stream_trainer
-from flowtrain.train.stream_config import StreamTrainConfig, initial_weights
+from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
+from flowtrain.train.stream.online import run_stream_trainer
 
 #: The trainer's engine reads these of the stream job's common options as they are (its own options, the
 #: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).

@@ -146,7 +146,7 @@ class MemberCarry(nn.Module):
     """Applies ``inner`` to each member's features (the activations but the last ``width`` columns, viewed as
     ``[N, members, features]``) and passes the last ``width`` columns (the wide scores) through unchanged. The
     members share ``inner``'s weights. A carrying wrapper (``inner``, ``width``) like ``tabular.Carry``: tensor
-    parallelism splits its ``nn.Linear`` (``flowtrain.parallel.tensor``), whose shards take any leading shape."""
+    parallelism splits its ``nn.Linear`` (``flowtrain.parallel.tensor.plan``), whose shards take any leading shape."""
 
     def __init__(self, inner: nn.Module, width: int, members: int):
         super().__init__()

@@ -61,10 +61,10 @@ from flowtrain.train.metrics import MetricsLog
 from flowtrain.train.prequential import plot_prequential, prequential_metrics
 from flowtrain.train.published import new_run_id
 from flowtrain.train.replicas import all_agree, gather, gather_dict, gather_list, sum_counts
-from flowtrain.train.stream_config import NonFiniteModel, StreamTrainConfig, starting_model, weights_finite
-from flowtrain.train.stream_rejects import InputRejects, StoppedWaiting
-from flowtrain.train.stream_sinks import STOP_KAFKA_S, Ledger, VersionSink, write_status
-from flowtrain.train.stream_source import FeatureSource
+from flowtrain.train.stream.config import NonFiniteModel, StreamTrainConfig, starting_model, weights_finite
+from flowtrain.train.stream.rejects import InputRejects, StoppedWaiting
+from flowtrain.train.stream.sinks import STOP_KAFKA_S, Ledger, VersionSink, write_status
+from flowtrain.train.stream.source import FeatureSource
 from flowtrain.train.trainer import Trainer, loss_function
 
 

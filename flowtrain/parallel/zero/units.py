@@ -1,4 +1,4 @@
-"""The per-unit flat-shard machinery of ``flowtrain.parallel.zero``: which layers a stage shards together
+"""The per-unit flat-shard machinery of ``flowtrain.parallel.zero.sharder``: which layers a stage shards together
 (``shard_units``), a unit's parameters as views of one flat buffer padded to a multiple of N with this
 rank's shard and optimizer pieces (``ShardUnit``), how its reduce-scatter and all-gather run on a group
 (``choose_collectives``), ZeRO-3's regather before a unit's backward

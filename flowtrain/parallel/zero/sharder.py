@@ -42,8 +42,8 @@ Checkpoints: ``optimizer_state`` gathers the shards into the state dict a plain 
 ``module.parameters()`` has (so a checkpoint resumes with any N, any stage or none), and ``load``
 cuts such a state into this rank's pieces.
 
-The units and their flat buffers are ``flowtrain.parallel.zero_units``; ``fit``'s engine over a
-``ZeroSharder`` is ``flowtrain.parallel.zero_engine.ZeroEngine``.
+The units and their flat buffers are ``flowtrain.parallel.zero.units``; ``fit``'s engine over a
+``ZeroSharder`` is ``flowtrain.parallel.zero.engine.ZeroEngine``.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ from torch import nn
 from flowtrain.parallel.context import DistContext
 from flowtrain.parallel.deferred import Materializer, is_deferred, materialize
 from flowtrain.parallel.mapreduce import check_one_dtype, sync_buffers
-from flowtrain.parallel.zero_state import ZeroCheckpointing
-from flowtrain.parallel.zero_units import (
+from flowtrain.parallel.zero.state import ZeroCheckpointing
+from flowtrain.parallel.zero.units import (
     RegatherBeforeBackward,
     ShardUnit,
     ZeroCollectives,

@@ -1,5 +1,5 @@
 """``fit``'s data-parallel engine with ZeRO-sharded state (``--shard-states``): a ``ZeroSharder``
-(``flowtrain.parallel.zero``) behind the engine interface of ``flowtrain.train.trainer.DataParallelEngine``.
+(``flowtrain.parallel.zero.sharder``) behind the engine interface of ``flowtrain.train.trainer.DataParallelEngine``.
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 
 from flowtrain.parallel.context import DistContext
 from flowtrain.parallel.mapreduce import empty_forward, local_rows, sum_loss
-from flowtrain.parallel.zero import ZeroSharder
-from flowtrain.parallel.zero_units import peak_rss_bytes
+from flowtrain.parallel.zero.sharder import ZeroSharder
+from flowtrain.parallel.zero.units import peak_rss_bytes
 
 __all__ = ["ZeroEngine"]
 

@@ -19,7 +19,7 @@ from connectors.atomic import atomic_write
 from connectors.kafka import KafkaDelivery, KafkaWriteError, close_client, ensure_topic, new_producer
 from connectors.model_updates import UpdateKeySource
 from flowtrain.train.published import Publisher
-from flowtrain.train.stream_config import StreamTrainConfig
+from flowtrain.train.stream.config import StreamTrainConfig
 
 #: Seconds a stopping trainer waits for Kafka (its final checkpoint and version); a stop is never held
 #: longer by brokers that do not answer.

@@ -3,7 +3,7 @@
 Each replica's reading rank assigns its share of the feature partitions (``partition % replicas``)
 and seeks each to the position its checkpoint recorded, else to the beginning: positions come
 only from the checkpoint, never from Kafka's group offsets. Each message is checked against the
-dataset (``flowtrain.train.stream_input``: what fails is rejected, a dead letter) and loses the
+dataset (``flowtrain.train.stream.input``: what fails is rejected, a dead letter) and loses the
 rows already trained: the exactly-once state is ``positions`` (feature partition -> next offset)
 and ``seen`` (raw partition -> highest raw offset trained), both saved in each checkpoint.
 """
@@ -19,9 +19,9 @@ from kafka import TopicPartition
 from connectors.kafka import close_client, new_consumer, wait_for_partitions
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train.loader import TabularDataset
-from flowtrain.train.stream_config import StreamTrainConfig
-from flowtrain.train.stream_input import BadFeatureMessage, FeatureMessageCheck, RawTopicEnds, SourceCheck
-from flowtrain.train.stream_rejects import InputRejects
+from flowtrain.train.stream.config import StreamTrainConfig
+from flowtrain.train.stream.input import BadFeatureMessage, FeatureMessageCheck, RawTopicEnds, SourceCheck
+from flowtrain.train.stream.rejects import InputRejects
 
 #: Seconds the trainer waits at its start for the features topic (and for brokers that do not answer), and the
 #: bound on each question about its partitions.
@@ -40,8 +40,8 @@ class FeatureSource:
         self.positions: dict[int, int] = {}  # feature partition -> next offset
         self.seen: dict[int, int] = {}  # raw partition -> highest raw offset trained
         self.dropped = 0  # rows already trained, read again (the pipeline upstream is at least once)
-        # every feature message is checked against the dataset (flowtrain.train.stream_input); what fails
-        # is a dead letter with its reason, counted per kind in the checkpoint (flowtrain.train.stream_rejects)
+        # every feature message is checked against the dataset (flowtrain.train.stream.input); what fails
+        # is a dead letter with its reason, counted per kind in the checkpoint (flowtrain.train.stream.rejects)
         self.check = FeatureMessageCheck(data, max_decoded_bytes=cfg.max_decoded_bytes)
         # a row's source must exist on the raw topic: an impossible one never moves the seen-source state
         self.raw_ends = RawTopicEnds(cfg.bootstrap, cfg.kafka_config, cfg.raw_topic, should_stop=should_stop,

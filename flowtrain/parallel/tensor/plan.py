@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from flowtrain.parallel.mapreduce import shard_bounds
-from flowtrain.parallel.tensor_layers import (
+from flowtrain.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardedDropout,

@@ -20,7 +20,7 @@ from connectors.dataset import read_manifest
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import Architecture
 from flowtrain.train.options import EngineSettings, StreamTrainOptions, UpdateOptions
-from flowtrain.train.stream_input import DEFAULT_MAX_SOURCE_GAP
+from flowtrain.train.stream.input import DEFAULT_MAX_SOURCE_GAP
 
 
 @dataclass(kw_only=True)

@@ -1,4 +1,4 @@
-"""The tensor-parallel layers, as in Megatron-LM (the plan that places them: ``flowtrain.parallel.tensor``).
+"""The tensor-parallel layers, as in Megatron-LM (the plan that places them: ``flowtrain.parallel.tensor.plan``).
 
 A column-parallel ``Linear`` (shard t holds rows [lo, hi) of the weight: a slice of the output features) is paired
 with a row-parallel ``Linear`` (shard t holds the matching columns of its weight: the same slice of its input

@@ -1,4 +1,4 @@
-"""The checkpoint half of ``flowtrain.parallel.zero.ZeroSharder`` (a mixin): its state as a plain optimizer's and
+"""The checkpoint half of ``flowtrain.parallel.zero.sharder.ZeroSharder`` (a mixin): its state as a plain optimizer's and
 model's (gathered: ``optimizer_state``), as this rank's pieces (``shard_pieces`` / ``shard_targets`` /
 ``take_shards``, the sharded checkpoints' DCP pieces; ``state_pieces`` / ``load_pieces``, the best weights kept
 per rank), and the whole model written to a ``torch.save`` file without any rank holding it (``write_whole``:
