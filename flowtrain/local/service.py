@@ -5,9 +5,13 @@ each runs one detached process bound to 127.0.0.1 with its state file (``{"pid",
 in ``data_dir``. The pid recorded there is trusted only while it still is that service
 (:func:`flowtrain.local.processes.same_process`, with the service's ``_marker``: what its command line holds).
 A subclass sets ``prefix`` (its message prefix), ``noun`` (what it calls the process), ``state_file``,
-``log_file`` and ``error`` (its exception class) and defines ``_marker``; its ``start`` launches with
-:meth:`LocalService._launch` and waits with :meth:`LocalService._wait_ready`, its ``stop`` calls
-:meth:`LocalService._stop_recorded`.
+``log_file``, ``error`` (its exception class), ``what``/``not_ready``/``start_timeout_s`` (its start's words and
+bound) and defines ``_marker``. :meth:`LocalService.start` is the one start of them all, a template: already
+running, its status; else its ports checked (``_ports``: each must be free), the preparation (``_prepare``: its
+tools, downloads, the data directory, its configuration; the command line and what the state file records),
+the launch (:meth:`LocalService._launch`), the wait (:meth:`LocalService._wait_ready` on ``_ready``), one line
+(``_started``) and its ``status()`` with ``start_seconds``. Its ``stop`` calls :meth:`LocalService._stop_recorded`.
+A service of several processes (``LocalKafkaCluster``, ``LocalFlink``) starts its own way on the same parts.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from flowtrain.local.processes import describe, identity, same_process, stop_recorded
+from flowtrain.local.tools import java_major, port_open, require_tool
 
 __all__ = ["LocalService"]
 
@@ -60,6 +65,65 @@ class LocalService:
         if state and same_process(state, self._marker):
             return int(state["pid"])
         return None
+
+    # -- the start, a template -----------------------------------------------------------------------------
+    what: str = "the service"  # in "<what> exited with code N during start", "<what> <not_ready> within T s"
+    not_ready: str = "did not answer"
+    start_timeout_s: float = 60.0  # the start's bound when the caller gives none
+    poll_s: float = 0.3  # how often the start asks whether the process is ready
+
+    def start(self, *, timeout_s: float | None = None, quiet: bool = False) -> dict:
+        """Start the service unless it runs already (idempotent); return its ``status()``, with ``start_seconds``
+        when this call started it. A failed start raises ``error`` with the log's tail (the process stopped)."""
+        pid = self.running_pid()
+        if pid is not None:
+            if not quiet:
+                print(f"{self.prefix}: already running (pid {pid}) {self._where}; log {self.log_path}")
+            return self.status()
+        for port in self._ports:
+            if port_open(port):
+                raise self.error(f"port {port} on 127.0.0.1 is taken by another process; choose another with --port")
+        t0 = time.monotonic()
+        cmd, record = self._prepare(quiet)
+        proc = self._launch(cmd, record)
+        took = self._wait_ready(proc, self._ready, what=self.what, not_ready=self.not_ready, t0=t0,
+                                timeout_s=self.start_timeout_s if timeout_s is None else timeout_s, poll_s=self.poll_s)
+        if not quiet:
+            print(f"{self.prefix}: {self._started(proc.pid, took)}; log {self.log_path}", flush=True)
+        return self.status() | {"start_seconds": took}
+
+    def status(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def _where(self) -> str:
+        """Where it answers, as its lines say it ("on 127.0.0.1:9092", "at http://...")."""
+        raise NotImplementedError
+
+    @property
+    def _ports(self) -> tuple[int, ...]:
+        """The ports on 127.0.0.1 it binds: each must be free before it starts."""
+        raise NotImplementedError
+
+    def _prepare(self, quiet: bool) -> tuple[list[str], dict]:
+        """Its download, data directory and configuration: ``(the command line, what the state file records)``."""
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _started(self, pid: int, took: float) -> str:
+        """The line a start says, after the prefix (the log's path follows it)."""
+        raise NotImplementedError
+
+    def _java(self, minimum: int = 17) -> str:
+        """The ``java`` to run it with (a Java ``minimum``+ runtime), else ``error`` saying how to get one."""
+        java = require_tool("java", f"to run {self.what}", f"Install a Java {minimum}+ runtime (Debian: `apt-get "
+                            f"install openjdk-{minimum}-jre-headless`).", self.error)
+        if java_major(java) < minimum:
+            raise self.error(f"{self.what} needs Java {minimum} or newer; `java -version` reports an older one. "
+                             f"Install Java {minimum}+ and put it first on PATH (or set JAVA_HOME).")
+        return java
 
     def _launch(self, cmd: Sequence[str], record: Mapping) -> subprocess.Popen:
         """Start ``cmd`` detached (its own session, output appended to the log, cwd ``data_dir``) and write the

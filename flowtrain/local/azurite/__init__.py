@@ -68,6 +68,9 @@ class LocalAzurite(LocalService):
     state_file = "azurite.json"
     log_file = "azurite.log"
     error = AzuriteError
+    what = "Azurite"
+    not_ready = "did not listen on 127.0.0.1"
+    poll_s = 0.2
 
     port: int = 10000
     data_dir: Path = field(default_factory=lambda: cache_root() / "azurite-data")
@@ -87,27 +90,32 @@ class LocalAzurite(LocalService):
     def _marker(self) -> str:
         return str(self.data_dir / "blobs")
 
-    def start(self, *, timeout_s: float = 60.0, quiet: bool = False) -> dict:
-        """Start the blob service unless it runs already; return ``{"pid", "endpoint", "start_seconds"}``."""
+    def status(self) -> dict:
         pid = self.running_pid()
-        if pid is not None:
-            return {"pid": pid, "endpoint": self.endpoint, "start_seconds": 0.0}
-        if port_open(self.port):
-            raise AzuriteError(f"port {self.port} on 127.0.0.1 is taken by another process; choose another port")
-        t0 = time.monotonic()
+        return {"running": pid is not None, "pid": pid, "endpoint": self.endpoint, "data_dir": str(self.data_dir),
+                "log": str(self.log_path), "version": self.version}
+
+    @property
+    def _where(self) -> str:
+        return f"at {self.endpoint}"
+
+    @property
+    def _ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
+    def _prepare(self, quiet: bool) -> tuple[list[str], dict]:
         script = ensure_azurite(self.version, quiet=quiet)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "blobs").mkdir(exist_ok=True)
         cmd = [str(script), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location",
                self._marker, "--skipApiVersionCheck", "--loose", "--silent"]
-        proc = self._launch(cmd, {"port": self.port, "version": self.version})
-        took = self._wait_ready(proc, lambda: port_open(self.port), what="Azurite",
-                                not_ready=f"did not listen on 127.0.0.1:{self.port}", t0=t0, timeout_s=timeout_s,
-                                poll_s=0.2)
-        if not quiet:
-            print(f"azurite: blob service at {self.endpoint} (pid {proc.pid}, {took:.1f} s); log "
-                  f"{self.log_path}", flush=True)
-        return {"pid": proc.pid, "endpoint": self.endpoint, "start_seconds": took}
+        return cmd, {"port": self.port, "version": self.version}
+
+    def _ready(self) -> bool:
+        return port_open(self.port)
+
+    def _started(self, pid: int, took: float) -> str:
+        return f"blob service at {self.endpoint} (pid {pid}, {took:.1f} s)"
 
     def stop(self, *, timeout_s: float = 5.0, quiet: bool = True) -> bool:
         """Stop the blob service (SIGTERM to its process group, SIGKILL after ``timeout_s``: Azurite waits for its

@@ -22,7 +22,7 @@ from kafka import KafkaAdminClient
 
 from flowtrain.local.paths import cache_root
 from flowtrain.local.service import LocalService
-from flowtrain.local.tools import java_major, port_open, require_tool
+from flowtrain.local.tools import port_open, require_tool
 
 KAFKA_VERSION = "4.3.1"
 _HERE = Path(__file__).resolve().parent
@@ -97,6 +97,9 @@ class LocalKafka(LocalService):
     state_file = "broker.json"
     log_file = "broker.log"
     error = BrokerError
+    what = "the Kafka broker"
+    not_ready = "did not answer a metadata request"
+    start_timeout_s = 90.0
 
     port: int = 9092
     data_dir: Path = field(default_factory=lambda: cache_root() / "kafka-data")
@@ -177,24 +180,16 @@ class LocalKafka(LocalService):
         formatted_for.write_text(str(self.port))
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self, *, timeout_s: float = 90.0, quiet: bool = False) -> dict:
-        """Start the broker unless it runs already; return its status. Idempotent."""
-        pid = self.running_pid()
-        if pid is not None:
-            if not quiet:
-                print(f"kafka: already running (pid {pid}) on {self.bootstrap}; log {self.log_path}")
-            return self.status()
-        java = require_tool("java", "to run the Kafka broker",
-                            "Install a Java 17+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).",
-                            BrokerError)
-        if java_major(java) < 17:
-            raise BrokerError("Kafka 4.x needs Java 17 or newer; `java -version` reports an older one. "
-                              "Install Java 17+ and put it first on PATH (or set JAVA_HOME).")
-        for port in (self.port, self.controller_port):
-            if port_open(port):
-                raise BrokerError(f"port {port} on 127.0.0.1 is taken by another process; "
-                                  f"choose another with --port")
-        t0 = time.monotonic()
+    @property
+    def _where(self) -> str:
+        return f"on {self.bootstrap}"
+
+    @property
+    def _ports(self) -> tuple[int, ...]:
+        return self.port, self.controller_port
+
+    def _prepare(self, quiet: bool) -> tuple[list[str], dict]:
+        java = self._java()
         libs = ensure_jars(self.version, quiet=quiet)
         classpath = str(libs / "*")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -203,15 +198,16 @@ class LocalKafka(LocalService):
         cmd = [java, f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
                f"-Dlog4j2.configurationFile={_HERE / 'log4j2.properties'}",
                "-cp", classpath, "kafka.Kafka", str(self.data_dir / "server.properties")]
-        proc = self._launch(cmd, {"bootstrap": self.bootstrap, "port": self.port, "version": self.version,
-                                  "jars": str(libs), "log": str(self.log_path)})
-        took = self._wait_ready(proc, lambda: port_open(self.port) and answers_metadata(self.bootstrap, 3.0),
-                                what="the Kafka broker", not_ready="did not answer a metadata request", t0=t0,
-                                timeout_s=timeout_s, poll_s=0.3)
-        if not quiet:
-            print(f"kafka: broker {self.version} started from jars in {libs} on {self.bootstrap} "
-                  f"(pid {proc.pid}, {took:.1f} s); data {self.data_dir}; log {self.log_path}", flush=True)
-        return self.status() | {"start_seconds": took}
+        return cmd, {"bootstrap": self.bootstrap, "port": self.port, "version": self.version, "jars": str(libs),
+                     "log": str(self.log_path)}
+
+    def _ready(self) -> bool:
+        return port_open(self.port) and answers_metadata(self.bootstrap, 3.0)
+
+    def _started(self, pid: int, took: float) -> str:
+        jars = (self._read_state() or {}).get("jars")
+        return (f"broker {self.version} started from jars in {jars} on {self.bootstrap} (pid {pid}, {took:.1f} s); "
+                f"data {self.data_dir}")
 
     def stop(self, *, timeout_s: float = 30.0, quiet: bool = False) -> bool:
         """Stop the broker (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran. Only the

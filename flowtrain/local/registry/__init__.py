@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flowtrain.local.paths import cache_root
 from flowtrain.local.service import LocalService
-from flowtrain.local.tools import java_major, port_open, require_tool
+from flowtrain.local.tools import port_open, require_tool
 
 APICURIO_VERSION = "3.0.9"
 #: Where the Confluent-compatible API is, under the registry's root.
@@ -75,6 +75,8 @@ class LocalRegistry(LocalService):
     state_file = "registry.json"
     log_file = "registry.log"
     error = RegistryError
+    what = "Apicurio Registry"
+    start_timeout_s = 120.0
 
     port: int = 8081
     data_dir: Path = field(default_factory=lambda: cache_root() / "registry-data")
@@ -115,22 +117,16 @@ class LocalRegistry(LocalService):
         return {"running": pid is not None, "pid": pid, "url": self.url, "data_dir": str(self.data_dir),
                 "log": str(self.log_path), "version": self.version, "answers": bool(pid) and self.answers()}
 
-    def start(self, *, timeout_s: float = 120.0, quiet: bool = False) -> dict:
-        """Start the registry unless it runs already; return its status. Idempotent."""
-        pid = self.running_pid()
-        if pid is not None:
-            if not quiet:
-                print(f"registry: already running (pid {pid}) at {self.url}; log {self.log_path}")
-            return self.status()
-        java = require_tool("java", "to run Apicurio Registry",
-                            "Install a Java 17+ runtime (Debian: `apt-get install openjdk-17-jre-headless`).",
-                            RegistryError)
-        if java_major(java) < 17:
-            raise RegistryError("Apicurio Registry 3.0 needs Java 17 or newer; `java -version` reports an older one")
-        if port_open(self.port):
-            raise RegistryError(f"port {self.port} on 127.0.0.1 is taken by another process; choose another with "
-                                f"--port")
-        t0 = time.monotonic()
+    @property
+    def _where(self) -> str:
+        return f"at {self.url}"
+
+    @property
+    def _ports(self) -> tuple[int, ...]:
+        return (self.port,)
+
+    def _prepare(self, quiet: bool) -> tuple[list[str], dict]:
+        java = self._java()
         home = ensure_registry(self.version, quiet=quiet)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [java, f"-Xmx{self.heap}", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true",
@@ -138,14 +134,13 @@ class LocalRegistry(LocalService):
                "-Dquarkus.management.enabled=false", "-Dquarkus.management.host=127.0.0.1",
                "-Dquarkus.log.level=WARN",
                "-jar", str(home / f"apicurio-registry-app-{self.version}-runner.jar")]
-        proc = self._launch(cmd, {"url": self.url, "port": self.port, "version": self.version,
-                                  "log": str(self.log_path)})
-        took = self._wait_ready(proc, lambda: port_open(self.port) and self.answers(), what="Apicurio Registry",
-                                not_ready="did not answer", t0=t0, timeout_s=timeout_s, poll_s=0.3)
-        if not quiet:
-            print(f"registry: Apicurio Registry {self.version} at {self.url} (pid {proc.pid}, {took:.1f} s, "
-                  f"in-memory storage); log {self.log_path}", flush=True)
-        return self.status() | {"start_seconds": took}
+        return cmd, {"url": self.url, "port": self.port, "version": self.version, "log": str(self.log_path)}
+
+    def _ready(self) -> bool:
+        return port_open(self.port) and self.answers()
+
+    def _started(self, pid: int, took: float) -> str:
+        return f"Apicurio Registry {self.version} at {self.url} (pid {pid}, {took:.1f} s, in-memory storage)"
 
     def stop(self, *, timeout_s: float = 20.0, quiet: bool = False) -> bool:
         """Stop the registry (SIGTERM, then SIGKILL after ``timeout_s``); False if none ran."""
