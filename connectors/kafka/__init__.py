@@ -35,6 +35,7 @@ from connectors.kafka.clients import (
     new_producer,
     retry_kafka,
     summarize_reconnects,
+    topic_end_offsets,
     topic_partitions,
     track_client,
     unavailable_message,
@@ -56,5 +57,5 @@ __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "
            "value_budget", "new_producer", "new_consumer", "track_client", "close_client", "confluent_config",
            "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message", "describe_error", "is_retriable",
            "ReconnectSummary", "summarize_reconnects", "brokers_unreachable", "ProduceError", "new_sender",
-           "topic_partitions", "wait_for_partitions", "WriteDeadLettersToKafka", "dead_letter_record",
+           "topic_partitions", "topic_end_offsets", "wait_for_partitions", "WriteDeadLettersToKafka", "dead_letter_record",
            "dead_letter_from_record"]

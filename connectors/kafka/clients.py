@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
 __all__ = ["KafkaUnavailable", "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "track_client", "close_client",
@@ -342,6 +342,21 @@ def topic_partitions(consumer, topic: str, *, timeout_s: float = DEFAULT_CONNECT
     if isinstance(answer[0], BaseException):
         raise answer[0]
     return answer[0]
+
+
+def topic_end_offsets(consumer, topic: str, *, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> dict:
+    """``{TopicPartition: end offset}`` of every partition of ``topic`` now (empty: no such topic), asked of
+    ``consumer`` within ``timeout_s`` for the partitions (``topic_partitions``) and again for the offsets: a
+    ``KafkaUnavailable`` naming the brokers and the topic when either goes unanswered."""
+    tps = [TopicPartition(topic, p) for p in sorted(topic_partitions(consumer, topic, timeout_s=timeout_s))]
+    if not tps:
+        return {}
+    try:
+        return consumer.end_offsets(tps, timeout_ms=int(timeout_s * 1000))
+    except KafkaError as err:  # KafkaTimeoutError: the brokers did not answer within the bound
+        servers = consumer.config.get("bootstrap_servers", "?") if hasattr(consumer, "config") else "?"
+        raise KafkaUnavailable(unavailable_message(servers, timeout_s, f"no end offsets of topic {topic!r}: "
+                                                   f"{describe_error(err)}")) from err
 
 
 def wait_for_partitions(consumer, topic: str, *, wait_s: float, reconnect: Callable[[], Any],

@@ -12,7 +12,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-from kafka import TopicPartition
 
 from connectors.arrow import decode_batch
 from connectors.dataset import read_manifest
@@ -24,7 +23,7 @@ from connectors.kafka import (
     close_client,
     new_consumer,
     summarize_reconnects,
-    topic_partitions,
+    topic_end_offsets,
 )
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream.options import dataset_topics
@@ -112,16 +111,15 @@ def _read(job: PredictionsJob, stop: Callable[[], bool]) -> Iterator[pa.Table]:
     decoder = _Decoder(job)
     try:
         try:
-            parts = sorted(topic_partitions(consumer, job.topic, timeout_s=job.connect_timeout))
+            ends = topic_end_offsets(consumer, job.topic, timeout_s=job.connect_timeout)
         except KafkaUnavailable as err:
             raise FlowtrainError(str(err)) from None
-        if not parts:
+        if not ends:
             raise FlowtrainError(f"--topic {job.topic}: no such topic at {job.bootstrap}; check the name (the "
                                  f"scorer's --predictions-topic)")
-        tps = [TopicPartition(job.topic, p) for p in parts]
+        tps = sorted(ends, key=lambda tp: tp.partition)
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
         while not stop():
             polled = consumer.poll(timeout_ms=_POLL_MS)
             values = [r.value for tp in sorted(polled, key=lambda t: t.partition) for r in polled[tp]

@@ -29,7 +29,7 @@ from pathlib import Path
 from kafka import TopicPartition
 
 from connectors.deadletter import reason_kind
-from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_partitions
+from connectors.kafka import KafkaUnavailable, close_client, new_consumer, topic_end_offsets, topic_partitions
 from connectors.model_updates import RejectedUpdate, UpdateKeySource, check_record
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream.pipeline import pipeline_totals
@@ -324,16 +324,12 @@ class StreamSampler:
                                              enable_auto_commit=False)
         consumer = self.lag_consumer
         try:
-            parts = topic_partitions(consumer, self.args.raw_topic, timeout_s=KAFKA_WAIT_S)
+            ends = topic_end_offsets(consumer, self.args.raw_topic, timeout_s=KAFKA_WAIT_S)
         except KafkaUnavailable:  # a new consumer next time (closing this one ends its wait)
             close_client(consumer)
             self.lag_consumer = None
             raise
-        tps = [TopicPartition(self.args.raw_topic, p) for p in sorted(parts)]
-        if not tps:
-            return {}
-        ends = consumer.end_offsets(tps)
-        return {str(tp.partition): max(0, ends[tp] - (consumer.committed(tp) or 0)) for tp in tps}
+        return {str(tp.partition): max(0, end - (consumer.committed(tp) or 0)) for tp, end in ends.items()}
 
     def close(self) -> None:
         if self.lag_consumer is not None:
@@ -407,10 +403,8 @@ def raw_lag(args) -> int | None:
         consumer = new_consumer(args.bootstrap, kafka_config(args.kafka_config, args.kafka_config_file),
                                 group_id=args.group_id, bootstrap_timeout_ms=wait_ms)
         try:
-            parts = topic_partitions(consumer, args.raw_topic, timeout_s=KAFKA_WAIT_S)
-            tps = [TopicPartition(args.raw_topic, p) for p in sorted(parts)]
-            ends = consumer.end_offsets(tps, timeout_ms=wait_ms)
-            return sum(ends[tp] - (consumer.committed(tp, timeout_ms=wait_ms) or 0) for tp in tps)
+            ends = topic_end_offsets(consumer, args.raw_topic, timeout_s=KAFKA_WAIT_S)
+            return sum(end - (consumer.committed(tp, timeout_ms=wait_ms) or 0) for tp, end in ends.items())
         finally:
             close_client(consumer)
     except Exception:  # noqa: BLE001 - the live line must not stop the job
