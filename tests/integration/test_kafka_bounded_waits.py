@@ -17,28 +17,16 @@ from tests.silent_broker import KNOWN_VERSION, dead_bootstrap, finishes
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_topic_partitions_gives_up_naming_the_brokers_and_the_topic():
+@pytest.mark.parametrize("ask", [topic_partitions, topic_end_offsets])  # the end offsets' one helper (issue 48)
+def test_a_topics_partitions_and_end_offsets_give_up_naming_the_brokers_and_the_topic(ask):
     bootstrap = dead_bootstrap()
     consumer = new_consumer(bootstrap, KNOWN_VERSION, group_id=None)
     try:
-        done, result = finishes(lambda: topic_partitions(consumer, "raw", timeout_s=1.0))
+        done, result = finishes(lambda: ask(consumer, "raw", timeout_s=1.0))
     finally:
         close_client(consumer)
     assert done
     assert isinstance(result, KafkaUnavailable), result
-    assert f"no Kafka broker answered at {bootstrap} within 1 s (no metadata for topic 'raw')" in str(result)
-
-
-def test_topic_end_offsets_gives_up_naming_the_brokers_and_the_topic():
-    """The one helper for a topic's end offsets (issue 48 item 5: the status page, raw_lag, the predictions reader)
-    is bounded as its partition lookup is."""
-    bootstrap = dead_bootstrap()
-    consumer = new_consumer(bootstrap, KNOWN_VERSION, group_id=None)
-    try:
-        done, result = finishes(lambda: topic_end_offsets(consumer, "raw", timeout_s=1.0))
-    finally:
-        close_client(consumer)
-    assert done and isinstance(result, KafkaUnavailable), result
     assert f"no Kafka broker answered at {bootstrap} within 1 s (no metadata for topic 'raw')" in str(result)
 
 
