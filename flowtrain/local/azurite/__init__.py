@@ -69,7 +69,6 @@ class LocalAzurite(LocalService):
     log_file = "azurite.log"
     error = AzuriteError
     what = "Azurite"
-    not_ready = "did not listen on 127.0.0.1"
     poll_s = 0.2
 
     port: int = 10000
@@ -94,6 +93,10 @@ class LocalAzurite(LocalService):
         pid = self.running_pid()
         return {"running": pid is not None, "pid": pid, "endpoint": self.endpoint, "data_dir": str(self.data_dir),
                 "log": str(self.log_path), "version": self.version}
+
+    @property
+    def not_ready(self) -> str:
+        return f"did not listen on 127.0.0.1:{self.port}"
 
     @property
     def _where(self) -> str:
