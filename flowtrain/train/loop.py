@@ -35,11 +35,12 @@ from connectors.dataset_spec import MAX_CLASSES, positive_class_of  # MAX_CLASSE
 from flowtrain.observe.board import Board
 from flowtrain.parallel import DistContext
 from flowtrain.parallel.deferred import is_deferred, set_target
-from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, resolve_device, to_device
+from flowtrain.parallel.device import local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import cap_worker, heartbeat
 from flowtrain.parallel.memcap import CAP_ENV
 from flowtrain.train import checkpoint, run_marker
 from flowtrain.train.baselines import majority_outputs
+from flowtrain.train.checkpoint_manager import CheckpointManager, saved_stage_bounds
 from flowtrain.train.class_weights import class_weights_of, weighted_metrics
 from flowtrain.train.loader import Batch, TabularDataset, TabularSplit, iter_batches, target_scale
 from flowtrain.train.metrics import (
@@ -182,12 +183,10 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     # a resume reads its checkpoint before the engine is made: the newest that verifies and loads (a corrupt
     # newer one is skipped, logged); none is a CheckpointError naming each file, never a silent fresh start
     found = checkpoint.require_latest(ckpt_dir, run_id=run_id) if resume and ckpt_dir else None
-    if found is not None and config.stages > 1:
-        # a resumed grid keeps the checkpoint's stage cut: rank 0 cuts by measured time, which varies (under
-        # load another cut gave a stage other layers, and the checkpoint's optimizer state did not load)
-        bounds = found[1].get("stage_bounds")
-        if isinstance(bounds, list) and len(bounds) == config.stages:
-            config = replace(config, stage_bounds=[list(b) for b in bounds])
+    if found is not None and config.stages > 1:  # a resumed grid keeps the checkpoint's stage cut
+        bounds = saved_stage_bounds(found[1], config.stages)
+        if bounds is not None:
+            config = replace(config, stage_bounds=bounds)
     grid = config.stages > 1 or config.tensor_parallel > 1  # the grid measures its layers on a few rows
     sample = next(iter_batches(train, batch_size=256, seed=0, epoch=0, shuffle=False)) if grid else None
     mem_plan = memory_plan_of(model, ctx, config, plan.batch_size, id_rows=len(train),  # shapes (a meta model's too)
@@ -208,31 +207,20 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     worker_board = Board(run_dir, worker=ctx.rank) if run_dir is not None and ctx.world_size > 1 else None
     if ckpt_dir and writer:
         checkpoint.remove_temporaries(ckpt_dir, run_id)  # what a crash of this run left
+    # what a checkpoint holds of the model and its engine (flowtrain.train.checkpoint_manager); the rest is below
+    checkpoints = CheckpointManager(ckpt_dir, model, engine, writer=writer, world_size=ctx.world_size,
+                                    shard_states=config.shard_states, run_id=run_id)
 
     # --- state, fresh or from the last checkpoint ---------------------------------------------
     step, best_step, bad_evals = 0, 0, 0
     best_valid: dict | None = None
     start_valid: dict | None = None  # the initial model's (its linear part's) validation metrics
-    best_state = None if best_on_disk else _current_state(engine, model)
+    best_state = None if best_on_disk else checkpoints.weights()
     resumed = False
     if found is not None:
         path, state = found
-        try:
-            if state.get("sharded_state"):  # each rank reads its pieces, whichever ranks wrote them (DCP)
-                best_state = checkpoint.load_sharded(engine, model, path, state)
-            else:
-                engine.load(state["model"], state["optimizer"])
-                best_state = engine.pieces_of(state["best_model"]) if holds_shards else state["best_model"]
-        except (RuntimeError, ValueError, KeyError, IndexError) as err:  # a checkpoint of another model's shapes
-            if isinstance(err, checkpoint.CheckpointError):
-                raise
-            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-            detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
-            raise checkpoint.CheckpointError(
-                f"--resume: {path} does not fit this run's model ({detail[:300]}); its checksum holds, so another "
-                f"model wrote it (or it was changed and resealed): restore the run's own checkpoint, or start the "
-                f"run over with --overwrite") from None
-        torch.set_rng_state(state["rng"])
+        best_state = checkpoints.restore(path, state, option="--resume", fix="restore the run's own checkpoint, or "
+                                         "start the run over with --overwrite")
         step, bad_evals = int(state["step"]), int(state.get("bad_evals", state.get("bad_epochs", 0)))
         best_step = int(state.get("best_step", 0))
         if best_state is None and not best_on_disk:  # a ZeRO-3 run's best weights, in their own checkpoint
@@ -270,37 +258,20 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
             start_valid is None or best_step > 0 or clears(metrics, start_valid, plan.select_by, len(valid)))
         return metrics, improved
 
-    stage_plan = getattr(engine, "plan", None)
-    stage_bounds = [list(b) for b in stage_plan.bounds] if stage_plan is not None else None
-
     def save_checkpoint(step_: int) -> None:
-        shards = None
-        if ckpt_dir and hasattr(engine, "shard_pieces"):
-            # ZeRO: every rank writes its own shard of parameters, optimizer state and best weights (DCP, a
-            # collective); the checkpoint file holds the rest and names the shards
-            tensors, chunks = engine.shard_pieces({"best": best_state} if best_state is not None else None)
-            shards = checkpoint.save_shards(ckpt_dir, step_, tensors, chunks, run_id=run_id)
-            whole = {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
-                                          for g in engine.optimizer.param_groups][:1],
-                     "layout": {"workers": ctx.world_size, "shard_states": config.shard_states}}
-        else:
-            whole = {"model": _model_state(model),  # a collective with sharded ID tables
-                     "stages": engine.stage_states(), "shards": engine.shard_states(),
-                     "optimizer": engine.optimizer_state(),  # a collective under pipeline parallelism
-                     "best_model": best_state}
-        if ckpt_dir and writer:
-            checkpoint.save(ckpt_dir, step_, cpu_state({  # opens on any machine, GPU or not
-                **whole, "rng": torch.get_rng_state(),
-                "epoch": step_ // plan.steps_per_epoch, "step": step_, "best_step": best_step,
-                "best_loss": float(best_valid["loss"]) if best_valid else math.inf,
-                "bad_evals": bad_evals, "best_valid": best_valid or {},
-                "start_valid": start_valid or {}, "decay_steps": plan.horizon,
-                "stage_bounds": stage_bounds,  # a grid's stage cut: a resume keeps it
-                "data_position": {"split": "train", "epoch": step_ // plan.steps_per_epoch,
-                                  "batch": step_ % plan.steps_per_epoch, "world_size": ctx.world_size,
-                                  "stages": config.stages},
-                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
-            }), run_id=run_id, shards=shards, keep_steps=(best_step,) if best_state is None else ())
+        if ckpt_dir is None:  # every rank: the same run directory
+            return
+        collected = checkpoints.collect(step_, best=best_state)  # a collective
+        epoch = step_ // plan.steps_per_epoch
+        checkpoints.write(step_, collected, {
+            "epoch": epoch, "step": step_, "best_step": best_step,
+            "best_loss": float(best_valid["loss"]) if best_valid else math.inf,
+            "bad_evals": bad_evals, "best_valid": best_valid or {},
+            "start_valid": start_valid or {}, "decay_steps": plan.horizon,
+            "data_position": {"split": "train", "epoch": epoch, "batch": step_ % plan.steps_per_epoch,
+                              "world_size": ctx.world_size, "stages": config.stages},
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
+        }, keep_steps=(best_step,) if best_state is None else ())
 
     trainer.schedule(plan.scheduler(engine.optimizer, start=step))  # the learning rate: torch's LambdaLR
     t_start = time.perf_counter()
@@ -308,7 +279,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     if not resumed:  # the initial model is a candidate too (its linear part may be a fitted model)
         best_valid, _ = validate(0)
         start_valid = best_valid
-        best_state = None if best_on_disk else _current_state(engine, model)
+        best_state = None if best_on_disk else checkpoints.weights()
         if best_on_disk:
             save_checkpoint(0)  # the initial model is the best so far: on disk, as every later best is
 
@@ -353,7 +324,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                 metrics, improved = validate(step)
                 if improved:
                     best_valid, best_step, bad_evals = metrics, step, 0
-                    best_state = None if best_on_disk else _current_state(engine, model)
+                    best_state = None if best_on_disk else checkpoints.weights()
                 else:
                     bad_evals += 1
                 save_checkpoint(step)
@@ -392,18 +363,6 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                      best_valid or {}, stopped_early, time.perf_counter() - t_start, data_wait, step_time,
                      history=log.read() if log else [], best_step=best_step, plan=plan,
                      memory=memory, write_model=engine.write_model if holds_shards else None)
-
-
-def _current_state(engine, model: nn.Module) -> dict:
-    """A copy of the current weights: whole, or a ZeRO-3 rank's pieces of them (``holds_shards``)."""
-    if getattr(engine, "holds_shards", False):
-        return engine.state_pieces()
-    return {k: v.detach().clone() for k, v in _model_state(model).items()}
-
-
-def _model_state(model: nn.Module) -> dict:
-    """The model's ``state_dict``; with ID tables sharded over the ranks, each table whole (a collective)."""
-    return model.full_state_dict() if getattr(model, "sharded", False) else model.state_dict()
 
 
 def _log_train(log: MetricsLog, name: str, step: int, plan: TrainPlan, loss_sum: float, rows: int,

@@ -25,8 +25,9 @@ count, identical everywhere. The loop heartbeats for the launcher every step, id
 
 The trainer is a source, the engine and sinks: ``stream_source.FeatureSource`` (this replica's
 feature messages, checked, without rows already trained; positions and seen sources),
-``trainer.Trainer`` (the step), ``stream_sinks`` (published versions, the ledger, the status file)
-and ``prequential`` (the metrics and their plot); ``stream_config`` holds the options and the model
+``trainer.Trainer`` (the step), ``checkpoint_manager.CheckpointManager`` (what a checkpoint holds of the
+model and its engine, as a batch run's: this trainer adds its version, positions and counts), ``stream_sinks``
+(published versions, the ledger, the status file) and ``prequential`` (the metrics and their plot); ``stream_config`` holds the options and the model
 it starts from (``init_weights``' batch run, else the options; a resumed run its own checkpoint).
 
 Stopping is the caller's business: ``should_stop`` is polled every step (the command line
@@ -53,6 +54,7 @@ from flowtrain.parallel.device import cpu_state, local_world_size, move_batch, r
 from flowtrain.parallel.grid import Grid
 from flowtrain.parallel.launch import heartbeat
 from flowtrain.train import checkpoint
+from flowtrain.train.checkpoint_manager import CheckpointManager, saved_stage_bounds
 from flowtrain.train.class_weights import class_weights_of
 from flowtrain.train.id_fallbacks import IdFallbacks
 from flowtrain.train.ids.publish import IdPublisher, published_tables
@@ -179,7 +181,7 @@ class StreamTrainer:
         self.architecture, self.model = starting_model(self.cfg, self.data, self.device, found)
         # the engine reads the config's parallel options and lr; a resumed grid keeps its checkpoint's stage cut
         # (rank 0 cuts by measured time, which varies)
-        bounds = _stage_bounds(found[1], self.cfg.stages) if found is not None else None
+        bounds = saved_stage_bounds(found[1], self.cfg.stages) if found is not None else None
         # every replica starts from rank 0's weights; a step whose gradient is not finite changes nothing
         self.trainer = Trainer(self.model, self.ctx, replace(self.cfg, stage_bounds=bounds), self.loss_fn, self.sample,
                                seed=self.architecture.seed, target_scale=(self.shift, self.scale), local_batches=True,
@@ -187,6 +189,10 @@ class StreamTrainer:
         # with ID columns on N replicas each owns the rows of its keys (flowtrain.train.ids): every lookup is a
         # collective, and a checkpoint holds each table whole (so any --workers resumes it)
         self.sharded_ids = bool(getattr(self.model, "sharded", False))
+        # what a checkpoint holds of the model and its engine (flowtrain.train.checkpoint_manager); the trainer adds
+        # its progress: the version, positions, seen sources, rejections and dead-letter ends
+        self.checkpoints = CheckpointManager(self.ckpt_dir, self.model, self.trainer.engine, writer=self.ctx.is_main,
+                                             world_size=self.ctx.world_size, shard_states=self.cfg.shard_states)
         if found is None:
             self.rejects.restore(None, self.run_dir, is_main=self.ctx.is_main)
             self.ledger.drop_after(0)
@@ -194,10 +200,8 @@ class StreamTrainer:
                 self.log.truncate_after(0)
             return None
         path, state = found
-        if state.get("sharded_state"):  # --shard-states: each rank its pieces, whichever ranks wrote them (DCP)
-            checkpoint.load_sharded(self.trainer.engine, self.model, path, state)
-        else:
-            self.trainer.engine.load(state["model"], state["optimizer"])
+        self.checkpoints.restore(path, state, option="stream train", fix="restore the run's own checkpoint, or start "
+                                 "a new run in another --out")
         self.step, self.version = int(state["step"]), int(state["version"])
         self.run_id = str(state.get("run_id") or self.run_id)
         self.source.restore(state)
@@ -362,21 +366,9 @@ class StreamTrainer:
             # a stop while waiting for the brokers (the brokers' last error)
             raise _StoppedWithoutKafka(str(err) if isinstance(err, StoppedWaiting) else describe_error(err)) from None
         self.version += 1
-        engine, shards = self.trainer.engine, None
-        if hasattr(engine, "shard_pieces"):  # --shard-states: every rank writes its own shard (DCP, a collective)
-            tensors, chunks = engine.shard_pieces()
-            shards = checkpoint.save_shards(self.ckpt_dir, self.step, tensors, chunks)
-            whole = {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
-                                          for g in engine.optimizer.param_groups][:1],
-                     "layout": {"workers": ctx.world_size, "shard_states": self.cfg.shard_states}}
-        else:
-            whole = {"optimizer": engine.optimizer_state()}  # a collective under a grid
-        # each ID table whole, whatever the number of replicas that trained it (a collective when sharded)
-        model_state = self.model.full_state_dict() if self.sharded_ids else self.model.state_dict()
-        if shards is None:  # sharded: the checkpoint holds no whole model (the published version does)
-            whole["model"] = model_state
-        plan = getattr(self.trainer.engine, "plan", None)  # a grid's stage cut: a restart keeps it
-        stage_bounds = [list(b) for b in plan.bounds] if plan is not None else None
+        collected = self.checkpoints.collect(self.step)  # a collective: the model and its engine
+        # the published version: the whole model (each ID table whole: a collective when they are sharded)
+        model_state = collected.model_state if collected.model_state is not None else self.checkpoints.model_state()
         positions = gather_dict(ctx, self.source.positions)
         seen = gather_dict(ctx, self.source.seen)
         window = gather_list(ctx, self.window)
@@ -392,13 +384,11 @@ class StreamTrainer:
         if ctx.is_main:
             preq = prequential_metrics(window, self.task, self.data.classes, shift=self.shift, scale=self.scale)
             self.ledger.append(self.version, ledger, rejected_now)
-            path = checkpoint.save(self.ckpt_dir, self.step, cpu_state({  # opens on any machine
-                **whole, "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
-                "architecture": self.architecture.to_dict(), "run_id": self.run_id,
-                "stage_bounds": stage_bounds,
-                "positions": {str(k): v for k, v in positions.items()},
+            path = self.checkpoints.write(self.step, collected, {
+                "step": self.step, "version": self.version, "architecture": self.architecture.to_dict(),
+                "run_id": self.run_id, "positions": {str(k): v for k, v in positions.items()},
                 "seen": {str(k): v for k, v in seen.items()}, "rejected": rejected, "id_fallbacks": id_fallbacks,
-                "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}}), keep=3, shards=shards)
+                "dead_letter_ends": {str(k): v for k, v in dead_letter_ends.items()}})
             # "rows": scored since the last checkpoint (absent with none), "rows_trained": in all
             self.log.write({"kind": "prequential", "step": self.step, "version": self.version,
                             "rows_trained": self.rows_trained, **preq})
@@ -412,9 +402,7 @@ class StreamTrainer:
                 self.versions.publish(model=cpu_state(model_state), architecture=self.architecture.to_dict(),
                                       version=self.version, step=self.step, run_id=self.run_id, **extra)
             plot_prequential(self.log, self.run_dir, self.task)
-            write_status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
-                                        "dropped_duplicates": self.source.dropped, "loss": preq.get("loss"),
-                                        "positions": positions, "rejected": rejected, "id_fallbacks": id_fallbacks})
+            self._write_status(preq.get("loss"), positions, rejected, id_fallbacks)
         self.rejects.checkpointed()
         self.pending_ledger.clear()
         self.window.clear()
@@ -432,16 +420,19 @@ class StreamTrainer:
                 f"nothing after version {self.version} was checkpointed or published, and a restart resumes "
                 f"from that version")
 
+    def _write_status(self, loss, positions: dict, rejected: dict, id_fallbacks: dict) -> None:
+        """``status.json`` (rank 0): at a checkpoint the replicas' positions and counts gathered, between them
+        this replica's positions and its counts (with replicas: the last checkpoint's sums)."""
+        write_status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
+                                    "dropped_duplicates": self.source.dropped, "loss": loss, "positions": positions,
+                                    "rejected": rejected, "id_fallbacks": id_fallbacks})
+
     def _write_status_every_second(self) -> None:
         if self.ctx.is_main and time.monotonic() - self.last_status_t >= 1.0:
             self.last_status_t = time.monotonic()
-            # positions, with replicas: the last checkpoint's sum
-            write_status(self.run_dir, {"step": self.step, "version": self.version, "rows": self.rows_trained,
-                                        "dropped_duplicates": self.source.dropped, "loss": self.last_loss,
-                                        "positions": self.source.positions,
-                                        "rejected": self.rejected_total if self.ctx.distributed else self.rejects.counts,
-                                        "id_fallbacks": self.id_fallbacks.base if self.ctx.distributed else
-                                        self.id_fallbacks.local()})
+            self._write_status(self.last_loss, self.source.positions,
+                               self.rejected_total if self.ctx.distributed else self.rejects.counts,
+                               self.id_fallbacks.base if self.ctx.distributed else self.id_fallbacks.local())
             busy = self.last_data_t - self.first_data_t if self.first_data_t else 0.0
             self.log.board.scalars("stream", {"loss": self.last_loss, "rows_trained": self.rows_trained,
                                               "rows_per_s": self.rows_trained / busy if busy > 0 else None,
@@ -466,13 +457,6 @@ def run_stream_trainer(cfg: StreamTrainConfig, ctx: DistContext | None = None, *
                        should_stop: Callable[[], bool] | None = None) -> dict:
     """Train until ``should_stop()`` (polled every step), ``idle_exit`` or ``max_steps``; returns a summary."""
     return StreamTrainer(cfg, ctx, should_stop=should_stop).run()
-
-
-def _stage_bounds(state: dict, stages: int) -> list | None:
-    """The stage cut a checkpoint recorded, if it has ``stages`` stages (else the engine cuts anew and its
-    ``load`` names the layout the checkpoint was written with)."""
-    bounds = state.get("stage_bounds")
-    return bounds if isinstance(bounds, list) and len(bounds) == stages else None
 
 
 class _StoppedWithoutKafka(RuntimeError):
