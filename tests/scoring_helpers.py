@@ -56,10 +56,11 @@ def random_weights(data, arch: dict, seed: int) -> dict:
 
 def batch_model(sensor) -> tuple[dict, dict]:
     """The batch run's trained model: (architecture, weights), as --init-weights reads them."""
+    from connectors.kafka import KafkaTarget, Topics
     from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
 
-    arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=sensor["dataset"],
-                                                    init_weights=str(sensor["run"] / "model.pt")))
+    arch, state = initial_weights(StreamTrainConfig(kafka=KafkaTarget("-"), topics=Topics(), run_dir="-",
+                                                    dataset_dir=sensor["dataset"], init_weights=str(sensor["run"] / "model.pt")))
     return arch.to_dict(), state
 
 

@@ -49,6 +49,7 @@ from connectors.kafka.produce import ProduceError, new_sender
 from connectors.kafka.read import ReadFromKafka
 from connectors.kafka.record import KafkaRecord, KafkaRecordCoder
 from connectors.kafka.restriction import PartitionRange
+from connectors.kafka.target import KafkaTarget, Topics
 from connectors.kafka.write import WriteToKafka
 
 __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "KafkaWriteError", "KafkaUnavailable",
@@ -58,4 +59,4 @@ __all__ = ["KafkaRecord", "KafkaRecordCoder", "ReadFromKafka", "WriteToKafka", "
            "DEFAULT_CONNECT_TIMEOUT_S", "PRODUCER_DEFAULTS", "unavailable_message", "describe_error", "is_retriable",
            "ReconnectSummary", "summarize_reconnects", "brokers_unreachable", "ProduceError", "new_sender",
            "topic_partitions", "topic_end_offsets", "wait_for_partitions", "WriteDeadLettersToKafka", "dead_letter_record",
-           "dead_letter_from_record"]
+           "dead_letter_from_record", "KafkaTarget", "Topics"]

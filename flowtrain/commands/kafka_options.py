@@ -15,6 +15,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
 from connectors.fields import OptionError
 from connectors.kafka.config import KafkaConfigError, expand_env, load_client_properties
+from connectors.kafka.target import KafkaTarget
 
 
 def format_value(value: Any) -> str:
@@ -102,6 +103,14 @@ def kafka_config(pairs: Iterable[str] | dict | None, config_file: str | os.PathL
             raise OptionError(str(err)) from None
     out.update(_kafka_pairs(pairs))
     return out
+
+
+def kafka_target(job, *, group_id: str | None = None) -> KafkaTarget:
+    """A stream command's Kafka options (``--bootstrap``, ``--kafka-config``/``--kafka-config-file``,
+    ``--connect-timeout``, ``--replication-factor``) resolved once for its engine: the client settings merged, the
+    consumer group the part commits (``group_id``)."""
+    return KafkaTarget(job.bootstrap, kafka_config(job.kafka_config, job.kafka_config_file), group_id=group_id,
+                       connect_timeout=job.connect_timeout, replication_factor=job.replication_factor)
 
 
 def _kafka_pairs(pairs: Iterable[str] | dict | None) -> dict[str, Any]:

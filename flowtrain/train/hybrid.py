@@ -82,7 +82,7 @@ class GridEngine:
         self.worker = StageWorker(self.module, pos, self.groups.data, SCHEDULES[config.schedule](stages, microbatches),
                                   microbatches, in_shape, loss_fn, bucket_mb=config.bucket_mb,
                                   p2p_groups=(self.groups.forward, self.groups.backward), device=self.device)
-        lr, wd = config.lr, config.weight_decay
+        lr, wd = config.lr, getattr(config, "weight_decay", None) or 0.0  # the stream trainer has no --weight-decay
         # --shard-states optimizer | gradients | parameters: ZeRO-1/2/3 over this stage's (and shard's) replicas
         self.sharder = shard_stage_worker(self.worker, ctx, stage=getattr(config, "shard_states", "none"),
                                           make_optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd),

@@ -96,7 +96,7 @@ def stream_trainer_worker(ctx, job: dict) -> None:
     from connectors.secrets import secrets_from_env
 
     config = dict(job["config"])  # the secret client settings come from the parent's environment, not job.json
-    config["kafka_config"] = {**config.get("kafka_config", {}), **secrets_from_env()}
+    config["kafka"] = {**config["kafka"], "config": {**config["kafka"].get("config", {}), **secrets_from_env()}}
     summary = run_stream_trainer(StreamTrainConfig(**config), ctx, should_stop=stop.is_set)
     if ctx.is_main:
         print(stream_summary_line(summary), flush=True)

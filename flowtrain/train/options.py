@@ -10,7 +10,7 @@ a flag, a ``--config`` key and a ``config.json`` key, with its default, range an
 - ``TrainOptions``: a batch run's model and training options; ``ParallelOptions``: how its engine splits the
   work (replicas' buckets, ZeRO, pipeline stages, tensor shards, the device). ``flowtrain batch``'s
   ``BatchJob`` composes both, and the engine's ``plan.TrainConfig`` is them (plus what a run sets, not the user).
-- ``EngineSettings``: not options, what a run sets for its engine (Adam's weight decay, a resumed grid's stage cut).
+- ``EngineSettings``: not options, what a run sets for its engine (a resumed grid's stage cut).
 - ``StreamTrainOptions``: the online trainer's engine (``ParallelOptions``), model, optimizer, checkpoint and publishing options;
   ``flowtrain stream train``'s ``StreamTrainJob`` composes them and ``stream_config.StreamTrainConfig`` is them
   (plus the resolved dataset, topics and Kafka client settings).
@@ -243,7 +243,6 @@ class EngineSettings:
     """Not options: what a run sets for its engine besides them (the engine reads ``ParallelOptions``, ``lr`` and
     these; both trainers' configs carry them: ``plan.TrainConfig``, ``stream_config.StreamTrainConfig``)."""
 
-    weight_decay: float = 0.0  # Adam's (the engine's tests and benches set it)
     stage_bounds: list | None = None  # set by a resume: the checkpoint's stage cut (None: rank 0 measures and cuts)
 
 

@@ -15,7 +15,7 @@ their own feature partitions). A source whose replicas read their own rows but w
 global batch shares them first (``Trainer.global_batch``: the readers' rows, in rank order, on every rank).
 
 The engine's config is the trainer's own: ``plan.TrainConfig`` (batch) or ``stream_config.StreamTrainConfig``
-(stream), both ``flowtrain.train.options.ParallelOptions`` plus ``lr`` and ``EngineSettings`` (weight decay, a
+(stream), both ``flowtrain.train.options.ParallelOptions`` plus ``lr`` and ``EngineSettings`` (a
 resumed grid's stage cut), so every engine option reaches both trainers from one declaration.
 
 ``skip_non_finite`` (the stream trainer): a step whose gradient is not finite on any rank changes no
@@ -225,7 +225,9 @@ class DataParallelEngine:
         self.rng_rank = ctx.rank
         self.skipped_step = False  # set by a finite-gradient guard (Trainer(skip_non_finite=True))
         self.reducer = make_reducer(model, ctx, bucket_mb=config.bucket_mb)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # --weight-decay (batch); the stream trainer has none
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=config.lr,
+                                          weight_decay=getattr(config, "weight_decay", None) or 0.0)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

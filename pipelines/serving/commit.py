@@ -62,8 +62,8 @@ class _CommitScoredFn(beam.DoFn):
         self.cfg = cfg
 
     def setup(self):
-        self.consumer = new_consumer(self.cfg.bootstrap, self.cfg.kafka_config, group_id=self.cfg.score_group_id)
-        self.probe = new_consumer(self.cfg.bootstrap, {"fetch_max_wait_ms": 100, **self.cfg.kafka_config},
+        self.consumer = new_consumer(self.cfg.kafka.bootstrap, self.cfg.kafka.config, group_id=self.cfg.score_group_id)
+        self.probe = new_consumer(self.cfg.kafka.bootstrap, {"fetch_max_wait_ms": 100, **self.cfg.kafka.config},
                                   group_id=None)
 
     def teardown(self):

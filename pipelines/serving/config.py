@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from connectors.dataset_spec import FeatureSpec
 from connectors.fields import validate
-from connectors.kafka import PRODUCER_DEFAULTS, topic_max_message_bytes
+from connectors.kafka import PRODUCER_DEFAULTS, KafkaTarget, Topics, topic_max_message_bytes
 from connectors.model_updates import UpdateKeySource
 from pipelines.serving.options import ScorerOptions
 from pipelines.stream.options import EventOptions, ParseBounds, parse_bounds
@@ -26,14 +26,13 @@ class ScoreConfig(ScorerOptions, EventOptions):
     command resolves (brokers, topics, the dataset's spec and statistics, the model loader, the enrichment's factory,
     Kafka client settings, the update key's source, drift monitoring)."""
 
-    bootstrap: str
+    # the brokers and client settings, and the topics (raw events, predictions, dead letters, model updates, drift), as
+    # the command resolved its options (connectors.kafka.target: not configuration; no defaults: a stream's topics are
+    # named after its dataset, flowtrain.commands.stream.options.dataset_topics)
+    kafka: KafkaTarget
+    topics: Topics
     load_version: Callable[..., tuple[Any, int]]  # (path, sha256=None) -> (eval module, version)
     spec: FeatureSpec
-    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.options.dataset_topics)
-    raw_topic: str
-    predictions_topic: str
-    dead_letter_topic: str
-    updates_topic: str
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
     initial_model: str = ""  # ModelVersion.model_id() of the version to serve before the first tick
     # a picklable factory of the domain's enrichment step (a dataset preset's, e.g. the demo's weather/planes
@@ -41,17 +40,12 @@ class ScoreConfig(ScorerOptions, EventOptions):
     # dataset's own columns
     enrichment_factory: Callable[[], Any] | None = None
     max_read_s: float = 0.5  # the reader hands its output on at least this often
-    # the raw topic read in lists of up to this many records (ReadFromKafka(batch_records=N): Beam's
-    # per-element cost once per list); None: one element per record
-    read_batch_records: int | None = 2000
     max_inference_batches: int = 16  # micro-batches RunInference stacks into one forward
-    device: str = "cpu"
     # torch threads of the scorer's process: it shares the cores with the read, the featurizing and
     # the Kafka clients; with 2 threads on 2 busy cores a forward ran 27x slower than with 1 (measured)
     torch_threads: int = 1
     target_scale: tuple[float, float] = (0.0, 1.0)  # regression: (shift, scale) of the standardized target
     classes: list[str] | None = None  # classification: the manifest's class names, in label-code order
-    kafka_config: dict[str, Any] = field(default_factory=dict)
     status_path: str | None = None  # prefix of per-instance JSON counters (`flowtrain stream --score`)
     # model updates: the key's source (never the key: each worker reads it), the scorer's own copies of the
     # versions it serves (keep_models of them)
@@ -63,6 +57,7 @@ class ScoreConfig(ScorerOptions, EventOptions):
     feature_kinds: dict | None = None
 
     def __post_init__(self):
+        self.kafka, self.topics = KafkaTarget.of(self.kafka), Topics.of(self.topics)
         validate(self, ScorerOptions)  # the ranges, as the command line checks them (--score-batch-size, ...)
         super().__post_init__()  # the parse bounds
 
@@ -91,6 +86,6 @@ class ScoringBatch(NamedTuple):
 
 def topic_limits(cfg: ScoreConfig, topics: Sequence[str]) -> dict[str, int]:
     """Each topic's max.message.bytes as the broker applies it, capped by the producer's request size."""
-    max_request = int(cfg.kafka_config.get("max_request_size", PRODUCER_DEFAULTS["max_request_size"]))
-    return {t: min(topic_max_message_bytes(cfg.bootstrap, t, client_config=cfg.kafka_config)
+    max_request = int(cfg.kafka.config.get("max_request_size", PRODUCER_DEFAULTS["max_request_size"]))
+    return {t: min(topic_max_message_bytes(cfg.kafka.bootstrap, t, client_config=cfg.kafka.config)
                    or KAFKA_DEFAULT_MAX_MESSAGE_BYTES, max_request) for t in topics}

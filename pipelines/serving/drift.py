@@ -46,7 +46,6 @@ class DriftConfig:
     window: int = 2000  # events per window (at least; whole micro-batches)
     window_s: float = 0.0  # > 0: the window holds only the micro-batches of the last window_s seconds too
     thresholds: dict = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
-    topic: str | None = None  # JSON drift records, or None
     every_s: float = 2.0  # a drift record every every_s seconds while events come (and whenever the alarms change)
     flush_s: float = 1.0  # the status file written and the alarms checked at most this often, at most this late
 
@@ -242,7 +241,7 @@ class DriftReporter:
         self._last = time.monotonic()
         m = self.monitor
         report = None
-        if self.send is not None and self.cfg.topic:
+        if self.send is not None:  # a drift topic (ScoreConfig.topics.drift)
             report = m.report()
             if m.due() or report["alarms"] != m.last_alarms:
                 m.last_alarms = report["alarms"]

@@ -133,8 +133,8 @@ class _FeaturizeForScoringFn(beam.DoFn):
         cfg = self.cfg
         self.aggregates = scoring_aggregates(cfg)
         self.featurizer = scoring_featurizer(cfg, self.aggregates)
-        self.limits = topic_limits(cfg, [cfg.dead_letter_topic])
-        self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
+        self.limits = topic_limits(cfg, [cfg.topics.dead_letters])
+        self.producer = new_producer(cfg.kafka.bootstrap, cfg.kafka.config, max_message_bytes=min(self.limits.values()))
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"events": 0, "dead_letters": 0}
 
@@ -163,8 +163,8 @@ class _FeaturizeForScoringFn(beam.DoFn):
         batch, letters = featurize_records(items, self.featurizer, self.cfg.bounds,
                                            max_id_bytes=self.cfg.max_id_bytes, aggregates=self.aggregates)
         for letter in letters:
-            key, value, headers = dead_letter_record(letter, max_bytes=self.limits[self.cfg.dead_letter_topic])
-            self.delivery.send(self.cfg.dead_letter_topic, value, key=key, headers=headers)
+            key, value, headers = dead_letter_record(letter, max_bytes=self.limits[self.cfg.topics.dead_letters])
+            self.delivery.send(self.cfg.topics.dead_letters, value, key=key, headers=headers)
         self.delivery.confirm()  # acknowledged before the offsets can be committed downstream
         self.totals["events"] += len(items)
         self.totals["dead_letters"] += len(letters)

@@ -174,12 +174,12 @@ class _WritePredictionsFn(beam.DoFn):
         from pipelines.serving.config import topic_limits
 
         cfg = self.cfg
-        self.limits = topic_limits(cfg, [cfg.predictions_topic, cfg.dead_letter_topic])
-        self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
+        self.limits = topic_limits(cfg, [cfg.topics.predictions, cfg.topics.dead_letters])
+        self.producer = new_producer(cfg.kafka.bootstrap, cfg.kafka.config, max_message_bytes=min(self.limits.values()))
         fmt = predictions_format(getattr(cfg, "predictions_format", None), cfg.event_format)
         registry = SchemaRegistry(cfg.schema_registry) if cfg.schema_registry and fmt in ("avro", "protobuf") else None
         self.layout = prediction_layout(cfg.spec, cfg.classes, cfg.id_column)
-        self.codec = PredictionsCodec(fmt, registry, f"{cfg.predictions_topic}-value", self.layout.schema)
+        self.codec = PredictionsCodec(fmt, registry, f"{cfg.topics.predictions}-value", self.layout.schema)
         self.codec.register()  # the predictions' schema, once (a registry that does not answer is waited for)
         self.delivery = KafkaDelivery(self.producer, what="scorer", max_message_bytes=self.limits)
         self.totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "run_id": None,
@@ -195,7 +195,7 @@ class _WritePredictionsFn(beam.DoFn):
 
             self.drift = DriftReporter(cfg.drift, classification=cfg.spec.task == "classification",
                                        status_path=cfg.status_path,
-                                       send=kafka_sender(self.producer, cfg.drift.topic) if cfg.drift.topic else None)
+                                       send=kafka_sender(self.producer, cfg.topics.drift) if cfg.topics.drift else None)
 
     def teardown(self):
         if getattr(self, "drift", None) is not None:
@@ -209,7 +209,7 @@ class _WritePredictionsFn(beam.DoFn):
         try:
             preds = predictions_batch(result, self.layout)
             messages, preds, unwritable = self.codec.encode(
-                preds, value_budget(self.limits[self.cfg.predictions_topic], str(batch.partition).encode()))
+                preds, value_budget(self.limits[self.cfg.topics.predictions], str(batch.partition).encode()))
         except Exception as err:  # noqa: BLE001 - a micro-batch that cannot be written: its events are dead letters
             f = batch.features
             messages, preds = [], None
@@ -220,7 +220,7 @@ class _WritePredictionsFn(beam.DoFn):
         if messages:
             key = str(batch.partition).encode()
             for message in messages:
-                self.delivery.send(self.cfg.predictions_topic, message, key=key)
+                self.delivery.send(self.cfg.topics.predictions, message, key=key)
         if messages or unwritable:
             self.delivery.confirm()  # acknowledged before the offsets can be committed, and before counting
         self.totals["dead_letters"] += len(unwritable)
@@ -239,7 +239,7 @@ class _WritePredictionsFn(beam.DoFn):
         f = batch.features
         sources = f.column("source").to_pylist()
         ids = f.column(self.cfg.id_column) if self.cfg.id_column and self.cfg.id_column in f.schema.names else None
-        topic = self.cfg.dead_letter_topic
+        topic = self.cfg.topics.dead_letters
         for i, reason in rows:
             payload = {"source": sources[i]}
             if ids is not None:

@@ -44,6 +44,7 @@ from pipelines.serving.handler import FlowtrainModelHandler
 from pipelines.serving.predictions import WritePredictions
 from pipelines.serving.updates import NewestVersion
 from pipelines.serving.versions import ModelVersion
+from pipelines.stream.options import DEFAULT_READ_BATCH_RECORDS
 from pipelines.stream.steps import live_read_s
 
 __all__ = ["build_scoring_pipeline", "model_handler"]
@@ -53,7 +54,7 @@ def model_handler(cfg: ScoreConfig) -> FlowtrainModelHandler:
     """RunInference's handler for ``cfg``: ``cfg.initial_model`` first, then the newest valid version on the updates
     topic (``NewestVersion``)."""
     return FlowtrainModelHandler(cfg.load_version, ModelVersion.from_model_id(cfg.initial_model), cfg.spec,
-                                 cache_dir=cfg.model_cache_dir or None, device=cfg.device,
+                                 cache_dir=cfg.model_cache_dir or None, device="cpu",
                                  max_batch_size=cfg.max_inference_batches, target_scale=cfg.target_scale,
                                  n_classes=cfg.n_classes, torch_threads=cfg.torch_threads,
                                  newest=NewestVersion(cfg), warn_after_s=max(10.0, 5 * cfg.swap_interval))
@@ -67,11 +68,11 @@ def build_scoring_pipeline(pipeline: beam.Pipeline, cfg: ScoreConfig):
     if not cfg.model_cache_dir:
         raise ValueError("ScoreConfig.model_cache_dir: the scorer's own copies of the versions it serves "
                          "(`flowtrain stream score` uses <out>/models)")
-    raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
+    raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.kafka.bootstrap, cfg.topics.raw, start="committed",
                                                 group_id=cfg.score_group_id, commit_offsets=False,
-                                                consumer_config=cfg.kafka_config, max_read_s=cfg.max_read_s,
+                                                consumer_config=cfg.kafka.config, max_read_s=cfg.max_read_s,
                                                 live_read_s=live_read_s(cfg.score_max_delay),
-                                                batch_records=cfg.read_batch_records)
+                                                batch_records=DEFAULT_READ_BATCH_RECORDS)
     return (raw
             | "Featurize" >> FeaturizeForScoring(cfg)
             | "ToScorers" >> beam.Reshuffle()

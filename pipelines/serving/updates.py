@@ -74,13 +74,13 @@ def _read_to_end(consumer) -> Callable[[], bool]:
 
 
 def wait_for_version(cfg, *, timeout_s: float) -> tuple[ModelVersion, VersionTracker]:
-    """The newest valid version on ``cfg.updates_topic``, waiting up to ``timeout_s`` for one.
+    """The newest valid version on ``cfg.topics.updates``, waiting up to ``timeout_s`` for one.
 
     The topic is read to its end before a version is chosen (the newest there wins, not the first
     read; ID versions start at the newest snapshot there); when nothing there loads, the newest
     valid copy the scorer stored serves (``VersionTracker.fall_back_to_stored``: the trainer's
     ``published/`` may be gone)."""
-    consumer = updates_consumer(cfg.bootstrap, cfg.updates_topic, dict(cfg.kafka_config), wait_s=timeout_s)
+    consumer = updates_consumer(cfg.kafka.bootstrap, cfg.topics.updates, dict(cfg.kafka.config), wait_s=timeout_s)
     tracker = new_tracker(cfg)
     deadline = time.monotonic() + timeout_s
     try:
@@ -102,7 +102,7 @@ def wait_for_version(cfg, *, timeout_s: float) -> tuple[ModelVersion, VersionTra
             if tracker.current is not None and (done or empty >= 3 or out_of_time):
                 return tracker.current, tracker
             if out_of_time:
-                raise TimeoutError(f"no valid model version on {cfg.updates_topic!r} after {timeout_s:.0f} s "
+                raise TimeoutError(f"no valid model version on {cfg.topics.updates!r} after {timeout_s:.0f} s "
                                    f"({tracker.rejected_count} rejected{_kinds(tracker)}) and none stored in "
                                    f"{cfg.model_cache_dir or 'the model cache'}; start the online trainer "
                                    f"(flowtrain stream train) or wait longer (--wait-model)")
@@ -165,20 +165,20 @@ class _Watcher:
         while not self._stop.is_set():
             try:
                 if consumer is None:
-                    consumer = updates_consumer(self.cfg.bootstrap, self.cfg.updates_topic, self.cfg.kafka_config)
+                    consumer = updates_consumer(self.cfg.kafka.bootstrap, self.cfg.topics.updates, self.cfg.kafka.config)
                     tracker = tracker or new_tracker(self.cfg, warn_unsigned=False)  # the command warned already
                     self._look(tracker, _read_all(consumer, FIRST_READ_S))  # the topic's end: one offer
                 else:
                     self._look(tracker, read_updates(consumer))
                 self._read_once.set()
                 if failing is not None:
-                    _log.info("reading model updates from %s again", self.cfg.updates_topic)
+                    _log.info("reading model updates from %s again", self.cfg.topics.updates)
                 failing = None
             except Exception as err:  # noqa: BLE001 - the thread must live: the newest valid version keeps serving
                 reason = f"{type(err).__name__}: {err}"
                 if reason != failing:
                     _log.warning("cannot read model updates from %s (%s); the newest valid version read so far keeps "
-                                 "serving, retrying every %g s", self.cfg.updates_topic, reason,
+                                 "serving, retrying every %g s", self.cfg.topics.updates, reason,
                                  self.cfg.swap_interval)
                 failing = reason
                 self._read_once.set()  # nothing to wait for: the version the process has serves meanwhile

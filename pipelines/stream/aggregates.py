@@ -61,7 +61,7 @@ class Aggregates:
         if self.decl.aggregations and not spec.time_column:
             raise ValueError("--aggregate needs the dataset's time column (train it with --time-column)")
         self.spec, self.group_id, self.state_dir = spec, group_id, state_dir
-        self.tables = [TopicTable(j, options.bootstrap, options.kafka_config, time_format=spec.time_format)
+        self.tables = [TopicTable(j, options.kafka.bootstrap, options.kafka.config, time_format=spec.time_format)
                        if is_topic(j) else AsOfTable(j, read_table(j.table), time_format=spec.time_format)
                        for j in self.decl.joins]
         self.plan = StreamPlan(self.decl, spec.time_column or "", spec.time_format,

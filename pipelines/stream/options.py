@@ -24,6 +24,9 @@ from pipelines.features.options import StreamFeatureOptions
 #: Kafka clients (``--client``, ``--read-client``; the first is the default): the values of
 #: ``connectors.kafka.CLIENTS``, written here so that ``flowtrain --help`` does not import Beam.
 CLIENTS = ("kafka-python", "confluent")
+#: The raw topic read in lists of up to this many records (ReadFromKafka(batch_records=N): Beam's per-element cost once
+#: per list): the feature pipeline's ``--read-batch-records`` default, and the scorer's read.
+DEFAULT_READ_BATCH_RECORDS = 2000
 #: ``--event-format`` (``pipelines.stream.formats.FORMATS``).
 EVENT_FORMATS = ("json", "avro", "protobuf")
 
@@ -136,7 +139,7 @@ class PipelineOptions:
     # N: one list of up to N records per fetched chunk (Beam's per-element cost once per chunk, needed for ~10k
     # events/s on 2 cores); None (the Python API only): ReadFromKafka's per-record elements, taken alike
     read_batch_records: int | None = option(
-        2000, "read the raw topic in lists of up to N records per fetched chunk (ReadFromKafka(batch_records=N)) "
+        DEFAULT_READ_BATCH_RECORDS, "read the raw topic in lists of up to N records per fetched chunk (ReadFromKafka(batch_records=N)) "
               "instead of one element per record", parse=at_least(1), group=PIPELINE)
     read_client: str = option("kafka-python", "Kafka client of the raw topic's reader (confluent: the extra "
                                               "flowtrain[kafka-confluent])", choices=CLIENTS, group=PIPELINE)

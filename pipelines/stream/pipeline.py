@@ -55,7 +55,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import apache_beam as beam
 import pyarrow as pa
@@ -69,8 +68,10 @@ from connectors.kafka import (
     PRODUCER_DEFAULTS,
     KafkaDelivery,
     KafkaRecord,
+    KafkaTarget,
     KafkaWriteError,
     ReadFromKafka,
+    Topics,
     WriteDeadLettersToKafka,
     WriteToKafka,
     close_client,
@@ -105,27 +106,24 @@ class StreamConfig(PipelineOptions, EventOptions):
     resolves from the others (brokers, topics, consumer group, the dataset, the enrichment's factory, Kafka client
     settings), which keep no defaults of their own."""
 
-    bootstrap: str
-    # the topics: no defaults (a stream's are named after its dataset: flowtrain.commands.stream.options.dataset_topics)
-    raw_topic: str
-    features_topic: str
-    dead_letter_topic: str
-    # the Kafka settings the command resolves (--group-id, --connect-timeout): no defaults of their own either
-    group_id: str  # the pipeline's consumer group
-    connect_timeout: float  # no broker: fail within this bound (seconds)
+    # the brokers, client settings, consumer group and connect bound, and the topics (raw, features, dead letters),
+    # as the command resolved its options (connectors.kafka.target: not configuration; a stream's topics are named
+    # after its dataset: flowtrain.commands.stream.options.dataset_topics)
+    kafka: KafkaTarget
+    topics: Topics
     spec: dict | None = None  # the batch dataset manifest's "spec"
     stats: dict = field(default_factory=dict)  # the batch dataset manifest's "stats"
     # A picklable callable returning the domain's Enrichment (e.g. the demo preset's weather/planes join; the
     # ``enrichment`` option resolved by the command), called once per DoFn instance; None: events carry the spec's
     # input columns.
     enrichment_factory: Callable[[], Enrichment] | None = None
-    kafka_config: dict[str, Any] = field(default_factory=dict)  # SASL/SSL etc., for every client
     status_path: str | None = None  # prefix of per-instance JSON counters for `flowtrain stream`'s live line
     retry_s: float = 120.0  # a retriable Kafka failure is retried this long before the job stops
     # features over time: the aggregated columns' kinds the dataset's backfill recorded (its manifest's "features")
     feature_kinds: dict | None = None
 
     def __post_init__(self):
+        self.kafka, self.topics = KafkaTarget.of(self.kafka), Topics.of(self.topics)
         validate(self, PipelineOptions)  # the ranges, as the command line checks them (--batch-size, ...)
         super().__post_init__()  # the parse bounds
 
@@ -142,7 +140,7 @@ class StreamConfig(PipelineOptions, EventOptions):
             raise ValueError("--aggregate/--join with a dataset preset's enrichment: give --enrichment none")
         if not self.feature_state:
             raise ValueError("--aggregate/--join in the stream need --feature-state (where the states live)")
-        return Aggregates(self, FeatureSpec.from_dict(self.spec), group_id=self.group_id,
+        return Aggregates(self, FeatureSpec.from_dict(self.spec), group_id=self.kafka.group_id,
                           state_dir=self.feature_state, recorded_kinds=self.feature_kinds)
 
     def featurizer(self, aggregates: Aggregates | None = None) -> StreamFeaturizer:
@@ -258,25 +256,25 @@ def build_features(records, cfg: StreamConfig, *, max_message_bytes: int | None 
         raise ValueError(f"build_features parses JSON events (ParseEvents); --event-format {cfg.event_format} is "
                          f"read by the streaming job's fused step (build_stream_pipeline)")
     if max_message_bytes is None:
-        max_message_bytes = _message_limit(cfg, cfg.features_topic)
+        max_message_bytes = _message_limit(cfg, cfg.topics.features)
     events, parse_errs = records | "ParseEvents" >> ParseEvents(cfg.featurizer().events, cfg.bounds)
     batches = events | "MicroBatch" >> MicroBatchEvents(cfg.batch_size, cfg.max_delay)
     features, feature_errs = batches | "Featurize" >> FeaturizeBatches(cfg)
     budget = value_budget(max_message_bytes, b"0" * 20)  # keys are raw partition numbers
     _ = (features | "Encode" >> EncodeArrow(key_fn=_features_key, max_message_bytes=budget)
-         | "WriteFeatures" >> WriteToKafka(cfg.bootstrap, cfg.features_topic, producer_config=cfg.kafka_config,
+         | "WriteFeatures" >> WriteToKafka(cfg.kafka.bootstrap, cfg.topics.features, producer_config=cfg.kafka.config,
                                            retry_s=cfg.retry_s))
     letters = (parse_errs, feature_errs) | "AllDeadLetters" >> beam.Flatten()
     _ = letters | "WriteDeadLetters" >> WriteDeadLettersToKafka(
-        cfg.bootstrap, cfg.dead_letter_topic, producer_config=cfg.kafka_config, retry_s=cfg.retry_s)
+        cfg.kafka.bootstrap, cfg.topics.dead_letters, producer_config=cfg.kafka.config, retry_s=cfg.retry_s)
     return features, letters
 
 
 def _message_limit(cfg: StreamConfig, topic: str) -> int:
     """The most bytes one record to ``topic`` may have: its max.message.bytes (read from the broker;
     Kafka's default if it does not say), at most the producer's max_request_size."""
-    max_request = int(cfg.kafka_config.get("max_request_size", PRODUCER_DEFAULTS["max_request_size"]))
-    limit = topic_max_message_bytes(cfg.bootstrap, topic, client_config=cfg.kafka_config)
+    max_request = int(cfg.kafka.config.get("max_request_size", PRODUCER_DEFAULTS["max_request_size"]))
+    limit = topic_max_message_bytes(cfg.kafka.bootstrap, topic, client_config=cfg.kafka.config)
     return min(limit or KAFKA_DEFAULT_MAX_MESSAGE_BYTES, max_request)
 
 
@@ -319,11 +317,11 @@ class _FusedFeaturizeFn(beam.DoFn):
         cfg = self.cfg
         self.aggregates = cfg.aggregates()
         self.featurizer = cfg.featurizer(self.aggregates)
-        self.limits = {topic: _message_limit(cfg, topic) for topic in (cfg.features_topic, cfg.dead_letter_topic)}
-        self.producer = new_producer(cfg.bootstrap, cfg.kafka_config, max_message_bytes=min(self.limits.values()))
+        self.limits = {topic: _message_limit(cfg, topic) for topic in (cfg.topics.features, cfg.topics.dead_letters)}
+        self.producer = new_producer(cfg.kafka.bootstrap, cfg.kafka.config, max_message_bytes=min(self.limits.values()))
         self.delivery = KafkaDelivery(self.producer, what="", max_message_bytes=self.limits,
                                       retry_s=cfg.retry_s)
-        self.committer = new_consumer(cfg.bootstrap, cfg.kafka_config, group_id=cfg.group_id)
+        self.committer = new_consumer(cfg.kafka.bootstrap, cfg.kafka.config, group_id=cfg.kafka.group_id)
         self.totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "batches": 0, "messages": 0,
                        **({"late": 0, "waiting": 0} if self.aggregates is not None else {})}
         self.valid_seen: set[tuple[str, int]] = set()  # partitions known to hold this dataset's events
@@ -420,13 +418,13 @@ class _FusedFeaturizeFn(beam.DoFn):
         """Dead letters, then the feature messages one at a time, each confirmed; returns messages."""
         cfg, delivery = self.cfg, self.delivery
         for letter in letters:
-            key, value, headers = dead_letter_record(letter, max_bytes=self.limits[cfg.dead_letter_topic])
-            delivery.send(cfg.dead_letter_topic, value, key=key, headers=headers)
+            key, value, headers = dead_letter_record(letter, max_bytes=self.limits[cfg.topics.dead_letters])
+            delivery.send(cfg.topics.dead_letters, value, key=key, headers=headers)
         sent = 0
         if features is not None and features.num_rows:
             key = str(partition).encode()
-            for message in encode_batches(features, value_budget(self.limits[cfg.features_topic], key)):
-                delivery.send(cfg.features_topic, message, key=key)
+            for message in encode_batches(features, value_budget(self.limits[cfg.topics.features], key)):
+                delivery.send(cfg.topics.features, message, key=key)
                 delivery.confirm()  # in order, no gap: a later message never lands before a lost one
                 sent += 1
         delivery.confirm()
@@ -460,10 +458,10 @@ def build_stream_pipeline(pipeline: beam.Pipeline, cfg: StreamConfig):
         read["batch_records"] = cfg.read_batch_records
     if cfg.read_client != "kafka-python":
         read["client"] = cfg.read_client
-    raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.bootstrap, cfg.raw_topic, start="committed",
-                                                group_id=cfg.group_id, commit_offsets=False,
-                                                consumer_config=cfg.kafka_config,
-                                                connect_timeout_s=cfg.connect_timeout, **read)
+    raw = pipeline | "ReadRaw" >> ReadFromKafka(cfg.kafka.bootstrap, cfg.topics.raw, start="committed",
+                                                group_id=cfg.kafka.group_id, commit_offsets=False,
+                                                consumer_config=cfg.kafka.config,
+                                                connect_timeout_s=cfg.kafka.connect_timeout, **read)
     counts = raw | "Featurize" >> FeaturizeEvents(cfg)
     # The per-flush counts leave the fused stage through a Reshuffle to a no-op sink: on Prism
     # 2.77 a stage with no outputs spins its bundle loop on a closed channel for as long as a

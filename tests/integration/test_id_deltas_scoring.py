@@ -25,6 +25,7 @@ from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
 from connectors.id_deltas import decode
 from connectors.id_keys import key_of
+from connectors.kafka import KafkaTarget, Topics
 from pipelines.stream.status import read_status
 from tests.procs import stop_group
 from tests.scoring_helpers import KEY, predictions, produce, scorer, topic_names
@@ -238,8 +239,8 @@ def test_id_deltas_late_scorer_starts_from_the_newest_snapshot_and_the_deltas_af
     assert sorted(p.name for p in (out / "published").glob("ids-*")) == [
         "ids-000000010-snapshot.safetensors", "ids-000000011-delta.safetensors"]
     # the scorer's start-up (flowtrain stream score waits for its first version so) on a fresh model cache
-    cfg = ScoreConfig(bootstrap=bootstrap, load_version=LoadPublishedVersion(str(id_batch["dataset"])),
-                      spec=None, raw_topic="-", predictions_topic="-", dead_letter_topic="-", updates_topic=updates,
+    cfg = ScoreConfig(kafka=KafkaTarget(bootstrap), load_version=LoadPublishedVersion(str(id_batch["dataset"])),
+                      spec=None, topics=Topics(raw="-", predictions="-", dead_letters="-", updates=updates),
                       update_key=UpdateKeySource.from_options(id_batch["key_file"]),
                       model_cache_dir=str(tmp_path / "late" / "models"))
     version, tracker = wait_for_version(cfg, timeout_s=60)

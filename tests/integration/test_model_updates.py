@@ -4,6 +4,7 @@ can authenticate, reads only bounded regular files, orders versions per trainer 
 its own copy of what it serves; the model handler falls back to the newest valid copy."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from connectors.kafka import KafkaTarget, Topics
 
 pytestmark = [pytest.mark.timeout(300)]
 KEY = b"k" * 32
@@ -355,9 +358,10 @@ def test_item11_a_restarted_scorer_whose_trainers_published_is_gone_starts_from_
     topic = new_topic(partitions=1, prefix="upd")
     key = _key_source(tmp_path)
     pub = _publisher(tmp_path / "run", key_source=key)
-    cfg = ScoreConfig(bootstrap=bootstrap, load_version=LoadPublishedVersion(dataset),
-                      spec=TabularDataset(dataset).spec, updates_topic=topic, update_key=key, raw_topic="unused-raw",
-                      predictions_topic="unused-predictions", dead_letter_topic="unused-dead-letters",
+    cfg = ScoreConfig(kafka=KafkaTarget(bootstrap), load_version=LoadPublishedVersion(dataset),
+                      spec=TabularDataset(dataset).spec, update_key=key,
+                      topics=Topics(raw="unused-raw", predictions="unused-predictions", updates=topic,
+                                    dead_letters="unused-dead-letters"),
                       model_cache_dir=str(tmp_path / "scorer" / "models"), keep_models=3)
     send(bootstrap, topic, json.dumps(_publish(pub, dataset, 1, "r")).encode())
     served, _ = wait_for_version(cfg, timeout_s=30)  # the first run of the scorer stores version 1
@@ -371,5 +375,5 @@ def test_item11_a_restarted_scorer_whose_trainers_published_is_gone_starts_from_
     assert any("does not exist" in r["reason"] for r in tracker.rejected)  # version 2: said why
 
     empty = new_topic(partitions=1, prefix="upd")  # the records gone too (retention): the stored copy serves
-    served, _ = wait_for_version(ScoreConfig(**{**cfg.__dict__, "updates_topic": empty}), timeout_s=10)
+    served, _ = wait_for_version(dataclasses.replace(cfg, topics=dataclasses.replace(cfg.topics, updates=empty)), timeout_s=10)
     assert served.version == 1

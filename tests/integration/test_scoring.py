@@ -18,6 +18,7 @@ import pytest
 import torch
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
+from connectors.kafka import KafkaTarget, Topics
 from flowtrain.local.tools import free_port
 from tests.procs import stop_group as _stop
 from tests.scoring_helpers import CLI, KEY, make_sensor, probabilities
@@ -542,8 +543,8 @@ def test_regression_predictions_are_in_the_labels_units(tmp_path):
     from tests.synthetic_data import make_regression_run
 
     dataset, run = make_regression_run(tmp_path, hidden="16", epochs=20, rows=1500)
-    arch, state = initial_weights(StreamTrainConfig(bootstrap="-", run_dir="-", dataset=dataset,
-                                                    init_weights=str(run / "model.pt")))
+    arch, state = initial_weights(StreamTrainConfig(kafka=KafkaTarget("-"), topics=Topics(), run_dir="-",
+                                                    dataset_dir=dataset, init_weights=str(run / "model.pt")))
     rec = check_record(json.dumps(Publisher(tmp_path / "t").publish(
         model=state, architecture=arch.to_dict(), version=1, step=1, run_id="r")).encode(), None)
     version = ModelVersion(1, "r", rec.path, rec.sha256, "upd/0/0", (0, 0, 0))

@@ -14,6 +14,7 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from connectors.arrow import decode_batch
+from connectors.kafka import KafkaTarget, Topics
 from pipelines.flights.events import MALFORMED_KINDS
 from tests.kafka_checks import committed as _committed
 from tests.procs import stop_group as _stop
@@ -455,8 +456,8 @@ def test_public_transforms_composed_deliver_what_the_steps_compute(bootstrap, da
     values[7], values[8] = b'{"broken', json.dumps({**json.loads(values[8]), "distance": 1e40}).encode()
     _produce(bootstrap, names["raw"], values, partitions=2)
     tables = FLIGHTS.demo_inputs(cache_root())
-    cfg = flights_stream_config(bootstrap=bootstrap, raw_topic=names["raw"], features_topic=names["features"],
-                                dead_letter_topic=names["dead"], group_id=names["group"], connect_timeout=30,
+    cfg = flights_stream_config(kafka=KafkaTarget(bootstrap, group_id=names["group"], connect_timeout=30),
+                                topics=Topics(raw=names["raw"], features=names["features"], dead_letters=names["dead"]),
                                 batch_size=150, stats=read_manifest(dataset)["stats"], weather_path=tables["weather"],
                                 planes_path=tables["planes"])
     with TestPipeline(options=pipeline_options("batch")) as p:

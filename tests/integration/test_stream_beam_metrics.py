@@ -11,6 +11,7 @@ from pathlib import Path
 import apache_beam as beam
 import pytest
 
+from connectors.kafka import KafkaTarget, Topics
 from tests.kafka_checks import committed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.streaming, pytest.mark.timeout(420)]
@@ -47,8 +48,8 @@ def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_t
     assert replay.returncode == 0, replay.stderr[-2000:]
     manifest = read_manifest(flights_dataset)
     tables = FLIGHTS.demo_inputs(cache_root())
-    cfg = StreamConfig(bootstrap=bootstrap, raw_topic=raw, features_topic=features, dead_letter_topic=dead,
-                       group_id=f"{raw}-group", connect_timeout=30, batch_size=50, max_delay=0.5,
+    cfg = StreamConfig(kafka=KafkaTarget(bootstrap, group_id=f"{raw}-group", connect_timeout=30),
+                       topics=Topics(raw=raw, features=features, dead_letters=dead), batch_size=50, max_delay=0.5,
                        spec=manifest["spec"],
                        stats=manifest["stats"], enrichment_factory=FlightReference(tables["weather"], tables["planes"]))
     p = beam.Pipeline(options=pipeline_options("streaming"))
@@ -56,10 +57,10 @@ def test_stream_pipeline_beam_metrics_on_prism_equal_the_topics(bootstrap, new_t
     result = p.run()
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and committed(bootstrap, raw, cfg.group_id)[0] < 300:
+        while time.monotonic() < deadline and committed(bootstrap, raw, cfg.kafka.group_id)[0] < 300:
             assert "FAILED" not in str(result.state)
             time.sleep(1)
-        assert committed(bootstrap, raw, cfg.group_id) == (300, 300)
+        assert committed(bootstrap, raw, cfg.kafka.group_id) == (300, 300)
         consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
         letters = sum(consumer.end_offsets([TopicPartition(dead, p) for p in range(2)]).values())
         messages = sum(consumer.end_offsets([TopicPartition(features, p) for p in range(2)]).values())

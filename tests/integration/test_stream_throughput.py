@@ -127,14 +127,16 @@ def test_pipeline_reads_lists_of_records_reconciles_and_its_runner_idles(bootstr
 
 
 def test_read_batch_records_is_checked_and_on_by_default():
+    from connectors.kafka import KafkaTarget, Topics
     from pipelines.flights.streaming import StreamConfig
 
-    topics = {"raw_topic": "r", "features_topic": "f", "dead_letter_topic": "d", "group_id": "g", "connect_timeout": 5}
+    where = {"kafka": KafkaTarget("x", group_id="g", connect_timeout=5), "topics": Topics(raw="r", features="f",
+                                                                                          dead_letters="d")}
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="read_batch_records"):
-            StreamConfig(bootstrap="x", read_batch_records=bad, **topics)
-    assert StreamConfig(bootstrap="x", **topics).read_batch_records == 2000  # lists of records per fetched chunk
-    assert StreamConfig(bootstrap="x", read_batch_records=None, **topics).read_batch_records is None  # per record
+            StreamConfig(read_batch_records=bad, **where)
+    assert StreamConfig(**where).read_batch_records == 2000  # lists of records per fetched chunk
+    assert StreamConfig(read_batch_records=None, **where).read_batch_records is None  # per record
 
 
 # --- flowtrain replay --client confluent ----------------------------------------------------------
@@ -211,11 +213,13 @@ def test_stream_trainer_trains_a_three_class_target_with_its_metrics(bootstrap, 
 def test_stream_trainer_uses_one_torch_thread_unless_told(shared_data, tmp_path):
     code = ("import torch, sys; from flowtrain.train.stream.online import StreamTrainer\n"
             "from flowtrain.train.stream.config import StreamTrainConfig\n"
+            "from connectors.kafka import KafkaTarget, Topics\n"
             "torch.set_num_threads(2)\n"
             "ds = sys.argv[2]\n"
             "for t in (None, 1, 2):\n"
             "    kw = {} if t is None else {'threads': t}\n"
-            "    StreamTrainer(StreamTrainConfig(bootstrap='127.0.0.1:1', run_dir=sys.argv[1] + '/r', dataset=ds, **kw))\n"
+            "    StreamTrainer(StreamTrainConfig(kafka=KafkaTarget('127.0.0.1:1'), topics=Topics(),\n"
+            "                                    run_dir=sys.argv[1] + '/r', dataset_dir=ds, **kw))\n"
             "    print(torch.get_num_threads())\n")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), shared_data.regression_dataset(rows=600)],
                           capture_output=True, text=True, timeout=100, env=ENV, cwd=ROOT)

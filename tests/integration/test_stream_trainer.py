@@ -20,6 +20,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import decode_batch, encode_batch
 from connectors.dataset import read_manifest
+from connectors.kafka import KafkaTarget, Topics
 from tests.kafka_checks import committed as _committed
 from tests.procs import worker_pids as _worker_pids
 
@@ -322,8 +323,8 @@ def test_stream_trainer_on_explicit_cpu_and_cuda_without_a_gpu_is_an_error(fligh
         chunk = chunk.append_column("src_offset", pa.array(range(50 * i, 50 * i + 50), pa.int64()))
         producer.send(topic, value=encode_batch(chunk.to_batches()[0]), partition=0).get(timeout=30)
     producer.close()
-    common = dict(bootstrap=bootstrap, dataset=flights, features_topic=topic, updates_topic=f"{topic}-updates",
-                  dead_letter_topic=f"{topic}-dead", hidden=(16, 8))
+    common = dict(kafka=KafkaTarget(bootstrap), dataset_dir=flights, hidden=(16, 8),
+                  topics=Topics(features=topic, updates=f"{topic}-updates", dead_letters=f"{topic}-dead"))
     with pytest.raises(DeviceError, match="--device cuda: no CUDA device is visible"):
         StreamTrainer(StreamTrainConfig(run_dir=str(tmp_path / "gpu"), device="cuda", **common))
     summary = run_stream_trainer(StreamTrainConfig(run_dir=str(tmp_path / "cpu"), device="cpu", idle_exit=2.0,

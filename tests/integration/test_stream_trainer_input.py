@@ -21,7 +21,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from connectors.arrow import encode_batch
 from connectors.dataset import read_manifest
-from connectors.kafka import dead_letter_from_record
+from connectors.kafka import KafkaTarget, Topics, dead_letter_from_record
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -128,8 +128,10 @@ def _ledger(run: Path) -> tuple[dict, dict]:
 def _config(bootstrap, topic, dataset, out, **kw):
     from flowtrain.train.stream.config import StreamTrainConfig
 
-    return StreamTrainConfig(bootstrap=bootstrap, run_dir=str(out), dataset=dataset, features_topic=topic,
-                             updates_topic=f"{topic}-updates", dead_letter_topic=f"{topic}-dead", hidden=(16, 8),
+    topics = Topics(features=topic, updates=f"{topic}-updates", dead_letters=f"{topic}-dead",
+                    raw=kw.pop("raw_topic", None))
+    return StreamTrainConfig(kafka=KafkaTarget(bootstrap), topics=topics, run_dir=str(out), dataset_dir=dataset,
+                             hidden=(16, 8),
                              ledger=True, device="cpu", checkpoint_seconds=1000.0, **kw)
 
 

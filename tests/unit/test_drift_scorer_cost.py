@@ -117,7 +117,7 @@ def test_drift_status_written_at_most_once_per_flush_interval_and_the_last_windo
 
 def test_drift_status_and_alarm_records_published_when_the_stream_goes_idle(tmp_path):
     records = []
-    reporter, prefix, rng = _reporter(tmp_path, flush_s=0.2, send=records.append, cfg={"topic": "drift"})
+    reporter, prefix, rng = _reporter(tmp_path, flush_s=0.2, send=records.append)
     try:
         for _ in range(10):
             _feed(reporter, rng, 250)
@@ -139,7 +139,7 @@ def test_drift_record_that_cannot_be_sent_fails_the_next_micro_batch(tmp_path):
     def send(value: bytes):
         raise RuntimeError("drift topic: the broker refused the record")
 
-    reporter, _, rng = _reporter(tmp_path, flush_s=0.05, send=send, cfg={"topic": "drift"})
+    reporter, _, rng = _reporter(tmp_path, flush_s=0.05, send=send)
 
     def raised():
         try:

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from connectors.dataset_spec import FeatureSpec
-from connectors.kafka import KafkaRecord
+from connectors.kafka import KafkaRecord, KafkaTarget, Topics
 from pipelines.features.columns import encode_keys, key_text, time_micros, values_of
 from pipelines.features.core import KeyFeatures
 from pipelines.features.declare import declare
@@ -49,7 +49,7 @@ def test_the_fused_step_logs_the_backfills_values_across_a_restart(tmp_path):
     fake.update({"category": pa.array(["fuel"] * 20), "fraud": pa.array([0, 1] * 10), "time": pa.array(range(20))})
     stats = StatsAccumulator().add(pa.RecordBatch.from_pydict(fake), spec).finalize(spec)
     cfg = stream_pipeline.StreamConfig(
-        bootstrap="-", raw_topic="raw", features_topic="f", dead_letter_topic="d", group_id="g", connect_timeout=1.0,
+        kafka=KafkaTarget("-", group_id="g", connect_timeout=1.0), topics=Topics(raw="raw", features="f", dead_letters="d"),
         spec=spec.to_dict(), stats=stats, aggregations=AGGS, joins=joins, allowed_lateness=300.0,
         feature_state=str(tmp_path / "state"), log_features=str(tmp_path / "log"), log_features_id="txn")
     records = [KafkaRecord("raw", 0, i, 1000 + i, None, json.dumps(r).encode())
@@ -93,7 +93,7 @@ def test_two_instances_of_the_step_taking_turns_on_a_partition_read_each_others_
     fake.update({"fraud": pa.array([0, 1] * 10), "time": pa.array(range(20))})
     stats = StatsAccumulator().add(pa.RecordBatch.from_pydict(fake), spec).finalize(spec)
     cfg = stream_pipeline.StreamConfig(
-        bootstrap="-", raw_topic="raw", features_topic="f", dead_letter_topic="d", group_id="g", connect_timeout=1.0,
+        kafka=KafkaTarget("-", group_id="g", connect_timeout=1.0), topics=Topics(raw="raw", features="f", dead_letters="d"),
         spec=spec.to_dict(), stats=stats, aggregations=aggs, feature_state=str(tmp_path / "state"),
         log_features=str(tmp_path / "log"), log_features_id="txn")
     records = [KafkaRecord("raw", 0, i, 1000 + i, None, json.dumps(r).encode())

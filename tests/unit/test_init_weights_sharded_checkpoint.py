@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connectors.kafka import KafkaTarget, Topics
 from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
 
 
@@ -13,6 +14,6 @@ def test_init_weights_from_a_sharded_checkpoint_is_one_line_naming_the_whole_mod
     path = tmp_path / "ckpt-000000008.pt"
     torch.save({"sharded_state": "ckpt-000000008.dcp", "config": {"hidden": [16, 8]}, "step": 8}, path)
     with pytest.raises(ValueError) as err:
-        initial_weights(StreamTrainConfig(bootstrap="127.0.0.1:9", run_dir=str(tmp_path / "r"), dataset="d",
-                                          init_weights=str(path)))
+        initial_weights(StreamTrainConfig(kafka=KafkaTarget("127.0.0.1:9"), topics=Topics(),
+                                          run_dir=str(tmp_path / "r"), dataset_dir="d", init_weights=str(path)))
     assert "--shard-states" in str(err.value) and "model.pt" in str(err.value) and "\n" not in str(err.value)

@@ -142,3 +142,35 @@ def test_narrow_checks_a_shared_option_more_strictly_in_one_command_and_is_no_se
 
 
 dataclass_ = dataclasses.dataclass
+
+
+def engine_configs() -> list[type]:
+    """The engines' configs: what a command hands its engine (beside the engine's own options)."""
+    from flowtrain.train.plan import TrainConfig
+    from flowtrain.train.stream.config import StreamTrainConfig
+    from pipelines.serving.config import ScoreConfig
+    from pipelines.serving.drift import DriftConfig
+    from pipelines.stream.pipeline import StreamConfig
+
+    return [TrainConfig, StreamTrainConfig, StreamConfig, ScoreConfig, DriftConfig]
+
+
+def test_no_engine_config_field_copies_a_command_option():
+    """Issue 48: an engine config takes the options it reads by composing their section (a field made by ``option()``);
+    anything else it holds (what the command resolved: ``connectors.kafka.target``'s KafkaTarget and Topics, the
+    run directory, the dataset's spec) has a name no option has, so no value is copied into a second field of the same
+    name and no default is declared twice."""
+    declared = declarations()
+    copies = {f"{cfg.__name__}.{f.name}": declared[f.name] for cfg in engine_configs()
+              for f in dataclasses.fields(cfg) if f.metadata.get("flowtrain") is None and f.name in declared}
+    assert not copies, copies
+
+
+def test_the_engine_config_check_sees_a_copied_option():
+    @dataclasses.dataclass
+    class Copying:
+        bootstrap: str = "127.0.0.1:9092"  # the command's --bootstrap, copied
+
+    declared = declarations()
+    assert [f.name for f in dataclasses.fields(Copying) if f.metadata.get("flowtrain") is None and f.name in declared] \
+        == ["bootstrap"]

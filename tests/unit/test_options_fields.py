@@ -89,9 +89,9 @@ def test_every_field_has_a_flag_a_yaml_key_and_a_documented_default(command, tmp
 
 def test_the_engine_configs_are_the_commands_options_declared_once():
     """Issue 30 item 2: the trainers' options are declared once (flowtrain.train.options); the commands compose
-    them and the engine configs are them. What else an engine config holds is not a command option, except the
-    dataset, Kafka settings and topics the online trainer and the feature pipeline are given resolved (their options
-    serve every part of the stream). The feature pipeline's options are declared in pipelines.stream.options."""
+    them and the engine configs are them. What else an engine config holds is not a command option: the dataset's
+    directory, and the Kafka settings and topics the streaming engines are given resolved (a KafkaTarget and Topics,
+    issue 48). The feature pipeline's options are declared in pipelines.stream.options."""
     from flowtrain.commands.stream.options import StreamPipelineJob, StreamTrainJob
     from flowtrain.train.options import (
         EngineSettings,
@@ -116,24 +116,23 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     batch_engine_only = {f.name for f in dataclasses.fields(TrainConfig)} - {o.name for o in options_of(TrainConfig)}
     assert batch_engine_only == {"log_every", "init_wide", "stage_bounds"}  # --weight-decay is an option (#46)
     assert not batch_engine_only & {f.name for f in dataclasses.fields(BatchJob)}
+    # what the commands resolve from their Kafka and topic options is a KafkaTarget and Topics (connectors.kafka.target),
+    # never a field of an option's name (tests/unit/test_options_declared_once.py checks every engine config)
     stream_engine_only = ({f.name for f in dataclasses.fields(StreamTrainConfig)}
                           - {o.name for o in options_of(StreamTrainConfig)})
-    resolved = {"dataset": "the path", "kafka_config": "the typed client settings, --kafka-config-file's too",
-                "features_topic": "named after the dataset when unset", "updates_topic": "", "dead_letter_topic": "",
-                "raw_topic": "", "bootstrap": "as given", "replication_factor": "as given"}
-    assert stream_engine_only & {f.name for f in dataclasses.fields(StreamTrainJob)} == set(resolved)
+    assert stream_engine_only == {"kafka", "topics", "run_dir", "dataset_dir", "stage_bounds", "max_source_gap",
+                                  "max_steps"}
+    assert not stream_engine_only & {f.name for f in dataclasses.fields(StreamTrainJob)}
     sets = (PipelineOptions, EventOptions)
     assert all(issubclass(StreamPipelineJob, s) and issubclass(StreamConfig, s) for s in sets)
     assert issubclass(EventOptions, ParseBounds)
     assert {o.name for o in options_of(StreamConfig)} == {o.name for s in sets for o in options_of(s)}
     pipeline_engine_only = ({f.name for f in dataclasses.fields(StreamConfig)}
                             - {o.name for o in options_of(StreamConfig)})
-    resolved = {"bootstrap", "raw_topic", "features_topic", "dead_letter_topic", "group_id", "connect_timeout",
-                "kafka_config"}
-    assert pipeline_engine_only & {f.name for f in dataclasses.fields(StreamPipelineJob)} == resolved
-    # what the command resolves keeps no default of its own (but the typed client settings: none given)
-    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(StreamConfig)
-               if f.name in resolved - {"kafka_config"})
+    assert {"kafka", "topics"} <= pipeline_engine_only
+    assert not pipeline_engine_only & {f.name for f in dataclasses.fields(StreamPipelineJob)}
+    # what the command resolves keeps no default of its own
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(StreamConfig) if f.name in ("kafka", "topics"))
     from flowtrain.commands.stream.options import StreamScoreJob
     from pipelines.serving.config import ScoreConfig
     from pipelines.serving.options import ScorerOptions
@@ -142,18 +141,19 @@ def test_the_engine_configs_are_the_commands_options_declared_once():
     assert all(issubclass(StreamScoreJob, s) and issubclass(ScoreConfig, s) for s in sets)
     assert {o.name for o in options_of(ScoreConfig)} == {o.name for s in sets for o in options_of(s)}
     score_engine_only = {f.name for f in dataclasses.fields(ScoreConfig)} - {o.name for o in options_of(ScoreConfig)}
-    resolved = {"bootstrap", "raw_topic", "predictions_topic", "dead_letter_topic", "updates_topic", "kafka_config"}
-    assert score_engine_only & {f.name for f in dataclasses.fields(StreamScoreJob)} == resolved
+    assert {"kafka", "topics"} <= score_engine_only
+    assert not score_engine_only & {f.name for f in dataclasses.fields(StreamScoreJob)}
 
 
 def test_the_online_trainers_config_crosses_to_its_workers_as_json_and_back():
     """``flowtrain stream train --workers N`` sends the engine config as JSON (``asdict``); the worker rebuilds it
     (``flowtrain.train.jobs``) and the trainer checks it: the same config, ranges checked once."""
     from connectors.fields import check
+    from connectors.kafka import KafkaTarget, Topics
     from flowtrain.train.stream.config import StreamTrainConfig
 
-    cfg = StreamTrainConfig(bootstrap="b:1", run_dir="r", dataset="d", features_topic="f", hidden=(8, 4),
-                            checkpoint_every=7, idle_exit=2.5, kafka_config={"client_id": "x"})
+    cfg = StreamTrainConfig(kafka=KafkaTarget("b:1", {"client_id": "x"}), topics=Topics(features="f"), run_dir="r",
+                            dataset_dir="d", hidden=(8, 4), checkpoint_every=7, idle_exit=2.5)
     again = check(StreamTrainConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))))
     assert again == cfg and again.hidden == (8, 4)
     with pytest.raises(OptionError, match="checkpoint_every"):

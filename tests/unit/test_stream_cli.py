@@ -159,9 +159,9 @@ def test_the_trainer_job_maps_every_option_onto_the_engines_config(tmp_path):
     cfg = stream_train_config(job)
     assert (cfg.lr, cfg.checkpoint_every, cfg.checkpoint_seconds, cfg.idle_exit, tuple(cfg.hidden)) == (
         0.5, 7, 3.0, 9.0, (8, 4))
-    assert (cfg.keep_published, cfg.threads, cfg.features_topic, cfg.run_dir) == (2, 2, "f", str(tmp_path / "run"))
-    assert cfg.kafka_config == {"sasl_plain_password": "pa,ss", "client_id": "t"}  # commas stay in a value
-    assert cfg.dataset == str((tmp_path / "ds").resolve())
+    assert (cfg.keep_published, cfg.threads, cfg.topics.features, cfg.run_dir) == (2, 2, "f", str(tmp_path / "run"))
+    assert cfg.kafka.config == {"sasl_plain_password": "pa,ss", "client_id": "t"}  # commas stay in a value
+    assert cfg.dataset_dir == str((tmp_path / "ds").resolve())
 
 
 def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_topics(tmp_path, capsys):
@@ -198,7 +198,7 @@ def test_topic_defaults_follow_the_dataset_and_the_flights_demo_keeps_flights_to
     from flowtrain.commands.stream.train import stream_train_config
 
     cfg = stream_train_config(build(StreamTrainJob, {"dataset": sensors}))  # the Python API names them too
-    assert (cfg.features_topic, cfg.updates_topic, cfg.raw_topic) == ("sensors-features", "sensors-model-updates",
+    assert (cfg.topics.features, cfg.topics.updates, cfg.topics.raw) == ("sensors-features", "sensors-model-updates",
                                                                       "sensors-raw")
 
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from connectors.fields import options_of
-from connectors.kafka import ensure_topic
-from flowtrain.commands.kafka_options import kafka_config
+from connectors.kafka import Topics, ensure_topic
+from flowtrain.commands.kafka_options import kafka_target
 from flowtrain.commands.stream.driver import drive, not_committed, registry_ready
 from flowtrain.commands.stream.inputs import enrichment, over_time, raw_partitions, stream_manifest
 from flowtrain.commands.stream.options import StreamJob, StreamPipelineJob, with_dataset_topics
@@ -28,7 +28,8 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
     the runner starts here) or the runner ends; returns the exit code (1: the runner failed, or a Flink
     job could not be cancelled)."""
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
-    cfg = kafka_config(job.kafka_config, job.kafka_config_file)
+    kafka = kafka_target(job, group_id=job.group_id)
+    cfg = kafka.config
     manifest = stream_manifest(job)
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -39,12 +40,11 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
     options = {o.name: getattr(job, o.name) for o in options_of(StreamConfig)}  # the options, as given
     options["feature_state"] = options["feature_state"] or str(out / "feature-state")  # --aggregate's states
     options = over_time(options, manifest, str(job.dataset))  # else the dataset's own declaration
-    scfg = StreamConfig(**options, bootstrap=job.bootstrap, raw_topic=job.raw_topic,
-                        feature_kinds=(manifest.get("features") or {}).get("kinds"),
-                        features_topic=job.features_topic, dead_letter_topic=job.dead_letter_topic,
-                        group_id=job.group_id, spec=manifest["spec"], stats=manifest["stats"],
-                        enrichment_factory=enrichment(job, manifest), kafka_config=cfg,
-                        status_path=str(out / "pipeline-status.json"), connect_timeout=job.connect_timeout)
+    scfg = StreamConfig(**options, kafka=kafka, topics=Topics(raw=job.raw_topic, features=job.features_topic,
+                                                              dead_letters=job.dead_letter_topic),
+                        feature_kinds=(manifest.get("features") or {}).get("kinds"), spec=manifest["spec"],
+                        stats=manifest["stats"], enrichment_factory=enrichment(job, manifest),
+                        status_path=str(out / "pipeline-status.json"))
     if not registry_ready(job.schema_registry, what="stream pipeline", should_stop=should_stop):
         return 0  # a registry that does not answer: the job waits for it, as for brokers
     state, code = drive(lambda p: build_stream_pipeline(p, scfg), what="stream pipeline", out=out, part="pipeline",

@@ -16,10 +16,10 @@ from pathlib import Path
 from connectors.atomic import atomic_write
 from connectors.dataset import read_manifest
 from connectors.fields import options_of
-from connectors.kafka import ensure_topic
+from connectors.kafka import Topics, ensure_topic
 from connectors.model_updates import UPDATE_KEY_ENV, UpdateKeySource
 from flowtrain.commands.drift.job import load_reference
-from flowtrain.commands.kafka_options import kafka_config
+from flowtrain.commands.kafka_options import kafka_target
 from flowtrain.commands.stream.driver import drive, not_committed, registry_ready
 from flowtrain.commands.stream.inputs import dataset_path, enrichment, over_time, raw_partitions, stream_manifest
 from flowtrain.commands.stream.options import StreamJob, StreamScoreJob, with_dataset_topics
@@ -70,11 +70,11 @@ def scoring_config(job, *, beam_status: str | None = None, enrichment=None):
     options["feature_state"] = options["feature_state"] or str(Path(job.out).resolve() / "feature-state")
     options = over_time(options, read_manifest(dataset), dataset)  # else the dataset's own declaration
     cfg = ScoreConfig(
-        **options, bootstrap=job.bootstrap, feature_kinds=(read_manifest(dataset).get("features") or {}).get("kinds"),
+        **options, kafka=kafka_target(job), feature_kinds=(read_manifest(dataset).get("features") or {}).get("kinds"),
+        topics=Topics(raw=job.raw_topic, predictions=job.predictions_topic, dead_letters=job.score_dead_letter_topic,
+                      updates=job.updates_topic, drift=getattr(job, "drift_topic", None)),
         load_version=LoadPublishedVersion(dataset, max_bytes=job.max_model_bytes), spec=data.spec,
-        stats=read_manifest(dataset)["stats"], enrichment_factory=enrichment, raw_topic=job.raw_topic,
-        predictions_topic=job.predictions_topic, dead_letter_topic=job.score_dead_letter_topic,
-        updates_topic=job.updates_topic, kafka_config=kafka_config(job.kafka_config, job.kafka_config_file),
+        stats=read_manifest(dataset)["stats"], enrichment_factory=enrichment,
         status_path=beam_status, target_scale=target_scale(data) if data.spec.task == "regression" else (0.0, 1.0),
         classes=list(data.classes) if data.spec.task == "classification" else None,
         update_key=update_key_source(job, command), model_cache_dir=str(Path(job.out).resolve() / "models"),
@@ -111,7 +111,7 @@ def drift_config(job, data, dataset: str, status_path: str | None):
     else:
         profile = reference_profile(read_train_sample(dataset, data.spec), data.spec, data.stats, classes=data.classes)
     cfg = DriftConfig(profile=profile, window=job.drift_window, window_s=job.drift_window_seconds,
-                      thresholds=parse_thresholds(job.drift_threshold), topic=job.drift_topic)
+                      thresholds=parse_thresholds(job.drift_threshold))
     if status_path:
         atomic_write(Path(status_path).with_name(DRIFT_REFERENCE),
                      json.dumps({"profile": profile, "thresholds": cfg.thresholds, "window": cfg.window}))
@@ -135,7 +135,7 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
-    kcfg = kafka_config(job.kafka_config, job.kafka_config_file)
+    kcfg = kafka_target(job).config
     raw_parts = raw_partitions(job.bootstrap, job.raw_topic, kcfg)
     rf = {"replication_factor": job.replication_factor}
     for topic in (job.predictions_topic, job.score_dead_letter_topic):

@@ -13,8 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from connectors.fields import options_of, to_config
+from connectors.kafka import Topics
 from connectors.secrets import SECRETS_ENV, split_secrets
-from flowtrain.commands.kafka_options import kafka_config
+from flowtrain.commands.kafka_options import kafka_target
 from flowtrain.commands.stream.inputs import dataset_path
 from flowtrain.commands.stream.options import StreamTrainJob, with_dataset_topics
 from flowtrain.commands.tracking_options import check_tracking
@@ -22,20 +23,17 @@ from flowtrain.parallel.launch import spawn
 from flowtrain.train.stream.config import StreamTrainConfig, initial_weights
 from flowtrain.train.stream.online import run_stream_trainer
 
-#: The trainer's engine reads these of the stream job's common options as they are (its own options, the
-#: ``StreamTrainOptions``, pass whole; ``--out`` is its run directory, the dataset and Kafka settings resolved).
-ENGINE_FIELDS = ("features_topic", "updates_topic", "dead_letter_topic", "raw_topic", "replication_factor")
-
 
 def stream_train_config(job: StreamTrainJob, given: Collection[str] = ()):
     """The engine's ``StreamTrainConfig`` of ``job``: its trainer options as they are, and the rest resolved. With
     ``init_weights`` the architecture is the batch run's: a ``hidden``/``dropout``/``seed`` named in ``given`` (the
     options the user set) must agree with it, else a ``ValueError`` naming them."""
     job = with_dataset_topics(job)  # topics left unset: named after the dataset
+    # its own options (StreamTrainOptions) as they are; --out is its run directory, the dataset and Kafka resolved
     cfg = StreamTrainConfig(**{opt.name: getattr(job, opt.name) for opt in options_of(StreamTrainConfig)},
-                            run_dir=job.out, dataset=dataset_path(job), bootstrap=job.bootstrap,
-                            kafka_config=kafka_config(job.kafka_config, job.kafka_config_file),
-                            **{name: getattr(job, name) for name in ENGINE_FIELDS})
+                            run_dir=job.out, dataset_dir=dataset_path(job), kafka=kafka_target(job),
+                            topics=Topics(raw=job.raw_topic, features=job.features_topic,
+                                          dead_letters=job.dead_letter_topic, updates=job.updates_topic))
     if cfg.init_weights and any(k in given for k in ("hidden", "dropout", "seed")):
         arch, _ = initial_weights(cfg)
         mine = {"hidden": tuple(cfg.hidden), "dropout": cfg.dropout, "seed": cfg.seed}
@@ -65,7 +63,7 @@ def run_stream_train(job: StreamTrainJob, *, given: Collection[str] = (),
     if tracked:  # the run, its prequential metrics and its newest version as a registered model
         from flowtrain.commands.mlflow_tracking import log_stream_run
 
-        run_id = log_stream_run(job.mlflow, Path(job.out), config=to_config(job), dataset=cfg.dataset,
+        run_id = log_stream_run(job.mlflow, Path(job.out), config=to_config(job), dataset=cfg.dataset_dir,
                                 experiment=job.mlflow_experiment, model_name=job.mlflow_model)
         print(f"mlflow: run {run_id} in {job.mlflow}", flush=True)
     return summary
@@ -75,9 +73,10 @@ def _train(job: StreamTrainJob, cfg, should_stop: Callable[[], bool] | None) -> 
     processes = job.workers * job.stages * job.tensor_parallel  # replicas x pipeline stages x tensor shards
     if processes > 1:
         # secrets reach the replicas through their environment, never job.json or a command line
-        public, secret = split_secrets(cfg.kafka_config)
-        spawn(processes, "flowtrain.train.jobs:stream_trainer_worker",
-              {"config": {**asdict(cfg), "kafka_config": public}}, failure_timeout_s=job.failure_timeout,
+        public, secret = split_secrets(cfg.kafka.config)
+        config = asdict(cfg)
+        config["kafka"]["config"] = public
+        spawn(processes, "flowtrain.train.jobs:stream_trainer_worker", {"config": config}, failure_timeout_s=job.failure_timeout,
               workdir=Path(job.out) / "workers", stop=should_stop,
               extra_env={SECRETS_ENV: json.dumps(secret)} if secret else None)
         return None

@@ -22,7 +22,7 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, ctx: DistContext, config, loss_fn: nn.Module):
         self.model, self.ctx, self.loss_fn = model, ctx, loss_fn
         self.rng_rank = ctx.rank
-        lr, wd = config.lr, config.weight_decay
+        lr, wd = config.lr, getattr(config, "weight_decay", None) or 0.0  # the stream trainer has no --weight-decay
         self.sharder = ZeroSharder(model, ctx, stage=config.shard_states,
                                    make_optimizer=lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd),
                                    bucket_mb=config.bucket_mb)

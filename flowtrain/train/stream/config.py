@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from connectors.dataset import read_manifest
+from connectors.kafka import KafkaTarget, Topics
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import Architecture
 from flowtrain.train.options import EngineSettings, StreamTrainOptions, UpdateOptions
@@ -29,22 +29,22 @@ class StreamTrainConfig(EngineSettings, UpdateOptions, StreamTrainOptions):
     ``flowtrain.train.options``, where ``flowtrain stream train`` takes them from; ranges checked by
     ``connectors.fields.check`` when the trainer starts), what the trainer sets for its engine (``EngineSettings``:
     a resumed grid's stage cut) and what the command resolves from the others."""
-    bootstrap: str
-    run_dir: str  # the command's --out
-    dataset: str  # the batch dataset (resolved): feature spec, statistics, vocabularies
-    # the topics: the command names them after the dataset (flowtrain.commands.stream.options.dataset_topics); run() needs
-    # all three
-    features_topic: str | None = None
-    updates_topic: str | None = None
-    # feature messages the input check rejects go here with their reason (the pipeline's dead-letter topic)
-    dead_letter_topic: str | None = None
-    # the raw events topic the features come from: a row whose source offset is past its end is a dead letter
-    # (None, or not on the brokers: a step of more than max_source_gap past the highest offset trained is)
-    raw_topic: str | None = None
-    kafka_config: dict[str, Any] = field(default_factory=dict)  # the client settings, typed (--kafka-config's pairs)
-    replication_factor: int | None = None  # of the updates topic if this creates it (None: min(3, brokers))
+    # the brokers, client settings and the replication factor of the topics it creates (the updates topic, the
+    # dead letters), as the command resolved its options (connectors.kafka.target: not configuration)
+    kafka: KafkaTarget
+    # the topics (named after the dataset by the command: flowtrain.commands.stream.options.dataset_topics): run()
+    # needs features, updates and dead_letters (feature messages the input check rejects, with their reason: the
+    # pipeline's dead-letter topic); raw: the events the features come from, a row whose source offset is past its
+    # end is a dead letter (None, or not on the brokers: a step of more than max_source_gap past the highest offset
+    # trained is)
+    topics: Topics
+    run_dir: str  # the run directory (the command's --out)
+    dataset_dir: str  # the batch dataset's directory (the command resolves --dataset): spec, statistics, vocabularies
     max_source_gap: int = DEFAULT_MAX_SOURCE_GAP  # not an option: a bound of the engine
     max_steps: int | None = None  # test hook: stop after this many steps
+
+    def __post_init__(self) -> None:
+        self.kafka, self.topics = KafkaTarget.of(self.kafka), Topics.of(self.topics)  # also from a worker's job file
 
 
 class NonFiniteModel(ValueError):
@@ -73,7 +73,7 @@ def starting_model(cfg: StreamTrainConfig, data: TabularDataset, device: torch.d
             model.load_state_dict(init_state)
         except RuntimeError as err:
             raise ValueError(f"--init-weights {cfg.init_weights} ({architecture.source}) does not fit "
-                             f"the dataset {cfg.dataset}: {str(err).splitlines()[0]}") from None
+                             f"the dataset {cfg.dataset_dir}: {str(err).splitlines()[0]}") from None
     if not weights_finite(model):  # a model that would train and publish NaN
         raise NonFiniteModel(f"the starting weights ({architecture.source}) are not finite; start from a "
                              f"model.pt or checkpoint whose weights are")
@@ -102,7 +102,7 @@ def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
                          f"directory (or one of its checkpoints)")
     recorded = json.loads(run_config.read_text())
     train = recorded.get("train", recorded)  # config.json: the run's options (flat), or {"train": ...} before
-    check_same_dataset(path, Path(recorded.get("dataset") or path.parent / "dataset"), cfg.dataset)
+    check_same_dataset(path, Path(recorded.get("dataset") or path.parent / "dataset"), cfg.dataset_dir)
     return Architecture.from_dict(train, f"batch run {path.parent}"), state
 
 

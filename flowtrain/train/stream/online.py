@@ -86,7 +86,7 @@ class StreamTrainer:
         self.ledger = Ledger(self.run_dir / "ledger.jsonl", kept=cfg.ledger and self.ctx.is_main)
         # rank 0's metrics.jsonl, mirrored to TensorBoard (<out>/tensorboard: prequential/*, stream/*)
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", board=Board(self.run_dir) if self.ctx.is_main else None)
-        self.data = TabularDataset(cfg.dataset)
+        self.data = TabularDataset(cfg.dataset_dir)
         self.task = self.data.spec.task
         # the engine's grid: one rank of each replica (stage 0, tensor shard 0) reads that replica's feature
         # partitions; the other ranks of the replica get its rows from the engine's global batch
@@ -106,9 +106,9 @@ class StreamTrainer:
         # the source: this replica's feature messages, checked; positions and seen sources (the exactly-once state)
         self.source = FeatureSource(cfg, self.data, reader=pos.stage == 0 and pos.tensor == 0, replica=pos.replica,
                                     replicas=pos.replicas, should_stop=self.should_stop)
-        self.rejects = InputRejects(cfg.bootstrap, cfg.kafka_config, features_topic=cfg.features_topic,
-                                    dead_letter_topic=cfg.dead_letter_topic,
-                                    replication_factor=cfg.replication_factor)
+        self.rejects = InputRejects(cfg.kafka.bootstrap, cfg.kafka.config, features_topic=cfg.topics.features,
+                                    dead_letter_topic=cfg.topics.dead_letters,
+                                    replication_factor=cfg.kafka.replication_factor)
         self.rejected_total: dict[str, int] = {}  # every replica's counts, summed at each checkpoint and the end
         # rows trained whose ID value had no key, so used the fallback vector (summed at each checkpoint)
         self.id_fallbacks = IdFallbacks(self.data.spec.id_columns)
@@ -129,8 +129,9 @@ class StreamTrainer:
     # --- the whole run ------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train until ``should_stop``, ``idle_exit`` or ``max_steps``; returns a summary."""
-        missing = [f"--{n.replace('_', '-')}" for n in ("features_topic", "updates_topic", "dead_letter_topic")
-                   if not getattr(self.cfg, n)]
+        missing = [f"--{flag}-topic" for role, flag in (("features", "features"), ("updates", "updates"),
+                                                         ("dead_letters", "dead-letter"))
+                   if not getattr(self.cfg.topics, role)]
         if missing:
             raise ValueError(f"the stream trainer needs its topics: {', '.join(missing)} (the command names them after "
                              f"the dataset)")
@@ -323,7 +324,7 @@ class StreamTrainer:
     def _not_checkpointed(self, why: str) -> None:
         """The one line a trainer stopped without its final checkpoint prints: what was not committed."""
         if self.ctx.is_main:
-            print(f"stream train: stopped without a final checkpoint: Kafka at {self.cfg.bootstrap} {why}; not "
+            print(f"stream train: stopped without a final checkpoint: Kafka at {self.cfg.kafka.bootstrap} {why}; not "
                   f"committed: {self.steps_since_ckpt} step(s) since checkpoint version {self.version} (step "
                   f"{self.step - self.steps_since_ckpt}), no new version published; a restart trains them again "
                   f"from that checkpoint (exactly once)", file=sys.stderr, flush=True)
@@ -333,7 +334,7 @@ class StreamTrainer:
         dead-letter topic's end, the published version). Every replica asks; all must be answered."""
         heartbeat()
         try:
-            check_brokers(self.cfg.bootstrap, timeout_s=STOP_KAFKA_S, client_config=self.cfg.kafka_config,
+            check_brokers(self.cfg.kafka.bootstrap, timeout_s=STOP_KAFKA_S, client_config=self.cfg.kafka.config,
                           cached=False)
             answered = True
         except KafkaUnavailable:
@@ -442,7 +443,8 @@ class StreamTrainer:
     def close(self) -> None:
         if self.log.board is not None:  # TensorBoard: the options beside the last prequential metrics
             board = self.log.board
-            board.hparams({k: v for k, v in vars(self.cfg).items() if k not in ("kafka_config", "bootstrap")},
+            board.hparams({**{k: v for k, v in vars(self.cfg).items() if k not in ("kafka", "topics")},
+                           **{f"{role}_topic": name for role, name in vars(self.cfg.topics).items() if name}},
                           [t for t in board.last if t.startswith("prequential/")])
             board.close()
         self.source.close()

@@ -38,9 +38,9 @@ class VersionSink:
     def open(self) -> None:
         """The updates topic (created when missing) and a producer for it."""
         cfg = self.cfg
-        ensure_topic(cfg.bootstrap, cfg.updates_topic, client_config=cfg.kafka_config,
-                     replication_factor=cfg.replication_factor)
-        self.producer = new_producer(cfg.bootstrap, cfg.kafka_config)
+        ensure_topic(cfg.kafka.bootstrap, cfg.topics.updates, client_config=cfg.kafka.config,
+                     replication_factor=cfg.kafka.replication_factor)
+        self.producer = new_producer(cfg.kafka.bootstrap, cfg.kafka.config)
         self.delivery = KafkaDelivery(self.producer, what="publishing a model version")
 
     def publish(self, **version) -> None:
@@ -56,7 +56,7 @@ class VersionSink:
         while stopping: then it waits ``STOP_KAFKA_S`` at most and says the version was not published."""
         stopping = bool(self.should_stop())
         try:
-            self.delivery.send(self.cfg.updates_topic, json.dumps(record).encode(),
+            self.delivery.send(self.cfg.topics.updates, json.dumps(record).encode(),
                                key=str(record["version"]).encode())
             self.delivery.confirm(within_s=STOP_KAFKA_S if stopping else None)
         except KafkaWriteError as err:
@@ -64,7 +64,7 @@ class VersionSink:
                 raise
             self.delivery.discard()
             print(f"stream train: not committed: version {record['version']} is checkpointed but was not published "
-                  f"on {self.cfg.updates_topic} ({err}); scorers keep the previous version until the next one",
+                  f"on {self.cfg.topics.updates} ({err}); scorers keep the previous version until the next one",
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:

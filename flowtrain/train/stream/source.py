@@ -44,9 +44,9 @@ class FeatureSource:
         # is a dead letter with its reason, counted per kind in the checkpoint (flowtrain.train.stream.rejects)
         self.check = FeatureMessageCheck(data, max_decoded_bytes=cfg.max_decoded_bytes)
         # a row's source must exist on the raw topic: an impossible one never moves the seen-source state
-        self.raw_ends = RawTopicEnds(cfg.bootstrap, cfg.kafka_config, cfg.raw_topic, should_stop=should_stop,
-                                     progress=heartbeat) if cfg.raw_topic else None
-        self.source_check = SourceCheck(self.raw_ends, raw_topic=cfg.raw_topic, max_gap=cfg.max_source_gap)
+        self.raw_ends = RawTopicEnds(cfg.kafka.bootstrap, cfg.kafka.config, cfg.topics.raw, should_stop=should_stop,
+                                     progress=heartbeat) if cfg.topics.raw else None
+        self.source_check = SourceCheck(self.raw_ends, raw_topic=cfg.topics.raw, max_gap=cfg.max_source_gap)
         self.consumer = None
         self.mine: list = []
 
@@ -57,14 +57,14 @@ class FeatureSource:
 
     def consumer_config(self) -> dict:
         return {"max_poll_records": 1, "fetch_max_wait_ms": 100, "max_partition_fetch_bytes": 16 * 1024 * 1024,
-                **self.cfg.kafka_config}
+                **self.cfg.kafka.config}
 
     def open(self) -> set[int]:
         """Assign this replica's feature partitions, each at its position; returns their numbers."""
         cfg = self.cfg
-        self.consumer = new_consumer(cfg.bootstrap, self.consumer_config(), group_id=None)
+        self.consumer = new_consumer(cfg.kafka.bootstrap, self.consumer_config(), group_id=None)
         parts = self.features_partitions()
-        self.mine = [TopicPartition(cfg.features_topic, p) for p in parts
+        self.mine = [TopicPartition(cfg.topics.features, p) for p in parts
                      if self.reader and p % self.replicas == self.replica]
         if self.mine:
             self.consumer.assign(self.mine)
@@ -82,14 +82,14 @@ class FeatureSource:
         brokers and the topic when they never answered, or saying the topic never appeared."""
         cfg = self.cfg
         self.consumer, parts, unavailable = wait_for_partitions(
-            self.consumer, cfg.features_topic, wait_s=FEATURES_WAIT_S, ask_s=PARTITIONS_ASK_S,
-            reconnect=lambda: new_consumer(cfg.bootstrap, self.consumer_config(), group_id=None),
+            self.consumer, cfg.topics.features, wait_s=FEATURES_WAIT_S, ask_s=PARTITIONS_ASK_S,
+            reconnect=lambda: new_consumer(cfg.kafka.bootstrap, self.consumer_config(), group_id=None),
             should_stop=self.should_stop, on_try=heartbeat)
         if unavailable is not None:  # a one-line error, as a missing topic is (the command says it so)
-            raise ValueError(f"the partitions of features topic {cfg.features_topic!r} (asked for "
+            raise ValueError(f"the partitions of features topic {cfg.topics.features!r} (asked for "
                              f"{FEATURES_WAIT_S:g} s): {unavailable}") from None
         if not parts:
-            raise ValueError(f"features topic {cfg.features_topic!r} does not exist on {cfg.bootstrap}; start the "
+            raise ValueError(f"features topic {cfg.topics.features!r} does not exist on {cfg.kafka.bootstrap}; start the "
                              f"stream pipeline first (flowtrain stream pipeline)")
         return parts
 
