@@ -53,6 +53,7 @@ test-slow: install
 # Needs root or CAP_NET_ADMIN: without it the lane fails with one line saying why (never a silent skip).
 test-multihost: install
 	@$(BIN)/python -m tests.multihost.hosts
+	$(BIN)/python -m flowtrain.local.provision --only-flink  # its Flink hosts run from the jars (no internet inside)
 	@mkdir -p $(RESULTS)
 	$(BIN)/python -m pytest tests/multihost -v -p no:cacheprovider --durations=30 --junitxml=$(RESULTS)/test-multihost.xml
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_brokers(monkeypatch):
     from types import SimpleNamespace
 
-    from connectors.kafka import close_client, new_consumer
+    from connectors.kafka import KafkaTarget, Topics, close_client, new_consumer
     from flowtrain.train.stream import source as stream_source
     from flowtrain.train.stream.source import FeatureSource
 
@@ -27,7 +27,7 @@ def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_bro
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
     bootstrap = dead_bootstrap()
     source = object.__new__(FeatureSource)  # only what the start's partition lookup reads (no dataset, no torch)
-    source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    source.cfg = SimpleNamespace(kafka=KafkaTarget(bootstrap, dict(KNOWN_VERSION)), topics=Topics(features="features"))
     source.should_stop = lambda: False
     source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
     try:
@@ -45,7 +45,7 @@ def test_stream_trainer_features_partitions_give_up_naming_the_topic_and_the_bro
 def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypatch):
     from types import SimpleNamespace
 
-    from connectors.kafka import new_consumer
+    from connectors.kafka import KafkaTarget, Topics, new_consumer
     from flowtrain.train.stream import source as stream_source
     from flowtrain.train.stream.source import FeatureSource
 
@@ -53,7 +53,7 @@ def test_stream_trainer_features_partitions_wait_ends_on_a_stop_request(monkeypa
     monkeypatch.setattr(stream_source, "PARTITIONS_ASK_S", 1.0)
     bootstrap = dead_bootstrap()
     source = object.__new__(FeatureSource)
-    source.cfg = SimpleNamespace(bootstrap=bootstrap, features_topic="features", kafka_config=dict(KNOWN_VERSION))
+    source.cfg = SimpleNamespace(kafka=KafkaTarget(bootstrap, dict(KNOWN_VERSION)), topics=Topics(features="features"))
     source.should_stop = lambda: True
     source.consumer = new_consumer(bootstrap, source.consumer_config(), group_id=None)
     done, result = finishes(source.features_partitions)

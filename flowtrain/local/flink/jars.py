@@ -31,6 +31,7 @@ Three small extras are built beside them:
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -183,8 +184,20 @@ def provisioned(libs: Path | None = None) -> dict | None:
 
 
 def ensure_jars(*, quiet: bool = False) -> Path:
-    """Resolve the runner and Flink jars once per machine; return the directory that holds them."""
+    """Resolve the runner and Flink jars once per machine; return the directory that holds them. Processes that
+    ask at once (``make test`` and ``make test-multihost`` start together) resolve them one at a time: the second
+    waits for the first (an exclusive lock beside the jars' directory) and finds them there."""
     libs = libs_dir()
+    marker = provisioned(libs)
+    if marker is not None and bind_patched(libs):
+        return libs
+    libs.parent.mkdir(parents=True, exist_ok=True)
+    with open(libs.with_name("libs.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        return _ensure_jars(libs, quiet=quiet)
+
+
+def _ensure_jars(libs: Path, *, quiet: bool) -> Path:
     marker = provisioned(libs)
     if marker is not None:
         # provisioned before the patch existed, or without a JDK or the sources then: build it now
