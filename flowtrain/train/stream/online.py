@@ -27,8 +27,9 @@ The trainer is a source, the engine and sinks: ``stream_source.FeatureSource`` (
 feature messages, checked, without rows already trained; positions and seen sources),
 ``trainer.Trainer`` (the step), ``checkpoint_manager.CheckpointManager`` (what a checkpoint holds of the
 model and its engine, as a batch run's: this trainer adds its version, positions and counts), ``stream_sinks``
-(published versions, the ledger, the status file) and ``prequential`` (the metrics and their plot); ``stream_config`` holds the options and the model
-it starts from (``init_weights``' batch run, else the options; a resumed run its own checkpoint).
+(published versions, the ledger, the status file) and ``prequential`` (the metrics and their plot);
+``stream_config`` holds the options and the model it starts from (``init_weights``' batch run, else the
+options; a resumed run its own checkpoint).
 
 Stopping is the caller's business: ``should_stop`` is polled every step (the command line
 connects it to SIGINT/SIGTERM); the trainer installs no signal handlers.
