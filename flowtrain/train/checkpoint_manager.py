@@ -45,7 +45,7 @@ class CheckpointManager:
     stream keeps its own in the progress); ``shard_states``: the ``--shard-states`` option the layout records."""
 
     def __init__(self, directory: Path | None, model: nn.Module, engine, *, writer: bool, world_size: int,
-                 shard_states: int = 0, run_id: str | None = None, keep: int = 3):
+                 shard_states: str = "none", run_id: str | None = None, keep: int = 3):
         self.directory, self.model, self.engine = directory, model, engine
         self.writer, self.world_size, self.shard_states = writer, world_size, shard_states
         self.run_id, self.keep = run_id, keep
