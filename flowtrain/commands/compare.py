@@ -36,6 +36,7 @@ from flowtrain.train.evaluation import BOOTSTRAP, bootstrap, probabilities
 from flowtrain.train.loader import TabularDataset, iter_batches, target_scale
 from flowtrain.train.loop import predict
 from flowtrain.train.report import md_text
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.train.shards import open_split
 
 #: Options that say where a run is, not how it trained: never shown as a difference.
@@ -56,18 +57,18 @@ def load_run(path: str | Path) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise FlowtrainError(f"compare: {path}: no such run directory")
-    summary_file = path / "summary.json"
+    summary_file = RunFiles(path).summary
     if not summary_file.is_file():
         raise FlowtrainError(f"compare: {path}: not a finished `flowtrain batch` run (no summary.json); give run "
                              f"directories of batch runs")
     try:
         summary = json.loads(summary_file.read_text())
-        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        config = json.loads(RunFiles(path).config.read_text()) if RunFiles(path).config.is_file() else {}
     except json.JSONDecodeError as err:
         raise FlowtrainError(f"compare: {path}: unreadable summary.json or config.json ({err})") from None
     history = []
-    if (path / "metrics.jsonl").is_file():
-        history = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if RunFiles(path).metrics.is_file():
+        history = [json.loads(line) for line in RunFiles(path).metrics.read_text().splitlines() if line.strip()]
     return Run(path.name, path, flatten_options(config), summary, history)
 
 

@@ -33,6 +33,7 @@ from flowtrain.train.bundle import write_bundle
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.metrics import MetricsLog
 from flowtrain.train.published import LoadPublishedVersion
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.version import __version__
 
 #: The study's MLflow run id, in a trial's environment: the trial's run is its child.
@@ -117,13 +118,13 @@ def log_model(bundle: Path, registered: str | None) -> Any:
 def log_batch_run(uri: str, run_dir: Path, *, experiment: str, model_name: str | None) -> str:
     """Log the finished batch run in ``run_dir``; returns the MLflow run id."""
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads(RunFiles(run_dir).summary.read_text())
+    config = json.loads(RunFiles(run_dir).config.read_text())
     nested = bool(os.environ.get(PARENT_ENV))
     with _start(uri, experiment, run_dir.name) as run:
         mlflow.log_params(_params(config))
         client = MlflowClient()
-        rows = _metric_rows(MetricsLog(run_dir / "metrics.jsonl").read())
+        rows = _metric_rows(MetricsLog(RunFiles(run_dir).metrics).read())
         for i in range(0, len(rows), 900):  # MLflow's log_batch takes at most 1,000 metrics
             client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, s) for k, v, s in rows[i:i + 900]])
         mlflow.log_metrics({f"test_{k}": float(v) for k, v in summary["test"]["model"].items()
@@ -136,8 +137,8 @@ def log_batch_run(uri: str, run_dir: Path, *, experiment: str, model_name: str |
                 mlflow.log_artifact(str(run_dir / name))
         for png in sorted(run_dir.glob("*.png")):
             mlflow.log_artifact(str(png), artifact_path="figures")
-        mlflow.log_artifacts(str(run_dir / "bundle"), artifact_path="bundle")
-        log_model(run_dir / "bundle", None if nested else (model_name or experiment))
+        mlflow.log_artifacts(str(RunFiles(run_dir).bundle), artifact_path="bundle")
+        log_model(RunFiles(run_dir).bundle, None if nested else (model_name or experiment))
         return run.info.run_id
 
 
@@ -173,7 +174,7 @@ def stream_bundle(out: Path, dataset: str | Path) -> Path | None:
     model, version = LoadPublishedVersion(dataset)(str(versions[-1]))
     arch = dict(torch.load(versions[-1], weights_only=True, map_location="cpu").get("architecture") or {})
     config = type("Shape", (), {"hidden": tuple(arch.get("hidden") or ()), "dropout": arch.get("dropout", 0.0)})()
-    return write_bundle(out / "bundle", model, TabularDataset(dataset), config, run=f"{out.name}@v{version}")
+    return write_bundle(RunFiles(out).bundle, model, TabularDataset(dataset), config, run=f"{out.name}@v{version}")
 
 
 def log_stream_run(uri: str, out: Path, *, config: dict, dataset: str | Path, experiment: str,
@@ -181,7 +182,7 @@ def log_stream_run(uri: str, out: Path, *, config: dict, dataset: str | Path, ex
     """The online trainer's run: its options, its prequential metrics per published version (``stream_*`` at their
     step) and, when it published a whole version, that version as the bundle and the registered model."""
     out = Path(out)
-    history = [r for r in MetricsLog(out / "metrics.jsonl").read() if r.get("kind") == "prequential"]
+    history = [r for r in MetricsLog(RunFiles(out).metrics).read() if r.get("kind") == "prequential"]
     with _start(uri, experiment, out.name) as run:
         mlflow.log_params(_params(config))
         client = MlflowClient()

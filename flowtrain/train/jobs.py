@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flowtrain.train.rundir.files import RunFiles
+from flowtrain.train.rundir.marker import run_id_of
+
 
 def train_worker(ctx, job: dict) -> None:
     """Train on the dataset of ``job``; every data-parallel rank runs this (rank 0 writes).
@@ -44,14 +47,14 @@ def train(ctx, data, config, run_dir: Path, *, model: str | None = None, resume:
     result = fit(build_run_model(model, data, config, deferred=True), data, config, run_dir=run_dir,
                  resume=resume or restarted_with_checkpoint(run_dir), ctx=ctx)
     from connectors.atomic import atomic_file, atomic_write
-
+    files = RunFiles(run_dir)
     if result.write_model is not None:  # ZeRO-3: no rank holds the whole model; rank 0 writes it streamed
-        result.write_model(run_dir / "model.pt", ctx.is_main)
+        result.write_model(files.model, ctx.is_main)
     elif ctx.is_main:  # written whole or not at all (tmp, fsync, rename)
-        with atomic_file(run_dir / "model.pt") as fh:
+        with atomic_file(files.model) as fh:
             torch.save(result.model.state_dict(), fh)
     if ctx.is_main:
-        atomic_write(run_dir / "fit.json", json.dumps(fit_record(result)))
+        atomic_write(files.fit, json.dumps(fit_record(result)))
     return result
 
 
@@ -73,9 +76,9 @@ def restarted_with_checkpoint(run_dir: Path) -> bool:
 
     if int(os.environ.get(RESTART_ENV, "0") or 0) == 0:
         return False
-    from flowtrain.train import checkpoint, run_marker
+    from flowtrain.train import checkpoint
 
-    return checkpoint.latest(run_dir / "checkpoints", run_id=run_marker.run_id_of(run_dir)) is not None
+    return checkpoint.latest(RunFiles(run_dir).checkpoints, run_id=run_id_of(run_dir)) is not None
 
 
 def stream_trainer_worker(ctx, job: dict) -> None:

@@ -38,7 +38,7 @@ from flowtrain.parallel.deferred import is_deferred, set_target
 from flowtrain.parallel.device import local_world_size, move_batch, resolve_device, to_device
 from flowtrain.parallel.launch import cap_worker, heartbeat
 from flowtrain.parallel.memcap import CAP_ENV
-from flowtrain.train import checkpoint, run_marker
+from flowtrain.train import checkpoint
 from flowtrain.train.baselines import majority_outputs
 from flowtrain.train.checkpoint_manager import CheckpointManager, saved_stage_bounds
 from flowtrain.train.class_weights import class_weights_of, weighted_metrics
@@ -52,6 +52,8 @@ from flowtrain.train.metrics import (
 )
 from flowtrain.train.plan import SMALL_STEP, TrainConfig, TrainPlan, plan_training
 from flowtrain.train.preload import import_training
+from flowtrain.train.rundir.files import RunFiles
+from flowtrain.train.rundir.marker import run_id_of
 from flowtrain.train.trainer import Trainer, loss_function, measured_memory, memory_plan_of
 
 
@@ -178,8 +180,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
     loss_fn = loss_function(data.spec.task, data.outputs, weights, sample_weights=bool(data.spec.weight_column))
     shift, scale = target_scale(data)
     classes = data.classes
-    ckpt_dir = run_dir / "checkpoints" if run_dir else None
-    run_id = run_marker.run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
+    files = RunFiles(run_dir) if run_dir else None
+    ckpt_dir = files.checkpoints if files else None
+    run_id = run_id_of(run_dir)  # the run's checkpoints only: never another run's (flowtrain.train.rundir)
     # a resume reads its checkpoint before the engine is made: the newest that verifies and loads (a corrupt
     # newer one is skipped, logged); none is a CheckpointError naming each file, never a silent fresh start
     found = checkpoint.require_latest(ckpt_dir, run_id=run_id) if resume and ckpt_dir else None
@@ -202,7 +205,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         print(f"{name}: {mem_plan.describe()}", flush=True)
     writer = run_dir is not None and ctx.is_main
     board = Board(run_dir) if writer else None  # TensorBoard: rank 0 mirrors metrics.jsonl, adds the rest
-    log = MetricsLog(run_dir / "metrics.jsonl", board=board) if writer else None
+    log = MetricsLog(files.metrics, board=board) if writer else None
     # what differs per worker (time waiting on data, step time): one TensorBoard directory per rank
     worker_board = Board(run_dir, worker=ctx.rank) if run_dir is not None and ctx.world_size > 1 else None
     if ckpt_dir and writer:
@@ -355,7 +358,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         model.unshard_ids()
     torch.set_num_threads(threads_before)
     if writer:
-        atomic_write(run_dir / "training.json", json.dumps({
+        atomic_write(files.training, json.dumps({
             "plan": asdict(plan), "best_step": best_step, "steps": step, "stopped_early": stopped_early,
             "select_by": plan.select_by, "best_valid": best_valid, "memory": memory}, default=float))
     spe = plan.steps_per_epoch

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from flowtrain.train.metrics import MetricsLog, metrics_of
+from flowtrain.train.rundir.files import RunFiles
 
 
 def prequential_metrics(window: list[tuple[np.ndarray, np.ndarray]], task: str, classes: Sequence | None, *,
@@ -54,7 +55,8 @@ def plot_prequential(log: MetricsLog, run_dir: Path, task: str = "classification
     ax.set_ylabel("loss")
     ax.set_title("online training (evaluate, then train, per batch)")
     fig.tight_layout()
-    tmp = run_dir / "prequential.png.tmp.png"
+    png = RunFiles(run_dir).prequential_png
+    tmp = png.with_name(png.name + ".tmp.png")
     fig.savefig(tmp, dpi=90)
     plt.close(fig)
-    tmp.replace(run_dir / "prequential.png")
+    tmp.replace(png)

@@ -13,6 +13,7 @@ from pathlib import Path
 from connectors.atomic import atomic_write
 from flowtrain.train.figures import flat_within_one_row
 from flowtrain.train.model_choice import choice_text
+from flowtrain.train.rundir.files import RunFiles
 
 #: Test metrics shown in the report per kind of task: (summary key, column title).
 REPORT_METRICS = {"binary": [("auc", "AUC"), ("accuracy", "accuracy"), ("log_loss", "log loss")],
@@ -410,9 +411,9 @@ def write_report(run_dir: Path, summary: dict, history: list[dict] | None = None
     run_dir = Path(run_dir)
     figures = [p.name for p in run_dir.glob("*.png")]
     blocks = _blocks(summary, history, figures)
-    _write_text(run_dir / "report.html", _html(blocks, run_dir))
-    return _write_text(run_dir / "report.md", _markdown(blocks))
+    _write_text(RunFiles(run_dir).report_html, _html(blocks, run_dir))
+    return _write_text(RunFiles(run_dir).report_md, _markdown(blocks))
 
 
 def write_summary(run_dir: Path, summary: dict) -> Path:
-    return atomic_write(Path(run_dir) / "summary.json", json.dumps(summary, indent=2, default=float))
+    return atomic_write(RunFiles(run_dir).summary, json.dumps(summary, indent=2, default=float))

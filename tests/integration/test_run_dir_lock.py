@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flowtrain.train.run_marker import RunDirError, read_marker
-from flowtrain.train.rundir import mark_complete, prepare_run_dir, prepare_stream_dir
+from flowtrain.train.rundir.marker import RunDirError, read_marker
+from flowtrain.train.rundir.rules import mark_complete, prepare_run_dir, prepare_stream_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,8 +22,8 @@ OPTIONS = {"epochs": 1, "input": ["x.csv"], "label": "y"}
 # A run that takes the directory, says so, and holds it until stdin closes (or it is killed).
 HOLDER = """
 import json, sys
-from flowtrain.train.run_marker import RunDirError
-from flowtrain.train.rundir import mark_complete, prepare_run_dir, prepare_stream_dir
+from flowtrain.train.rundir.marker import RunDirError
+from flowtrain.train.rundir.rules import mark_complete, prepare_run_dir, prepare_stream_dir
 out, kind = sys.argv[1], sys.argv[2]
 try:
     if kind == "stream":

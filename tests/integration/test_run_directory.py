@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 
 # --- the rules, directly -----------------------------------------------------------------------------
 def test_a_non_empty_out_that_is_not_a_flowtrain_run_is_refused_even_with_overwrite(tmp_path):
-    from flowtrain.train.run_marker import RunDirError
-    from flowtrain.train.rundir import prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError
+    from flowtrain.train.rundir.rules import prepare_run_dir
 
     out = tmp_path / "mine"
     out.mkdir()
@@ -32,8 +32,8 @@ def test_a_non_empty_out_that_is_not_a_flowtrain_run_is_refused_even_with_overwr
 
 
 def test_other_options_are_refused_naming_them_and_overwrite_deletes_only_what_the_run_wrote(tmp_path):
-    from flowtrain.train.run_marker import RUN_MARKER, RunDirError, read_marker
-    from flowtrain.train.rundir import prepare_run_dir
+    from flowtrain.train.rundir.marker import RUN_MARKER, RunDirError, read_marker
+    from flowtrain.train.rundir.rules import prepare_run_dir
 
     out = tmp_path / "run"
     first = prepare_run_dir(out, {"epochs": 2, "hidden": [32, 16]})
@@ -56,8 +56,8 @@ def test_other_options_are_refused_naming_them_and_overwrite_deletes_only_what_t
 
 
 def test_resume_keeps_the_run_takes_its_options_and_refuses_changed_ones(tmp_path):
-    from flowtrain.train.run_marker import RunDirError, read_marker
-    from flowtrain.train.rundir import mark_complete, prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError, read_marker
+    from flowtrain.train.rundir.rules import mark_complete, prepare_run_dir
 
     out = tmp_path / "run"
     run = prepare_run_dir(out, {"epochs": 2, "hidden": [16, 8], "lr": 0.01})
@@ -74,8 +74,8 @@ def test_resume_keeps_the_run_takes_its_options_and_refuses_changed_ones(tmp_pat
 
 
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
-    from flowtrain.train.run_marker import RunDirError
-    from flowtrain.train.rundir import prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError
+    from flowtrain.train.rundir.rules import prepare_run_dir
 
     out = tmp_path / "run"
     prepare_run_dir(out, {"epochs": 2})
@@ -166,7 +166,7 @@ def test_batch_refuses_to_mix_runs_in_one_out_and_resume_continues_only_its_own_
     assert f"--out {out} holds a flowtrain run with other options" in err and "--lr" in err, err
     assert (out / "report.md").read_text() == report
     assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == first_ckpts
-    from flowtrain.train.run_marker import read_marker
+    from flowtrain.train.rundir.marker import read_marker
 
     marker = read_marker(out)
     assert marker["status"] == "complete"
@@ -188,7 +188,7 @@ def test_a_failed_rerun_never_leaves_the_old_report_beside_new_results(synthetic
     assert "--select-by auc" in capsys.readouterr().err
     for name in ("report.md", "summary.json", "model.pt", "fit.json", "config.json"):
         assert not (out / name).exists(), name
-    from flowtrain.train.run_marker import read_marker
+    from flowtrain.train.rundir.marker import read_marker
 
     assert read_marker(out)["status"] == "failed"  # never marked complete: failed, with the error
     assert (out / "notes.txt").read_text() == "mine"
@@ -260,8 +260,8 @@ def test_a_symlinked_dataset_is_never_rewritten_or_deleted(tmp_path, capsys):
 
 
 def test_a_rerun_deletes_only_the_files_the_run_recorded(tmp_path):
-    from flowtrain.train.run_marker import RunDirError, read_marker
-    from flowtrain.train.rundir import mark_complete, prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError, read_marker
+    from flowtrain.train.rundir.rules import mark_complete, prepare_run_dir
 
     out = tmp_path / "run"
     prepare_run_dir(out, {"epochs": 1})
@@ -284,7 +284,7 @@ def test_a_rerun_deletes_only_the_files_the_run_recorded(tmp_path):
 
 # --- #29 item 3: a failed run is recorded, and the corrected rerun replaces it ---------------------------------
 def test_a_failed_run_records_failed_and_the_corrected_rerun_replaces_it_without_overwrite(tmp_path, capsys):
-    from flowtrain.train.run_marker import read_marker
+    from flowtrain.train.rundir.marker import read_marker
 
     csv = tmp_path / "data.csv"
     csv.write_text("amount,y\n" + "".join(f"{i / 10:.2f},{i % 3 / 10:.2f}\n" for i in range(200)))
@@ -302,8 +302,8 @@ def test_a_failed_run_records_failed_and_the_corrected_rerun_replaces_it_without
 
 
 def test_a_failed_run_that_left_a_model_is_still_replaced_only_with_overwrite(tmp_path):
-    from flowtrain.train.run_marker import RunDirError
-    from flowtrain.train.rundir import mark_failed, prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError
+    from flowtrain.train.rundir.rules import mark_failed, prepare_run_dir
 
     out = tmp_path / "run"
     run = prepare_run_dir(out, {"epochs": 1})
@@ -316,7 +316,7 @@ def test_a_failed_run_that_left_a_model_is_still_replaced_only_with_overwrite(tm
 
 # --- #28 item 13: a killed run's spill ---------------------------------------------------------------------------
 def test_the_spill_a_killed_etl_left_is_removed_by_the_next_run_of_the_same_out(tmp_path):
-    from flowtrain.train.rundir import prepare_run_dir
+    from flowtrain.train.rundir.rules import prepare_run_dir
 
     out = tmp_path / "run"
     prepare_run_dir(out, {"epochs": 1})
@@ -380,7 +380,7 @@ def test_stream_train_out_has_a_marker_and_refuses_a_foreign_or_another_runs_dir
     import subprocess
     import sys
 
-    from flowtrain.train.run_marker import read_marker
+    from flowtrain.train.rundir.marker import read_marker
 
     def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "flowtrain.cli", "stream", "train", "--bootstrap", "127.0.0.1:1",
@@ -408,8 +408,8 @@ def test_stream_train_out_has_a_marker_and_refuses_a_foreign_or_another_runs_dir
 
 
 def test_resume_never_writes_or_prunes_through_a_symlinked_checkpoints_directory(tmp_path):
-    from flowtrain.train.run_marker import RunDirError
-    from flowtrain.train.rundir import prepare_run_dir
+    from flowtrain.train.rundir.marker import RunDirError
+    from flowtrain.train.rundir.rules import prepare_run_dir
 
     out = tmp_path / "run"
     run = prepare_run_dir(out, {"epochs": 1})

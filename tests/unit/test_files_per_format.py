@@ -99,7 +99,7 @@ SPLIT = ("connectors/files/*.py", "flowtrain/local/flink/*.py", "flowtrain/train
          "pipelines/drift/profile.py", "pipelines/drift/compare.py", "bench/serve*.py", "bench/stream.py",
          "bench/inputs.py", "flowtrain/commands/predict*.py", "connectors/kafka/read.py", "connectors/kafka/restriction.py",
          "pipelines/tabular/*.py")
-SPLIT += ("flowtrain/parallel/zero*.py", "flowtrain/train/rundir*.py", "flowtrain/train/run_marker.py",  # h2
+SPLIT += ("flowtrain/parallel/zero*.py", "flowtrain/train/rundir/*.py",  # h2
           "flowtrain/train/loop.py", "flowtrain/train/plan.py", "pipelines/serving/versions.py", "pipelines/serving/updates.py")
 SPLIT += ("flowtrain/train/stream*.py", "flowtrain/train/replicas.py", "flowtrain/train/id_fallbacks.py",  # h3
           "flowtrain/train/prequential.py")

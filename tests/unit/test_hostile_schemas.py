@@ -192,13 +192,13 @@ def test_item2_a_run_whose_process_died_is_found_dead_by_the_next_command_on_its
     host) and says so, and the usual rules for a failed run apply. The stream trainer's directory alike."""
     import socket
 
-    from flowtrain.train.rundir import RunDirError, mark_complete, prepare_run_dir, prepare_stream_dir
+    from flowtrain.train.rundir.rules import RunDirError, mark_complete, prepare_run_dir, prepare_stream_dir
 
     out, stream = tmp_path / "run", tmp_path / "stream"
     options = {"input": ["a.csv"], "label": "y", "epochs": 2}
     proc = _run("""
         import ctypes, json, os, sys
-        from flowtrain.train.rundir import prepare_run_dir, prepare_stream_dir
+        from flowtrain.train.rundir.rules import prepare_run_dir, prepare_stream_dir
         prepare_run_dir(sys.argv[1], json.loads(sys.argv[2]))
         open(os.path.join(sys.argv[1], "model.pt"), "wb").close()  # it left a model: kept unless replaced
         prepare_stream_dir(sys.argv[3], {"dataset": "d"})

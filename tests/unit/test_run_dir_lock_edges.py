@@ -6,8 +6,8 @@ import errno
 import fcntl
 import os
 
-from flowtrain.train import rundir_lock
-from flowtrain.train.rundir import mark_failed, prepare_run_dir
+from flowtrain.train.rundir import lock as rundir_lock
+from flowtrain.train.rundir.rules import mark_failed, prepare_run_dir
 
 OPTIONS = {"epochs": 1, "input": ["x.csv"], "label": "y"}
 

@@ -19,6 +19,7 @@ from flowtrain.train.bundle import bundle_key, owned_bundle_files, read_bundle, 
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import build_run_model
 from flowtrain.train.plan import train_config
+from flowtrain.train.rundir.files import RunFiles, file_name
 from flowtrain.train.staging import fetch_dir, staged_dir
 
 
@@ -34,7 +35,7 @@ def run_export(job: ExportJob) -> str:
         raise FlowtrainError("export needs RUN (a `flowtrain batch` run directory) and --out DIR")
 
     if is_url(job.run) or is_url(job.out):  # object stores: a local copy of the run, the bundle published
-        run = str(fetch_dir(job.run, "RUN", marker="model.pt")) if is_url(job.run) else job.run
+        run = str(fetch_dir(job.run, "RUN", marker=file_name("model"))) if is_url(job.run) else job.run
         if not is_url(job.out):
             return run_export(dataclasses.replace(job, run=run))
         with staged_dir(job.out, "--out", marker="bundle.json") as stage:
@@ -44,19 +45,21 @@ def run_export(job: ExportJob) -> str:
     run = Path(job.run).resolve()
     out = Path(os.path.abspath(job.out))  # a link at --out is not followed (and not replaced)
     key = bundle_key(job.bundle_key_file)
-    for name in ("model.pt", "config.json"):
-        if not (run / name).is_file():
-            raise FlowtrainError(f"export {run}: no {name}; give the directory of a finished `flowtrain batch` run")
-    if (out.exists() or out.is_symlink()) and not job.overwrite and out != run / "bundle":
+    files = RunFiles(run)
+    for needed in (files.model, files.config):
+        if not needed.is_file():
+            raise FlowtrainError(f"export {run}: no {needed.name}; give the directory of a finished `flowtrain "
+                                 f"batch` run")
+    if (out.exists() or out.is_symlink()) and not job.overwrite and out != files.bundle:
         raise FlowtrainError(f"--out {out} exists; give a new directory, or --overwrite to replace it (only a bundle "
                              f"flowtrain wrote is replaced)")
     owned_bundle_files(out)  # --overwrite replaces only a bundle flowtrain wrote: checked before any work
-    options = json.loads((run / "config.json").read_text())
+    options = json.loads(files.config.read_text())
     try:
         batch_job = build(BatchJob, {k: v for k, v in options.items() if k in to_config(BatchJob())})
     except FlowtrainError as err:
         raise FlowtrainError(f"export {run}: config.json: {err}") from None
-    dataset = Path(batch_job.dataset) if batch_job.dataset else run / "dataset"
+    dataset = Path(batch_job.dataset) if batch_job.dataset else files.dataset
     try:
         data = TabularDataset(dataset)
     except Exception as err:  # noqa: BLE001 - named for the user below
@@ -64,9 +67,9 @@ def run_export(job: ExportJob) -> str:
                              f"dataset (later, the bundle alone is enough)") from None
     config = train_config(batch_job)
     model = build_run_model(batch_job.model, data, config)
-    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    model.load_state_dict(torch.load(files.model, weights_only=True))
 
-    reference = run / REFERENCE  # the run's drift reference travels with its bundle
+    reference = files.drift_reference  # the run's drift reference travels with its bundle
     extra = {REFERENCE: json.loads(reference.read_text())} if reference.is_file() else None
     write_bundle(out, model, data, config, factory=batch_job.model, run=run.name, torch_export=job.torch_export,
                  key=key, extra=extra)

@@ -51,8 +51,8 @@ from flowtrain.train.models import (
     train_rows,
 )
 from flowtrain.train.plan import plan_training, train_config
-from flowtrain.train.rundir import mark_complete, mark_failed, prepare_run_dir, usable_dir
-from flowtrain.train.rundir_lock import release
+from flowtrain.train.rundir.files import RunFiles, usable_dir
+from flowtrain.train.rundir.rules import prepare_run_dir
 from flowtrain.train.shards import memory_budget_bytes
 from flowtrain.train.staging import publish_run, staged_dir
 from pipelines.tabular.preflight import check_splits
@@ -102,7 +102,7 @@ def run_batch(job: BatchJob) -> dict:
         except BaseException as err:
             shown = user_error(err) if isinstance(err, user_errors()) else err
             if prepared:  # run.json says "failed" and why: a rerun after a failure that left no model replaces it
-                mark_failed(prepared[0].path, prepared[0].run_id, shown)
+                prepared[0].fail(shown)
             if stage is not None:
                 shown = stage.failed(shown, published=bool(prepared))
             if shown is not err:
@@ -125,7 +125,7 @@ def run_batch_options(options: dict[str, Any]) -> dict:
 def _check_resumable(run_dir: Path) -> None:
     """--resume needs a loadable checkpoint: none, or all corrupt, is an error, never a fresh start."""
     try:
-        require_latest(run_dir / "checkpoints")
+        require_latest(RunFiles(run_dir).checkpoints)
     except CheckpointError as err:
         raise FlowtrainError(f"--resume: {err}; check --out, or leave out --resume to start the run over") from None
 
@@ -148,6 +148,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     # the run-directory rules (docs/runs.md): a used --out only with --resume (same run) or --overwrite
     run = prepare_run_dir(run_dir, to_config(job), resume=resume, overwrite=job.overwrite)
     prepared.append(run)
+    files = run.files
     if stage is not None:  # the remote run.json says "running" before anything of an earlier run is deleted
         stage.push(marker_first=True)
         stage.start_publishing()  # its dataset and checkpoints as they appear: a killed run resumes from the store
@@ -162,7 +163,7 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     data = TabularDataset(dataset_path)
     counts = data.manifest.get("counts") or {}  # more dead letters than --max-dead-letter-fraction: no training
     check_dead_letters(int(counts.get("in", 0)), int(counts.get("dead_letters", 0)), job.max_dead_letter_fraction,
-                       what="rows", where=str(run_dir / "dead_letters.jsonl") if not job.dataset else
+                       what="rows", where=str(files.dead_letters) if not job.dataset else
                        f"the dead letters of {dataset_path}", reasons="; ".join(
                            f"{r} ({n:,})" for r, n in sorted((counts.get("dead_letters_by_reason") or {}).items(),
                                                             key=lambda kv: -kv[1])[:3]))
@@ -226,28 +227,28 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     linear = fit_linear(data, seed=config.seed, memory_budget=config.memory_budget,
                         class_weights=class_weights_of(config, data))  # --class-weight: the linear start weighed too
 
-    with atomic_file(run_dir / "linear.pt") as fh:  # final outputs: whole or not at all
+    with atomic_file(files.linear) as fh:  # final outputs: whole or not at all
         torch.save(linear.model.state_dict(), fh)
     print(f"linear: fitted to convergence by L-BFGS ({linear.iterations} iterations, gradient norm "
           f"{linear.grad_norm:.1e}, L2 {linear.l2:.2e}, {linear.seconds:.1f} s)", flush=True)
     if not job.model:  # the network starts at its linear start, and its weight decay keeps that one's penalty
-        config = dataclasses.replace(config, init_wide=str(run_dir / "linear.pt"),
+        config = dataclasses.replace(config, init_wide=str(files.linear),
                                      weight_decay=2 * linear.l2 if job.weight_decay is None else job.weight_decay)
     elif job.weight_decay is not None:
         config = dataclasses.replace(config, weight_decay=job.weight_decay)
-    atomic_write(run_dir / "config.json", json.dumps(redact(to_config(job)), indent=1) + "\n")  # no secrets
+    atomic_write(files.config, json.dumps(redact(to_config(job)), indent=1) + "\n")  # no secrets
     job_dict = {"dataset": str(dataset_path), "run_dir": str(run_dir), "resume": resume, "model": job.model,
                 "config": {k: (list(v) if isinstance(v, tuple) else v)
                            for k, v in dataclasses.asdict(config).items()}}
     if job.job_only:
-        job_path = run_dir / "job.json"
+        job_path = files.job
         atomic_write(job_path, json.dumps(redact({**job_dict, "failure_timeout_s": job.failure_timeout})))
         print(f"job: {job_path}\nrun on every node (node-rank 0..N-1; the dataset and run directory on a shared "
               f"filesystem):\n  torchrun --nnodes=N --nproc-per-node=1 --node-rank=I --master-addr=NODE0 "
               f"--master-port=29500 -m flowtrain.parallel.worker flowtrain.train.jobs:train_worker {job_path}\n"
               f"then the report: flowtrain batch --dataset {dataset_path} --out {run_dir} --resume"
               f"{training_flags(dataclasses.replace(job, **given_recipe))}", flush=True)  # chosen again, the same
-        release(run_dir)  # the nodes' workers and the report step (other processes) take the directory next
+        run.release()  # the nodes' workers and the report step (other processes) take the directory next
         return {"run_dir": str(run_dir), "job": str(job_path)}
     if workers > 1 or job.worker_memory:  # --worker-memory caps spawned workers (also one), never this process
         layout = (f"{job.workers} replica(s) x {config.stages} pipeline stage(s) x {config.tensor_parallel} "
@@ -257,13 +258,12 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
 
         train_with_restarts(lambda attempt: spawn(
             workers, "flowtrain.train.jobs:train_worker", job_dict, failure_timeout_s=job.failure_timeout,
-            workdir=run_dir / "workers", extra_env={RESTART_ENV: str(attempt)},
+            workdir=files.workers, extra_env={RESTART_ENV: str(attempt)},
             memory_cap=int(job.worker_memory * 2**30) if job.worker_memory else None), job.max_restarts)
-        fitted = json.loads((run_dir / "fit.json").read_text())  # the worker group's result: its files
+        fitted = json.loads(files.fit.read_text())  # the worker group's result: its files
         model = build_run_model(job.model, data, config)
-        model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))
-        training = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").exists() \
-            else {}
+        model.load_state_dict(torch.load(files.model, weights_only=True))
+        training = json.loads(files.training.read_text()) if files.training.exists() else {}
     else:  # one process: the fit result in memory (model.pt, fit.json, training.json are outputs only)
         result = train(DistContext(), data, config, run_dir, model=job.model, resume=resume)
         fitted, model = fit_record(result), result.model
@@ -275,14 +275,14 @@ def _run_batch(job: BatchJob, prepared: list, stage=None) -> dict:
     summary = report_run(run_dir, data, title=title, dataset_path=dataset_path, config=config, model=model,
                          linear=linear, fitted=fitted, training=training, workers=workers, slice_by=job.slice_by,
                          factory=job.model, bundle_key=bundle_key, t0=t0)
-    mark_complete(run_dir)  # last: a run.json that says "running" is a run that crashed, failed or goes on
+    run.complete()  # last: a run.json that says "running" is a run that crashed, failed or goes on
     if job.mlflow:  # the finished run, its report, bundle and registered model (flowtrain[mlflow])
         from flowtrain.commands.mlflow_tracking import log_batch_run  # the extra, only when asked
 
         summary["mlflow_run_id"] = log_batch_run(job.mlflow, run_dir, experiment=job.mlflow_experiment,
                                                  model_name=job.mlflow_model)
         # summary.json again, with the MLflow run's id (as flowtrain.train.report.write_summary writes it)
-        atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
+        atomic_write(files.summary, json.dumps(summary, indent=2, default=float))
         print(f"mlflow: run {summary['mlflow_run_id']} in {job.mlflow}", flush=True)
     key = {"binary": "auc", "multiclass": "accuracy", "regression": "rmse"}[data.kind]
     print(f"test {key}: model {summary['test']['model'][key]:.4f}, "

@@ -19,6 +19,7 @@ from flowtrain.train.loop import baseline_metrics, evaluate
 from flowtrain.train.metrics import SELECT_BY, MetricsLog, standard_error
 from flowtrain.train.model_choice import model_choice
 from flowtrain.train.report import describe_data, write_report, write_summary
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.train.shards import open_split
 
 
@@ -56,7 +57,7 @@ def report_run(run_dir: Path, data: TabularDataset, *, title: str, dataset_path:
                    "grad_norm": linear.grad_norm, "l2": linear.l2, "seconds": linear.seconds},
         "wall_seconds": time.perf_counter() - t0,
     }
-    history = MetricsLog(run_dir / "metrics.jsonl").read()
+    history = MetricsLog(RunFiles(run_dir).metrics).read()
     metric = summary["select_by"] or "loss"
     summary["model_choice"] = model_choice(
         metric=metric, higher=SELECT_BY[metric], standard_error=standard_error, best_step=training.get("best_step"),
@@ -83,6 +84,6 @@ def report_run(run_dir: Path, data: TabularDataset, *, title: str, dataset_path:
     write_summary(run_dir, summary)
     write_report(run_dir, summary, history)
     reference = write_reference(run_dir, data, model)  # what `flowtrain drift`, predict and the scorer compare with
-    write_bundle(run_dir / "bundle", model, data, config, factory=factory, run=run_dir.name, key=bundle_key,
+    write_bundle(RunFiles(run_dir).bundle, model, data, config, factory=factory, run=run_dir.name, key=bundle_key,
                  extra={REFERENCE: reference})
     return summary

@@ -9,10 +9,11 @@ from typing import ClassVar
 
 from connectors.fields import COMPOSED, at_least, narrow, option, store_path, tailor
 from flowtrain.commands.shared_options import BundleKey, Input, Out, RunOrBundle, TrustCode
+from flowtrain.train.rundir.files import file_name
 from pipelines.drift.measures import parse_thresholds
 
 #: The reference profile's file name, in a run directory and in its bundle.
-REFERENCE = "drift_reference.json"
+REFERENCE = file_name("drift_reference")
 #: ``flowtrain drift``'s exit code when a threshold is crossed.
 DRIFT_EXIT = 3
 _IO = "input and output"

@@ -35,6 +35,7 @@ from flowtrain.commands.stream.status import (
 from flowtrain.local.kafka import BrokerError, LocalKafka
 from flowtrain.local.processes import StopSignals, supervise
 from flowtrain.local.runners import RunnerError, pick_runner
+from flowtrain.train.rundir.files import RunFiles, usable_dir
 
 #: Set in the environment of the parts a whole ``flowtrain stream`` job starts: the job wrote ``config.json``.
 JOB_PART_ENV = "FLOWTRAIN_STREAM_JOB_PART"
@@ -61,7 +62,7 @@ def run_stream(job: StreamJob, beam_args: Sequence[str] = (), *, half: str | Non
                given: Collection[str] | None = None) -> int:
     """Run ``job`` (with ``half``: that part only) until it ends or is stopped; returns the exit code.
     ``given``: the options the user set (default: those that differ from their defaults)."""
-    from flowtrain.train.rundir import prepare_stream_dir, usable_dir  # torch: only where a part runs
+    from flowtrain.train.rundir.rules import prepare_stream_dir  # torch: only where a part runs
 
     job = with_dataset_topics(job)
     part = part_of(job, half)
@@ -144,7 +145,7 @@ def _run_trainer(job, given: Collection[str]) -> int:
 def _write_config(job, out: Path) -> None:
     """``<out>/config.json``: every option of the run (secrets redacted), a valid ``--config`` of the command."""
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "config.json", json.dumps(redact(to_config(job)), indent=1) + "\n")
+    atomic_write(RunFiles(out).config, json.dumps(redact(to_config(job)), indent=1) + "\n")
 
 
 def _run_parts(job: StreamJob, beam_args: Sequence[str], parts: list[str], given: Collection[str]) -> int:

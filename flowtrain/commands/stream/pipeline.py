@@ -17,6 +17,7 @@ from flowtrain.commands.kafka_options import kafka_target
 from flowtrain.commands.stream.driver import drive, not_committed, registry_ready
 from flowtrain.commands.stream.inputs import enrichment, over_time, raw_partitions, stream_manifest
 from flowtrain.commands.stream.options import StreamJob, StreamPipelineJob, with_dataset_topics
+from flowtrain.train.rundir.files import RunFiles
 from pipelines.stream.pipeline import METRICS_NAMESPACE, StreamConfig, build_stream_pipeline
 from pipelines.stream.status import read_status
 
@@ -38,13 +39,13 @@ def run_stream_pipeline(job: StreamPipelineJob | StreamJob, beam_args: Sequence[
         ensure_topic(job.bootstrap, topic, partitions=raw_parts, client_config=cfg,
                      replication_factor=job.replication_factor)
     options = {o.name: getattr(job, o.name) for o in options_of(StreamConfig)}  # the options, as given
-    options["feature_state"] = options["feature_state"] or str(out / "feature-state")  # --aggregate's states
+    options["feature_state"] = options["feature_state"] or str(RunFiles(out).feature_state)  # --aggregate's states
     options = over_time(options, manifest, str(job.dataset))  # else the dataset's own declaration
     scfg = StreamConfig(**options, kafka=kafka, topics=Topics(raw=job.raw_topic, features=job.features_topic,
                                                               dead_letters=job.dead_letter_topic),
                         feature_kinds=(manifest.get("features") or {}).get("kinds"), spec=manifest["spec"],
                         stats=manifest["stats"], enrichment_factory=enrichment(job, manifest),
-                        status_path=str(out / "pipeline-status.json"))
+                        status_path=str(RunFiles(out).pipeline_status))
     if not registry_ready(job.schema_registry, what="stream pipeline", should_stop=should_stop):
         return 0  # a registry that does not answer: the job waits for it, as for brokers
     state, code = drive(lambda p: build_stream_pipeline(p, scfg), what="stream pipeline", out=out, part="pipeline",
@@ -69,7 +70,7 @@ def pipeline_totals(out: Path) -> dict:
     """The pipeline's counters (one status file per DoFn instance), counted only after Kafka
     acknowledged them, and the errors that stopped it."""
     totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "errors": []}
-    for data in read_status(str(out / "pipeline-status.json")):
+    for data in read_status(str(RunFiles(out).pipeline_status)):
         for key in ("events", "rows", "unlabelled", "dead_letters", "late", "join_late_updates"):
             if key in data:
                 totals[key] = totals.get(key, 0) + data[key]

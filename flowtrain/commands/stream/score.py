@@ -27,6 +27,7 @@ from flowtrain.errors import FlowtrainError
 from flowtrain.train.bundle import read_bundle
 from flowtrain.train.loader import TabularDataset, target_scale
 from flowtrain.train.published import LoadPublishedVersion
+from flowtrain.train.rundir.files import RunFiles
 from pipelines.drift.measures import parse_thresholds
 from pipelines.drift.profile import check_profile, read_train_sample, reference_profile
 from pipelines.serving.config import ScoreConfig
@@ -147,7 +148,7 @@ def run_score(job: StreamScoreJob | StreamJob, beam_args: Sequence[str] = (), *,
         return 0  # a registry that does not answer: the job waits for it, as for brokers
 
     def build(p) -> None:  # after the status files of an earlier run are gone: waits for the first model version
-        build_scoring_pipeline(p, scoring_config(job, beam_status=str(out / "score-status.json"),
+        build_scoring_pipeline(p, scoring_config(job, beam_status=str(RunFiles(out).score_status),
                                                  enrichment=enrichment(job, stream_manifest(job))))
 
     state, code = drive(build, what="stream score", out=out, part="score",

@@ -34,6 +34,7 @@ from connectors.model_updates import RejectedUpdate, UpdateKeySource, check_reco
 from flowtrain.commands.kafka_options import kafka_config
 from flowtrain.commands.stream.pipeline import pipeline_totals
 from flowtrain.observe.server import start_status_server
+from flowtrain.train.rundir.files import RunFiles
 from pipelines.serving.drift import DRIFT_REFERENCE, window_report
 from pipelines.stream.status import read_status
 
@@ -197,7 +198,7 @@ class StreamSampler:
         totals = {"events": 0, "rows": 0, "unlabelled": 0, "dead_letters": 0, "micro_batches": 0,
                   "feature_messages": 0}
         errors = []
-        for data in read_status(str(self.out / "pipeline-status.json")):
+        for data in read_status(str(RunFiles(self.out).pipeline_status)):
             for key, source in (("events", "events"), ("rows", "rows"), ("unlabelled", "unlabelled"),
                                 ("dead_letters", "dead_letters"), ("micro_batches", "batches"),
                                 ("feature_messages", "messages")):
@@ -210,7 +211,7 @@ class StreamSampler:
 
     def _trainer(self, snap: dict) -> None:
         try:
-            trainer = json.loads((self.out / "trainer-status.json").read_text())
+            trainer = json.loads(RunFiles(self.out).trainer_status.read_text())
         except (OSError, ValueError):
             trainer = {}
         if trainer:
@@ -220,7 +221,7 @@ class StreamSampler:
             snap["counters"]["duplicate_rows_dropped"] = trainer.get("dropped_duplicates", 0)
         newest = None
         try:
-            with open(self.out / "metrics.jsonl") as fh:
+            with open(RunFiles(self.out).metrics) as fh:
                 for line in fh:
                     if '"prequential"' in line:
                         newest = line
@@ -236,7 +237,7 @@ class StreamSampler:
                                    and isinstance(v, (int, float))}
 
     def _scorer(self, snap: dict) -> None:
-        prefix = str(self.out / "score-status.json")
+        prefix = str(RunFiles(self.out).score_status)
         predictions = latency_ms = 0
         bounds, buckets = None, None
         serving, newest = None, -1.0
@@ -382,7 +383,7 @@ def live_line(args, out: Path, last: tuple[float, int]) -> tuple[str, tuple[floa
     """The pipeline's and the trainer's progress in one line; ``last``: (time, events) of the previous line."""
     pipe = pipeline_totals(out)  # what Kafka acknowledged, summed over the pipeline's DoFn instances
     try:
-        trainer = json.loads((out / "trainer-status.json").read_text())
+        trainer = json.loads(RunFiles(out).trainer_status.read_text())
     except (OSError, ValueError):
         trainer = {}
     now = time.monotonic()
@@ -429,7 +430,7 @@ def serving_lag(announced: dict, serving: int | None, serving_run: str | None, n
 
 def serving_status(out: Path) -> dict:
     """Serving version (of the newest prediction), online accuracy and counts from the scorer's status files."""
-    prefix = str(out / "score-status.json")
+    prefix = str(RunFiles(out).score_status)
     totals = {"predictions": 0, "labelled": 0, "correct": 0, "version": None, "rejected": 0, "events": 0,
               "dead_letters": 0}
     newest = -1.0

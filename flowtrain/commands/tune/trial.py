@@ -21,6 +21,7 @@ from pathlib import Path
 from flowtrain.commands.tune.space import Dimension, trial_flags
 from flowtrain.errors import FlowtrainError
 from flowtrain.local.processes import die_with_parent
+from flowtrain.train.rundir.files import RunFiles
 
 #: Seconds between two reads of a running trial's metrics.jsonl.
 POLL_S = 0.5
@@ -105,7 +106,7 @@ class TrialRunner:
         with open(log, "wb") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, **self.env}, preexec_fn=die_with_parent(signal.SIGKILL))
-        curve = _Curve(run_dir / "metrics.jsonl", self.metric)
+        curve = _Curve(RunFiles(run_dir).metrics, self.metric)
         try:
             while True:
                 done = proc.poll() is not None
@@ -130,7 +131,7 @@ class TrialRunner:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
             raise TrialFailed(f"trial {trial.number}: flowtrain batch exited with {proc.returncode}"
                               + (f": {tail[0]}" if tail else "") + f" (log: {log})")
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads(RunFiles(run_dir).summary.read_text())
         value = (summary.get("valid_best") or {}).get(self.metric)
         if not isinstance(value, (int, float)) or value != value:
             raise TrialFailed(f"trial {trial.number}: the run has no validation {self.metric}")

@@ -20,6 +20,7 @@ from connectors.kafka import KafkaTarget, Topics
 from flowtrain.train.loader import TabularDataset
 from flowtrain.train.models import Architecture
 from flowtrain.train.options import EngineSettings, StreamTrainOptions, UpdateOptions
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.train.stream.input import DEFAULT_MAX_SOURCE_GAP
 
 
@@ -95,14 +96,14 @@ def initial_weights(cfg: StreamTrainConfig) -> tuple[Architecture, dict | None]:
     if isinstance(state, dict) and state.get("sharded_state"):  # a --shard-states batch run's: each rank's pieces
         raise ValueError(f"--init-weights {path} is a checkpoint of a --shard-states run (its weights are sharded in "
                          f"{state['sharded_state']}); give that run's model.pt, which is whole")
-    run_config = path.parent / "config.json"
+    run_config = RunFiles(path.parent).config
     if not run_config.is_file():
         raise ValueError(f"--init-weights {path}: no config.json beside it, so the batch run's architecture "
                          f"(hidden sizes, dropout, seed) is unknown; give the model.pt of a `flowtrain batch` run "
                          f"directory (or one of its checkpoints)")
     recorded = json.loads(run_config.read_text())
     train = recorded.get("train", recorded)  # config.json: the run's options (flat), or {"train": ...} before
-    check_same_dataset(path, Path(recorded.get("dataset") or path.parent / "dataset"), cfg.dataset_dir)
+    check_same_dataset(path, Path(recorded.get("dataset") or RunFiles(path.parent).dataset), cfg.dataset_dir)
     return Architecture.from_dict(train, f"batch run {path.parent}"), state
 
 

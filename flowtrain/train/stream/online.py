@@ -64,6 +64,7 @@ from flowtrain.train.metrics import MetricsLog
 from flowtrain.train.prequential import plot_prequential, prequential_metrics
 from flowtrain.train.published import new_run_id
 from flowtrain.train.replicas import all_agree, gather, gather_dict, gather_list, sum_counts
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.train.stream.config import NonFiniteModel, StreamTrainConfig, starting_model, weights_finite
 from flowtrain.train.stream.rejects import InputRejects, StoppedWaiting
 from flowtrain.train.stream.sinks import STOP_KAFKA_S, Ledger, VersionSink, write_status
@@ -83,10 +84,10 @@ class StreamTrainer:
             torch.set_num_threads(cfg.threads)
         self.device = resolve_device(cfg.device, local_rank=self.ctx.local_rank, local_world=local_world_size())
         self.run_dir = Path(cfg.run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        self.ledger = Ledger(self.run_dir / "ledger.jsonl", kept=cfg.ledger and self.ctx.is_main)
+        self.ckpt_dir = RunFiles(self.run_dir).checkpoints
+        self.ledger = Ledger(RunFiles(self.run_dir).ledger, kept=cfg.ledger and self.ctx.is_main)
         # rank 0's metrics.jsonl, mirrored to TensorBoard (<out>/tensorboard: prequential/*, stream/*)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", board=Board(self.run_dir) if self.ctx.is_main else None)
+        self.log = MetricsLog(RunFiles(self.run_dir).metrics, board=Board(self.run_dir) if self.ctx.is_main else None)
         self.data = TabularDataset(cfg.dataset_dir)
         self.task = self.data.spec.task
         # the engine's grid: one rank of each replica (stage 0, tensor shard 0) reads that replica's feature

@@ -19,6 +19,7 @@ from connectors.atomic import atomic_write
 from connectors.kafka import KafkaDelivery, KafkaWriteError, close_client, ensure_topic, new_producer
 from connectors.model_updates import UpdateKeySource
 from flowtrain.train.published import Publisher
+from flowtrain.train.rundir.files import RunFiles
 from flowtrain.train.stream.config import StreamTrainConfig
 
 #: Seconds a stopping trainer waits for Kafka (its final checkpoint and version); a stop is never held
@@ -108,6 +109,7 @@ class Ledger:
 
 def write_status(run_dir: Path, status: dict) -> None:
     """``<run_dir>/trainer-status.json``: ``status`` and the time."""
-    tmp = run_dir / "trainer-status.json.tmp"
+    status = RunFiles(run_dir).trainer_status
+    tmp = status.with_name(status.name + ".tmp")
     tmp.write_text(json.dumps({**status, "time": time.time()}, default=str))
-    tmp.replace(run_dir / "trainer-status.json")
+    tmp.replace(status)

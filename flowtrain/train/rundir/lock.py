@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from flowtrain.train.run_marker import RUN_MARKER, RunDirError, read_marker
+from flowtrain.train.rundir.marker import RUN_MARKER, RunDirError, read_marker
 
 __all__ = ["held", "holder", "lock", "lockable", "release"]
 

@@ -38,8 +38,8 @@ run's lock goes with it, so ``--resume`` works at once). A second run of the sam
 ``RunDirError`` naming the directory and the running run's pid (``run.json`` records ``pid`` and ``host``
 while a run holds it).
 
-The marker's format, reading and writing are ``flowtrain.train.run_marker``; the lock is
-``flowtrain.train.rundir_lock``.
+The marker's format, reading and writing are ``flowtrain.train.rundir.marker``; the lock is
+``flowtrain.train.rundir.lock``; the table of a run's files is ``flowtrain.train.rundir.files``.
 """
 from __future__ import annotations
 
@@ -56,17 +56,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connectors.atomic import TMP_INFIX
 from connectors.dataset import DatasetError, owned_files, remove_dataset
-from connectors.fields import OptionError
 from connectors.secrets import REDACTED, is_secret, redact
 from connectors.spill import remove_stale_spills
 from flowtrain.errors import FlowtrainError
 from flowtrain.train import checkpoint
-from flowtrain.train.run_marker import FORMAT, RUN_MARKER, RunDirError, read_marker, running, write_marker
-from flowtrain.train.rundir_lock import held, lock, lockable, release
+from flowtrain.train.bundle import owned_bundle_files, remove_bundle
+from flowtrain.train.rundir.files import RUN_DIRS, RUN_FILES, RunFiles
+from flowtrain.train.rundir.lock import held, lock, lockable, release
+from flowtrain.train.rundir.marker import FORMAT, RUN_MARKER, RunDirError, read_marker, running, write_marker
 
-__all__ = ["RUN_FILES", "RESUME_MAY_CHANGE", "RunDir", "prepare_run_dir", "mark_complete", "mark_failed",
+__all__ = ["RESUME_MAY_CHANGE", "RunDir", "prepare_run_dir", "mark_complete", "mark_failed",
            "options_hash", "prepare_stream_dir", "STREAM_IDENTITY"]
 
 #: Options that are not part of a run's identity at all (where it is, how it is shown).
@@ -75,21 +75,11 @@ NOT_IDENTITY = frozenset({"out", "resume", "overwrite", "config", "no_progress"}
 RESUME_MAY_CHANGE = NOT_IDENTITY | {"epochs", "steps", "patience", "threads", "workers", "failure_timeout",
                                     "job_only", "dataset", "device", "memory_budget", "runner", "flink_master",
                                     "shard_states", "worker_memory", "print_plan"}  # a ZeRO checkpoint is whole
-#: What a run writes in its directory (glob patterns relative to it), besides ``dataset/`` (removed
-#: only if it holds nothing but a dataset flowtrain wrote) and ``checkpoints/`` (only the run's own).
-RUN_FILES = ("model.pt", "linear.pt", "training.json", "fit.json", "confusion.png", "metrics.jsonl", "loss.png",
-             "metric.png", "roc.png", "pr.png", "calibration.png", "residuals.png", "predicted_vs_actual.png",
-             "importance.png", "report.md", "report.html", "summary.json", "config.json", "job.json",
-             "dead_letters.jsonl", f".*{TMP_INFIX}*", "workers/job.json", "workers/rank-*.log", "workers/heartbeats/*",
-             "tensorboard/events.out.tfevents.*", "tensorboard/*/events.out.tfevents.*", "ledger.jsonl",
-             "drift_reference.json")
-#: The directories a run makes (``bundle/`` and ``dataset/`` are replaced whole, only when they hold
-#: nothing but what their manifest lists); a link in their place is never followed.
-_RUN_DIRS = ("workers/heartbeats", "workers", "tensorboard/*", "tensorboard", "checkpoints", "bundle", "dataset")
-
-
 @dataclass
 class RunDir:
+    """A run directory made this process's (``prepare_run_dir``, ``prepare_stream_dir``): its files (``files``), its
+    run id and options, and its end (``complete``, ``fail``; ``release`` lets go of the lock without an end, for the
+    processes that take the run over)."""
     path: Path
     run_id: str
     #: the options of the run: for a resume, the recorded ones updated with those given
@@ -97,6 +87,22 @@ class RunDir:
     resumed: bool = False
     #: a line for the user when an earlier run's files were replaced (None otherwise)
     note: str | None = None
+
+    @property
+    def files(self) -> RunFiles:
+        return RunFiles(self.path)
+
+    def complete(self) -> None:
+        """The run's last output is written: ``run.json`` says complete, lists the files, the lock is let go."""
+        mark_complete(self.path)
+
+    def fail(self, error: BaseException | str) -> None:
+        """The run stopped on ``error``: ``run.json`` says failed and why, the lock is let go."""
+        mark_failed(self.path, self.run_id, error)
+
+    def release(self) -> None:
+        """Let go of the directory's lock, the run going on elsewhere (``--job-only``: torchrun's nodes)."""
+        release(self.path)
 
 
 def _identity(options: Mapping[str, Any], ignore: frozenset | set) -> dict:
@@ -238,9 +244,9 @@ def _differences(recorded: Mapping, given: Mapping, may_change) -> list[str]:
 
 
 def _links(path: Path) -> list[Path]:
-    """The run's directories that are symbolic links (``_RUN_DIRS``, found without following one)."""
+    """The run's directories that are symbolic links (``RUN_DIRS``, found without following one)."""
     found = []
-    for pattern in _RUN_DIRS:
+    for pattern in RUN_DIRS:
         for d in path.glob(pattern):
             link = _link_on_the_way(path, str(d.relative_to(path)))
             if link is not None and link not in found:
@@ -253,8 +259,6 @@ def _clear(path: Path, marker: dict, *, keep_dataset: bool = False) -> int:
     error names what fails before anything is deleted: a symbolic link in place of a run file or
     directory (never followed), a dataset or bundle holding anything flowtrain did not write.
     ``keep_dataset``: the new run reads ``dataset/`` (``--dataset <out>/dataset``), so it stays."""
-    from flowtrain.train.bundle import owned_bundle_files, remove_bundle
-
     run_id = marker.get("run_id")
     files = [rel for rel in _recorded(path, marker)
              if not (keep_dataset and rel == "dead_letters.jsonl")]  # the dataset's own dead letters
@@ -284,7 +288,7 @@ def _clear(path: Path, marker: dict, *, keep_dataset: bool = False) -> int:
     checkpoint.remove_temporaries(ckpts, run_id)
     gone += len(remove_bundle(bundle, "--out: its bundle/"))
     gone += len(remove_dataset(dataset)) if dataset.exists() and not keep_dataset else 0
-    for pattern in _RUN_DIRS:
+    for pattern in RUN_DIRS:
         for d in sorted(path.glob(pattern), key=lambda q: len(q.parts), reverse=True):
             if d.is_dir() and not d.is_symlink():
                 try:
@@ -384,8 +388,6 @@ def _prepare(path: Path, options: Mapping[str, Any], *, resume: bool, overwrite:
             shown = ", ".join(f"{p.relative_to(path)} -> {os.readlink(p)}" for p in dict.fromkeys(links))
             raise RunDirError(f"--resume: in {path}, {shown} is a symbolic link where the run writes its files; "
                               f"flowtrain never writes or deletes through a link: remove it, or choose another --out")
-        from flowtrain.train.bundle import owned_bundle_files
-
         try:  # the bundle the resumed run replaces at its end must be flowtrain's: said now, not after training
             owned_bundle_files(path / "bundle", "--out: its bundle/")
         except FlowtrainError as err:
@@ -478,23 +480,3 @@ def _prepare_stream(path: Path, options: Mapping[str, Any], command: str) -> Run
     marker["status"] = "running"
     write_marker(path, running(marker))
     return RunDir(path, marker["run_id"], dict(options), resumed=True)
-
-
-def usable_dir(path: str | Path, option: str = "--out") -> Path:
-    """A directory we can create or write: an existing file, or a parent we cannot write, is an error."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise OptionError(f"{option} {path} is a file, not a directory: give the path of a new or an existing "
-                          f"run directory")
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise OptionError(f"{option} {path}: {probe} is a file, so the directory cannot be created there; "
-                          f"choose another path")
-    target = path if path.exists() else probe
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise OptionError(f"{option} {path}: {target} is not writable; choose a directory you can write")
-    return path
