@@ -10,6 +10,7 @@ an anchor row says the machine drifted::
     git worktree add /tmp/old 5b6e827
     python -m bench.against /tmp/old predict --rounds 3
     python -m bench.against /tmp/old dataparallel --rounds 3
+    python -m bench.against /tmp/old predict --rounds 3 --set scales='[1]'    # a keyword of the bench's run()
 
 BENCH is a module of ``bench`` whose ``run(out_dir=..., repeats=...)`` writes its table as JSON (``bench.table``):
 ``dataparallel``, ``predict``. A row is matched by its text cells (a renamed row, e.g. a model's label, shows as
@@ -37,18 +38,22 @@ HERE = Path(__file__).resolve().parent.parent
 # One run of the bench in the checkout the child starts in (its ``PYTHONPATH``); one repeat: the rounds are the
 # repeats, so the bench's own minimum is lifted in that child only.
 _CHILD = """
-import sys
+import json, sys
 import bench.timing
 bench.timing.MIN_REPEATS = 1
 module = __import__("bench." + sys.argv[1], fromlist=["run"])
-module.run(out_dir=sys.argv[2], repeats=1)
+keywords = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[3]).items()}
+module.run(out_dir=sys.argv[2], repeats=1, **keywords)
 """
 
 
-def run_once(checkout: Path, bench: str, out_dir: Path, timeout_s: float = 3600) -> dict[tuple, float]:
-    """One run of ``bench`` in ``checkout``: each table row's text cells -> its rate."""
+def run_once(checkout: Path, bench: str, out_dir: Path, timeout_s: float = 3600,
+             keywords: dict | None = None) -> dict[tuple, float]:
+    """One run of ``bench`` in ``checkout`` (``keywords``: more of its ``run()``'s arguments, lists as tuples):
+    each table row's text cells -> its rate."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run([sys.executable, "-c", _CHILD, bench, str(out_dir)], cwd=checkout, env=env,
+    done = subprocess.run([sys.executable, "-c", _CHILD, bench, str(out_dir), json.dumps(keywords or {})],
+                          cwd=checkout, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise SystemExit(f"bench against: {bench} failed in {checkout} (exit {done.returncode}):\n"
@@ -65,7 +70,16 @@ def main(argv=None) -> None:
     ap.add_argument("checkout", type=Path, help="the previous release's checkout (git worktree add DIR COMMIT)")
     ap.add_argument("bench", choices=BENCHES)
     ap.add_argument("--rounds", type=int, default=MIN_REPEATS, help="interleaved rounds (>= 3); medians reported")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="a keyword of the bench's run(), the same on both sides (e.g. steps=150, scales='[1]')")
     a = ap.parse_args(argv)
+    keywords = {}
+    for item in a.set:
+        key, _, value = item.partition("=")
+        try:
+            keywords[key] = json.loads(value)
+        except ValueError:
+            raise SystemExit(f"--set {item}: give KEY=JSON (steps=150, scales='[1]', models='[\"demo\"]')") from None
     if a.rounds < MIN_REPEATS:
         raise SystemExit(f"--rounds {a.rounds}: a benchmark reports the median of at least {MIN_REPEATS} interleaved "
                          f"runs; pass --rounds {MIN_REPEATS} or more")
@@ -77,7 +91,7 @@ def main(argv=None) -> None:
         for r in range(a.rounds):
             for side, checkout in (("previous", a.checkout.resolve()), ("this", HERE)):
                 out = Path(work) / f"{side}-{r}"
-                for key, value in run_once(checkout, a.bench, out).items():
+                for key, value in run_once(checkout, a.bench, out, keywords=keywords).items():
                     rates.setdefault(key, {"previous": [], "this": []})[side].append(value)
                 print(f"bench against: {a.bench} round {r + 1}/{a.rounds}, {side} done", file=sys.stderr, flush=True)
     rows = []
