@@ -138,6 +138,17 @@ def names(text: Any) -> tuple[str, ...]:
 names.__name__ = "comma-separated names"
 
 
+def format_value(value: Any) -> str:
+    """An option's value as a flag takes it (and ``--help`` shows its default): ``none``, ``a,b``, ``true``."""
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def text(value: Any) -> str:
     if isinstance(value, (dict, list, tuple)):
         raise argparse.ArgumentTypeError(f"expected one value, got {value!r}")

@@ -39,13 +39,13 @@ from connectors.fields import (  # noqa: F401
     OptionError,
     above,
     at_least,
+    format_value,
     fraction,
     nearest,
     options_of,
     sizes,
 )
 from connectors.sections import to_sections, unnest
-from flowtrain.commands.kafka_options import format_value
 
 #: Parser defaults attached by the commands; not options.
 INTERNAL = frozenset({"func", "accepts_beam_args", "options_parser", "options", "command", "help", "print_config",

@@ -13,20 +13,9 @@ from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
-from connectors.fields import OptionError
+from connectors.fields import OptionError, format_value
 from connectors.kafka.config import KafkaConfigError, expand_env, load_client_properties
 from connectors.kafka.target import KafkaTarget
-
-
-def format_value(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, (tuple, list)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
 
 # --- Kafka client options -------------------------------------------------------------------------------
 _TEXT_KEYS = re.compile(r"(_password|_username|_file|_name|_url|_proxy|_id|_mechanism|_protocol|_cafile|"

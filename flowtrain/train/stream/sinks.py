@@ -109,7 +109,7 @@ class Ledger:
 
 def write_status(run_dir: Path, status: dict) -> None:
     """``<run_dir>/trainer-status.json``: ``status`` and the time."""
-    status = RunFiles(run_dir).trainer_status
-    tmp = status.with_name(status.name + ".tmp")
+    path = RunFiles(run_dir).trainer_status
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({**status, "time": time.time()}, default=str))
-    tmp.replace(status)
+    tmp.replace(path)
