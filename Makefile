@@ -39,7 +39,7 @@ TEST_WORKERS ?= 3
 test: install browser
 	$(BIN)/python -m flowtrain.local.provision --only-flink  # the Flink tests run a real cluster
 	@mkdir -p $(RESULTS)
-	$(BIN)/python -m pytest -m "not slow and not multihost" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -v --durations=30 \
+	$(BIN)/python -m pytest -m "not slow and not multihost" -n $(TEST_WORKERS) --dist loadgroup -v --durations=30 \
 		--junitxml=$(RESULTS)/test.xml
 
 # The fast lane: no broker, no runner, no cluster (under 2 minutes); run it while you work.

@@ -13,7 +13,6 @@ import pytest
 
 from flowtrain.local.kafka import LocalKafka
 from flowtrain.local.tools import free_port
-from tests.durations import group_seconds, recorded
 from tests.shared_data import SharedData
 
 # The process tests send SIGHUP to what they start and expect it to stop. A suite started under
@@ -78,17 +77,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::")[0]]))
-    # The longest groups first (tests/durations.py; `make test` passes --no-loadscope-reorder, so xdist hands the
-    # groups out in this order): the suite's tail is short groups, not one worker's 7-minute bench smoke.
-    of = {item.nodeid: _xdist_group(item) for item in items}
-    seconds = group_seconds(list(of.items()), recorded())
-    items[:] = [item for _, item in sorted(enumerate(items), key=lambda i: (-seconds[of[i[1].nodeid]], i[0]))]
-
-
-def _xdist_group(item) -> str:
-    """The group xdist gives ``item`` (xdist/remote.py: its ``xdist_group`` markers' names, sorted, joined by _)."""
-    return "_".join(sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                            for m in item.iter_markers("xdist_group")}))
 
 
 @pytest.fixture(scope="session")

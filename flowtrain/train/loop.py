@@ -241,6 +241,9 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
                       flush=True)
     elif log and not resume:
         log.path.unlink(missing_ok=True)
+    # Progress for the launcher's watch (--failure-timeout) between the slow steps before the first training step: a
+    # worker building its engine and restoring a checkpoint on a loaded machine is not a hang
+    heartbeat(every_s=0.0)
 
     def validate(step_: int) -> tuple[dict, bool]:
         if not holds_shards:  # ZeRO-3 evaluates layer by layer: every rank runs every batch, gathering each layer
@@ -286,6 +289,7 @@ def fit(model: nn.Module, data: TabularDataset, config: TrainConfig, *, run_dir:
         if best_on_disk:
             save_checkpoint(0)  # the initial model is the best so far: on disk, as every later best is
 
+    heartbeat(every_s=0.0)  # the initial model is evaluated (and checkpointed)
     bar = _progress(plan.steps, name, not config.no_progress and ctx.is_main, initial=step)
     running, seen, t_log = 0.0, 0, time.perf_counter()
     while step < plan.steps and bad_evals < plan.patience:
