@@ -41,3 +41,15 @@ def test_a_prepared_run_ends_through_its_run_dir(tmp_path):
     again = prepare_run_dir(tmp_path / "failed", {"input": "b.csv"})  # the lock was let go, the failed run replaced
     assert again.run_id != failed.run_id and "replaced flowtrain's own failed run" in again.note
     again.release()
+
+
+def test_the_stream_trainers_status_is_written_where_the_table_says(tmp_path):
+    """The online trainer's status file (what the status page and the bench read), written whole with the time."""
+    import json
+
+    from flowtrain.train.stream.sinks import write_status
+
+    write_status(tmp_path, {"step": 3, "version": 2, "status": "running"})
+    got = json.loads(RunFiles(tmp_path).trainer_status.read_text())
+    assert got["step"] == 3 and got["version"] == 2 and got["status"] == "running" and got["time"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["trainer-status.json"]  # no temporary left
