@@ -7,6 +7,8 @@ A ``replaced`` file is deleted by a later run of the same ``--out`` that replace
 same options again, a failed run), and recorded in ``run.json``'s ``files`` when the run ends. ``bundle/`` and
 ``dataset/`` are replaced whole, by their own manifests; ``checkpoints/`` only the run's own. A ``stream`` file is
 only a streaming job's (``flowtrain stream``): its run directory is continued, never replaced.
+
+``usable_dir`` checks that a path can be a run directory at all (not a file, writable) before the rules run.
 """
 from __future__ import annotations
 

@@ -75,6 +75,8 @@ NOT_IDENTITY = frozenset({"out", "resume", "overwrite", "config", "no_progress"}
 RESUME_MAY_CHANGE = NOT_IDENTITY | {"epochs", "steps", "patience", "threads", "workers", "failure_timeout",
                                     "job_only", "dataset", "device", "memory_budget", "runner", "flink_master",
                                     "shard_states", "worker_memory", "print_plan"}  # a ZeRO checkpoint is whole
+
+
 @dataclass
 class RunDir:
     """A run directory made this process's (``prepare_run_dir``, ``prepare_stream_dir``): its files (``files``), its
