@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import io
 import json
+import os
 from collections.abc import Sequence
 
 import pyarrow as pa
@@ -106,6 +107,10 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
         matched = FileSystems.match([pattern])[0].metadata_list
         if not matched:
             raise SchemaError(f"input {pattern!r} matches no file; check the path")
+        folders = [m.path for m in matched if os.path.isdir(m.path)]  # a local folder matches itself
+        if folders:
+            raise SchemaError(f"input {folders[0]!r} is a directory, not a file; give its files "
+                              f"({os.path.join(folders[0], '*.parquet')!r}, or *.csv, *.jsonl, *.avro)")
         files += sorted(m.path for m in matched)
     return files
 
